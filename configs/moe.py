@@ -1,0 +1,51 @@
+"""Flagship MoE policy: the Qwen3-30B-A3B architecture, sized for a TPU pod.
+
+Default (`--config=configs/moe.py`): 48 layers, d_model 2048, 32 query / 4 KV heads
+of dim 128 with QK-norm, every layer MoE with 128 experts, top-8, expert hidden 768,
+vocab 151,936, untied embeddings: 30,532,122,624 parameters (30.5B total; about 3.3B
+active per token). bf16 compute. Mesh: trainer fsdp=16 x expert=8 (128 chips) plus
+8 decode slices of tensor=4 x expert=4 (16 chips each): 256 chips, e.g. a v5p-512.
+
+`--config=configs/moe.py:tiny`: the same architecture family at CPU size — 2 layers,
+d_model 64, 4 query / 2 KV heads of dim 16, 8 experts top-2 of hidden 32, one shared
+expert, vocab 128: 152,960 parameters. Mesh as configs/tiny.py but with expert=2 on
+the trainer (8 fake CPU devices).
+"""
+
+from dora_jax import config as config_lib
+
+
+def get_config(arg=None):
+    c = config_lib.base()
+    if arg == "tiny":
+        c.model.update(dict(vocab_size=128, d_model=64, num_layers=2, num_heads=4,
+                            num_kv_heads=2, head_dim=16, mlp_hidden=192,
+                            tie_embeddings=False, qk_norm=True))
+        c.model.moe.update(dict(num_experts=8, top_k=2, expert_hidden=32,
+                                num_shared_experts=1, shared_expert_hidden=32,
+                                capacity_factor=2.0, aux_loss_coef=1e-3, z_loss_coef=1e-4))
+        c.mesh.trainer.update(dict(data=2, fsdp=1, tensor=1, expert=2))
+        c.mesh.slice.update(dict(tensor=1, expert=1))
+        c.mesh.num_slices = 4
+        c.rollout.update(dict(slots_per_slice=8, max_prefill_length=16, max_decode_len=16,
+                              prefill_buckets=(8, 16)))
+        c.trainer.update(dict(length_buckets=(32,)))
+        return c
+    if arg:
+        raise ValueError(f"configs/moe.py: unknown variant {arg!r} (use ':tiny' or none)")
+    c.model.update(dict(vocab_size=151_936, d_model=2048, num_layers=48, num_heads=32,
+                        num_kv_heads=4, head_dim=128, mlp_hidden=6144,
+                        tie_embeddings=False, qk_norm=True, rope_theta=1_000_000.0,
+                        dtype="bfloat16", param_dtype="float32"))
+    c.model.moe.update(dict(num_experts=128, top_k=8, expert_hidden=768, moe_every=1,
+                            normalize_topk=True, capacity_factor=1.25,
+                            aux_loss_coef=1e-3, z_loss_coef=0.0))
+    c.mesh.trainer.update(dict(data=1, fsdp=16, tensor=1, expert=8))
+    c.mesh.slice.update(dict(tensor=4, expert=4))
+    c.mesh.num_slices = 8
+    c.rollout.update(dict(slots_per_slice=64, max_prefill_length=2048, max_decode_len=30_720,
+                          prefill_buckets=(512, 1024, 2048), temperature=1.0,
+                          eos_id=151_645, pad_id=151_643))
+    c.trainer.update(dict(learning_rate=1e-6, warmup_steps=10, micro_batches=16,
+                          length_buckets=(4096, 8192, 16384, 32768)))
+    return c

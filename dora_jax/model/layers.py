@@ -1,0 +1,137 @@
+"""Transformer building blocks: RMSNorm, rotary embeddings, GQA attention, SwiGLU.
+
+Every param carries `logical_axes` metadata (see `sharding.py`); every activation
+that crosses a layer boundary is constrained by logical names.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dora_jax.model.sharding import constrain
+
+NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax, not NaN
+
+
+def param(rngs: nnx.Rngs, shape, axes, dtype, std: float | None = None,
+          init: str = "normal") -> nnx.Param:
+    """A Param with logical axes; normal(0, std) init, std defaulting to 1/sqrt(fan_in)."""
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    else:
+        std = std if std is not None else shape[0] ** -0.5
+        value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, logical_axes=tuple(axes))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, axis_name: str, eps: float, param_dtype, *, rngs: nnx.Rngs):
+        self.scale = param(rngs, (dim,), (axis_name,), param_dtype, init="ones")
+        self.eps = eps
+
+    def __call__(self, x):
+        # Normalise in f32 whatever the compute dtype: bf16 variance is too coarse.
+        x32 = x.astype(jnp.float32)
+        inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * inv * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x_BTHD: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, half-split convention (Llama / Qwen), computed in f32."""
+    head_dim = x_BTHD.shape[-1]
+    half = head_dim // 2
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / head_dim)
+    angles_BTF = positions_BT[..., None].astype(jnp.float32) * inv_freq
+    sin = jnp.sin(angles_BTF)[:, :, None, :]
+    cos = jnp.cos(angles_BTF)[:, :, None, :]
+    x = x_BTHD.astype(jnp.float32)
+    x1, x2 = x[..., :half], x[..., half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTHD.dtype)
+
+
+def attend(q_BTHD, k_BSKD, v_BSKD, mask_BTS):
+    """Grouped-query attention: H query heads share K key/value heads."""
+    B, T, H, D = q_BTHD.shape
+    K = k_BSKD.shape[2]
+    q_BTKGD = q_BTHD.reshape(B, T, K, H // K, D)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD,
+                        preferred_element_type=jnp.float32) * (D ** -0.5)
+    scores = jnp.where(mask_BTS[:, None, None], scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKD.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BSKD)
+    return out.reshape(B, T, H, D)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        pd = jnp.dtype(cfg.param_dtype)
+        D, H, K, Dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.wq = param(rngs, (D, H, Dh), ("embed", "heads", "head_dim"), pd)
+        self.wk = param(rngs, (D, K, Dh), ("embed", "kv_heads", "head_dim"), pd)
+        self.wv = param(rngs, (D, K, Dh), ("embed", "kv_heads", "head_dim"), pd)
+        self.wo = param(rngs, (H, Dh, D), ("heads", "head_dim", "embed"), pd,
+                        std=(H * Dh) ** -0.5)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(Dh, "head_dim", cfg.norm_eps, pd, rngs=rngs)
+            self.k_norm = RMSNorm(Dh, "head_dim", cfg.norm_eps, pd, rngs=rngs)
+        else:
+            self.q_norm = self.k_norm = None
+        self.theta = cfg.rope_theta
+        self.dtype = jnp.dtype(cfg.dtype)
+
+    def _qkv(self, x_BTD, positions_BT):
+        dt = self.dtype
+        q = jnp.einsum("btd,dhk->bthk", x_BTD, self.wq[...].astype(dt))
+        k = jnp.einsum("btd,dhk->bthk", x_BTD, self.wk[...].astype(dt))
+        v = jnp.einsum("btd,dhk->bthk", x_BTD, self.wv[...].astype(dt))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rope(q, positions_BT, self.theta)
+        k = rope(k, positions_BT, self.theta)
+        q = constrain(q, ("batch", "length", "heads", "head_dim"))
+        k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
+        v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+        return q, k, v
+
+    def _out(self, o_BTHD):
+        y = jnp.einsum("bthk,hkd->btd", o_BTHD, self.wo[...].astype(self.dtype))
+        return constrain(y, ("batch", "length", "embed"))
+
+    def __call__(self, x_BTD, positions_BT):
+        """Causal self-attention over the sequence; also returns its (k, v)."""
+        q, k, v = self._qkv(x_BTD, positions_BT)
+        T = x_BTD.shape[1]
+        causal_TT = jnp.tril(jnp.ones((T, T), bool))
+        o = attend(q, k, v, jnp.broadcast_to(causal_TT, (x_BTD.shape[0], T, T)))
+        return self._out(o), (k, v)
+
+    def decode(self, x_B1D, positions_B, k_cache_BSKD, v_cache_BSKD):
+        """One token per slot: writes its k/v at the slot's own position, attends to
+        every cached position up to and including it."""
+        q, k, v = self._qkv(x_B1D, positions_B[:, None])
+        rows = jnp.arange(x_B1D.shape[0])
+        k_cache_BSKD = k_cache_BSKD.at[rows, positions_B].set(k[:, 0].astype(k_cache_BSKD.dtype))
+        v_cache_BSKD = v_cache_BSKD.at[rows, positions_B].set(v[:, 0].astype(v_cache_BSKD.dtype))
+        S = k_cache_BSKD.shape[1]
+        mask_B1S = (jnp.arange(S)[None, :] <= positions_B[:, None])[:, None, :]
+        o = attend(q, k_cache_BSKD.astype(self.dtype), v_cache_BSKD.astype(self.dtype), mask_B1S)
+        return self._out(o), (k_cache_BSKD, v_cache_BSKD)
+
+
+class SwiGLU(nnx.Module):
+    def __init__(self, d_model: int, hidden: int, param_dtype, dtype, *, rngs: nnx.Rngs):
+        self.w_gate = param(rngs, (d_model, hidden), ("embed", "mlp"), param_dtype)
+        self.w_up = param(rngs, (d_model, hidden), ("embed", "mlp"), param_dtype)
+        self.w_down = param(rngs, (hidden, d_model), ("mlp", "embed"), param_dtype)
+        self.dtype = dtype
+
+    def __call__(self, x_BTD):
+        dt = self.dtype
+        gate = jnp.einsum("btd,df->btf", x_BTD, self.w_gate[...].astype(dt))
+        up = jnp.einsum("btd,df->btf", x_BTD, self.w_up[...].astype(dt))
+        h = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
+        y = jnp.einsum("btf,fd->btd", h, self.w_down[...].astype(dt))
+        return constrain(y, ("batch", "length", "embed"))

@@ -1,0 +1,141 @@
+"""Mixture-of-experts feed-forward: top-k softmax router, stacked SwiGLU experts.
+
+Two dispatch paths over the same weights:
+- dropless: every (token, expert) assignment is computed, grouped by expert with
+  `jax.lax.ragged_dot` — exact, used for decoding and whenever exactness matters;
+- capacity: each expert takes at most C = ceil(capacity_factor * N * k / E)
+  assignments (GShard/Switch). Assignments are served in priority order — every
+  token's first choice in token order, then every second choice, and so on — and
+  those past an expert's capacity are dropped (they contribute nothing; the
+  residual connection carries the token on).
+
+The load-balancing loss is E * sum_i f_i * P_i with f_i the fraction of top-k
+assignments routed to expert i and P_i the mean router probability of expert i
+(Switch / GShard form; minimum 1 at perfectly uniform routing). The router z-loss is
+mean_tokens(logsumexp(router_logits)^2). Both are returned, not added: the trainer
+weighs them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dora_jax.model.layers import SwiGLU, param
+from dora_jax.model.sharding import constrain
+
+
+def route(router_logits_NE: jax.Array, top_k: int, normalize: bool):
+    """Top-k softmax routing: returns (expert ids [N,k], weights [N,k], probs [N,E])."""
+    probs_NE = jax.nn.softmax(router_logits_NE.astype(jnp.float32), axis=-1)
+    weights_NK, experts_NK = jax.lax.top_k(probs_NE, top_k)
+    if normalize:
+        weights_NK = weights_NK / jnp.sum(weights_NK, axis=-1, keepdims=True)
+    return experts_NK, weights_NK, probs_NE
+
+
+def load_balance_loss(experts_NK: jax.Array, probs_NE: jax.Array) -> jax.Array:
+    """E * sum_i f_i * P_i (see module docstring)."""
+    num_experts = probs_NE.shape[-1]
+    counts_E = jnp.zeros(num_experts, jnp.float32).at[experts_NK.reshape(-1)].add(1.0)
+    f_E = counts_E / experts_NK.size
+    p_E = jnp.mean(probs_NE, axis=0)
+    return num_experts * jnp.sum(f_E * p_E)
+
+
+def router_z_loss(router_logits_NE: jax.Array) -> jax.Array:
+    return jnp.mean(jax.nn.logsumexp(router_logits_NE.astype(jnp.float32), axis=-1) ** 2)
+
+
+def capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
+
+
+def capacity_dispatch(experts_NK: jax.Array, weights_NK: jax.Array, num_experts: int,
+                      cap: int):
+    """Dispatch [N,E,C] and combine [N,E,C] tensors with priority-order dropping."""
+    N, K = experts_NK.shape
+    # Rank-major order: all first choices (by token) before any second choice.
+    onehot_KNE = jax.nn.one_hot(experts_NK.T, num_experts, dtype=jnp.int32)
+    slot_KNE = jnp.cumsum(onehot_KNE.reshape(K * N, num_experts), axis=0).reshape(
+        K, N, num_experts) - 1
+    keep_KNE = (onehot_KNE > 0) & (slot_KNE < cap)
+    slot_onehot_KNEC = jax.nn.one_hot(jnp.where(keep_KNE, slot_KNE, -1), cap, dtype=jnp.float32)
+    dispatch_NEC = jnp.sum(slot_onehot_KNEC, axis=0)
+    combine_NEC = jnp.einsum("knec,kn->nec", slot_onehot_KNEC, weights_NK.T.astype(jnp.float32))
+    kept_fraction = jnp.sum(keep_KNE) / (N * K)
+    return dispatch_NEC, combine_NEC, 1.0 - kept_fraction
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        m = cfg.moe
+        pd, dt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
+        D, E, F = cfg.d_model, m.num_experts, m.expert_hidden
+        self.router = param(rngs, (D, E), ("embed", None), pd)
+        self.w_gate = param(rngs, (E, D, F), ("expert", "embed", "expert_mlp"), pd, std=D ** -0.5)
+        self.w_up = param(rngs, (E, D, F), ("expert", "embed", "expert_mlp"), pd, std=D ** -0.5)
+        self.w_down = param(rngs, (E, F, D), ("expert", "expert_mlp", "embed"), pd, std=F ** -0.5)
+        self.shared = (SwiGLU(D, m.num_shared_experts * m.shared_expert_hidden, pd, dt, rngs=rngs)
+                       if m.num_shared_experts else None)
+        self.num_experts, self.top_k = E, m.top_k
+        self.normalize = m.normalize_topk
+        self.capacity_factor = m.capacity_factor
+        self.dtype = dt
+
+    def _experts(self, x_ECD):
+        dt = self.dtype
+        gate = jnp.einsum("ecd,edf->ecf", x_ECD, self.w_gate[...].astype(dt))
+        up = jnp.einsum("ecd,edf->ecf", x_ECD, self.w_up[...].astype(dt))
+        h = constrain(jax.nn.silu(gate) * up, ("expert", None, "expert_mlp"))
+        return jnp.einsum("ecf,efd->ecd", h, self.w_down[...].astype(dt))
+
+    def _dropless(self, x_ND, experts_NK, weights_NK):
+        dt = self.dtype
+        N, K = experts_NK.shape
+        flat_e = experts_NK.reshape(-1)
+        order = jnp.argsort(flat_e, stable=True)
+        x_sorted_MD = x_ND[order // K]
+        sizes_E = jnp.zeros(self.num_experts, jnp.int32).at[flat_e].add(1)
+        gate = jax.lax.ragged_dot(x_sorted_MD, self.w_gate[...].astype(dt), sizes_E)
+        up = jax.lax.ragged_dot(x_sorted_MD, self.w_up[...].astype(dt), sizes_E)
+        y_sorted_MD = jax.lax.ragged_dot(jax.nn.silu(gate) * up,
+                                         self.w_down[...].astype(dt), sizes_E)
+        y_MD = jnp.zeros_like(y_sorted_MD).at[order].set(y_sorted_MD)
+        y_NKD = y_MD.reshape(N, K, -1)
+        return jnp.einsum("nkd,nk->nd", y_NKD, weights_NK.astype(dt))
+
+    def __call__(self, x_BTD, *, dropless: bool | None = None):
+        """Returns (y [B,T,D], aux) with aux = load_balance_loss, router_z_loss,
+        dropped_fraction. `dropless=None` uses capacity mode iff a capacity factor
+        is configured."""
+        B, T, D = x_BTD.shape
+        x_ND = x_BTD.reshape(B * T, D)
+        logits_NE = jnp.einsum("nd,de->ne", x_ND.astype(jnp.float32),
+                               self.router[...].astype(jnp.float32))
+        experts_NK, weights_NK, probs_NE = route(logits_NE, self.top_k, self.normalize)
+        aux = {"load_balance_loss": load_balance_loss(experts_NK, probs_NE),
+               "router_z_loss": router_z_loss(logits_NE)}
+        if dropless is None:
+            dropless = self.capacity_factor is None
+        if dropless:
+            y_ND = self._dropless(x_ND, experts_NK, weights_NK)
+            aux["dropped_fraction"] = jnp.zeros((), jnp.float32)
+        else:
+            if self.capacity_factor is None:
+                raise ValueError("capacity dispatch needs model.moe.capacity_factor")
+            cap = capacity(B * T, self.top_k, self.num_experts, self.capacity_factor)
+            dispatch, combine, dropped = capacity_dispatch(experts_NK, weights_NK,
+                                                           self.num_experts, cap)
+            x_ECD = jnp.einsum("nec,nd->ecd", dispatch.astype(self.dtype), x_ND)
+            x_ECD = constrain(x_ECD, ("expert", None, "embed"))
+            y_ECD = self._experts(x_ECD)
+            y_ND = jnp.einsum("nec,ecd->nd", combine.astype(self.dtype), y_ECD)
+            aux["dropped_fraction"] = dropped
+        y = y_ND.reshape(B, T, D)
+        if self.shared is not None:
+            y = y + self.shared(x_BTD)
+        return constrain(y, ("batch", "length", "embed")), aux

@@ -1,0 +1,128 @@
+"""Logical axis names -> mesh axes.
+
+Model code names the axes of every param and activation logically
+(`("embed", "mlp")`, `("batch", "length", "embed")`); a rule set (from the config)
+maps each logical name to mesh axes. The trainer mesh and the decode-slice meshes use
+the same model code with different rule sets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterable, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dora_jax.config import SLICE_MESH_AXES, TRAINER_MESH_AXES, MeshConfig
+
+Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+
+
+def logical_to_spec(names: Iterable[str | None], rules: Rules,
+                    mesh: Mesh | None = None) -> PartitionSpec:
+    """Maps logical axis names to a PartitionSpec.
+
+    A mesh axis shards at most one dimension: if two logical names map to the same
+    mesh axis, the later dimension stays replicated. Mesh axes of size 1 are dropped
+    when `mesh` is given, so specs stay readable and divisibility is not demanded of
+    axes that do not split anything.
+    """
+    table = dict(rules)
+    used: set[str] = set()
+    spec = []
+    for name in names:
+        target = table.get(name) if name is not None else None
+        axes = () if target is None else ((target,) if isinstance(target, str) else target)
+        if mesh is not None:
+            axes = tuple(a for a in axes if mesh.shape[a] > 1)
+        axes = tuple(a for a in axes if a not in used)
+        used.update(axes)
+        spec.append(None if not axes else (axes[0] if len(axes) == 1 else axes))
+    return PartitionSpec(*spec)
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def param_specs(state: nnx.State, rules: Rules, mesh: Mesh | None = None):
+    """PartitionSpec pytree (a prefix of `state`) from each Param's `logical_axes`."""
+
+    def spec(v):
+        axes = v.get_metadata().get("logical_axes")
+        if axes is None:
+            return PartitionSpec()
+        return logical_to_spec(axes, rules, mesh)
+
+    return jax.tree.map(spec, state, is_leaf=_is_var)
+
+
+def param_shardings(state: nnx.State, mesh: Mesh, rules: Rules):
+    """NamedSharding pytree for `state` (params, abstract or concrete) on `mesh`."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s),
+                        param_specs(state, rules, mesh),
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+# Activation constraints. The active (mesh, rules) pair is thread-local because the
+# runtime traces trainer and slice functions from different threads.
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def activation_rules(mesh: Mesh | None, rules: Rules | None):
+    """Within this context, `constrain` shards activations by `rules` on `mesh`.
+
+    Enter it around the *tracing* of a jitted function (i.e. around its call).
+    """
+    prev = getattr(_local, "ctx", None)
+    _local.ctx = None if mesh is None else (mesh, tuple(rules))
+    try:
+        yield
+    finally:
+        _local.ctx = prev
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Sharding constraint by logical names; a no-op outside `activation_rules`."""
+    ctx = getattr(_local, "ctx", None)
+    if ctx is None:
+        return x
+    mesh, rules = ctx
+    spec = logical_to_spec(names, rules, mesh)
+    # An axis that does not divide the dimension cannot shard it; leave it replicated
+    # rather than fail (e.g. a batch of one prompt at prefill on a data-parallel mesh).
+    fixed = []
+    for dim, axes in zip(x.shape, tuple(spec) + (None,) * (x.ndim - len(spec))):
+        if axes is None:
+            fixed.append(None)
+            continue
+        tup = (axes,) if isinstance(axes, str) else axes
+        size = int(np.prod([mesh.shape[a] for a in tup]))
+        fixed.append(axes if dim % size == 0 else None)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*fixed)))
+
+
+def make_meshes(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None):
+    """Builds the trainer mesh and the decode-slice meshes on disjoint devices.
+
+    The trainer takes the first devices, each slice the next block; returns
+    `(trainer_mesh, [slice_mesh, ...])`.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if mesh_cfg.total_devices > len(devices):
+        raise ValueError(f"mesh needs {mesh_cfg.total_devices} devices, have {len(devices)}")
+    n = mesh_cfg.trainer_devices
+    shape = tuple(mesh_cfg.trainer[a] for a in TRAINER_MESH_AXES)
+    trainer = Mesh(np.array(devices[:n]).reshape(shape), TRAINER_MESH_AXES)
+    slices = []
+    k = mesh_cfg.slice_devices
+    sshape = tuple(mesh_cfg.slice[a] for a in SLICE_MESH_AXES)
+    for i in range(mesh_cfg.num_slices):
+        block = devices[n + i * k: n + (i + 1) * k]
+        slices.append(Mesh(np.array(block).reshape(sshape), SLICE_MESH_AXES))
+    return trainer, slices

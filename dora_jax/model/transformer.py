@@ -1,0 +1,162 @@
+"""Decoder-only transformer (Llama / Qwen3 family, dense or MoE) in Flax NNX.
+
+Two forward paths over the same params:
+- `Transformer.__call__`: the full sequence (training, scoring, prefill), logits for
+  every position, optionally the per-layer keys/values for a KV cache;
+- `Transformer.decode`: one token for each of B slots, each at its own position,
+  against an explicit `KVCache` pytree passed in and returned — the module never
+  holds decode state, so one set of params can serve many caches and one cache can
+  be driven by different param versions (as decode slices do).
+
+Params are used functionally: `graphdef, params = nnx.split(model, nnx.Param)`,
+then `apply(graphdef, params, ...)` inside jitted code.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dora_jax.config import ModelConfig
+from dora_jax.model.layers import Attention, RMSNorm, SwiGLU, param
+from dora_jax.model.moe import MoE
+from dora_jax.model.sharding import constrain
+
+AUX_KEYS = ("load_balance_loss", "router_z_loss", "dropped_fraction")
+
+
+class KVCache(NamedTuple):
+    """Per-layer key and value caches, each [B, S, num_kv_heads, head_dim]."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> KVCache:
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+    return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
+
+
+CACHE_AXES = ("batch", "cache_length", "kv_heads", "head_dim")
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+        pd = jnp.dtype(cfg.param_dtype)
+        self.attn_norm = RMSNorm(cfg.d_model, "embed", cfg.norm_eps, pd, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, "embed", cfg.norm_eps, pd, rngs=rngs)
+        if cfg.is_moe_layer(layer):
+            self.mlp = MoE(cfg, rngs=rngs)
+        else:
+            self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden, pd, jnp.dtype(cfg.dtype), rngs=rngs)
+        self.is_moe = cfg.is_moe_layer(layer)
+
+    def _mlp(self, x, dropless):
+        if self.is_moe:
+            return self.mlp(x, dropless=dropless)
+        return self.mlp(x), None
+
+    def __call__(self, x_BTD, positions_BT, dropless):
+        h, kv = self.attn(self.attn_norm(x_BTD), positions_BT)
+        x_BTD = x_BTD + h
+        h, aux = self._mlp(self.mlp_norm(x_BTD), dropless)
+        return x_BTD + h, kv, aux
+
+    def decode(self, x_B1D, positions_B, k_cache, v_cache):
+        h, (k_cache, v_cache) = self.attn.decode(self.attn_norm(x_B1D), positions_B,
+                                                 k_cache, v_cache)
+        x_B1D = x_B1D + h
+        h, _ = self._mlp(self.mlp_norm(x_B1D), True)  # decoding is always exact
+        return x_B1D + h, k_cache, v_cache
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        pd = jnp.dtype(cfg.param_dtype)
+        self.cfg = cfg
+        self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pd, std=1.0)
+        self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.d_model, "embed", cfg.norm_eps, pd, rngs=rngs)
+        self.lm_head = (None if cfg.tie_embeddings else
+                        param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pd))
+
+    def _embed(self, tokens):
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(jnp.dtype(self.cfg.dtype))
+        return x
+
+    def _logits(self, x):
+        x = self.final_norm(x)
+        if self.lm_head is None:
+            w = self.embed[...].T * (self.cfg.d_model ** -0.5)  # unit-variance logits
+        else:
+            w = self.lm_head[...]
+        return jnp.einsum("btd,dv->btv", x, w.astype(x.dtype),
+                          preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens_BT, positions_BT=None, *, dropless: bool | None = None,
+                 return_kv: bool = False):
+        """Full causal forward. Returns (logits_BTV f32, aux, kv or None).
+
+        aux holds the MoE losses averaged over MoE layers (zeros for a dense model);
+        kv is a `KVCache` of this sequence's keys/values (length T) for prefill.
+        """
+        B, T = tokens_BT.shape
+        if positions_BT is None:
+            positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+        x = constrain(self._embed(tokens_BT), ("batch", "length", "embed"))
+        ks, vs, auxes = [], [], []
+        for block in self.blocks:
+            x, (k, v), aux = block(x, positions_BT, dropless)
+            ks.append(k)
+            vs.append(v)
+            if aux is not None:
+                auxes.append(aux)
+        logits = constrain(self._logits(x), ("batch", "length", "vocab"))
+        aux = {key: (jnp.mean(jnp.stack([a[key] for a in auxes])) if auxes
+                     else jnp.zeros((), jnp.float32)) for key in AUX_KEYS}
+        kv = KVCache(tuple(ks), tuple(vs)) if return_kv else None
+        return logits, aux, kv
+
+    def decode(self, tokens_B, positions_B, cache: KVCache):
+        """One decode step for B slots. Returns (logits_BV f32, updated cache)."""
+        x = self._embed(tokens_B[:, None])
+        ks, vs = [], []
+        for block, k, v in zip(self.blocks, cache.k, cache.v):
+            x, k, v = block.decode(x, positions_B, k, v)
+            ks.append(constrain(k, CACHE_AXES))
+            vs.append(constrain(v, CACHE_AXES))
+        return self._logits(x)[:, 0], KVCache(tuple(ks), tuple(vs))
+
+
+def create(cfg: ModelConfig, seed: int = 0):
+    """Builds a model and splits it: returns (graphdef, params)."""
+    model = Transformer(cfg, rngs=nnx.Rngs(params=seed))
+    return nnx.split(model, nnx.Param)
+
+
+def abstract_params(cfg: ModelConfig):
+    """(graphdef, params as ShapeDtypeStructs) without allocating any memory."""
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0)))
+    return nnx.split(model, nnx.Param)
+
+
+def apply(graphdef, params, tokens_BT, positions_BT=None, **kwargs):
+    """Functional full forward: `Transformer.__call__` on explicit params."""
+    return nnx.merge(graphdef, params)(tokens_BT, positions_BT, **kwargs)
+
+
+def decode(graphdef, params, tokens_B, positions_B, cache: KVCache):
+    """Functional decode step: `Transformer.decode` on explicit params."""
+    return nnx.merge(graphdef, params).decode(tokens_B, positions_B, cache)
+
+
+def count_params(params) -> int:
+    """Number of scalars in a params pytree (concrete or abstract)."""
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(params))

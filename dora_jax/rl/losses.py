@@ -1,0 +1,303 @@
+"""Policy-gradient objectives for RL post-training: advantages, PPO clip, KL, TIS.
+
+Everything here is a pure JAX function of arrays, safe to call under ``jit``
+(string options such as ``mode`` / ``kind`` and ``group_size`` must be static).
+Shape suffixes: ``N`` flat samples, ``G`` groups, ``K`` group size,
+``B`` sequences, ``T`` tokens.
+
+Masks may be bool or float. A position counts as valid when its mask is
+non-zero; float masks additionally act as weights in the means.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import jax
+import jax.numpy as jnp
+
+AGGREGATION_MODES = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-scale",
+)
+KL_KINDS = ("k1", "k2", "k3")
+
+
+def _safe_div(num, den):
+    """num / den, or 0 where den == 0 (empty masks must not produce NaN)."""
+    nonzero = den != 0
+    # Divide by 1 in the dead branch so neither the value nor its gradient is NaN.
+    return jnp.where(nonzero, num / jnp.where(nonzero, den, 1), 0)
+
+
+def _float(x):
+    x = jnp.asarray(x)
+    return x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.float32)
+
+
+def masked_mean(x, mask, axis=None):
+    """Mean of ``x`` over positions where ``mask`` is non-zero (weighted by ``mask``).
+
+    ``mask`` broadcasts against ``x``. Where a reduction has no valid entries the
+    result is 0 rather than NaN. Masked-out entries of ``x`` are never read, so
+    they may hold inf/NaN (e.g. padding logits) without poisoning the result.
+    """
+    x = _float(x)
+    w = jnp.broadcast_to(jnp.asarray(mask), x.shape).astype(x.dtype)
+    total = jnp.sum(jnp.where(w != 0, x, 0) * w, axis=axis)
+    return _safe_div(total, jnp.sum(w, axis=axis))
+
+
+def _grouped(rewards, group_size):
+    """Validate and reshape flat rewards [N] into [G, K]."""
+    rewards_N = _float(rewards)
+    if rewards_N.ndim != 1:
+        raise ValueError(f"rewards must be a flat [N] array, got shape {rewards_N.shape}")
+    k = operator.index(group_size)
+    n = rewards_N.shape[0]
+    if k <= 0 or n % k != 0:
+        raise ValueError(
+            f"group_size={k} must be a positive divisor of the number of rewards N={n}"
+        )
+    return rewards_N.reshape(n // k, k)
+
+
+def group_advantages(rewards, group_size, *, normalize_std=True, eps=1e-6):
+    """GRPO group-relative advantages for flat ``rewards`` [N] (returns [N]).
+
+    Consecutive runs of ``group_size`` entries form one group (the samples for
+    one prompt). Each reward becomes ``(r - group_mean) / (group_std + eps)``
+    with the Bessel-corrected (ddof=1) std, matching verl and tunix. With
+    ``normalize_std=False`` it is just ``r - group_mean`` (Dr. GRPO).
+
+    Edge cases, chosen so the output is never NaN:
+      * ``group_size == 1``: ddof=1 std is undefined, so the advantage is
+        defined as 0 (the mean-centred value is 0 anyway).
+      * Zero-variance groups (all rewards equal): advantage is exactly 0, even
+        when float rounding makes ``r - mean`` a tiny non-zero number that
+        dividing by ``eps`` would otherwise blow up.
+
+    Raises ValueError unless ``group_size`` is a positive divisor of N.
+    """
+    return _group_advantages(_grouped(rewards, group_size), eps, normalize_std=normalize_std)
+
+
+@functools.partial(jax.jit, static_argnames="normalize_std")
+def _group_advantages(rewards_GK, eps, *, normalize_std):
+    g, k = rewards_GK.shape
+    if k == 1:
+        return jnp.zeros((g,), rewards_GK.dtype)
+    mean_G1 = jnp.mean(rewards_GK, axis=1, keepdims=True)
+    centred_GK = rewards_GK - mean_G1
+    # Exact equality test rather than std == 0: the computed mean of identical
+    # floats can differ from them by an ulp, leaving std tiny but non-zero.
+    constant_G1 = jnp.max(rewards_GK, axis=1, keepdims=True) == jnp.min(
+        rewards_GK, axis=1, keepdims=True
+    )
+    if normalize_std:
+        std_G1 = jnp.sqrt(jnp.sum(centred_GK**2, axis=1, keepdims=True) / (k - 1))
+        centred_GK = centred_GK / (std_G1 + eps)
+    return jnp.where(constant_G1, 0.0, centred_GK).reshape(g * k)
+
+
+def rloo_advantages(rewards, group_size):
+    """REINFORCE leave-one-out advantages: ``r_i - mean_{j != i} r_j`` per group.
+
+    ``rewards`` is flat [N] grouped as in :func:`group_advantages`. Groups of
+    size 1 have no other samples to form a baseline, so their advantage is 0.
+    """
+    rewards_GK = _grouped(rewards, group_size)
+    g, k = rewards_GK.shape
+    if k == 1:
+        return jnp.zeros((g,), rewards_GK.dtype)
+    sum_G1 = jnp.sum(rewards_GK, axis=1, keepdims=True)
+    baseline_GK = (sum_G1 - rewards_GK) / (k - 1)
+    return (rewards_GK - baseline_GK).reshape(g * k)
+
+
+def ppo_clip_loss(
+    logp,
+    behaviour_logp,
+    advantages,
+    mask,
+    *,
+    clip_low=0.2,
+    clip_high=0.2,
+    dual_clip=None,
+):
+    """Per-token PPO clipped surrogate loss (to be minimised).
+
+    Args:
+      logp: [B, T] log-probs of the sampled tokens under the current policy.
+      behaviour_logp: [B, T] log-probs under the policy that generated them.
+      advantages: [B] (one per sequence, broadcast over T) or [B, T].
+      mask: [B, T] non-zero on tokens that belong to the loss.
+      clip_low, clip_high: ratio clipped to ``[1 - clip_low, 1 + clip_high]``;
+        a larger ``clip_high`` is DAPO's "clip-higher".
+      dual_clip: optional constant c > 1. For A < 0 the loss is additionally
+        capped at ``c * |A|`` (verl's dual-clip PPO), so a huge ratio on a bad
+        token cannot produce an unbounded update.
+
+    Returns:
+      ``(loss_BT, metrics)``. ``loss_BT = -min(ratio*A, clip(ratio)*A)`` (then
+      dual-clipped), zero on masked positions. ``metrics`` holds scalar
+      masked means over valid tokens: ``clip_frac_low`` / ``clip_frac_high``
+      (ratio outside the range on that side AND the clipped branch won the
+      min, i.e. the token gets no gradient), ``dual_clip_frac``,
+      ``ratio_mean``, ``ratio_max``, ``ratio_min``. All are 0 when no token is
+      valid.
+    """
+    # Only concrete values can be checked; a traced dual_clip is trusted.
+    if isinstance(dual_clip, (int, float)) and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+    return _ppo_clip_loss(
+        logp,
+        behaviour_logp,
+        advantages,
+        mask,
+        clip_low,
+        clip_high,
+        0.0 if dual_clip is None else dual_clip,
+        use_dual_clip=dual_clip is not None,
+    )
+
+
+# jit so an eager call (metrics, tests) compiles once instead of per primitive;
+# under an outer jit this simply inlines.
+@functools.partial(jax.jit, static_argnames="use_dual_clip")
+def _ppo_clip_loss(logp, behaviour_logp, advantages, mask, clip_low, clip_high, dual_clip, *, use_dual_clip):
+    logp_BT = _float(logp)
+    valid_BT = jnp.asarray(mask) != 0
+    adv = _float(advantages)
+    adv_BT = adv[:, None] if adv.ndim == logp_BT.ndim - 1 else adv
+    adv_BT = jnp.broadcast_to(adv_BT, logp_BT.shape)
+
+    # Zero the log-ratio on padding before exp: padding log-probs can be
+    # arbitrary, and an inf there would turn into NaN values/gradients.
+    log_ratio_BT = jnp.where(valid_BT, logp_BT - behaviour_logp, 0.0)
+    ratio_BT = jnp.exp(log_ratio_BT)
+    clipped_ratio_BT = jnp.clip(ratio_BT, 1.0 - clip_low, 1.0 + clip_high)
+    surr_BT = ratio_BT * adv_BT
+    clipped_surr_BT = clipped_ratio_BT * adv_BT
+    loss_BT = -jnp.minimum(surr_BT, clipped_surr_BT)
+    # The clipped branch is strictly smaller only on the side where clipping
+    # reduces the objective: ratio below range with A<0, above range with A>0.
+    clip_active_BT = clipped_surr_BT < surr_BT
+
+    if use_dual_clip:
+        cap_BT = -dual_clip * adv_BT
+        dual_active_BT = (adv_BT < 0) & (cap_BT < loss_BT)
+        loss_BT = jnp.where(dual_active_BT, cap_BT, loss_BT)
+    else:
+        dual_active_BT = jnp.zeros_like(valid_BT)
+    loss_BT = jnp.where(valid_BT, loss_BT, 0.0)
+
+    r_BT = jax.lax.stop_gradient(ratio_BT)
+    low_BT = clip_active_BT & (r_BT < 1.0 - clip_low)
+    high_BT = clip_active_BT & (r_BT > 1.0 + clip_high)
+    any_valid = jnp.any(valid_BT)
+    metrics = {
+        "clip_frac_low": masked_mean(low_BT, valid_BT),
+        "clip_frac_high": masked_mean(high_BT, valid_BT),
+        "dual_clip_frac": masked_mean(dual_active_BT, valid_BT),
+        "ratio_mean": masked_mean(r_BT, valid_BT),
+        "ratio_max": jnp.where(any_valid, jnp.max(jnp.where(valid_BT, r_BT, -jnp.inf)), 0.0),
+        "ratio_min": jnp.where(any_valid, jnp.min(jnp.where(valid_BT, r_BT, jnp.inf)), 0.0),
+    }
+    return loss_BT, metrics
+
+
+def aggregate_loss(loss, mask, mode, *, num_tokens=None, max_len=None):
+    """Reduce a per-token loss [B, T] to a scalar.
+
+    Modes:
+      * ``token-mean``: ``sum(loss*mask) / sum(mask)``. If ``num_tokens`` is
+        given it replaces the denominator; gradient accumulation passes the
+        whole batch's token count so that summing micro-batch losses equals
+        the full-batch token mean.
+      * ``seq-mean-token-mean``: masked mean per sequence, then mean over
+        sequences.
+      * ``seq-mean-token-sum``: masked sum per sequence, then mean over
+        sequences.
+      * ``seq-mean-token-scale``: masked sum per sequence divided by the
+        constant ``max_len`` (default T), then mean over sequences (Dr. GRPO:
+        the normaliser does not depend on response length).
+
+    All-masked rows (sequences with no valid token, e.g. batch padding) are
+    excluded from the "mean over sequences" in every ``seq-mean-*`` mode, so
+    padding rows neither produce NaN nor dilute the loss. Any reduction with
+    nothing valid returns 0. ``num_tokens`` is only read by ``token-mean`` and
+    ``max_len`` only by ``seq-mean-token-scale``; other modes ignore them.
+
+    Raises ValueError for an unknown ``mode``.
+    """
+    if mode not in AGGREGATION_MODES:
+        raise ValueError(
+            f"unknown loss aggregation mode {mode!r}; valid modes: {', '.join(AGGREGATION_MODES)}"
+        )
+    return _aggregate_loss(
+        loss,
+        mask,
+        0.0 if num_tokens is None else num_tokens,
+        1.0 if max_len is None else max_len,
+        mode=mode,
+        use_num_tokens=num_tokens is not None,
+        use_max_len=max_len is not None,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("mode", "use_num_tokens", "use_max_len"))
+def _aggregate_loss(loss, mask, num_tokens, max_len, *, mode, use_num_tokens, use_max_len):
+    loss_BT = _float(loss)
+    w_BT = jnp.broadcast_to(jnp.asarray(mask), loss_BT.shape).astype(loss_BT.dtype)
+    # where() first so inf/NaN in padding positions cannot leak through 0*inf.
+    weighted_BT = jnp.where(w_BT != 0, loss_BT, 0.0) * w_BT
+
+    if mode == "token-mean":
+        den = jnp.asarray(num_tokens, loss_BT.dtype) if use_num_tokens else jnp.sum(w_BT)
+        return _safe_div(jnp.sum(weighted_BT), den)
+
+    count_B = jnp.sum(w_BT, axis=-1)
+    sum_B = jnp.sum(weighted_BT, axis=-1)
+    if mode == "seq-mean-token-mean":
+        per_seq_B = _safe_div(sum_B, count_B)
+    elif mode == "seq-mean-token-sum":
+        per_seq_B = sum_B
+    else:  # seq-mean-token-scale
+        scale = max_len if use_max_len else loss_BT.shape[-1]
+        per_seq_B = sum_B / scale
+    return masked_mean(per_seq_B, count_B != 0)
+
+
+def kl_divergence(logp, ref_logp, kind):
+    """Per-token KL(policy || reference) estimator from sampled-token log-probs.
+
+    ``k1 = logp - ref`` (unbiased, can be negative), ``k2 = (logp - ref)**2 / 2``,
+    ``k3 = exp(ref - logp) - (ref - logp) - 1`` (unbiased and non-negative;
+    Schulman's low-variance estimator). Raises ValueError for an unknown kind.
+    """
+    if kind not in KL_KINDS:
+        raise ValueError(f"unknown KL kind {kind!r}; valid kinds: {', '.join(KL_KINDS)}")
+    diff = _float(logp) - ref_logp
+    if kind == "k1":
+        return diff
+    if kind == "k2":
+        return 0.5 * diff**2
+    # Written via -diff = log(ref/pi) so that it is the exact k3 formula.
+    return jnp.exp(-diff) + diff - 1.0
+
+
+def truncated_importance_weights(train_logp, rollout_logp, cap):
+    """Truncated importance-sampling weights ``min(exp(train - rollout), cap)``.
+
+    The decode engine and the trainer compute slightly different log-probs
+    for the same policy (kernels, precision, batching). Multiplying the loss
+    by these weights corrects for sampling from the engine's distribution;
+    capping bounds the variance. The weights are constants for the optimiser,
+    so they are wrapped in ``stop_gradient``.
+    """
+    weights = jnp.minimum(jnp.exp(_float(train_logp) - rollout_logp), cap)
+    return jax.lax.stop_gradient(weights)
