@@ -160,3 +160,14 @@ def decode(graphdef, params, tokens_B, positions_B, cache: KVCache):
 def count_params(params) -> int:
     """Number of scalars in a params pytree (concrete or abstract)."""
     return sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+
+
+def token_logprobs(logits_BTV: jax.Array, tokens_BT: jax.Array, temperature: float = 1.0):
+    """log p(tokens[:, t] | tokens[:, :t]) at every t >= 1, under softmax(logits / T).
+
+    Aligned with `tokens_BT`: column 0 (no context) is 0. Logits at position t
+    predict token t+1, hence the shift.
+    """
+    logp_BTV = jax.nn.log_softmax(logits_BTV[:, :-1].astype(jnp.float32) / temperature, axis=-1)
+    picked = jnp.take_along_axis(logp_BTV, tokens_BT[:, 1:, None], axis=-1)[..., 0]
+    return jnp.pad(picked, ((0, 0), (1, 0)))
