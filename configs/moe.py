@@ -1,5 +1,8 @@
 """Flagship MoE policy: the Qwen3-30B-A3B architecture, sized for a TPU pod.
 
+Run: python -m dora_jax.main --config=configs/moe.py --workdir=gs://BUCKET/run
+CPU: python -m dora_jax.main --config=configs/moe.py:tiny --workdir=/tmp/dora_moe
+
 Default (`--config=configs/moe.py`): 48 layers, d_model 2048, 32 query / 4 KV heads
 of dim 128 with QK-norm, every layer MoE with 128 experts, top-8, expert hidden 768,
 vocab 151,936, untied embeddings: 30,532,122,624 parameters (30.5B total; about 3.3B
@@ -13,6 +16,9 @@ the trainer (8 fake CPU devices).
 """
 
 from dora_jax import config as config_lib
+
+
+VARIANTS = (None, "tiny")
 
 
 def get_config(arg=None):

@@ -1,5 +1,7 @@
 """Tiny dense policy: runs in seconds on a CPU.
 
+Run: python -m dora_jax.main --config=configs/tiny.py --workdir=/tmp/dora_tiny
+
 Model: 2 layers, d_model 64, 4 query / 2 KV heads of dim 16, SwiGLU 192, vocab 128,
 untied embeddings: 115,072 parameters.
 
@@ -8,6 +10,9 @@ trainer data=2 x fsdp=2 on 4 devices, 4 decode slices of 1 device each.
 """
 
 from dora_jax import config as config_lib
+
+
+VARIANTS = (None,)
 
 
 def get_config(arg=None):

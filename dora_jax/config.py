@@ -189,13 +189,13 @@ def validate_model(m: ml_collections.ConfigDict) -> ModelConfig:
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
                  "head_dim", "mlp_hidden"):
         _positive(f"model.{name}", m[name])
+    if m.d_model % m.num_heads:
+        _fail("model.num_heads", f"must divide model.d_model ({m.d_model}), got {m.num_heads}")
     if m.num_heads % m.num_kv_heads:
         _fail("model.num_kv_heads",
               f"must divide model.num_heads ({m.num_heads}), got {m.num_kv_heads}")
     if m.head_dim % 2:
         _fail("model.head_dim", f"must be even for rotary embeddings, got {m.head_dim}")
-    if m.d_model % m.num_heads:
-        _fail("model.num_heads", f"must divide model.d_model ({m.d_model}), got {m.num_heads}")
     for name in ("dtype", "param_dtype"):
         if m[name] not in ("float32", "bfloat16"):
             _fail(f"model.{name}", f"must be 'float32' or 'bfloat16', got {m[name]!r}")
@@ -384,3 +384,16 @@ def base() -> ml_collections.ConfigDict:
     c.rollout = ml_collections.ConfigDict(dataclasses.asdict(RolloutConfig()))
     c.trainer = ml_collections.ConfigDict(dataclasses.asdict(TrainerConfig()))
     return c
+
+
+def load(spec: str) -> ml_collections.ConfigDict:
+    """Loads `path/to/config.py[:variant]` the way `--config=` does."""
+    import importlib.util
+
+    path, _, variant = spec.partition(":")
+    module_spec = importlib.util.spec_from_file_location("_dora_config", path)
+    if module_spec is None:
+        raise FileNotFoundError(f"no config file at {path!r}")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config(variant or None)

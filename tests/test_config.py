@@ -1,0 +1,157 @@
+"""Every shipped config parses and validates; invalid values fail naming the field."""
+
+import glob
+import math
+import re
+
+import pytest
+
+from dora_jax import config as config_lib
+from dora_jax.model import transformer as tf
+
+CONFIG_FILES = sorted(glob.glob("configs/*.py"))
+
+
+def _specs():
+    for path in CONFIG_FILES:
+        module_vars = {}
+        exec(open(path).read().split("def get_config")[0], module_vars)
+        for variant in module_vars["VARIANTS"]:
+            yield path if variant is None else f"{path}:{variant}"
+
+
+@pytest.mark.parametrize("spec", list(_specs()))
+def test_shipped_config_validates(spec):
+    cfg = config_lib.validate(config_lib.load(spec))
+    assert cfg.model.vocab_size > 0
+    doc = open(spec.split(":")[0]).read()
+    docstring = doc.split('"""')[1]
+    assert f"python -m dora_jax.main --config={spec}" in docstring  # its run command
+    assert "parameters" in docstring
+
+
+def test_every_config_declares_variants_and_a_cpu_variant():
+    assert CONFIG_FILES
+    for path in CONFIG_FILES:
+        text = open(path).read()
+        assert "VARIANTS" in text, path
+    # The flagship has a CPU-sized variant that fits 8 fake devices.
+    config_lib.validate(config_lib.load("configs/moe.py:tiny"), num_devices=8)
+    config_lib.validate(config_lib.load("configs/tiny.py"), num_devices=8)
+
+
+def _docstring_count(path, marker):
+    doc = open(path).read().split('"""')[1]
+    counts = [int(m.replace(",", "")) for m in re.findall(r"([\d,]{5,}) parameters", doc)]
+    return counts[marker]
+
+
+def test_moe_param_count_matches_docstring_without_allocating():
+    cfg = config_lib.validate(config_lib.load("configs/moe.py")).model
+    _, params = tf.abstract_params(cfg)  # ShapeDtypeStructs only
+    n = tf.count_params(params)
+    # Independent count from the Qwen3-30B-A3B architecture, by hand:
+    D, H, K, Dh, E, F, V, L = 2048, 32, 4, 128, 128, 768, 151_936, 48
+    attention = 2 * D * H * Dh + 2 * D * K * Dh + 2 * Dh  # q, o, k, v, q/k norms
+    layer = attention + 2 * D + D * E + E * 3 * D * F  # 2 norms, router, experts
+    assert n == L * layer + 2 * V * D + D  # + embed, lm_head, final norm
+    assert n == _docstring_count("configs/moe.py", 0)
+    assert math.isclose(n, 30.5e9, rel_tol=0.005)  # the published "30.5B total"
+
+
+@pytest.mark.parametrize("spec,index", [("configs/tiny.py", 0), ("configs/moe.py:tiny", 1)])
+def test_tiny_param_counts_match_docstrings(spec, index):
+    cfg = config_lib.validate(config_lib.load(spec)).model
+    _, params = tf.abstract_params(cfg)
+    assert tf.count_params(params) == _docstring_count(spec.split(":")[0], index)
+    assert tf.count_params(params) < 1_000_000
+
+
+def _tiny():
+    return config_lib.load("configs/tiny.py")
+
+
+def _moe_tiny():
+    return config_lib.load("configs/moe.py:tiny")
+
+
+def _set(c, dotted, value):
+    *path, leaf = dotted.split(".")
+    node = c
+    for p in path:
+        node = node[p]
+    node[leaf] = value
+    return c
+
+
+# (base, field to set, value, field named in the error)
+INVALID = [
+    (_tiny, "model.num_heads", 3, "model.num_heads"),  # does not divide d_model 64
+    (_tiny, "model.num_kv_heads", 3, "model.num_kv_heads"),  # does not divide 4 heads
+    (_tiny, "model.head_dim", 15, "model.head_dim"),  # odd: RoPE needs pairs
+    (_tiny, "model.vocab_size", 0, "model.vocab_size"),
+    (_tiny, "model.num_layers", -1, "model.num_layers"),
+    (_tiny, "model.dtype", "float16", "model.dtype"),
+    (_tiny, "model.rope_theta", 0.0, "model.rope_theta"),
+    (_moe_tiny, "model.moe.top_k", 9, "model.moe.top_k"),  # > 8 experts
+    (_moe_tiny, "model.moe.capacity_factor", 0.0, "model.moe.capacity_factor"),
+    (_moe_tiny, "model.moe.expert_hidden", 0, "model.moe.expert_hidden"),
+    (_moe_tiny, "model.moe.moe_every", 3, "model.moe.moe_every"),  # > 2 layers
+    (_moe_tiny, "model.moe.shared_expert_hidden", 0, "model.moe.shared_expert_hidden"),
+    (_moe_tiny, "mesh.trainer.expert", 3, "mesh.trainer.expert"),  # does not divide 8
+    (_tiny, "mesh.trainer.tensor", 4, "mesh.trainer.tensor"),  # does not divide 2 kv heads
+    (_tiny, "mesh.slice.tensor", 0, "mesh.slice.tensor"),
+    (_tiny, "mesh.num_slices", 0, "mesh.num_slices"),
+    (_tiny, "rollout.max_prefill_length", 64, "rollout.prefill_buckets"),  # > largest bucket
+    (_tiny, "rollout.temperature", 0.0, "rollout.temperature"),
+    (_tiny, "rollout.top_p", 1.5, "rollout.top_p"),
+    (_tiny, "rollout.eos_id", 128, "rollout.eos_id"),
+    (_tiny, "trainer.loss_agg_mode", "mean", "trainer.loss_agg_mode"),
+    (_tiny, "trainer.advantage", "ppo", "trainer.advantage"),
+    (_tiny, "trainer.dual_clip", 0.5, "trainer.dual_clip"),
+    (_tiny, "trainer.micro_batches", 0, "trainer.micro_batches"),
+    (_tiny, "trainer.length_buckets", (16,), "trainer.length_buckets"),  # < 16+16
+]
+
+
+@pytest.mark.parametrize("base,field,value,named", INVALID,
+                         ids=[f"{f}={v}" for _, f, v, _ in INVALID])
+def test_invalid_value_names_field(base, field, value, named):
+    c = _set(base(), field, value)
+    with pytest.raises(config_lib.ConfigError, match=re.escape(f"config.{named}")):
+        config_lib.validate(c)  # device count is its own rule, below
+
+
+def test_mesh_larger_than_devices():
+    c = _tiny()
+    c.mesh.num_slices = 5  # 4 trainer + 5 slices = 9 > 8
+    with pytest.raises(config_lib.ConfigError, match=r"config\.mesh: .*9.*only 8 devices"):
+        config_lib.validate(c, num_devices=8)
+    config_lib.validate(c)  # without a device count the shape alone is fine
+
+
+def test_mesh_missing_axis_and_bad_rule():
+    c = _tiny()
+    del c.mesh.trainer["expert"]
+    with pytest.raises(config_lib.ConfigError, match=r"config\.mesh\.trainer"):
+        config_lib.validate(c)
+    c = _tiny()
+    c.mesh.decode_rules = (("embed", "fsdp"),)  # slices have no fsdp axis
+    with pytest.raises(config_lib.ConfigError, match=r"config\.mesh\.decode_rules"):
+        config_lib.validate(c)
+
+
+def test_unknown_fields_are_rejected():
+    c = _tiny()
+    c.model.num_head = 4  # typo
+    with pytest.raises(config_lib.ConfigError, match=r"num_head"):
+        config_lib.validate(c)
+    c = _tiny()
+    c.trainer.lr = 0.1
+    with pytest.raises(config_lib.ConfigError, match=r"config\.trainer.*lr"):
+        config_lib.validate(c)
+
+
+def test_unknown_variant():
+    with pytest.raises(ValueError, match="variant"):
+        config_lib.load("configs/moe.py:huge")

@@ -1,0 +1,107 @@
+"""The transformer: KV-cache decoding equals the full forward; causality."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dora_jax import config as config_lib
+from dora_jax.model import transformer as tf
+
+DENSE = config_lib.validate(config_lib.load("configs/tiny.py")).model
+MOE = config_lib.validate(config_lib.load("configs/moe.py:tiny")).model
+
+
+def _decode_against_full(cfg, prompt_lens, total_len, cache_len=24):
+    """Prefills each slot with its own prompt, then decodes every slot in lockstep
+    (each at its own position) and returns max |decode - full forward| logits."""
+    graphdef, params = tf.create(cfg, seed=3)
+    B = len(prompt_lens)
+    tokens_BT = jax.random.randint(jax.random.key(7), (B, total_len), 0, cfg.vocab_size)
+    # Exact (dropless) full forward of every whole sequence is the reference.
+    full_BTV, _, _ = tf.apply(graphdef, params, tokens_BT, dropless=True)
+
+    cache = tf.init_cache(cfg, B, cache_len)
+    for b, n in enumerate(prompt_lens):
+        _, _, kv = tf.apply(graphdef, params, tokens_BT[b:b + 1, :n], dropless=True,
+                            return_kv=True)
+        cache = tf.KVCache(tuple(c.at[b, :n].set(k[0]) for c, k in zip(cache.k, kv.k)),
+                           tuple(c.at[b, :n].set(v[0]) for c, v in zip(cache.v, kv.v)))
+    decode = jax.jit(lambda p, t, pos, c: tf.decode(graphdef, p, t, pos, c))
+    pos_B = np.array(prompt_lens)
+    worst = 0.0
+    while pos_B.min() < total_len:
+        # Slots that are done keep re-decoding their last position (ignored below).
+        step_pos = np.minimum(pos_B, total_len - 1)
+        logits_BV, cache = decode(params, tokens_BT[jnp.arange(B), step_pos], step_pos, cache)
+        for b in range(B):
+            if pos_B[b] < total_len:
+                err = float(jnp.max(jnp.abs(logits_BV[b] - full_BTV[b, pos_B[b]])))
+                worst = max(worst, err)
+        pos_B = pos_B + 1
+    return worst, float(jnp.max(jnp.abs(full_BTV)))
+
+
+@pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
+def test_kv_cache_decode_equals_full_forward(cfg):
+    err, scale = _decode_against_full(cfg, prompt_lens=[1, 4, 7], total_len=12)
+    assert scale > 0.1  # the comparison is not between near-zero logits
+    assert err < 1e-4 * max(1.0, scale), err
+
+
+def test_decode_from_wrong_cache_differs():
+    """Guards the equality test: a cache missing the prompt must not match."""
+    graphdef, params = tf.create(DENSE, seed=3)
+    tokens = jax.random.randint(jax.random.key(7), (1, 6), 0, DENSE.vocab_size)
+    full, _, _ = tf.apply(graphdef, params, tokens)
+    logits, _ = tf.decode(graphdef, params, tokens[:, 5], jnp.array([5]),
+                          tf.init_cache(DENSE, 1, 8))
+    assert float(jnp.max(jnp.abs(logits - full[:, 5]))) > 1e-3
+
+
+@pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
+def test_causality(cfg):
+    graphdef, params = tf.create(cfg, seed=1)
+    tokens = jax.random.randint(jax.random.key(0), (2, 10), 0, cfg.vocab_size)
+    j = 6
+    changed = tokens.at[:, j].set((tokens[:, j] + 1) % cfg.vocab_size)
+    a, _, _ = tf.apply(graphdef, params, tokens, dropless=True)
+    b, _, _ = tf.apply(graphdef, params, changed, dropless=True)
+    np.testing.assert_array_equal(np.asarray(a[:, :j]), np.asarray(b[:, :j]))
+    assert float(jnp.max(jnp.abs(a[:, j:] - b[:, j:]))) > 1e-4
+
+
+def test_tied_embeddings_share_the_table():
+    cfg = dataclasses.replace(DENSE, tie_embeddings=True)
+    _, params = tf.create(cfg)
+    assert "lm_head" not in params
+    assert tf.count_params(params) == tf.count_params(tf.create(DENSE)[1]) - 128 * 64
+
+
+def test_rope_is_relative():
+    """Shifting every position by a constant leaves the logits unchanged (RoPE
+    encodes relative offsets); changing one gap changes them."""
+    graphdef, params = tf.create(DENSE)
+    tokens = jax.random.randint(jax.random.key(0), (1, 5), 0, DENSE.vocab_size)
+    a, _, _ = tf.apply(graphdef, params, tokens)
+    b, _, _ = tf.apply(graphdef, params, tokens, jnp.arange(3, 8)[None])
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
+    c, _, _ = tf.apply(graphdef, params, tokens, jnp.array([[0, 1, 2, 3, 9]]))
+    np.testing.assert_allclose(np.asarray(a[:, :4]), np.asarray(c[:, :4]), atol=1e-4)
+    assert float(jnp.max(jnp.abs(a[:, 4] - c[:, 4]))) > 1e-3
+
+
+def test_token_logprobs_alignment():
+    # Logits that put all mass on token (t+1) at position t: log p = 0 for the
+    # matching next token, -inf-ish otherwise; column 0 is 0 by definition.
+    tokens = jnp.array([[2, 0, 1]])
+    logits = jnp.full((1, 3, 3), -1e4).at[0, 0, 0].set(0.0).at[0, 1, 2].set(0.0)
+    lp = tf.token_logprobs(logits, tokens)
+    assert lp.shape == (1, 3)
+    assert float(lp[0, 0]) == 0.0 and abs(float(lp[0, 1])) < 1e-6
+    assert float(lp[0, 2]) < -1e3
+    # Temperature divides the logits: uniform logits stay uniform at any temperature.
+    lp2 = tf.token_logprobs(jnp.zeros((1, 3, 4)), jnp.array([[0, 1, 2]]), temperature=0.7)
+    np.testing.assert_allclose(np.asarray(lp2[0, 1:]), np.log(0.25), rtol=1e-6)

@@ -1,0 +1,155 @@
+"""Mixture of experts: routing, capacity dropping, auxiliary losses, exactness."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dora_jax.config import MoEConfig, ModelConfig
+from dora_jax.model import moe
+
+CFG = ModelConfig(vocab_size=16, d_model=8, num_layers=1, num_heads=2, num_kv_heads=1,
+                  head_dim=4, mlp_hidden=16,
+                  moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=6))
+
+
+def _probs_logits(probs):
+    # log(p) are router logits whose softmax is exactly p.
+    return jnp.log(jnp.asarray(probs, jnp.float32))
+
+
+def test_topk_choice_and_renormalised_weights():
+    logits = _probs_logits([[0.1, 0.5, 0.15, 0.25],
+                            [0.4, 0.05, 0.3, 0.25]])
+    experts, weights, probs = moe.route(logits, top_k=2, normalize=True)
+    np.testing.assert_array_equal(np.asarray(experts), [[1, 3], [0, 2]])
+    # Renormalised over the chosen pair: 0.5/0.75, 0.25/0.75 and 0.4/0.7, 0.3/0.7.
+    np.testing.assert_allclose(np.asarray(weights), [[2 / 3, 1 / 3], [4 / 7, 3 / 7]], rtol=1e-6)
+    _, raw, _ = moe.route(logits, top_k=2, normalize=False)
+    np.testing.assert_allclose(np.asarray(raw), [[0.5, 0.25], [0.4, 0.3]], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(probs.sum(-1)), 1.0, rtol=1e-6)
+
+
+def test_capacity_formula():
+    # ceil(1.25 * 10 tokens * 2 / 4 experts) = ceil(6.25) = 7
+    assert moe.capacity(10, 2, 4, 1.25) == 7
+    assert moe.capacity(1, 1, 8, 1.0) == 1  # never zero
+
+
+def test_capacity_dropping_priority_order():
+    """First choices (in token order) are served before any second choice."""
+    # 3 tokens, 2 experts, top-2 (each token uses both), capacity 2 per expert.
+    # Token order of first choices: t0->e0, t1->e0, t2->e1; second choices:
+    # t0->e1, t1->e1, t2->e0.
+    # Expert 0 receives t0(1st), t1(1st) -> full; t2's second choice is dropped.
+    # Expert 1 receives t2(1st), then t0(2nd) -> full; t1's second choice dropped.
+    experts = jnp.array([[0, 1], [0, 1], [1, 0]])
+    weights = jnp.array([[0.6, 0.4], [0.7, 0.3], [0.8, 0.2]])
+    dispatch, combine, dropped = moe.capacity_dispatch(experts, weights, 2, cap=2)
+    d = np.asarray(dispatch)  # [N, E, C]
+    assert d[0, 0, 0] == 1 and d[1, 0, 1] == 1  # expert 0 slots: t0, t1
+    assert d[2, 1, 0] == 1 and d[0, 1, 1] == 1  # expert 1 slots: t2, then t0's 2nd
+    assert d.sum() == 4
+    assert d[1, 1].sum() == 0 and d[2, 0].sum() == 0  # the two dropped assignments
+    np.testing.assert_allclose(np.asarray(combine)[0, 1, 1], 0.4)
+    np.testing.assert_allclose(float(dropped), 2 / 6, rtol=1e-6)
+
+
+def _layer(cfg):
+    return moe.MoE(cfg, rngs=nnx.Rngs(params=0))
+
+
+def _reference_moe(layer, x_ND, top_k, normalize):
+    """Token-by-token, expert-by-expert numpy reference (no dispatch tensors)."""
+    router = np.asarray(layer.router[...])
+    wg, wu, wd = (np.asarray(w[...]) for w in (layer.w_gate, layer.w_up, layer.w_down))
+    out = np.zeros_like(x_ND)
+    for n, x in enumerate(x_ND):
+        logits = x @ router
+        p = np.exp(logits - logits.max())
+        p /= p.sum()
+        chosen = np.argsort(-p, kind="stable")[:top_k]
+        w = p[chosen] / (p[chosen].sum() if normalize else 1.0)
+        for e, we in zip(chosen, w):
+            g, u = x @ wg[e], x @ wu[e]
+            out[n] += we * ((g / (1 + np.exp(-g))) * u) @ wd[e]
+    return out
+
+
+def test_dropless_equals_reference_and_roomy_capacity():
+    layer = _layer(CFG)
+    x = jax.random.normal(jax.random.key(1), (2, 5, 8))
+    ref = _reference_moe(layer, np.asarray(x).reshape(10, 8), 2, True)
+    y, aux = layer(x, dropless=True)
+    np.testing.assert_allclose(np.asarray(y).reshape(10, 8), ref, rtol=1e-4, atol=1e-5)
+    assert float(aux["dropped_fraction"]) == 0.0
+    # A capacity that can hold every assignment drops nothing and equals dropless.
+    roomy = _layer(dataclasses.replace(CFG, moe=dataclasses.replace(CFG.moe, capacity_factor=2.0)))
+    y2, aux2 = roomy(x, dropless=False)
+    np.testing.assert_allclose(np.asarray(y2), np.asarray(y), rtol=1e-4, atol=1e-5)
+    assert float(aux2["dropped_fraction"]) == 0.0
+
+
+def test_dropped_token_contributes_nothing():
+    # Force every token's top-1 to expert 0 with capacity 1: only token 0 is served.
+    cfg = dataclasses.replace(CFG, moe=MoEConfig(num_experts=4, top_k=1, expert_hidden=6,
+                                                 capacity_factor=1.0))
+    layer = _layer(cfg)
+    layer.router[...] = jnp.zeros((8, 4)).at[:, 0].set(1.0)
+    x = jnp.abs(jax.random.normal(jax.random.key(2), (1, 4, 8)))  # x @ router > 0 on e0
+    y, aux = layer(x, dropless=False)  # capacity ceil(1.0 * 4 * 1 / 4) = 1
+    assert float(jnp.max(jnp.abs(y[0, 0]))) > 0
+    np.testing.assert_array_equal(np.asarray(y[0, 1:]), 0.0)
+    np.testing.assert_allclose(float(aux["dropped_fraction"]), 0.75)
+    y_exact, _ = layer(x, dropless=True)
+    assert float(jnp.max(jnp.abs(y_exact[0, 1:]))) > 0
+
+
+def test_load_balance_loss_hand_worked():
+    # 2 tokens, 2 experts, top-1. Probs [[.7,.3],[.6,.4]]: both pick expert 0, so
+    # f = [1, 0], P = [(.7+.6)/2, (.3+.4)/2] = [.65, .35];
+    # loss = E * sum f*P = 2 * (1 * .65 + 0 * .35) = 1.3
+    probs = jnp.array([[0.7, 0.3], [0.6, 0.4]])
+    experts, _, p = moe.route(jnp.log(probs), top_k=1, normalize=True)
+    np.testing.assert_allclose(float(moe.load_balance_loss(experts, p)), 1.3, rtol=1e-6)
+
+
+def test_load_balance_loss_uniform_routing_is_one():
+    # Perfectly balanced: each of 4 experts gets the same share of the top-2
+    # assignments (f_i = 1/4) and the mean router probability is 1/4 each, so
+    # loss = E * sum (1/E)(1/E) = 1, the known minimum of the Switch/GShard loss.
+    probs = np.array([[0.4, 0.3, 0.2, 0.1],
+                      [0.1, 0.2, 0.3, 0.4],
+                      [0.2, 0.1, 0.4, 0.3],
+                      [0.3, 0.4, 0.1, 0.2]])
+    experts, _, p = moe.route(jnp.log(jnp.asarray(probs, jnp.float32)), top_k=2, normalize=True)
+    counts = np.bincount(np.asarray(experts).ravel(), minlength=4)
+    assert (counts == 2).all()
+    np.testing.assert_allclose(float(moe.load_balance_loss(experts, p)), 1.0, rtol=1e-6)
+
+
+def test_router_z_loss_hand_worked():
+    # logsumexp([0, 0]) = log 2; logsumexp([log 3, 0]) = log 4 -> mean of squares.
+    logits = jnp.array([[0.0, 0.0], [math.log(3.0), 0.0]])
+    expected = (math.log(2) ** 2 + math.log(4) ** 2) / 2
+    np.testing.assert_allclose(float(moe.router_z_loss(logits)), expected, rtol=1e-6)
+
+
+def test_shared_expert_adds_dense_path():
+    cfg = dataclasses.replace(CFG, moe=dataclasses.replace(CFG.moe, num_shared_experts=1,
+                                                           shared_expert_hidden=6))
+    layer = _layer(cfg)
+    x = jax.random.normal(jax.random.key(3), (1, 3, 8))
+    y, _ = layer(x, dropless=True)
+    routed = _reference_moe(layer, np.asarray(x).reshape(3, 8), 2, True)
+    np.testing.assert_allclose(np.asarray(y).reshape(3, 8) - routed,
+                               np.asarray(layer.shared(x)).reshape(3, 8), rtol=1e-4, atol=1e-5)
+
+
+def test_capacity_mode_requires_factor():
+    with pytest.raises(ValueError, match="capacity_factor"):
+        _layer(CFG)(jnp.ones((1, 2, 8)), dropless=False)

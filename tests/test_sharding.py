@@ -1,0 +1,92 @@
+"""Sharded forward/decode (trainer and decode-slice rules) equal the unsharded ones."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from dora_jax import config as config_lib
+from dora_jax.model import sharding, transformer as tf
+
+DENSE = config_lib.validate(config_lib.load("configs/tiny.py")).model
+MOE = config_lib.validate(config_lib.load("configs/moe.py:tiny")).model
+
+
+def test_logical_to_spec_rules():
+    rules = config_lib.TRAINER_RULES
+    assert sharding.logical_to_spec(("embed", "mlp"), rules) == P("fsdp", "tensor")
+    # "batch" takes data+fsdp+expert, so "embed" (fsdp) is left replicated.
+    assert sharding.logical_to_spec(("batch", "length", "embed"), rules) == P(
+        ("data", "fsdp", "expert"), None, None)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2, 1), config_lib.TRAINER_MESH_AXES)
+    # Size-1 mesh axes are dropped.
+    assert sharding.logical_to_spec(("batch",), rules, mesh) == P(("data", "fsdp"))
+
+
+def _trainer_mesh(shape):
+    return Mesh(np.array(jax.devices()[:8]).reshape(shape), config_lib.TRAINER_MESH_AXES)
+
+
+@pytest.mark.parametrize("cfg,shape", [(DENSE, (2, 2, 2, 1)), (MOE, (2, 1, 2, 2))],
+                         ids=["dense-data2-fsdp2-tensor2", "moe-data2-tensor2-expert2"])
+def test_trainer_sharded_forward_equals_unsharded(cfg, shape):
+    graphdef, params = tf.create(cfg, seed=5)
+    tokens = jax.random.randint(jax.random.key(0), (8, 12), 0, cfg.vocab_size)
+    ref, ref_aux, _ = tf.apply(graphdef, params, tokens)
+
+    mesh = _trainer_mesh(shape)
+    rules = config_lib.TRAINER_RULES
+    shardings = sharding.param_shardings(params, mesh, rules)
+    sharded_params = jax.device_put(params, shardings)
+    # The params really are split across devices (so the test could fail).
+    wq = sharded_params["blocks"][0]["attn"]["wq"][...]
+    fsdp = shape[1]
+    assert wq.sharding.spec == (P("fsdp", "tensor", None) if fsdp > 1 else P(None, "tensor", None))
+    assert wq.addressable_shards[0].data.shape == (64 // fsdp, 2, 16)
+    if cfg.moe.enabled:
+        w = sharded_params["blocks"][0]["mlp"]["w_gate"][...]
+        assert w.sharding.spec == P("expert", None, "tensor")
+
+    batch_sharding = jax.sharding.NamedSharding(mesh, P(("data", "fsdp", "expert")))
+    fwd = jax.jit(lambda p, t: tf.apply(graphdef, p, t)[:2],
+                  in_shardings=(shardings, batch_sharding))
+    with sharding.activation_rules(mesh, rules):
+        out, aux = fwd(sharded_params, jax.device_put(tokens, batch_sharding))
+    assert len(out.sharding.device_set) == 8
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-4, atol=2e-4)
+    for key in ref_aux:
+        np.testing.assert_allclose(float(aux[key]), float(ref_aux[key]), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
+def test_decode_rules_on_two_device_slice(cfg):
+    graphdef, params = tf.create(cfg, seed=2)
+    B, S = 4, 10
+    cache = tf.init_cache(cfg, B, S)
+    tokens = jax.random.randint(jax.random.key(1), (B,), 0, cfg.vocab_size)
+    pos = jnp.array([0, 3, 5, 9])
+    ref, ref_cache = tf.decode(graphdef, params, tokens, pos, cache)
+
+    axes = dict(tensor=2, expert=1)
+    mesh = Mesh(np.array(jax.devices()[6:8]).reshape(2, 1), config_lib.SLICE_MESH_AXES)
+    rules = config_lib.DECODE_RULES
+    shardings = sharding.param_shardings(params, mesh, rules)
+    sp = jax.device_put(params, shardings)
+    assert sp["blocks"][0]["attn"]["wk"][...].sharding.spec == P(None, "tensor", None)
+    assert axes["tensor"] == 2
+    step = jax.jit(lambda p, t, q, c: tf.decode(graphdef, p, t, q, c))
+    with sharding.activation_rules(mesh, rules):
+        out, new_cache = step(sp, tokens, pos, cache)
+    assert {d.id for d in out.sharding.device_set} <= {6, 7}
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(np.asarray(new_cache.k[1]), np.asarray(ref_cache.k[1]),
+                               rtol=2e-4, atol=2e-5)
+
+
+def test_make_meshes_disjoint_devices():
+    cfg = config_lib.validate(config_lib.load("configs/tiny.py"), num_devices=8)
+    trainer, slices = sharding.make_meshes(cfg.mesh)
+    ids = [set(d.id for d in m.devices.flat) for m in [trainer, *slices]]
+    assert sum(len(s) for s in ids) == len(set().union(*ids)) == 8
+    assert trainer.shape == {"data": 2, "fsdp": 2, "tensor": 1, "expert": 1}
