@@ -1,0 +1,133 @@
+"""The ledger (`<workdir>/ledger.jsonl`) and an auditor of constraints C1-C3 over it.
+
+One JSON object per line:
+  {"event": "admit", "group_id", "prompt_id", "version", "time"}
+  {"event": "consume", "group_id", "prompt_id", "version", "step", "time",
+   "samples": [{"sample", "versions": [[v, n_tokens], ...], "slices": [...],
+                "response_len", "finish": "eos"|"length", "reward", ...}]}
+  {"event": "filter", "group_id", "reason"}
+  {"event": "unconsumed", "group_id", "version"}     (written at exit)
+`step` is the params version the trainer used for the batch (it publishes step+1).
+The simulator writes the same format, so one auditor serves both.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import threading
+from typing import Iterable
+
+
+class LedgerWriter:
+    """Appends ledger events, one line each, flushed so a crash loses nothing."""
+
+    def __init__(self, path: str):
+        self._file = open(path, "a")
+        self._lock = threading.Lock()
+
+    def write(self, event: str, **fields) -> None:
+        line = json.dumps({"event": event, **fields})
+        with self._lock:
+            self._file.write(line + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@dataclasses.dataclass
+class AuditReport:
+    steps: int
+    groups_admitted: int
+    groups_consumed: int
+    c1: list  # violations, human-readable
+    c2: list
+    c3: list
+    batch_size: list
+    staleness: dict  # staleness -> number of consumed groups
+
+    @property
+    def ok(self) -> bool:
+        return not (self.c1 or self.c2 or self.c3 or self.batch_size)
+
+    def summary(self) -> str:
+        return (f"{self.steps} steps, {self.groups_consumed}/{self.groups_admitted} groups "
+                f"consumed; violations C1={len(self.c1)} C2={len(self.c2)} C3={len(self.c3)} "
+                f"batch-size={len(self.batch_size)}; staleness {dict(sorted(self.staleness.items()))}")
+
+
+def audit(events: Iterable[dict], *, train_batch_size: int, group_size: int,
+          max_staleness: int | None, max_decode_len: int | None = None) -> AuditReport:
+    """Checks C1 (one version per trajectory and per group), C2 (every admitted group
+    consumed exactly once, complete; or filtered with a reason; or listed as
+    unconsumed at exit), C3 (step - version <= max_staleness; None skips) and that
+    every step consumed exactly `train_batch_size` groups."""
+    c1, c2, c3, bad_batch = [], [], [], []
+    admitted: dict = {}
+    consumed = collections.Counter()
+    per_step = collections.Counter()
+    staleness = collections.Counter()
+    accounted = set()
+    for e in events:
+        kind, gid = e["event"], e.get("group_id")
+        if kind == "admit":
+            if gid in admitted:
+                c2.append(f"group {gid} admitted twice")
+            admitted[gid] = e["version"]
+        elif kind == "consume":
+            consumed[gid] += 1
+            per_step[e["step"]] += 1
+            if gid not in admitted:
+                c2.append(f"group {gid} consumed but never admitted")
+            elif admitted[gid] != e["version"]:
+                c1.append(f"group {gid} admitted at v{admitted[gid]}, consumed as v{e['version']}")
+            lag = e["step"] - e["version"]
+            staleness[lag] += 1
+            if lag < 0 or (max_staleness is not None and lag > max_staleness):
+                c3.append(f"group {gid} (v{e['version']}) consumed at step {e['step']}")
+            samples = e["samples"]
+            if sorted(s["sample"] for s in samples) != list(range(group_size)):
+                c2.append(f"group {gid} consumed with samples "
+                          f"{sorted(s['sample'] for s in samples)}")
+            for s in samples:
+                versions = {v for v, n in s["versions"] if n > 0}
+                if versions != {e["version"]}:
+                    c1.append(f"group {gid} sample {s['sample']} versions {s['versions']} "
+                              f"!= group version {e['version']}")
+                n_tokens = sum(n for _, n in s["versions"])
+                if n_tokens != s["response_len"]:
+                    c2.append(f"group {gid} sample {s['sample']}: {n_tokens} versioned "
+                              f"tokens != response_len {s['response_len']}")
+                if s["finish"] not in ("eos", "length"):
+                    c2.append(f"group {gid} sample {s['sample']} finish {s['finish']!r}")
+                elif (max_decode_len is not None and s["finish"] == "length"
+                      and s["response_len"] != max_decode_len):
+                    c2.append(f"group {gid} sample {s['sample']} truncated at "
+                              f"{s['response_len']} < max_decode_len {max_decode_len}")
+        elif kind in ("filter", "unconsumed"):
+            if kind == "filter" and not e.get("reason"):
+                c2.append(f"group {gid} filtered without a reason")
+            if gid in accounted:
+                c2.append(f"group {gid} {kind} twice")
+            accounted.add(gid)
+    for gid, n in consumed.items():
+        if n > 1:
+            c2.append(f"group {gid} consumed {n} times")
+        if gid in accounted:
+            c2.append(f"group {gid} both consumed and filtered/unconsumed")
+    for gid in admitted:
+        if gid not in consumed and gid not in accounted:
+            c2.append(f"group {gid} admitted but neither consumed, filtered nor unconsumed")
+    for step, n in sorted(per_step.items()):
+        if n != train_batch_size:
+            bad_batch.append(f"step {step} consumed {n} groups, not {train_batch_size}")
+    return AuditReport(steps=len(per_step), groups_admitted=len(admitted),
+                       groups_consumed=len(consumed), c1=c1, c2=c2, c3=c3,
+                       batch_size=bad_batch, staleness=dict(staleness))

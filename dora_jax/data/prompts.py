@@ -1,0 +1,132 @@
+"""Prompt sources as Grain datasets: in-memory records, JSONL files, TFDS.
+
+A prompt record is a dict with at least `prompt_id` (stable across epochs and runs)
+and `tokens` (list of ints, the tokenised prompt); any other keys (an answer, a task
+parameter) travel with it to the reward function. The stream shuffles with a seed,
+reshuffles every epoch, tags each prompt with its epoch, and exposes Grain's iterator
+state so a run can resume without repeating or skipping a prompt.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Iterable, Sequence
+
+import grain
+
+Record = dict[str, Any]
+
+
+class DataError(ValueError):
+    """A prompt record is malformed; the message says which record and why."""
+
+
+def check_record(record: Record, where: str, vocab_size: int | None = None) -> Record:
+    """Validates one prompt record; raises DataError naming `where`."""
+    if "prompt_id" not in record:
+        raise DataError(f"{where}: missing 'prompt_id'")
+    tokens = record.get("tokens")
+    if not isinstance(tokens, (list, tuple)) or not tokens:
+        raise DataError(f"{where}: 'tokens' must be a non-empty list of ints, got {tokens!r}")
+    if not all(isinstance(t, int) and t >= 0 for t in tokens):
+        raise DataError(f"{where}: 'tokens' must hold non-negative ints")
+    if vocab_size is not None and max(tokens) >= vocab_size:
+        raise DataError(f"{where}: token id {max(tokens)} >= vocab_size {vocab_size}")
+    return record
+
+
+def read_jsonl(path: str, tokenize: Callable[[str], list[int]] | None = None,
+               vocab_size: int | None = None) -> list[Record]:
+    """Reads prompt records from a JSONL file.
+
+    Each line is an object with `tokens`, or with `text` and a `tokenize` function.
+    `prompt_id` defaults to `<file>:<line>`. A bad line raises DataError naming the
+    file and line: bad data is reported, never silently skipped.
+    """
+    records = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: not valid JSON ({e.msg})") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{where}: expected a JSON object")
+            if "tokens" not in record and "text" in record:
+                if tokenize is None:
+                    raise DataError(f"{where}: has 'text' but no tokenizer was given")
+                record["tokens"] = list(tokenize(record["text"]))
+            record.setdefault("prompt_id", where)
+            records.append(check_record(record, where, vocab_size))
+    if not records:
+        raise DataError(f"{path}: no prompt records")
+    return records
+
+
+class TfdsSource:
+    """Random access over a TFDS `data_source`, mapped to prompt records.
+
+    `to_record(example, index)` turns one TFDS example into a prompt record. The
+    dataset must already be prepared in `data_dir` (nothing is downloaded).
+    """
+
+    def __init__(self, name: str, split: str, to_record: Callable[[dict, int], Record],
+                 data_dir: str | None = None, source=None):
+        if source is None:
+            import tensorflow_datasets as tfds
+
+            source = tfds.data_source(name, split=split, data_dir=data_dir, download=False)
+        self._source = source
+        self._to_record = to_record
+        self._name = f"{name}/{split}"
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def __getitem__(self, index: int) -> Record:
+        return check_record(self._to_record(self._source[index], index),
+                            f"{self._name}[{index}]")
+
+
+def prompt_dataset(source: Sequence[Record], *, seed: int, shuffle: bool = True,
+                   num_epochs: int | None = None) -> grain.MapDataset:
+    """A Grain MapDataset of prompt records, reshuffled per epoch, tagged with `epoch`.
+
+    `num_epochs=None` repeats forever.
+    """
+    n = len(source)
+    if n == 0:
+        raise DataError("prompt source is empty")
+    ds = grain.MapDataset.source(source)
+    if shuffle:
+        ds = ds.shuffle(seed=seed)
+    ds = ds.repeat(num_epochs)
+    return ds.map_with_index(lambda i, record: {**record, "epoch": i // n})
+
+
+class PromptStream:
+    """The next prompt on demand, with Grain's checkpointable iterator state."""
+
+    def __init__(self, dataset: grain.MapDataset):
+        self._iter = iter(dataset.to_iter_dataset())
+
+    def next(self) -> Record | None:
+        """The next prompt, or None once a finite dataset is exhausted."""
+        try:
+            return next(self._iter)
+        except StopIteration:
+            return None
+
+    def get_state(self) -> dict:
+        return self._iter.get_state()
+
+    def set_state(self, state: dict) -> None:
+        self._iter.set_state(state)
+
+
+def in_memory(records: Iterable[Record], vocab_size: int | None = None) -> list[Record]:
+    """Validates in-memory records (e.g. from a generator) into a list source."""
+    return [check_record(dict(r), f"record {i}", vocab_size) for i, r in enumerate(records)]

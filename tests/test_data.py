@@ -1,0 +1,108 @@
+"""Prompt sources (Grain), the synthetic task's reward, and the reward pool."""
+
+import json
+
+import pytest
+
+from dora_jax.data import prompts, tasks
+
+
+def test_residue_reward_by_hand():
+    record = {"target": 1, "modulus": 4}
+    # 5 % 4 = 1 (hit), 6 % 4 = 2, 9 % 4 = 1 (hit); EOS (1) is not a response token.
+    assert tasks.residue_reward(record, [5, 6, 9, tasks.EOS]) == pytest.approx(2 / 3)
+    assert tasks.residue_reward(record, [tasks.EOS]) == 0.0
+    assert tasks.residue_reward(record, [13, 17]) == 1.0
+
+
+def test_residue_prompts_are_stable_and_valid():
+    a = tasks.residue_prompts(10, 128, seed=3)
+    b = tasks.residue_prompts(10, 128, seed=3)
+    assert a == b
+    assert [r["prompt_id"] for r in a] == [f"residue-{i}" for i in range(10)]
+    for r in a:
+        assert r["tokens"][0] == tasks.BOS
+        assert all(tasks.FIRST_SYMBOL <= t < 128 for t in r["tokens"][1:])
+        assert r["target"] == r["tokens"][1] % 4
+    prompts.in_memory(a, vocab_size=128)
+
+
+def test_stream_reshuffles_each_epoch_with_stable_ids_and_resumes():
+    records = tasks.residue_prompts(6, 64)
+    ds = prompts.prompt_dataset(records, seed=0, num_epochs=3)
+    stream = prompts.PromptStream(ds)
+    seen = [stream.next() for _ in range(18)]
+    assert stream.next() is None  # finite: three epochs, then done
+    epochs = [[r["prompt_id"] for r in seen if r["epoch"] == e] for e in range(3)]
+    for ids in epochs:  # every epoch visits every prompt exactly once
+        assert sorted(ids) == sorted(r["prompt_id"] for r in records)
+    assert epochs[0] != epochs[1]  # and in a different order
+    # Resume from a saved iterator state: the continuation is identical.
+    stream = prompts.PromptStream(ds)
+    for _ in range(7):
+        stream.next()
+    state = stream.get_state()
+    rest = [stream.next()["prompt_id"] for _ in range(5)]
+    resumed = prompts.PromptStream(ds)
+    resumed.set_state(state)
+    assert [resumed.next()["prompt_id"] for _ in range(5)] == rest
+
+
+def test_jsonl_source_reports_bad_lines(tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"prompt_id": "a", "tokens": [2, 5]}) + "\n\n"
+                    + json.dumps({"text": "hi"}) + "\n")
+    records = prompts.read_jsonl(str(good), tokenize=lambda s: [ord(c) for c in s])
+    assert records[0]["prompt_id"] == "a"
+    assert records[1]["tokens"] == [104, 105] and records[1]["prompt_id"].endswith(":3")
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt_id": "a", "tokens": [2, 5]}) + "\n{not json\n")
+    with pytest.raises(prompts.DataError, match=r"bad\.jsonl:2: not valid JSON"):
+        prompts.read_jsonl(str(bad))
+    bad.write_text(json.dumps({"prompt_id": "a", "tokens": []}) + "\n")
+    with pytest.raises(prompts.DataError, match=r"bad\.jsonl:1: 'tokens'"):
+        prompts.read_jsonl(str(bad))
+    bad.write_text(json.dumps({"prompt_id": "a", "tokens": [500]}) + "\n")
+    with pytest.raises(prompts.DataError, match="vocab_size"):
+        prompts.read_jsonl(str(bad), vocab_size=128)
+    bad.write_text(json.dumps({"text": "x"}) + "\n")
+    with pytest.raises(prompts.DataError, match="no tokenizer"):
+        prompts.read_jsonl(str(bad))
+
+
+def test_tfds_style_source_through_grain():
+    # A TFDS data_source is a random-access sequence of example dicts; any such
+    # sequence can stand in for it (nothing is downloaded in tests).
+    examples = [{"question": [2, 7, 9], "answer": [4]}, {"question": [2, 3], "answer": [5]}]
+    source = prompts.TfdsSource("fake", "train",
+                                lambda ex, i: {"prompt_id": f"fake-{i}",
+                                               "tokens": ex["question"], "answer": ex["answer"]},
+                                source=examples)
+    ds = prompts.prompt_dataset(source, seed=1, num_epochs=1)
+    got = sorted(r["prompt_id"] for r in ds)
+    assert got == ["fake-0", "fake-1"]
+    broken = prompts.TfdsSource("fake", "train", lambda ex, i: {"prompt_id": i, "tokens": []},
+                                source=examples)
+    with pytest.raises(prompts.DataError, match=r"fake/train\[0\]"):
+        broken[0]
+
+
+def test_reward_pool_records_failures_and_goes_on():
+    def fn(record, response):
+        if record.get("explode"):
+            raise RuntimeError("bad verifier")
+        return float(len(response))
+
+    pool = tasks.RewardPool(fn, num_threads=2)
+    ok = pool.submit({}, [1, 2, 3])
+    bad = pool.submit({"explode": True}, [1])
+    assert ok.result() == (3.0, None)
+    reward, error = bad.result()
+    assert reward == 0.0 and "RuntimeError: bad verifier" in error
+    pool.close()
+
+
+def test_unknown_reward_name():
+    with pytest.raises(ValueError, match="unknown reward"):
+        tasks.reward_fn("nope")
