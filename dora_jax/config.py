@@ -168,13 +168,45 @@ class TrainerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CoordinatorConfig:
+    """Scheduling: which mode, batch sizes in groups, staleness bound, run length."""
+
+    mode: str = "dora"  # "sync" | "one_step_off" | "partial_rollout" | "dora"
+    group_size: int = 4  # G samples per prompt
+    train_batch_size: int = 4  # TBS groups per train step
+    rollout_batch_size: int = 8  # RBS admitted-but-unconsumed groups (>= TBS)
+    max_staleness: int = 2  # K
+    num_steps: int = 20
+    checkpoint_every: int = 0  # train steps; 0: only at the end
+    reward_threads: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where prompts come from and how they are scored."""
+
+    source: str = "residue"  # "residue" (synthetic) | "jsonl" | "tfds"
+    reward: str = "residue"
+    path: str = ""  # jsonl file
+    tfds_name: str = ""
+    tfds_split: str = "train"
+    tfds_data_dir: str = ""
+    num_prompts: int = 512  # synthetic tasks
+    prompt_len: int = 6
+    modulus: int = 4
+    num_epochs: int | None = None  # None: repeat forever
+    shuffle: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig
     mesh: MeshConfig
     rollout: RolloutConfig = RolloutConfig()
     trainer: TrainerConfig = TrainerConfig()
+    coordinator: CoordinatorConfig = CoordinatorConfig()
+    data: DataConfig = DataConfig()
     seed: int = 0
-    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _positive(field: str, value, allow_zero: bool = False):
@@ -346,6 +378,57 @@ def validate_trainer(cd) -> TrainerConfig:
     return t
 
 
+MODES = ("sync", "one_step_off", "partial_rollout", "dora")
+
+
+def validate_coordinator(cd, mesh: MeshConfig, rollout: RolloutConfig,
+                         trainer: TrainerConfig) -> CoordinatorConfig:
+    c = _typed(CoordinatorConfig, "coordinator", cd)
+    if c.mode not in MODES:
+        _fail("coordinator.mode", f"must be one of {MODES}, got {c.mode!r}")
+    for name in ("group_size", "train_batch_size", "rollout_batch_size", "num_steps",
+                 "reward_threads"):
+        _positive(f"coordinator.{name}", getattr(c, name))
+    _positive("coordinator.max_staleness", c.max_staleness, allow_zero=True)
+    _positive("coordinator.checkpoint_every", c.checkpoint_every, allow_zero=True)
+    if c.rollout_batch_size < c.train_batch_size:
+        _fail("coordinator.rollout_batch_size",
+              f"must be >= coordinator.train_batch_size ({c.train_batch_size}), "
+              f"got {c.rollout_batch_size}")
+    slots = mesh.num_slices * rollout.slots_per_slice
+    if c.group_size > slots:
+        _fail("coordinator.group_size",
+              f"{c.group_size} samples per group do not fit in {slots} slots "
+              f"(mesh.num_slices x rollout.slots_per_slice)")
+    samples = c.train_batch_size * c.group_size
+    split = trainer.micro_batches * trainer.num_minibatches
+    if samples % split:
+        _fail("coordinator.train_batch_size",
+              f"TBS x group_size = {samples} samples must divide evenly into "
+              f"trainer.num_minibatches x trainer.micro_batches = {split}")
+    return c
+
+
+def validate_data(cd, model: ModelConfig, rollout: RolloutConfig) -> DataConfig:
+    d = _typed(DataConfig, "data", cd)
+    if d.source not in ("residue", "jsonl", "tfds"):
+        _fail("data.source", f"must be 'residue', 'jsonl' or 'tfds', got {d.source!r}")
+    if d.source == "jsonl" and not d.path:
+        _fail("data.path", "data.source='jsonl' needs a path")
+    if d.source == "tfds" and not d.tfds_name:
+        _fail("data.tfds_name", "data.source='tfds' needs a dataset name")
+    if d.source == "residue":
+        _positive("data.num_prompts", d.num_prompts)
+        if not 2 <= d.prompt_len <= rollout.max_prefill_length:
+            _fail("data.prompt_len", f"must be in [2, rollout.max_prefill_length="
+                                     f"{rollout.max_prefill_length}], got {d.prompt_len}")
+        if not 2 <= d.modulus <= model.vocab_size - 3:
+            _fail("data.modulus", f"must be in [2, vocab_size - 3], got {d.modulus}")
+    if d.num_epochs is not None:
+        _positive("data.num_epochs", d.num_epochs)
+    return d
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> Config:
     """Validates a whole ConfigDict; `num_devices` is checked when given."""
     model = validate_model(config.model)
@@ -365,24 +448,50 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         _fail("trainer.length_buckets",
               f"largest bucket {trainer.length_buckets[-1]} must hold a whole trajectory "
               f"(rollout.max_prefill_length + rollout.max_decode_len = {rollout.cache_length})")
-    known = {"model", "mesh", "rollout", "trainer", "seed"}
-    extra = {k: config[k] for k in config.keys() if k not in known}
+    coordinator = validate_coordinator(config.get("coordinator"), mesh, rollout, trainer)
+    data = validate_data(config.get("data"), model, rollout)
+    known = {"model", "mesh", "rollout", "trainer", "coordinator", "data", "seed"}
+    unknown = set(config.keys()) - known
+    if unknown:
+        _fail(sorted(unknown)[0], f"unknown section; known: {sorted(known)}")
     return Config(model=model, mesh=mesh, rollout=rollout, trainer=trainer,
-                  seed=config.get("seed", 0), extra=extra)
+                  coordinator=coordinator, data=data, seed=config.get("seed", 0))
+
+
+# Fields whose default is None, with the type an override must have: typed
+# placeholders let `--config.trainer.dual_clip=3` parse on the command line.
+_OPTIONAL_TYPES = {"capacity_factor": float, "dual_clip": float, "tis_cap": float,
+                   "num_epochs": int}
+
+
+def _section(obj) -> ml_collections.ConfigDict:
+    def convert(d):
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, dict):
+                out[k] = convert(v)
+            elif v is None and k in _OPTIONAL_TYPES:
+                out[k] = ml_collections.config_dict.placeholder(_OPTIONAL_TYPES[k])
+            else:
+                out[k] = v
+        return out
+
+    return ml_collections.ConfigDict(convert(dataclasses.asdict(obj)))
 
 
 def base() -> ml_collections.ConfigDict:
     """Every field with its default; configs/*.py start here and override."""
     c = ml_collections.ConfigDict()
     c.seed = 0
-    c.model = ml_collections.ConfigDict(dataclasses.asdict(
-        ModelConfig(vocab_size=1, d_model=1, num_layers=1, num_heads=1, num_kv_heads=1,
-                    head_dim=2, mlp_hidden=1)))
+    c.model = _section(ModelConfig(vocab_size=1, d_model=1, num_layers=1, num_heads=1,
+                                   num_kv_heads=1, head_dim=2, mlp_hidden=1))
     c.mesh = ml_collections.ConfigDict(dict(
         trainer={a: 1 for a in TRAINER_MESH_AXES}, slice={a: 1 for a in SLICE_MESH_AXES},
         num_slices=1, trainer_rules=TRAINER_RULES, decode_rules=DECODE_RULES))
-    c.rollout = ml_collections.ConfigDict(dataclasses.asdict(RolloutConfig()))
-    c.trainer = ml_collections.ConfigDict(dataclasses.asdict(TrainerConfig()))
+    c.rollout = _section(RolloutConfig())
+    c.trainer = _section(TrainerConfig())
+    c.coordinator = _section(CoordinatorConfig())
+    c.data = _section(DataConfig())
     return c
 
 

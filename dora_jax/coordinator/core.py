@@ -1,0 +1,393 @@
+"""The deterministic, event-driven scheduling core.
+
+`Scheduler` holds all orchestration state (groups, samples, slices, trainer,
+published version) and exposes two kinds of calls:
+
+* events, which record what happened (`sample_finished`, `version_loaded`,
+  `step_finished`) and never decide anything;
+* `decide()`, which asks the mode's policy for every action that should happen now,
+  applies their effect to the state as if already issued, and returns them in the
+  order the runtime must execute them.
+
+There is no clock, no thread, no randomness and no engine in here, so the real JAX
+runtime and the discrete-event simulator drive the very same object, and a
+`snapshot()` is all a checkpoint needs.
+
+Choices the runtime must know:
+* Migrate is instantaneous for the core: the request leaves its source slot and takes
+  its destination slot when `decide()` returns it.
+* Slices start holding version 0 (the runtime loads the initial params at start-up).
+* Group ids are consecutive integers from 0 in admission order; the runtime maps
+  group id i to the i-th prompt of its data source.
+* Consumed groups are dropped from `groups`; the runtime records provenance from the
+  actions it executes (the core keeps per-sample versions only while unconsumed).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict
+from typing import Iterator, Optional
+
+from .dora import DoraPolicy
+from .policies import OneStepOffPolicy, PartialRolloutPolicy, SyncPolicy
+from .types import (FINISHED, PENDING, RUNNING, Admit, Assign, GroupState,
+                    InterruptReload, LoadVersion, Migrate, SampleState,
+                    SchedulerConfig, SliceState, TrainBatch)
+
+_POLICIES = {
+    "sync": SyncPolicy,
+    "one_step_off": OneStepOffPolicy,
+    "partial_rollout": PartialRolloutPolicy,
+    "dora": DoraPolicy,
+}
+
+SNAPSHOT_FORMAT = 1
+
+
+class InvariantError(AssertionError):
+    """Raised by `Scheduler.check_invariants()` when the state breaks a rule."""
+
+
+class Scheduler:
+    """Scheduling state plus the event API; the mode's policy makes the decisions.
+
+    Read-only attributes for runtimes: `config`, `published` (newest published
+    version), `next_step` (index of the next TrainBatch), `trainer_step` (step being
+    trained, or None), `next_group_id`, `groups` (unconsumed groups by id, in
+    admission order) and `slices` (list of `SliceState`).
+    """
+
+    # decide() repeats policy passes until one yields nothing; a pass count this high
+    # means a policy keeps undoing itself, which is a bug worth failing loudly on.
+    _MAX_PASSES = 10_000
+
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.policy = _POLICIES[config.mode]()
+        self.published = 0
+        self.next_step = 0
+        self.trainer_step: Optional[int] = None
+        self.next_group_id = 0
+        self.groups: dict[int, GroupState] = {}
+        self.slices = [SliceState(i, 0) for i in range(config.num_slices)]
+        # False between a step_finished event and the next decide(): slices may still
+        # hold a version that just left the staleness window.
+        self.settled = True
+        self._recount()
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def trainer_busy(self) -> bool:
+        return self.trainer_step is not None
+
+    @property
+    def num_unconsumed(self) -> int:
+        return len(self.groups)
+
+    def free_slots(self, sl: SliceState) -> int:
+        return self.config.slots_per_slice - len(sl.running)
+
+    def unconsumed_by_version(self) -> Counter:
+        """Unconsumed groups per version (a copy)."""
+        return Counter(self._unconsumed_v)
+
+    def unfinished_by_version(self) -> Counter:
+        """Pending + running samples per version (a copy)."""
+        return Counter(self._unfinished_v)
+
+    def pending_by_version(self) -> Counter:
+        """Pending (not yet assigned) samples per version (a copy)."""
+        return Counter(self._pending_v)
+
+    def has_pending(self) -> bool:
+        """True if some sample waits for a slot."""
+        return any(n > 0 for n in self._pending_v.values())
+
+    def pending_samples(self) -> Iterator[tuple[GroupState, int]]:
+        """(group, sample index) of every pending sample, oldest version then oldest
+        group first: older work has the nearer staleness deadline."""
+        gs = sorted((g for g in self.groups.values() if g.n_pending),
+                    key=lambda g: (g.version, g.group_id))
+        for g in gs:
+            for k, s in enumerate(g.samples):
+                if s.status == PENDING:
+                    yield g, k
+
+    def finished_groups(self) -> list[GroupState]:
+        """Finished, unconsumed groups, oldest version then oldest group first."""
+        return sorted((g for g in self.groups.values() if g.finished),
+                      key=lambda g: (g.version, g.group_id))
+
+    def admission_room(self, target: int) -> int:
+        """How many more groups may be admitted to reach `target` unconsumed groups,
+        also respecting `config.max_groups`."""
+        room = target - len(self.groups)
+        if self.config.max_groups is not None:
+            room = min(room, self.config.max_groups - self.next_group_id)
+        return max(room, 0)
+
+    def consumed_ids(self) -> set[int]:
+        """Ids of consumed groups (every admitted id that is no longer unconsumed)."""
+        return set(range(self.next_group_id)) - set(self.groups)
+
+    # ------------------------------------------------------------------ events
+
+    def sample_finished(self, group_id: int, sample: int, num_tokens: Optional[int] = None):
+        """A running sample ended (EOS or max length); its slot is free again."""
+        g = self.groups.get(group_id)
+        if g is None or not 0 <= sample < len(g.samples):
+            raise ValueError(f"sample_finished: unknown sample ({group_id}, {sample})")
+        s = g.samples[sample]
+        if s.status != RUNNING:
+            raise ValueError(f"sample_finished: ({group_id}, {sample}) is {s.status}")
+        self.slices[s.slice_id].running.discard((group_id, sample))
+        s.status, s.slice_id, s.num_tokens = FINISHED, None, num_tokens
+        g.n_running -= 1
+        g.n_finished += 1
+        self._unfinished_v[g.version] -= 1
+
+    def version_loaded(self, slice_id: int, version: int):
+        """A LoadVersion / InterruptReload finished: the slice now holds `version`.
+
+        A report for a target that a later LoadVersion superseded is ignored."""
+        sl = self.slices[slice_id]
+        if sl.loading is None:
+            raise ValueError(f"version_loaded: slice {slice_id} is not loading")
+        if sl.loading != version:
+            return  # superseded load; the latest target will be reported later
+        sl.version, sl.loading = version, None
+        if sl.interrupted:
+            # The paused requests continue under the new params from here on.
+            for gid, k in sl.running:
+                vs = self.groups[gid].samples[k].versions
+                if vs[-1] != version:
+                    vs.append(version)
+            sl.interrupted = False
+
+    def step_finished(self, step: int):
+        """Train step `step` is done: version step+1 is published."""
+        if self.trainer_step != step:
+            raise ValueError(f"step_finished({step}) but trainer runs {self.trainer_step}")
+        self.trainer_step = None
+        self.published = step + 1
+        self.settled = False
+
+    # ------------------------------------------------------------------ decide
+
+    def decide(self) -> list:
+        """Return every action to execute now, in order, and apply their effect.
+
+        Policy passes repeat until one produces nothing, so a second call with no
+        event in between returns []."""
+        out = []
+        for _ in range(self._MAX_PASSES):
+            acts = self.policy.plan(self)
+            if not acts:
+                break
+            out.extend(acts)
+        else:
+            raise RuntimeError("decide() found no fixpoint: a policy undoes itself")
+        self.settled = True
+        return out
+
+    # ---------------------------------------------- mutators used by policies only
+
+    def do_admit(self, version: int) -> Admit:
+        gid = self.next_group_id
+        self.next_group_id += 1
+        G = self.config.group_size
+        self.groups[gid] = GroupState(gid, version, [SampleState() for _ in range(G)],
+                                      n_pending=G)
+        self._unconsumed_v[version] += 1
+        self._unfinished_v[version] += G
+        self._pending_v[version] += G
+        return Admit(gid, version)
+
+    def do_assign(self, group_id: int, sample: int, slice_id: int) -> Assign:
+        g, sl = self.groups[group_id], self.slices[slice_id]
+        s = g.samples[sample]
+        assert s.status == PENDING and sl.serving and self.free_slots(sl) > 0
+        s.status, s.slice_id = RUNNING, slice_id
+        s.versions.append(sl.version)
+        s.slices.append(slice_id)
+        sl.running.add((group_id, sample))
+        g.n_pending -= 1
+        g.n_running += 1
+        self._pending_v[g.version] -= 1
+        return Assign(group_id, sample, slice_id)
+
+    def do_migrate(self, group_id: int, sample: int, dst: int) -> Migrate:
+        s = self.groups[group_id].samples[sample]
+        src_sl, dst_sl = self.slices[s.slice_id], self.slices[dst]
+        # C1: a migrated request keeps its version, so the destination must hold it.
+        assert s.status == RUNNING and dst_sl.serving and dst_sl.version == src_sl.version
+        assert self.free_slots(dst_sl) > 0 and src_sl.loading is None
+        src = s.slice_id
+        src_sl.running.discard((group_id, sample))
+        dst_sl.running.add((group_id, sample))
+        s.slice_id = dst
+        s.slices.append(dst)
+        return Migrate(group_id, sample, src, dst)
+
+    def do_load(self, slice_id: int, version: int) -> LoadVersion:
+        sl = self.slices[slice_id]
+        assert not sl.running, "C1: LoadVersion only on an empty slice"
+        assert version <= self.published
+        sl.loading, sl.interrupted = version, False
+        return LoadVersion(slice_id, version)
+
+    def do_interrupt_reload(self, slice_id: int, version: int) -> InterruptReload:
+        assert self.config.mode == "partial_rollout", "only partial_rollout breaks C1"
+        sl = self.slices[slice_id]
+        assert sl.loading is None and version <= self.published
+        sl.loading, sl.interrupted = version, True
+        return InterruptReload(slice_id, version)
+
+    def do_train(self, group_ids: list[int]) -> TrainBatch:
+        assert not self.trainer_busy and len(group_ids) == self.config.train_batch_size
+        for gid in group_ids:
+            g = self.groups.pop(gid)
+            assert g.finished, "C2: only complete groups are trained"
+            self._unconsumed_v[g.version] -= 1
+        step = self.next_step
+        self.trainer_step = step
+        self.next_step += 1
+        return TrainBatch(step, tuple(group_ids))
+
+    # ------------------------------------------------------------------ recovery
+
+    def requeue_inflight(self):
+        """Forget all engine-side progress after a runtime restart.
+
+        Running samples become pending again (regenerated from scratch under their
+        group's version, so C1 still holds); a slice that was loading holds nothing
+        and will be told to load again. Resident versions of the other slices are
+        kept: the runtime restores those params (see `snapshot()['slices']`)."""
+        for sl in self.slices:
+            for gid, k in sl.running:
+                g = self.groups[gid]
+                s = g.samples[k]
+                s.status, s.slice_id, s.versions, s.slices = PENDING, None, [], []
+                g.n_running -= 1
+                g.n_pending += 1
+                self._pending_v[g.version] += 1
+            sl.running = set()
+            if sl.loading is not None:
+                sl.version, sl.loading, sl.interrupted = None, None, False
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def snapshot(self) -> dict:
+        """All state as plain JSON-serialisable data.
+
+        Take it right after `step_finished(t)` and before `decide()`, together with
+        the trainer checkpoint of version t+1, for a consistent resume."""
+        return {
+            "format": SNAPSHOT_FORMAT,
+            "config": asdict(self.config),
+            "published": self.published,
+            "next_step": self.next_step,
+            "trainer_step": self.trainer_step,
+            "next_group_id": self.next_group_id,
+            "settled": self.settled,
+            "groups": [{
+                "id": g.group_id, "version": g.version,
+                "samples": [[s.status, s.slice_id, list(s.versions), list(s.slices),
+                             s.num_tokens] for s in g.samples],
+            } for g in self.groups.values()],
+            "slices": [{
+                "id": sl.slice_id, "version": sl.version, "loading": sl.loading,
+                "interrupted": sl.interrupted, "running": sorted(map(list, sl.running)),
+            } for sl in self.slices],
+        }
+
+    @classmethod
+    def restore(cls, snap: dict) -> "Scheduler":
+        """Rebuild a Scheduler from `snapshot()` output (possibly JSON round-tripped)."""
+        if snap.get("format") != SNAPSHOT_FORMAT:
+            raise ValueError(f"unsupported snapshot format {snap.get('format')!r}")
+        self = cls(SchedulerConfig(**snap["config"]))
+        self.published = snap["published"]
+        self.next_step = snap["next_step"]
+        self.trainer_step = snap["trainer_step"]
+        self.next_group_id = snap["next_group_id"]
+        self.settled = snap["settled"]
+        self.groups = {}
+        for gd in snap["groups"]:
+            samples = [SampleState(st, sid, list(vs), list(ss), nt)
+                       for st, sid, vs, ss, nt in gd["samples"]]
+            g = GroupState(gd["id"], gd["version"], samples)
+            g.n_pending = sum(s.status == PENDING for s in samples)
+            g.n_running = sum(s.status == RUNNING for s in samples)
+            g.n_finished = sum(s.status == FINISHED for s in samples)
+            self.groups[g.group_id] = g
+        self.slices = [SliceState(d["id"], d["version"], d["loading"], d["interrupted"],
+                                  {tuple(r) for r in d["running"]}) for d in snap["slices"]]
+        self._recount()
+        return self
+
+    def _recount(self):
+        """Rebuild the per-version counters from the groups."""
+        self._unconsumed_v, self._unfinished_v, self._pending_v = Counter(), Counter(), Counter()
+        for g in self.groups.values():
+            self._unconsumed_v[g.version] += 1
+            self._unfinished_v[g.version] += g.n_pending + g.n_running
+            self._pending_v[g.version] += g.n_pending
+
+    # ------------------------------------------------------------------ invariants
+
+    def check_invariants(self):
+        """Raise InvariantError if the state breaks a rule of the core or the mode.
+
+        Cheap enough (linear in in-flight samples) to call after every event."""
+        def req(cond, msg):
+            if not cond:
+                raise InvariantError(msg)
+
+        cfg = self.config
+        c1 = cfg.mode != "partial_rollout"
+        uncons, unfin, pend = Counter(), Counter(), Counter()
+        for gid, g in self.groups.items():
+            req(0 <= gid < self.next_group_id, f"group id {gid} never admitted")
+            req(g.version <= self.published, f"group {gid} from the future")
+            req(len(g.samples) == cfg.group_size, f"group {gid} has wrong size")
+            counts = Counter(s.status for s in g.samples)
+            req((counts[PENDING], counts[RUNNING], counts[FINISHED])
+                == (g.n_pending, g.n_running, g.n_finished), f"group {gid} counts")
+            uncons[g.version] += 1
+            unfin[g.version] += g.n_pending + g.n_running
+            pend[g.version] += g.n_pending
+            for k, s in enumerate(g.samples):
+                if s.status == RUNNING:
+                    req((gid, k) in self.slices[s.slice_id].running, f"({gid},{k}) lost")
+                else:
+                    req(s.slice_id is None, f"({gid},{k}) not running but on a slice")
+                req((s.status == PENDING) == (not s.versions), f"({gid},{k}) versions")
+                if c1:  # C1: one version per trajectory and per group
+                    req(set(s.versions) <= {g.version}, f"C1: ({gid},{k}) ran {s.versions}")
+        req(_nonzero(uncons) == _nonzero(self._unconsumed_v)
+            and _nonzero(unfin) == _nonzero(self._unfinished_v)
+            and _nonzero(pend) == _nonzero(self._pending_v), "per-version counters drifted")
+        for sl in self.slices:
+            req(len(sl.running) <= cfg.slots_per_slice, f"slice {sl.slice_id} overfull")
+            req(not sl.interrupted or sl.loading is not None, "interrupted but not loading")
+            if sl.loading is not None and not sl.interrupted:
+                req(not sl.running, f"C1: slice {sl.slice_id} loads while holding requests")
+            for gid, k in sl.running:
+                g = self.groups.get(gid)
+                req(g is not None and g.samples[k].slice_id == sl.slice_id,
+                    f"slice {sl.slice_id} holds a stray request ({gid},{k})")
+                if c1:
+                    req(sl.version == g.version and sl.loading is None,
+                        f"C1: slice {sl.slice_id} v{sl.version} runs group v{g.version}")
+        busy = self.trainer_step is not None
+        req(self.next_step == self.published + busy, "trainer step accounting")
+        req(not busy or self.trainer_step == self.next_step - 1, "trainer step index")
+        self.policy.check(self, req)
+
+
+def _nonzero(c: Counter) -> dict:
+    # Counter's unary + would also drop negative counts and so hide a drift.
+    return {k: v for k, v in c.items() if v != 0}

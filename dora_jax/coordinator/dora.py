@@ -1,0 +1,213 @@
+"""DORA: multi-version streaming rollout (DESIGN.md §4) as a scheduling policy.
+
+Notation: P = newest published version, t = `Scheduler.next_step` (the next train
+step to run), K = max_staleness, U(<=w) = unconsumed groups of version <= w.
+
+The whole mode rests on one invariant, kept at admission and at batch formation:
+
+    FEASIBILITY: for every version w, U(<=w) <= TBS * (w + K - t + 1).
+
+A group of version w must be consumed by step w + K at the latest (C3), and the
+steps t .. w+K can consume only TBS groups each; so without it the staleness guard
+would one day need more than TBS groups in one batch. With K = 0 it admits exactly
+TBS groups per version, which makes `dora` with K = 0 behave like `sync`.
+
+Choices made where the design brief is silent:
+* Slices only ever load the newest published version. Old versions therefore only
+  lose slices, and the runtime never needs params older than the ones it holds.
+  A version with unfinished samples always keeps at least one serving slice
+  (liveness: its work is never stranded).
+* The staleness guard is applied in its general form: a batch (TBS oldest finished
+  groups) is formed only if what stays unconsumed still satisfies FEASIBILITY for
+  step t+1. For version t-K this is exactly the brief's guard (all of it must be in
+  the batch); for newer versions it stops the trainer from eating young groups while
+  old ones would then miss their deadline.
+* Admission at a version older than P (newest resident version not yet P, or a
+  top-up) also needs w + K > t: a group that the very next step would be forced to
+  wait for is not worth starting.
+* Top-up needs G idle slots at that version (a whole group starts at once).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import TYPE_CHECKING
+
+from .policies import Policy, assign_pending
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .core import Scheduler
+
+
+def admission_feasible(counts: Counter, w: int, t: int, k: int, tbs: int) -> bool:
+    """True if one more group of version w keeps FEASIBILITY (see module doc)."""
+    cum = 0
+    for v in sorted({v for v, c in counts.items() if c > 0} | {w}):
+        cum += counts.get(v, 0)
+        if v >= w and cum + 1 > tbs * (v + k - t + 1):
+            return False
+    return True
+
+
+def apportion(total: int, demand: dict, newest: int, cap: dict) -> dict:
+    """Split `total` slices over versions in proportion to `demand` (largest remainder,
+    integer arithmetic so it is exact and deterministic).
+
+    Floors first: one slice per older version with demand (oldest first, nearest
+    deadline), then one for `newest`. An older version never gets more than
+    `cap[w]` (the slices its work can fill); whatever is left goes to `newest`."""
+    tgt = dict.fromkeys(demand, 0)
+    order = sorted(w for w in demand if w != newest and demand[w] > 0) + [newest]
+    left = total
+    for w in order:
+        if left:
+            tgt[w], left = 1, left - 1
+    tot = sum(demand.values())
+    if tot and left:
+        limit = {w: cap.get(w, total) for w in order}
+        for w in order:  # integer part of each proportional share
+            add = min(total * demand[w] // tot - tgt[w], limit[w] - tgt[w], left)
+            if add > 0:
+                tgt[w], left = tgt[w] + add, left - add
+        for w in sorted(order, key=lambda w: (-(total * demand[w] % tot), w)):
+            if left and tgt[w] < limit[w] and tgt[w] <= total * demand[w] // tot:
+                tgt[w], left = tgt[w] + 1, left - 1
+    tgt[newest] += left
+    return tgt
+
+
+class DoraPolicy(Policy):
+    """Multi-version streaming rollout with bounded staleness and slice rebalancing."""
+
+    name = "dora"
+
+    def plan(self, s: "Scheduler") -> list:
+        acts = self._form_batch(s)
+        balance, kept = self._balance(s)
+        acts += balance
+        acts += self._admit(s, kept)
+        acts += assign_pending(s, lambda sl: sl.slice_id in kept)
+        return acts
+
+    # -- (2)+(3) streaming batch formation with the staleness guard
+    def _form_batch(self, s):
+        cfg = s.config
+        tbs, k, t = cfg.train_batch_size, cfg.max_staleness, s.next_step
+        if s.trainer_busy:
+            return []
+        batch = s.finished_groups()[:tbs]  # oldest version first
+        if len(batch) < tbs:
+            return []
+        counts = s.unconsumed_by_version()
+        taken = Counter(g.version for g in batch)
+        cum = cum_taken = 0
+        for v in sorted(v for v, c in counts.items() if c > 0):
+            cum, cum_taken = cum + counts[v], cum_taken + taken[v]
+            # What stays of versions <= v must fit in steps t+1 .. v+K.
+            if cum - cum_taken > tbs * (v + k - t):
+                return []  # guard: wait for older groups still generating
+        return [s.do_train([g.group_id for g in batch])]
+
+    # -- (4)+(5) slice versions: consolidate old versions, move slices to the newest
+    def _balance(self, s):
+        """Return (actions, kept): kept = serving slices that may take new requests.
+
+        Serving slices of an old version w beyond its target are drained: if their
+        requests all fit in free slots of the kept w-slices they migrate there and
+        the slice loads P at once; otherwise the slice takes no new work and loads P
+        when its requests end."""
+        cfg = s.config
+        p, slots = s.published, cfg.slots_per_slice
+        unfinished = s.unfinished_by_version()
+        demand = {w: n for w, n in unfinished.items() if n > 0}
+        # The newest version also stands for the groups still to be admitted.
+        demand[p] = demand.get(p, 0) + s.admission_room(cfg.rollout_batch_size) * cfg.group_size
+        cap = {w: -(-n // slots) for w, n in demand.items() if w != p}
+        target = apportion(cfg.num_slices, demand, p, cap)
+
+        acts, kept = [], set()
+        by_version = defaultdict(list)
+        for sl in s.slices:
+            if sl.loading is not None:
+                # A load that fell out of the window [P-K, P] is re-targeted at P.
+                if sl.loading < p - cfg.max_staleness:
+                    acts.append(s.do_load(sl.slice_id, p))
+            elif sl.version == p:
+                kept.add(sl.slice_id)
+            else:
+                by_version[sl.version].append(sl)
+        for w in sorted(by_version, key=lambda v: -1 if v is None else v):
+            sls = by_version[w]
+            n_keep = 0
+            if w is not None and unfinished[w] > 0:
+                n_keep = max(1, min(len(sls), target.get(w, 0)))
+            # Keep the fullest slices; the emptiest are the cheapest to drain.
+            order = sorted(sls, key=lambda sl: (-len(sl.running), sl.slice_id))
+            keep, drain = order[:n_keep], order[n_keep:]
+            kept.update(sl.slice_id for sl in keep)
+            free = {sl.slice_id: s.free_slots(sl) for sl in keep}
+            for sl in sorted(drain, key=lambda sl: (len(sl.running), sl.slice_id)):
+                reqs = sorted(sl.running)
+                if len(reqs) > sum(free.values()):
+                    break  # cannot empty it now (nor any fuller one); it drains by itself
+                for gid, k in reqs:
+                    dst = max(free, key=lambda i: (free[i], -i))
+                    acts.append(s.do_migrate(gid, k, dst))
+                    free[dst] -= 1
+                acts.append(s.do_load(sl.slice_id, p))
+        return acts, kept
+
+    # -- (1)+(6) admission and staleness-aware top-up
+    def _admit(self, s, kept):
+        cfg = s.config
+        p, t, k = s.published, s.next_step, cfg.max_staleness
+        tbs, G = cfg.train_batch_size, cfg.group_size
+        room = s.admission_room(cfg.rollout_batch_size)
+        if not room:
+            return []
+        free = Counter()
+        for i in kept:
+            free[s.slices[i].version] += s.free_slots(s.slices[i])
+        versions = sorted({s.slices[i].version for i in kept})
+        if not versions:
+            return []
+        counts, pend = s.unconsumed_by_version(), s.pending_by_version()
+
+        def ok(w):
+            return (w == p or w + k > t) and admission_feasible(counts, w, t, k, tbs)
+
+        def pick():
+            newest = versions[-1]  # newest resident version
+            if ok(newest) and free[newest] - pend[newest] > 0:
+                return newest
+            for w in reversed(versions[:-1]):  # top-up idle old-version slots
+                if free[w] - pend[w] >= G and ok(w):
+                    return w
+            return newest if ok(newest) else None
+
+        acts = []
+        for _ in range(room):
+            w = pick()
+            if w is None:
+                break
+            acts.append(s.do_admit(w))
+            counts[w] += 1
+            pend[w] += G
+        return acts
+
+    def check(self, s, req):
+        cfg = s.config
+        tbs, k, t, p = cfg.train_batch_size, cfg.max_staleness, s.next_step, s.published
+        req(len(s.groups) <= cfg.rollout_batch_size, "dora: more than RBS in flight")
+        counts, cum = s.unconsumed_by_version(), 0
+        for v in sorted(v for v, c in counts.items() if c > 0):
+            cum += counts[v]
+            req(cum <= tbs * (v + k - t + 1), f"dora: infeasible backlog at version {v}")
+        lo = p - k - (0 if s.settled else 1)  # just after a publish, before decide()
+        for sl in s.slices:
+            v = sl.effective_version
+            req(v is None or lo <= v <= p,
+                f"dora: slice {sl.slice_id} on v{v} outside window [{lo}, {p}]")
+        serving = {sl.version for sl in s.slices if sl.serving}
+        for w, n in s.unfinished_by_version().items():
+            req(n <= 0 or w in serving, f"dora: version {w} has work but no slice")

@@ -1,0 +1,293 @@
+"""`FakeRun`: a deterministic, tick-based driver of the Scheduler with a fake engine.
+
+Each busy slot produces one token per tick; a sample of length L finishes after L
+ticks of decoding; LoadVersion / InterruptReload take `load_ticks` (a slice being
+reloaded decodes nothing); a train step takes `train_ticks`; Migrate moves the
+request with its progress. The driver executes actions, feeds events back, checks
+engine-level C1 and writes a ledger of admit / consume records in the format of
+`dora_jax.coordinator.ledger` (time = tick, prompt id = group id).
+
+Time is simulated event to event (jumping over ticks in which nothing finishes),
+which gives exactly the tick-by-tick result at a fraction of the cost.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence, Union
+
+from .core import Scheduler
+from .types import (Admit, Assign, InterruptReload, LoadVersion, Migrate,
+                    SchedulerConfig, TrainBatch)
+
+
+class LivenessError(RuntimeError):
+    """The run cannot progress (deadlock) or exceeded its tick budget."""
+
+
+@dataclass
+class _Request:
+    group_id: int
+    sample: int
+    length: int
+    produced: int = 0
+    segments: list = field(default_factory=list)  # [[version, tokens], ...]
+    slices: list = field(default_factory=list)
+
+
+@dataclass
+class _Slice:
+    version: Optional[int] = 0
+    loading: Optional[int] = None
+    load_left: int = 0
+    requests: dict = field(default_factory=dict)  # (gid, k) -> _Request
+
+
+def lengths_from_seed(seed: int, kind: str = "long_tail", max_len: int = 64) -> Callable:
+    """Sample lengths as a pure function of (seed, group, sample), for tests and demos.
+
+    kinds: "const" (always max_len), "uniform" (1..max_len), "long_tail" (mostly
+    short, a few near max_len: Pareto-like)."""
+    def length(gid: int, k: int) -> int:
+        rng = random.Random(f"{seed}:{gid}:{k}")
+        if kind == "const":
+            return max_len
+        if kind == "uniform":
+            return rng.randint(1, max_len)
+        if kind == "long_tail":
+            return max(1, min(max_len, int(rng.paretovariate(1.2) * max_len / 20)))
+        raise ValueError(f"kind must be const, uniform or long_tail, got {kind!r}")
+    return length
+
+
+class FakeRun:
+    """Drive a `Scheduler` with a fake engine and trainer.
+
+    Args:
+      config: the scheduler config.
+      lengths: sample length in tokens (>= 1), as `f(group_id, sample)` or a nested
+        sequence `lengths[group_id][sample]`.
+      load_ticks: ticks per LoadVersion / InterruptReload (>= 0).
+      train_ticks: ticks per train step (>= 1).
+      check: call `Scheduler.check_invariants()` after every event and decide().
+    """
+
+    def __init__(self, config: SchedulerConfig,
+                 lengths: Union[Callable[[int, int], int], Sequence],
+                 load_ticks: int = 1, train_ticks: int = 1, check: bool = True):
+        if load_ticks < 0 or train_ticks < 1:
+            raise ValueError("load_ticks must be >= 0 and train_ticks >= 1")
+        self.config = config
+        self.sched = Scheduler(config)
+        self._length = lengths if callable(lengths) else (lambda g, k: lengths[g][k])
+        self.load_ticks, self.train_ticks, self.check = load_ticks, train_ticks, check
+        self.tick = 0
+        self._started = False
+        self.slices = [_Slice() for _ in range(config.num_slices)]
+        self.group_version: dict[int, int] = {}
+        self.done: dict[tuple, _Request] = {}  # finished samples, for provenance
+        self.trainer: Optional[list] = None  # [step, ticks left]
+        self.steps_done = 0
+        self.ledger: list[dict] = []
+        self.stats = dict(trainer_wait_ticks=0, busy_slot_ticks=0, migrations=0,
+                          loads=0, interrupt_reloads=0, max_resident_versions=0)
+
+    # ------------------------------------------------------------------ running
+
+    def run(self, num_steps: int, max_ticks: int = 10**7) -> dict:
+        """Run until `num_steps` train steps have finished; return `summary()`.
+
+        Raises LivenessError on deadlock or when the run passes tick `max_ticks`."""
+        self.start()
+        while self.steps_done < num_steps:
+            self.advance(max_ticks)
+        return self.summary()
+
+    def start(self):
+        """Take the decisions of tick 0 (idempotent)."""
+        if not self._started:
+            self._started = True
+            self._settle([])
+
+    def advance(self, max_ticks: int = 10**7):
+        """Jump to the next tick at which something completes and handle it."""
+        self.start()
+        active = [r for sl in self.slices if sl.loading is None for r in sl.requests.values()]
+        waits = [r.length - r.produced for r in active]
+        waits += [sl.load_left for sl in self.slices if sl.loading is not None]
+        if self.trainer is not None:
+            waits.append(self.trainer[1])
+        if not waits:
+            raise LivenessError(f"deadlock at tick {self.tick}: nothing in progress")
+        dt = min(waits)
+        if self.tick + dt > max_ticks:
+            raise LivenessError(f"tick budget {max_ticks} exceeded")
+        self.tick += dt
+        if self.trainer is None:
+            self.stats["trainer_wait_ticks"] += dt
+        self.stats["busy_slot_ticks"] += dt * len(active)
+        events = []
+        for i, sl in enumerate(self.slices):
+            if sl.loading is not None:
+                sl.load_left -= dt
+                if sl.load_left == 0:
+                    events.append(("loaded", i, sl.loading))
+                continue
+            done = []
+            for key, r in sl.requests.items():
+                r.produced += dt
+                r.segments[-1][1] += dt
+                if r.produced == r.length:
+                    done.append(key)
+            events += [("finished", i, key) for key in sorted(done)]
+        if self.trainer is not None:
+            self.trainer[1] -= dt
+            if self.trainer[1] == 0:
+                events.append(("step", self.trainer[0]))
+        self._settle(events)
+
+    def restart_engines(self):
+        """Simulate a runtime restart: all in-flight requests and loads are lost, the
+        scheduler requeues them (`Scheduler.requeue_inflight`), and decoding resumes."""
+        for sl in self.slices:
+            sl.requests.clear()
+            if sl.loading is not None:
+                sl.version, sl.loading, sl.load_left = None, None, 0
+        self.sched.requeue_inflight()
+        self._started = True
+        self._settle([])
+
+    def _settle(self, events: list):
+        """Deliver events, then decide and execute until nothing more happens now
+        (zero-tick loads complete immediately)."""
+        while True:
+            for ev in events:
+                self._deliver(ev)
+            acts = self.sched.decide()
+            if self.check:
+                self.sched.check_invariants()
+            events = []
+            for a in acts:
+                events += self._execute(a)
+            self._observe()
+            if not events:
+                return
+
+    def _deliver(self, ev):
+        kind = ev[0]
+        if kind == "loaded":
+            _, i, v = ev
+            sl = self.slices[i]
+            sl.version, sl.loading = v, None
+            for r in sl.requests.values():  # only after an InterruptReload
+                r.segments.append([v, 0])
+            self.sched.version_loaded(i, v)
+        elif kind == "finished":
+            _, i, (gid, k) = ev
+            r = self.slices[i].requests.pop((gid, k))
+            self.done[(gid, k)] = r
+            self.sched.sample_finished(gid, k, num_tokens=r.length)
+        else:
+            self.trainer = None
+            self.steps_done += 1
+            self.sched.step_finished(ev[1])
+        if self.check:
+            self.sched.check_invariants()
+
+    # ------------------------------------------------------------------ actions
+
+    def _execute(self, a) -> list:
+        """Apply one action to the fake engine; return immediate events."""
+        mode = self.config.mode
+        if isinstance(a, Admit):
+            self.group_version[a.group_id] = a.version
+            self.ledger.append(dict(event="admit", group_id=a.group_id, prompt_id=a.group_id,
+                                    version=a.version, time=self.tick))
+        elif isinstance(a, Assign):
+            sl = self.slices[a.slice_id]
+            assert sl.loading is None and len(sl.requests) < self.config.slots_per_slice
+            if mode != "partial_rollout":  # engine-level C1
+                assert sl.version == self.group_version[a.group_id], a
+            length = int(self._length(a.group_id, a.sample))
+            assert length >= 1, "sample lengths must be >= 1"
+            sl.requests[(a.group_id, a.sample)] = _Request(
+                a.group_id, a.sample, length, segments=[[sl.version, 0]], slices=[a.slice_id])
+        elif isinstance(a, Migrate):
+            src, dst = self.slices[a.src_slice], self.slices[a.dst_slice]
+            assert src.loading is None and dst.loading is None, a
+            assert src.version == dst.version, f"C1: migrate across versions {a}"
+            assert len(dst.requests) < self.config.slots_per_slice, a
+            r = src.requests.pop((a.group_id, a.sample))
+            r.slices.append(a.dst_slice)
+            dst.requests[(a.group_id, a.sample)] = r
+            self.stats["migrations"] += 1
+        elif isinstance(a, (LoadVersion, InterruptReload)):
+            sl = self.slices[a.slice_id]
+            if isinstance(a, LoadVersion):
+                assert not sl.requests, f"C1: params changed under running requests {a}"
+                self.stats["loads"] += 1
+            else:
+                assert mode == "partial_rollout", a
+                self.stats["interrupt_reloads"] += 1
+            sl.loading, sl.load_left = a.version, self.load_ticks
+            if self.load_ticks == 0:
+                return [("loaded", a.slice_id, a.version)]
+        elif isinstance(a, TrainBatch):
+            assert self.trainer is None and len(a.group_ids) == self.config.train_batch_size
+            self.trainer = [a.step, self.train_ticks]
+            for gid in a.group_ids:
+                self._record_consume(gid, a.step)
+        else:  # pragma: no cover
+            raise TypeError(a)
+        return []
+
+    def _record_consume(self, gid: int, step: int):
+        samples = []
+        for k in range(self.config.group_size):
+            r = self.done[(gid, k)]  # KeyError = an unfinished sample was trained (C2)
+            assert r.produced == r.length, "C2: incomplete trajectory trained"
+            rle = []
+            for v, n in r.segments:
+                if n == 0:
+                    continue
+                if rle and rle[-1][0] == v:
+                    rle[-1][1] += n
+                else:
+                    rle.append([v, n])
+            samples.append(dict(sample=k, versions=rle, slices=list(r.slices),
+                                response_len=r.length, finish="eos"))
+        self.ledger.append(dict(event="consume", group_id=gid, prompt_id=gid, step=step,
+                                version=self.group_version[gid], time=self.tick,
+                                samples=samples))
+
+    def _observe(self):
+        vs = {sl.loading if sl.loading is not None else sl.version for sl in self.slices}
+        self.stats["max_resident_versions"] = max(self.stats["max_resident_versions"],
+                                                  len(vs - {None}))
+
+    # ------------------------------------------------------------------ results
+
+    def unconsumed_records(self) -> list[dict]:
+        """Ledger records for the groups still in flight (written at exit)."""
+        return [dict(event="unconsumed", group_id=gid, version=g.version)
+                for gid, g in self.sched.groups.items()]
+
+    def consumed(self) -> dict:
+        """step -> list of group ids consumed by that step, in batch order."""
+        out: dict[int, list] = {}
+        for rec in self.ledger:
+            if rec["event"] == "consume":
+                out.setdefault(rec["step"], []).append(rec["group_id"])
+        return out
+
+    def summary(self) -> dict:
+        """Run statistics: ticks, steps, trainer wait, slot utilisation, counts."""
+        slot_ticks = self.tick * self.config.total_slots
+        cons = [r for r in self.ledger if r["event"] == "consume"]
+        return dict(
+            self.stats, ticks=self.tick, steps=self.steps_done,
+            slot_utilisation=self.stats["busy_slot_ticks"] / slot_ticks if slot_ticks else 0.0,
+            admitted=sum(r["event"] == "admit" for r in self.ledger),
+            consumed=len(cons),
+            max_staleness=max((r["step"] - r["version"] for r in cons), default=0))

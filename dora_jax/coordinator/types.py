@@ -1,0 +1,204 @@
+"""Plain data for the scheduling core: configuration, actions and state records.
+
+Nothing here has behaviour beyond validation; the `Scheduler` (core.py) owns the
+state records and the policies (policies.py, dora.py) read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+MODES = ("sync", "one_step_off", "partial_rollout", "dora")
+
+# Sample status values. Strings rather than an Enum so a snapshot is plain JSON.
+PENDING = "pending"
+RUNNING = "running"
+FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Static shape of a run, shared by all four modes.
+
+    Attributes:
+      mode: one of `MODES`.
+      num_slices: number of decode slices S.
+      slots_per_slice: concurrent requests per slice (same for every slice).
+      group_size: samples per group G (the GRPO group).
+      train_batch_size: TBS, groups consumed by one train step.
+      rollout_batch_size: RBS, target number of admitted-but-unconsumed groups
+        (used by `partial_rollout` and `dora`; `sync` and `one_step_off` admit whole
+        batches of TBS and ignore it).
+      max_staleness: K, a group of version w may be consumed by step t only if
+        t - w <= K (enforced by `dora`; `sync` behaves as K=0 and `one_step_off` as
+        K=1 whatever this says; `partial_rollout` does not bound it).
+      max_groups: optional cap on the total number of groups ever admitted (dataset
+        size or run budget). None = unbounded.
+    """
+
+    mode: str
+    num_slices: int
+    slots_per_slice: int
+    group_size: int
+    train_batch_size: int
+    rollout_batch_size: int
+    max_staleness: int
+    max_groups: Optional[int] = None
+
+    def __post_init__(self):
+        # Each message starts with the field name so callers (and tests) can tell
+        # which knob is wrong.
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.num_slices < 1:
+            raise ValueError(f"num_slices must be >= 1, got {self.num_slices}")
+        if self.slots_per_slice < 1:
+            raise ValueError(f"slots_per_slice must be >= 1, got {self.slots_per_slice}")
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+        if self.group_size > self.num_slices * self.slots_per_slice:
+            raise ValueError(
+                f"group_size ({self.group_size}) must be <= num_slices * slots_per_slice "
+                f"({self.num_slices * self.slots_per_slice})")
+        if self.train_batch_size < 1:
+            raise ValueError(f"train_batch_size must be >= 1, got {self.train_batch_size}")
+        if self.rollout_batch_size < self.train_batch_size:
+            raise ValueError(
+                f"rollout_batch_size ({self.rollout_batch_size}) must be >= "
+                f"train_batch_size ({self.train_batch_size})")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.max_groups is not None and self.max_groups < 0:
+            raise ValueError(f"max_groups must be >= 0 or None, got {self.max_groups}")
+
+    @property
+    def total_slots(self) -> int:
+        return self.num_slices * self.slots_per_slice
+
+    @property
+    def effective_max_staleness(self) -> Optional[int]:
+        """The staleness bound the mode guarantees (None: not bounded by the mode)."""
+        return {"sync": 0, "one_step_off": 1, "dora": self.max_staleness}.get(self.mode)
+
+
+# ---------------------------------------------------------------------------
+# Actions: what `Scheduler.decide()` asks the runtime to do, in list order.
+
+
+@dataclass(frozen=True)
+class Admit:
+    """Admit a new group (next prompt from the data source) tagged with `version`."""
+
+    group_id: int
+    version: int
+
+
+@dataclass(frozen=True)
+class Assign:
+    """Start generating sample `sample` of `group_id` on `slice_id`.
+
+    The slice holds the group's version (except in partial_rollout, where it holds
+    whatever is newest) and had a free slot; the slot is taken from now on.
+    """
+
+    group_id: int
+    sample: int
+    slice_id: int
+
+
+@dataclass(frozen=True)
+class Migrate:
+    """Move an in-flight request, with its KV cache and progress, between two slices
+    holding the same version. The core treats it as instantaneous: the runtime must
+    complete it before executing later actions of the same list."""
+
+    group_id: int
+    sample: int
+    src_slice: int
+    dst_slice: int
+
+
+@dataclass(frozen=True)
+class LoadVersion:
+    """Load params `version` onto an empty slice. The slice serves nothing until
+    `version_loaded(slice_id, version)`. May be issued to a slice that is still
+    loading: the new target supersedes the old one (report only the latest)."""
+
+    slice_id: int
+    version: int
+
+
+@dataclass(frozen=True)
+class InterruptReload:
+    """partial_rollout only: pause the slice, load `version`, re-prefill its in-flight
+    requests (prompt + tokens so far) and continue them under the new version once
+    `version_loaded(slice_id, version)` is reported."""
+
+    slice_id: int
+    version: int
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    """Run train step `step` on exactly TBS groups, ordered oldest version first.
+    Report `step_finished(step)` when params of version step+1 are published."""
+
+    step: int
+    group_ids: tuple
+
+
+Action = Union[Admit, Assign, Migrate, LoadVersion, InterruptReload, TrainBatch]
+
+
+# ---------------------------------------------------------------------------
+# State records held by the Scheduler. Mutable, but only the Scheduler mutates them;
+# policies and runtimes treat them as read-only.
+
+
+@dataclass
+class SampleState:
+    """One sample (trajectory) of a group."""
+
+    status: str = PENDING
+    slice_id: Optional[int] = None  # set while RUNNING
+    versions: list = field(default_factory=list)  # versions it ran under, in order
+    slices: list = field(default_factory=list)  # slices it ran on, in order
+    num_tokens: Optional[int] = None  # reported by sample_finished, informational
+
+
+@dataclass
+class GroupState:
+    """An admitted, not yet consumed group."""
+
+    group_id: int
+    version: int
+    samples: list
+    n_pending: int = 0
+    n_running: int = 0
+    n_finished: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.n_finished == len(self.samples)
+
+
+@dataclass
+class SliceState:
+    """A decode slice as the scheduler sees it."""
+
+    slice_id: int
+    version: Optional[int]  # resident params; None = holds no params
+    loading: Optional[int] = None  # target version while a load is in progress
+    interrupted: bool = False  # the load is an InterruptReload (requests kept, paused)
+    running: set = field(default_factory=set)  # {(group_id, sample)}
+
+    @property
+    def serving(self) -> bool:
+        """True if the slice can take new requests of its resident version."""
+        return self.loading is None and self.version is not None
+
+    @property
+    def effective_version(self) -> Optional[int]:
+        """The version the slice holds or is about to hold."""
+        return self.loading if self.loading is not None else self.version

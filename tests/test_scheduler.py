@@ -1,0 +1,214 @@
+"""Deterministic example tests of the scheduling core (dora_jax.coordinator)."""
+
+import json
+
+import pytest
+
+from dora_jax.coordinator import (MODES, Admit, Assign, FakeRun, InterruptReload,
+                                  LoadVersion, Scheduler, SchedulerConfig, TrainBatch,
+                                  lengths_from_seed)
+
+
+def config(mode="dora", **kw):
+    base = dict(mode=mode, num_slices=4, slots_per_slice=4, group_size=4,
+                train_batch_size=4, rollout_batch_size=8, max_staleness=2)
+    return SchedulerConfig(**{**base, **kw})
+
+
+def long_tail(g, k):
+    # One straggler per group of four: what makes synchronous RL wait.
+    return 120 if (g % 4 == 0 and k == 0) else 6
+
+
+@pytest.mark.parametrize("field,value", [
+    ("mode", "async"), ("num_slices", 0), ("slots_per_slice", 0), ("group_size", 0),
+    ("group_size", 17), ("train_batch_size", 0), ("rollout_batch_size", 3),
+    ("max_staleness", -1), ("max_groups", -1),
+])
+def test_config_validation_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        config(**{field: value})
+
+
+def test_sync_api_walkthrough():
+    """The event/decide protocol on the smallest sync run, action by action."""
+    s = Scheduler(config("sync", num_slices=1, slots_per_slice=2, group_size=2,
+                         train_batch_size=1, rollout_batch_size=1))
+    assert s.decide() == [Admit(0, 0), Assign(0, 0, 0), Assign(0, 1, 0)]
+    assert s.decide() == []
+    s.sample_finished(0, 0, num_tokens=5)
+    assert s.decide() == []
+    s.sample_finished(0, 1)
+    assert s.decide() == [TrainBatch(0, (0,))]
+    s.step_finished(0)
+    assert s.decide() == [LoadVersion(0, 1), Admit(1, 1)]
+    s.version_loaded(0, 1)
+    assert s.decide() == [Assign(1, 0, 0), Assign(1, 1, 0)]
+    s.check_invariants()
+
+
+def test_event_validation():
+    s = Scheduler(config("sync"))
+    s.decide()
+    with pytest.raises(ValueError):
+        s.sample_finished(99, 0)
+    with pytest.raises(ValueError):
+        s.step_finished(0)  # no step running
+    with pytest.raises(ValueError):
+        s.version_loaded(0, 0)  # not loading
+    s.sample_finished(0, 0)
+    with pytest.raises(ValueError):
+        s.sample_finished(0, 0)  # already finished
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_decide_is_idempotent(mode):
+    run = FakeRun(config(mode), lengths_from_seed(3, "long_tail", 80), load_ticks=2,
+                  train_ticks=7)
+    decide = run.sched.decide
+    calls = []
+
+    def twice():
+        out = decide()
+        calls.append(len(out))
+        assert decide() == []
+        return out
+
+    run.sched.decide = twice
+    run.run(6)
+    assert sum(calls) > 0
+
+
+def test_sync_trains_on_policy_and_one_step_off_one_behind():
+    for mode, lag in (("sync", lambda t: t), ("one_step_off", lambda t: max(t - 1, 0))):
+        run = FakeRun(config(mode), long_tail, load_ticks=3, train_ticks=10)
+        run.run(6)
+        for rec in (r for r in run.ledger if r["event"] == "consume"):
+            assert rec["version"] == lag(rec["step"]), (mode, rec)
+            assert rec["group_id"] // 4 == rec["step"]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dora_k0_equals_sync(seed):
+    lengths = lengths_from_seed(seed, "long_tail", 90)
+    runs = {m: FakeRun(config(m, max_staleness=0), lengths, load_ticks=2, train_ticks=9)
+            for m in ("sync", "dora")}
+    for r in runs.values():
+        r.run(8)
+    assert runs["dora"].consumed() == runs["sync"].consumed()
+    assert runs["dora"].consumed()[7] == list(range(28, 32))
+
+
+def test_dora_waits_less_than_sync_on_long_tail():
+    stats = {}
+    for mode in ("sync", "one_step_off", "dora"):
+        run = FakeRun(config(mode, rollout_batch_size=12), long_tail, load_ticks=2,
+                      train_ticks=15)
+        stats[mode] = run.run(12)
+    assert stats["dora"]["trainer_wait_ticks"] < stats["sync"]["trainer_wait_ticks"]
+    assert stats["dora"]["ticks"] < stats["sync"]["ticks"]
+    assert stats["dora"]["max_staleness"] <= 2
+    assert stats["dora"]["max_resident_versions"] <= 3
+
+
+def test_partial_rollout_trajectory_crossing_a_publish_mixes_versions():
+    # Group 0 finishes at once and is trained while group 1 (50 tokens) is still
+    # decoding, so group 1 must continue under version 1 after the interrupt.
+    cfg = config("partial_rollout", num_slices=1, slots_per_slice=2, group_size=1,
+                 train_batch_size=1, rollout_batch_size=2, max_staleness=0)
+    run = FakeRun(cfg, lambda g, k: 1 if g == 0 else 50, load_ticks=1, train_ticks=2)
+    run.run(2)
+    rec = next(r for r in run.ledger if r["event"] == "consume" and r["group_id"] == 1)
+    versions = rec["samples"][0]["versions"]
+    assert [v for v, _ in versions][:2] == [0, 1] and sum(n for _, n in versions) == 50
+    assert run.stats["interrupt_reloads"] >= 1
+
+
+def test_interrupt_reload_only_in_partial_rollout():
+    for mode in ("sync", "one_step_off", "dora"):
+        run = FakeRun(config(mode), long_tail, load_ticks=1, train_ticks=3)
+        run.run(5)
+        assert run.stats["interrupt_reloads"] == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_snapshot_restore_mid_run_continues_identically(mode):
+    cfg = config(mode, rollout_batch_size=10, max_staleness=2)
+    lengths = lengths_from_seed(11, "long_tail", 70)
+
+    def make():
+        return FakeRun(cfg, lengths, load_ticks=2, train_ticks=8)
+
+    ref = make()
+    ref.run(8)
+    run = make()
+    for _ in range(25):
+        run.advance()
+    snap = json.loads(json.dumps(run.sched.snapshot()))  # plain JSON data
+    restored = Scheduler.restore(snap)
+    assert restored.snapshot() == snap
+    restored.check_invariants()
+    run.sched = restored
+    run.run(8)
+    assert run.ledger == ref.ledger
+    assert run.summary() == ref.summary()
+
+
+def test_restore_rejects_unknown_format():
+    snap = Scheduler(config()).snapshot()
+    snap["format"] = 99
+    with pytest.raises(ValueError):
+        Scheduler.restore(snap)
+
+
+def test_dora_migrates_and_keeps_versions_apart():
+    run = FakeRun(config("dora", num_slices=8, slots_per_slice=4, rollout_batch_size=12,
+                         max_staleness=2), long_tail, load_ticks=2, train_ticks=15)
+    run.run(12)
+    assert run.stats["migrations"] > 0  # stragglers consolidated to free slices
+    for rec in (r for r in run.ledger if r["event"] == "consume"):
+        for smp in rec["samples"]:
+            assert smp["versions"] == [[rec["version"], smp["response_len"]]]
+
+
+def test_requeue_inflight_after_restart():
+    run = FakeRun(config("dora"), long_tail, load_ticks=2, train_ticks=5)
+    run.start()
+    for _ in range(10):
+        run.advance()
+    in_flight = sum(len(sl.running) for sl in run.sched.slices)
+    assert in_flight > 0
+    run.restart_engines()
+    run.run(6)
+    ids = [r["group_id"] for r in run.ledger if r["event"] == "consume"]
+    assert len(ids) == len(set(ids))
+
+
+def test_interrupt_reload_action_shape():
+    s = Scheduler(config("partial_rollout", num_slices=1, slots_per_slice=2, group_size=1,
+                         train_batch_size=1, rollout_batch_size=2))
+    acts = s.decide()
+    assert acts == [Admit(0, 0), Admit(1, 0), Assign(0, 0, 0), Assign(1, 0, 0)]
+    s.sample_finished(0, 0)
+    assert s.decide() == [TrainBatch(0, (0,)), Admit(2, 0), Assign(2, 0, 0)]
+    s.step_finished(0)
+    assert s.decide() == [InterruptReload(0, 1)]  # RBS groups already in flight
+    s.version_loaded(0, 1)
+    s.check_invariants()
+    assert s.groups[1].samples[0].versions == [0, 1]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fake_ledger_passes_the_project_auditor(mode):
+    """FakeRun writes the ledger format of dora_jax.coordinator.ledger, so the same
+    external auditor checks it: C2, C3 and batch size hold in every mode; C1 in all
+    but partial_rollout, which breaks it by design on this long-tailed workload."""
+    from dora_jax.coordinator import ledger
+
+    cfg = config(mode, rollout_batch_size=12)
+    run = FakeRun(cfg, long_tail, load_ticks=2, train_ticks=15)
+    run.run(8)
+    rep = ledger.audit(run.ledger + run.unconsumed_records(), train_batch_size=4,
+                       group_size=4, max_staleness=cfg.effective_max_staleness)
+    assert not (rep.c2 or rep.c3 or rep.batch_size), rep.summary()
+    assert bool(rep.c1) == (mode == "partial_rollout"), rep.summary()
