@@ -302,7 +302,8 @@ def validate_mesh(c: ml_collections.ConfigDict, num_devices: int | None) -> Mesh
     if num_devices is not None and mesh.total_devices > num_devices:
         _fail("mesh", f"trainer ({mesh.trainer_devices}) + {mesh.num_slices} slices x "
                       f"{mesh.slice_devices} devices = {mesh.total_devices}, but only "
-                      f"{num_devices} devices are available")
+                      f"{num_devices} devices are available (on a CPU, fake them with "
+                      f"XLA_FLAGS=--xla_force_host_platform_device_count={mesh.total_devices})")
     return mesh
 
 

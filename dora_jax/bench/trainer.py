@@ -1,0 +1,164 @@
+"""Train-step throughput: `Trainer.train_step` vs a minimal plain optax loop.
+
+Both run the same model, the same batch and the same objective (GRPO advantages, PPO
+clip against behaviour log-probs, token-mean) with the same AdamW + clipping, one
+optimizer update per step. The plain loop is `jax.jit` + optax with no sharding
+annotations, no metrics and no micro-batch machinery, on one device. The trainer runs
+on the config's trainer mesh (`--mesh=config`) or on a one-device mesh
+(`--mesh=single`, which isolates the cost of the trainer's machinery); `--mesh=both`
+runs both. Rounds alternate between the contenders so that load from other
+processes hits them alike; the median round is reported.
+
+  python -m dora_jax.bench.trainer [--config=configs/tiny.py[:variant]] [--mesh=both]
+"""
+
+from __future__ import annotations
+
+import os
+
+# On a CPU host, fake the devices the configs' meshes expect (no effect elsewhere).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import argparse
+import dataclasses
+import importlib.util
+import statistics
+import time
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from dora_jax import config as config_lib
+from dora_jax.model import transformer
+from dora_jax.rl import losses
+from dora_jax.rl.batch import TrainBatch, Trajectory
+from dora_jax.rl.optimizer import make_optimizer
+from dora_jax.rl.trainer import Trainer, compute_advantages
+
+
+def load_config(spec: str) -> config_lib.Config:
+    """`path/to/config.py[:variant]` -> validated Config."""
+    path, _, variant = spec.partition(":")
+    mod_spec = importlib.util.spec_from_file_location("bench_config", path)
+    module = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(module)
+    return config_lib.validate(module.get_config(variant or None), len(jax.devices()))
+
+
+def synthetic_batch(cfg: config_lib.Config, num_groups: int, group_size: int, seed: int = 0):
+    """Random prompts/responses filling most of the largest bucket."""
+    rng = np.random.default_rng(seed)
+    T = cfg.trainer.length_buckets[-1]
+    V = cfg.model.vocab_size
+    trajs = []
+    for g in range(num_groups):
+        prompt = rng.integers(2, V, max(1, T // 4)).tolist()
+        for _ in range(group_size):
+            n = int(rng.integers(T // 2, T - len(prompt) + 1))
+            logp = np.minimum(np.log(1.0 / V) + 0.3 * rng.standard_normal(n), 0.0)
+            trajs.append(Trajectory(prompt, rng.integers(2, V, n).tolist(), logp.tolist(),
+                                    float(rng.random()), g, 0))
+    return TrainBatch.from_trajectories(trajs, group_size=group_size,
+                                        length_buckets=cfg.trainer.length_buckets)
+
+
+def plain_optax_step(cfg: config_lib.Config, graphdef, group_size: int):
+    """The reference loop's step: jit + optax, nothing else."""
+    t = cfg.trainer
+    tx = make_optimizer(t)
+
+    def loss_fn(params, tokens, mask, behav, rewards):
+        logits = transformer.apply(graphdef, params, tokens)[0]
+        logp = transformer.token_logprobs(logits, tokens, cfg.rollout.temperature)
+        adv = compute_advantages(rewards, group_size, t.advantage)
+        loss_BT, _ = losses.ppo_clip_loss(logp, behav, adv, mask, clip_low=t.clip_low,
+                                          clip_high=t.clip_high, dual_clip=t.dual_clip)
+        return losses.aggregate_loss(loss_BT, mask, t.loss_agg_mode)
+
+    def step(params, opt_state, tokens, mask, behav, rewards):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, mask, behav, rewards)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return tx, jax.jit(step, donate_argnums=(0, 1))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=os.path.join("configs", "tiny.py"))
+    p.add_argument("--mesh", choices=("config", "single", "both"), default="both")
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--group_size", type=int, default=8)
+    p.add_argument("--steps", type=int, default=5, help="steps per round")
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args(argv)
+
+    cfg = load_config(args.config)
+    # One optimizer update per step on both sides; no optional terms the plain loop lacks.
+    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(
+        cfg.trainer, micro_batches=1, num_minibatches=1, kl_coef=0.0, tis_cap=None))
+    batch = synthetic_batch(cfg, args.groups, args.group_size)
+    tokens_per_step = int(batch.seq_lens_B.sum())
+    print(f"backend={jax.default_backend()} devices={len(jax.devices())} "
+          f"batch B={batch.batch_size} T={batch.length} tokens/step={tokens_per_step} "
+          f"params={transformer.count_params(transformer.abstract_params(cfg.model)[1]):,}")
+
+    graphdef, params0 = transformer.create(cfg.model, cfg.seed)
+    host_params = jax.device_get(params0)
+    runners = {}
+    def mesh_of(shape):
+        devices = jax.devices()[:int(np.prod(shape))]
+        return Mesh(np.array(devices).reshape(shape), config_lib.TRAINER_MESH_AXES)
+
+    meshes = {"single": mesh_of((1, 1, 1, 1))}
+    trainer_shape = tuple(cfg.mesh.trainer[a] for a in config_lib.TRAINER_MESH_AXES)
+    if np.prod(trainer_shape) <= len(jax.devices()):
+        meshes["config"] = mesh_of(trainer_shape)
+    elif args.mesh != "single":
+        print(f"only {len(jax.devices())} devices: the config's trainer mesh "
+              f"{trainer_shape} does not fit; running the one-device mesh only")
+        args.mesh = "single"
+    for name in (("config", "single") if args.mesh == "both" else (args.mesh,)):
+        tr = Trainer(cfg, meshes[name], params=jax.device_put(host_params), graphdef=graphdef)
+        shape = "x".join(str(v) for v in meshes[name].shape.values())
+        runners[f"trainer[{name} mesh {shape}]"] = (
+            lambda tr=tr: tr.train_step(batch), lambda tr=tr: tr.params)
+
+    tx, step = plain_optax_step(cfg, graphdef, batch.group_size)
+    plain = {"params": jax.device_put(host_params)}
+    plain["opt"] = tx.init(plain["params"])
+    arrays = (batch.tokens_BT, batch.loss_mask_BT, batch.behaviour_logp_BT, batch.rewards_B)
+
+    def plain_step():
+        plain["params"], plain["opt"], loss = step(plain["params"], plain["opt"], *arrays)
+        return loss
+
+    runners["plain optax"] = (plain_step, lambda: plain["params"])
+
+    for name, (run, result) in runners.items():  # compile + warm up
+        t0 = time.perf_counter()
+        jax.block_until_ready((run(), result()))
+        print(f"  {name}: first step (compile) {time.perf_counter() - t0:.1f}s")
+    times = {name: [] for name in runners}
+    for _ in range(args.rounds):
+        for name, (run, result) in runners.items():
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                out = run()
+            jax.block_until_ready((out, result()))
+            times[name].append((time.perf_counter() - t0) / args.steps)
+    rates = {name: tokens_per_step / statistics.median(ts) for name, ts in times.items()}
+    for name, rate in rates.items():
+        print(f"{name:>40s}: {rate:12,.0f} tokens/s  ({statistics.median(times[name]) * 1e3:.1f} "
+              f"ms/step, median of {args.rounds} rounds x {args.steps} steps)")
+    plain_rate = rates.pop("plain optax")
+    for name, rate in rates.items():
+        print(f"{name} / plain-optax: {rate / plain_rate:.2f}")
+    headline = next(iter(rates.values()))  # the sharded (config-mesh) trainer when run
+    print(f"trainer/plain-optax tokens/s ratio: {headline / plain_rate:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Orbax checkpoints of the train state (+ a JSON blob, e.g. the coordinator state).
+
+Layout per step: `<dir>/<step>/state` (the train-state pytree: params, optimizer
+state, step, version, optimizer-update count) and `<dir>/<step>/extra` (JSON).
+
+Saving is asynchronous: `save` returns once the arrays have been copied off the
+devices, and the files are written in the background. It is therefore safe to donate
+the saved state to the next train step right after `save` returns; call
+`wait_until_finished()` before reading the files (or exiting).
+
+Restoring takes an abstract target (ShapeDtypeStructs carrying shardings, e.g.
+`Trainer.abstract_state()` of a trainer built on the *new* mesh): the arrays are read
+straight into those shardings, so a checkpoint written on one trainer mesh shape
+restores onto another.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class Checkpointer:
+    """Thin wrapper over `orbax.checkpoint.CheckpointManager`.
+
+    Args:
+      directory: checkpoint root (created if missing; absolute path recommended).
+      max_to_keep: newest checkpoints kept; older ones are deleted. None keeps all.
+      save_interval_steps: `save` only writes when step % interval == 0 (unless forced).
+      async_save: write in the background (see module docstring).
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3,
+                 save_interval_steps: int = 1, async_save: bool = True):
+        self.directory = os.path.abspath(os.fspath(directory))
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, save_interval_steps=save_interval_steps,
+            enable_async_checkpointing=async_save, create=True)
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def save(self, step: int, state: Any, extra_json: dict | None = None, *,
+             force: bool = False) -> bool:
+        """Saves `state` (any pytree of arrays, e.g. a TrainState) and `extra_json`
+        (JSON-serialisable dict) as checkpoint `step`. Returns whether it saved
+        (False when skipped by `save_interval_steps`)."""
+        extra = {} if extra_json is None else dict(extra_json)
+        return self._manager.save(
+            int(step), force=force,
+            args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                    extra=ocp.args.JsonSave(extra)))
+
+    def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict]:
+        """Restores checkpoint `step` (default: the latest) into `target`'s structure,
+        shapes, dtypes and shardings. Returns `(state, extra_json)`.
+
+        `target` is a pytree of `jax.ShapeDtypeStruct(shape, dtype, sharding=...)` (or of
+        arrays, whose shardings are used). FileNotFoundError if there is no checkpoint.
+        """
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        if step not in self.all_steps():
+            raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; "
+                                    f"have {self.all_steps()}")
+        target = jax.tree.map(_abstract, target)
+        out = self._manager.restore(
+            int(step), args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                               extra=ocp.args.JsonRestore()))
+        return out.state, dict(out.extra or {})
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self._manager.all_steps())
+
+    def wait_until_finished(self):
+        """Blocks until every pending async save is on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self):
+        """Waits for pending saves and releases the manager."""
+        self._manager.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _abstract(x):
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))

@@ -1,0 +1,102 @@
+"""Builds every part of a run from a validated config and runs it.
+
+`run(cfg, workdir)` is what `python -m dora_jax.main` calls; tests call it too.
+The workdir receives ledger.jsonl, metrics.jsonl, timeline.png (+ timeline.json),
+summary.json and checkpoints/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable
+
+from dora_jax.checkpointing import Checkpointer
+from dora_jax.config import Config
+from dora_jax.coordinator.core import Scheduler
+from dora_jax.coordinator.ledger import LedgerWriter
+from dora_jax.coordinator.report import StepReporter
+from dora_jax.coordinator.runtime import Runtime
+from dora_jax.coordinator.types import SchedulerConfig
+from dora_jax.data import prompts as prompts_lib
+from dora_jax.data import tasks
+from dora_jax.model import sharding, transformer
+from dora_jax.rl.trainer import Trainer
+from dora_jax.rollout.slice import DecodeSlice
+from dora_jax.timeline import Timeline
+
+
+def prompt_records(cfg: Config) -> list[dict]:
+    """The prompt source named by `cfg.data`, validated."""
+    d, vocab = cfg.data, cfg.model.vocab_size
+    if d.source == "residue":
+        records = tasks.residue_prompts(d.num_prompts, vocab, prompt_len=d.prompt_len,
+                                        modulus=d.modulus, seed=cfg.seed)
+        return prompts_lib.in_memory(records, vocab)
+    if d.source == "jsonl":
+        records = prompts_lib.read_jsonl(d.path, vocab_size=vocab)
+    else:
+        raise NotImplementedError(
+            "data.source='tfds' needs a task-specific example->record mapping; build a "
+            "prompts.TfdsSource in code and pass it to experiment.run(records=...)")
+    too_long = [r["prompt_id"] for r in records if len(r["tokens"]) > cfg.rollout.max_prefill_length]
+    if too_long:
+        raise prompts_lib.DataError(
+            f"{len(too_long)} prompt(s) longer than rollout.max_prefill_length="
+            f"{cfg.rollout.max_prefill_length}, e.g. {too_long[:3]}")
+    return records
+
+
+def scheduler_config(cfg: Config, num_records: int) -> SchedulerConfig:
+    c = cfg.coordinator
+    max_groups = None if cfg.data.num_epochs is None else num_records * cfg.data.num_epochs
+    return SchedulerConfig(mode=c.mode, num_slices=cfg.mesh.num_slices,
+                           slots_per_slice=cfg.rollout.slots_per_slice,
+                           group_size=c.group_size, train_batch_size=c.train_batch_size,
+                           rollout_batch_size=c.rollout_batch_size,
+                           max_staleness=c.max_staleness, max_groups=max_groups)
+
+
+def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
+        on_step: Callable[[dict], None] = lambda record: None) -> dict:
+    """Runs `cfg.coordinator.num_steps` train steps end to end; returns the summary."""
+    os.makedirs(workdir, exist_ok=True)
+    records = prompt_records(cfg) if records is None else records
+    trainer_mesh, slice_meshes = sharding.make_meshes(cfg.mesh)
+    graphdef, params = transformer.create(cfg.model, cfg.seed)
+    slices = [DecodeSlice.create(i, mesh, cfg.model, cfg.rollout, rules=cfg.mesh.decode_rules)
+              for i, mesh in enumerate(slice_meshes)]
+    for sl in slices:  # every slice starts on version 0, as the scheduler assumes
+        sl.load_version(0, params)
+    trainer = Trainer(cfg, trainer_mesh, params=params, graphdef=graphdef)
+
+    stream = prompts_lib.PromptStream(prompts_lib.prompt_dataset(
+        records, seed=cfg.seed, shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs))
+    rewards = tasks.RewardPool(tasks.reward_fn(cfg.data.reward), cfg.coordinator.reward_threads)
+    ledger = LedgerWriter(os.path.join(workdir, "ledger.jsonl"))
+    reporter = StepReporter(os.path.join(workdir, "metrics.jsonl"), cfg.coordinator.group_size)
+    timeline = Timeline()
+    scheduler = Scheduler(scheduler_config(cfg, len(records)))
+    runtime = Runtime(cfg, scheduler, slices, trainer, stream, rewards, ledger, reporter,
+                      timeline, on_step=on_step)
+    try:
+        summary = runtime.run(cfg.coordinator.num_steps)
+    finally:
+        rewards.close()
+        ledger.close()
+        reporter.close()
+    summary["mode"] = cfg.coordinator.mode
+    timeline.save_json(os.path.join(workdir, "timeline.json"))
+    timeline.plot(os.path.join(workdir, "timeline.png"),
+                  title=f"{cfg.coordinator.mode}: slices coloured by policy version; "
+                        f"trainer steps on top")
+    with Checkpointer(os.path.join(workdir, "checkpoints")) as ckpt:
+        ckpt.save(trainer.version, trainer.state, {
+            "scheduler": scheduler.snapshot(),
+            "prompt_stream": stream.get_state(),
+            "groups": {str(gid): {"prompt_id": g.record["prompt_id"], "version": g.version}
+                       for gid, g in runtime.groups.items()},
+        }, force=True)
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return summary

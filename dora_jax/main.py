@@ -1,0 +1,40 @@
+"""Entry point: python -m dora_jax.main --config=configs/tiny.py --workdir=DIR.
+
+Every field can be overridden: --config.coordinator.mode=sync,
+--config.coordinator.max_staleness=2, ... On a CPU, fake the devices the config's
+mesh needs with XLA_FLAGS=--xla_force_host_platform_device_count=8.
+"""
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "configs/x.py[:variant]",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "ledger, metrics, timeline, checkpoints")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+    del argv
+    import jax
+    import tqdm
+
+    from dora_jax import config as config_lib, experiment
+
+    cfg = config_lib.validate(_CONFIG.value, num_devices=jax.device_count())
+    bar = tqdm.tqdm(total=cfg.coordinator.num_steps, desc=cfg.coordinator.mode, unit="step")
+
+    def on_step(r):
+        tokens_per_s = r["trained_tokens"] / max(r["step_time"] + r["trainer_wait"], 1e-9)
+        bar.set_postfix(step=r["step"], reward=f"{r['reward_mean']:.3f}",
+                        tok_s=f"{tokens_per_s:.0f}", versions=r["resident_versions"])
+        bar.update(1)
+
+    summary = experiment.run(cfg, _WORKDIR.value, on_step=on_step)
+    bar.close()
+    print("summary: " + ", ".join(f"{k}={v}" for k, v in summary.items()))
+    print(f"wrote {_WORKDIR.value}/ledger.jsonl, metrics.jsonl, timeline.png, checkpoints/")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,229 @@
+"""Train-batch format: finished trajectories -> padded numpy arrays for the train step.
+
+A batch is B = num_groups * group_size samples, group-contiguous (samples of one
+group are consecutive rows, groups in first-appearance order). Every row is
+`prompt + response` right-padded to one of a few length buckets, so the jitted step
+compiles once per bucket, not once per length. Right padding needs no attention
+mask: attention is causal, real tokens never see the padding after them.
+
+Alignment follows `transformer.token_logprobs`: column t holds the log-prob of token
+t given tokens < t, so a response occupying columns [P, P+R) has its behaviour
+log-probs in exactly those columns and `loss_mask_BT` is 1 there. Column 0 can never
+be a response token (no context), so every prompt has at least one token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Hashable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+# Behaviour log-probs come from the decode engine in float32; allow rounding above 0.
+_LOGP_SLACK = 1e-4
+
+
+# Names of the arrays `TrainBatch.split` hands to the jitted step.
+BATCH_KEYS = ("tokens", "loss_mask", "behaviour_logp", "rewards", "versions", "seq_lens")
+
+
+class BatchError(ValueError):
+    """A train batch (or the trajectories it is built from) is malformed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Trajectory:
+    """One finished sample as plain python, as the runtime hands it to the trainer.
+
+    `behaviour_logprobs[i]` is log p(response_tokens[i] | prompt, response[:i]) under
+    the sampling temperature, from the decode engine of policy `version` (the version
+    that generated the whole trajectory: C1).
+    """
+
+    prompt_tokens: Sequence[int]
+    response_tokens: Sequence[int]
+    behaviour_logprobs: Sequence[float]
+    reward: float
+    group_id: Hashable
+    version: int
+
+
+_TRAJ_FIELDS = tuple(f.name for f in dataclasses.fields(Trajectory))
+
+
+def _get(traj: Any, name: str):
+    """Reads a trajectory field from a Mapping or an object with attributes."""
+    if isinstance(traj, Mapping):
+        if name not in traj:
+            raise BatchError(f"trajectory is missing field {name!r}; needs {_TRAJ_FIELDS}")
+        return traj[name]
+    if not hasattr(traj, name):
+        raise BatchError(f"trajectory {type(traj).__name__} has no attribute {name!r}; "
+                         f"needs {_TRAJ_FIELDS}")
+    return getattr(traj, name)
+
+
+def pick_bucket(length: int, buckets: Sequence[int]) -> int:
+    """Smallest bucket >= length; BatchError if none is large enough."""
+    for b in sorted(buckets):
+        if b >= length:
+            return b
+    raise BatchError(f"sequence of length {length} (prompt + response) is longer than the "
+                     f"largest length bucket {max(buckets)} (trainer.length_buckets={tuple(buckets)})")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainBatch:
+    """Padded train batch; every array's leading dimension is B (samples).
+
+    tokens_BT: int32, prompt + response, right-padded with pad_id.
+    loss_mask_BT: float32, 1.0 on response tokens, 0.0 on prompt and padding.
+    behaviour_logp_BT: float32, decode-engine log-prob of token t at column t (0 off-mask).
+    rewards_B: float32 scalar reward per sample.
+    versions_B: int32 policy version that generated each sample.
+    seq_lens_B: int32 prompt + response length (the unpadded row length).
+    group_size: samples per group; rows [g*G, (g+1)*G) form group g.
+    group_ids: one id per group, in row order (for the ledger; the step ignores it).
+    """
+
+    tokens_BT: np.ndarray
+    loss_mask_BT: np.ndarray
+    behaviour_logp_BT: np.ndarray
+    rewards_B: np.ndarray
+    versions_B: np.ndarray
+    seq_lens_B: np.ndarray
+    group_size: int
+    group_ids: tuple = ()
+
+    def __post_init__(self):
+        self.validate()
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens_BT.shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.tokens_BT.shape[1]
+
+    @property
+    def num_groups(self) -> int:
+        return self.batch_size // self.group_size
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.loss_mask_BT.sum())
+
+    def split(self, num_minibatches: int, micro_batches: int) -> dict[str, np.ndarray]:
+        """The arrays the step consumes, rows laid out as [M, U, b, ...]: minibatch m,
+        micro-batch u holds rows [(m*U + u)*b, (m*U + u + 1)*b). Keys: BATCH_KEYS."""
+        M, U = num_minibatches, micro_batches
+        if self.batch_size % (M * U):
+            raise BatchError(f"batch size B={self.batch_size} is not divisible by "
+                             f"num_minibatches * micro_batches = {M} * {U}")
+        arrays = dict(tokens=self.tokens_BT.astype(np.int32), loss_mask=self.loss_mask_BT,
+                      behaviour_logp=self.behaviour_logp_BT, rewards=self.rewards_B,
+                      versions=self.versions_B, seq_lens=self.seq_lens_B)
+        b = self.batch_size // (M * U)
+        return {k: v.reshape((M, U, b) + v.shape[1:]) for k, v in arrays.items()}
+
+    def validate(self):
+        """Checks shapes, dtypes and values; raises BatchError naming the problem."""
+        if self.tokens_BT.ndim != 2:
+            raise BatchError(f"tokens_BT must be [B, T], got shape {self.tokens_BT.shape}")
+        B, T = self.tokens_BT.shape
+        if B == 0:
+            raise BatchError("empty batch")
+        for name in ("loss_mask_BT", "behaviour_logp_BT"):
+            if getattr(self, name).shape != (B, T):
+                raise BatchError(f"{name} must have shape {(B, T)} like tokens_BT, "
+                                 f"got {getattr(self, name).shape}")
+        for name in ("rewards_B", "versions_B", "seq_lens_B"):
+            if getattr(self, name).shape != (B,):
+                raise BatchError(f"{name} must have shape {(B,)}, got {getattr(self, name).shape}")
+        if not np.issubdtype(self.tokens_BT.dtype, np.integer):
+            raise BatchError(f"tokens_BT must be integer, got {self.tokens_BT.dtype}")
+        if not isinstance(self.group_size, (int, np.integer)) or self.group_size <= 0:
+            raise BatchError(f"group_size must be a positive integer, got {self.group_size!r}")
+        if B % self.group_size:
+            raise BatchError(f"batch size B={B} is not a multiple of group_size={self.group_size}")
+        if self.group_ids and len(self.group_ids) != B // self.group_size:
+            raise BatchError(f"group_ids has {len(self.group_ids)} entries for "
+                             f"{B // self.group_size} groups")
+        mask = self.loss_mask_BT
+        if not np.all((mask == 0) | (mask == 1)):
+            raise BatchError("loss_mask_BT must be 0/1")
+        if mask[:, 0].any():
+            raise BatchError("loss_mask_BT[:, 0] must be 0: the first token has no context, "
+                             "so every prompt needs at least one token")
+        if np.any(self.seq_lens_B < 1) or np.any(self.seq_lens_B > T):
+            raise BatchError(f"seq_lens_B must lie in [1, T={T}]")
+        beyond = np.arange(T)[None, :] >= self.seq_lens_B[:, None]
+        if (mask * beyond).any():
+            raise BatchError("loss_mask_BT marks padding positions (beyond seq_lens_B)")
+        logp = self.behaviour_logp_BT[mask != 0]
+        if not np.all(np.isfinite(logp)):
+            raise BatchError("behaviour_logp_BT is not finite on response tokens")
+        if np.any(logp > _LOGP_SLACK):
+            raise BatchError(f"behaviour_logp_BT must be log-probabilities (<= 0); "
+                             f"max on response tokens is {logp.max():.4g}")
+        if not np.all(np.isfinite(self.rewards_B)):
+            raise BatchError("rewards_B must be finite")
+        versions_GK = self.versions_B.reshape(-1, self.group_size)
+        mixed = np.nonzero(np.any(versions_GK != versions_GK[:, :1], axis=1))[0]
+        if mixed.size:
+            raise BatchError(f"group {int(mixed[0])} mixes policy versions "
+                             f"{sorted(set(versions_GK[mixed[0]].tolist()))}: all samples of a "
+                             "group must come from one version (C1)")
+
+    @classmethod
+    def from_trajectories(cls, trajectories: Iterable[Any], *, group_size: int,
+                          length_buckets: Sequence[int], pad_id: int = 0) -> "TrainBatch":
+        """Builds a batch from finished trajectories (Trajectory, dict or similar).
+
+        Trajectories are grouped by `group_id` (groups in first-appearance order,
+        samples in the given order); every group must have exactly `group_size`
+        samples of one version. T is the smallest of `length_buckets` that holds the
+        longest prompt + response.
+        """
+        trajs = list(trajectories)
+        if not trajs:
+            raise BatchError("no trajectories")
+        groups: dict[Hashable, list] = {}
+        for t in trajs:
+            groups.setdefault(_get(t, "group_id"), []).append(t)
+        for gid, members in groups.items():
+            if len(members) != group_size:
+                raise BatchError(f"group {gid!r} has {len(members)} trajectories, "
+                                 f"expected group_size={group_size}")
+        ordered = [t for members in groups.values() for t in members]
+        rows = []
+        for i, t in enumerate(ordered):
+            prompt = np.asarray(_get(t, "prompt_tokens"), np.int64).reshape(-1)
+            response = np.asarray(_get(t, "response_tokens"), np.int64).reshape(-1)
+            logp = np.asarray(_get(t, "behaviour_logprobs"), np.float32).reshape(-1)
+            if prompt.size == 0:
+                raise BatchError(f"trajectory {i} (group {_get(t, 'group_id')!r}) has an empty "
+                                 "prompt; the first token needs no log-prob but must exist")
+            if logp.size != response.size:
+                raise BatchError(f"trajectory {i} (group {_get(t, 'group_id')!r}) has "
+                                 f"{response.size} response tokens but {logp.size} behaviour "
+                                 "log-probs")
+            rows.append((prompt, response, logp, float(_get(t, "reward")), int(_get(t, "version"))))
+        B = len(rows)
+        T = pick_bucket(max(p.size + r.size for p, r, *_ in rows), length_buckets)
+        tokens = np.full((B, T), pad_id, np.int32)
+        mask = np.zeros((B, T), np.float32)
+        logp_BT = np.zeros((B, T), np.float32)
+        seq_lens = np.zeros((B,), np.int32)
+        for i, (prompt, response, logp, _, _) in enumerate(rows):
+            P, R = prompt.size, response.size
+            tokens[i, :P] = prompt
+            tokens[i, P:P + R] = response
+            mask[i, P:P + R] = 1.0
+            logp_BT[i, P:P + R] = logp
+            seq_lens[i] = P + R
+        return cls(tokens_BT=tokens, loss_mask_BT=mask, behaviour_logp_BT=logp_BT,
+                   rewards_B=np.array([r[3] for r in rows], np.float32),
+                   versions_B=np.array([r[4] for r in rows], np.int32),
+                   seq_lens_B=seq_lens, group_size=group_size, group_ids=tuple(groups))

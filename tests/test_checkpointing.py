@@ -1,0 +1,123 @@
+"""Checkpoint round trips: values, JSON extra, restore onto another mesh shape, async
+save followed by donation, retention."""
+
+import importlib.util
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from dora_jax import config as config_lib
+from dora_jax.checkpointing import Checkpointer
+from dora_jax.model.sharding import param_specs
+from dora_jax.rl.trainer import TrainState, Trainer
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def tiny_config():
+    spec = importlib.util.spec_from_file_location("tiny_config", ROOT / "configs" / "tiny.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.get_config()
+    c.model.num_layers = 1
+    return config_lib.validate(c, len(jax.devices()))
+
+
+def trainer_mesh(data, fsdp, tensor):
+    devices = np.array(jax.devices()[:data * fsdp * tensor]).reshape(data, fsdp, tensor, 1)
+    return Mesh(devices, config_lib.TRAINER_MESH_AXES)
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return tiny_config()
+
+
+@pytest.fixture(scope="module")
+def trainer(cfg):
+    """A trainer on a data=2 x fsdp=2 mesh whose state is random, not the zero moments
+    and counters of a fresh one, so equality after restore means something."""
+    tr = Trainer(cfg, trainer_mesh(2, 2, 1))
+    rng = np.random.default_rng(0)
+    host = jax.device_get(tr.state)
+    noisy = jax.tree.map(lambda x: (rng.standard_normal(x.shape) * 0.1 + x).astype(x.dtype),
+                         host)
+    tr.load_state(noisy._replace(step=np.int32(7), version=np.int32(7),
+                                 opt_updates=np.int32(14)))
+    return tr
+
+
+def host(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_round_trip_onto_another_mesh(tmp_path, cfg, trainer):
+    expected = host(trainer.state)
+    extra = {"coordinator": {"next_group": 12, "versions": [5, 6, 7]}, "note": "x"}
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        assert ckpt.save(7, trainer.state, extra)
+        ckpt.wait_until_finished()
+
+    # A fresh process-equivalent: new manager, new trainer on fsdp=4 x tensor=2.
+    other = Trainer(cfg, trainer_mesh(1, 4, 2))
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        assert ckpt.latest_step() == 7
+        state, got_extra = ckpt.restore(other.abstract_state())
+    assert got_extra == extra
+    assert isinstance(state, TrainState)
+    for a, b in zip(host(state), expected):
+        np.testing.assert_array_equal(a, b)
+
+    specs = jax.tree.leaves(param_specs(state.params, cfg.mesh.trainer_rules, other.mesh),
+                            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    for arr, spec in zip(jax.tree.leaves(state.params), specs):
+        assert arr.sharding.mesh.shape == other.mesh.shape
+        assert arr.sharding.spec == spec
+    wq = state.params["blocks"][0]["attn"]["wq"].value
+    assert wq.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
+    # Everything, Adam moments included, lands on the new trainer's shardings.
+    for arr, want in zip(jax.tree.leaves(state), jax.tree.leaves(other.abstract_state())):
+        assert arr.sharding.is_equivalent_to(want.sharding, arr.ndim)
+    mu_wq = state.opt_state[1][0].mu["blocks"][0]["attn"]["wq"].value
+    assert mu_wq.sharding.spec == wq.sharding.spec
+
+    other.load_state(state)
+    assert other.version == 7 and other.opt_updates == 14
+
+
+def test_async_save_survives_donation(tmp_path, trainer):
+    state = jax.device_get(trainer.state)  # host copy: `trainer` stays intact
+    live = jax.device_put(state, jax.tree.map(lambda x: x.sharding, trainer.state))
+    expected = host(live)
+    ckpt = Checkpointer(tmp_path / "ckpt", async_save=True)
+    ckpt.save(1, live, {"k": 1})
+    # Donate the saved buffers right away, as the next train step does.
+    bumped = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)(live)
+    jax.block_until_ready(bumped)
+    ckpt.wait_until_finished()
+    restored, extra = ckpt.restore(trainer.abstract_state())
+    ckpt.close()
+    assert extra == {"k": 1}
+    for a, b in zip(host(restored), expected):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_retention_and_missing(tmp_path):
+    tree = {"w": jnp.arange(4.0), "n": jnp.int32(0)}
+    with pytest.raises(FileNotFoundError):
+        Checkpointer(tmp_path / "empty").restore(tree)
+    with Checkpointer(tmp_path / "ckpt", max_to_keep=2) as ckpt:
+        for step in range(4):
+            ckpt.save(step, {"w": tree["w"] + step, "n": jnp.int32(step)})
+        ckpt.wait_until_finished()
+        assert ckpt.all_steps() == [2, 3]
+        state, extra = ckpt.restore(tree, step=2)
+        assert extra == {}
+        np.testing.assert_array_equal(state["w"], np.arange(4.0) + 2)
+        assert int(state["n"]) == 2
+        with pytest.raises(FileNotFoundError, match="step 0"):
+            ckpt.restore(tree, step=0)
