@@ -35,7 +35,10 @@ def get_config(arg=None):
         c.mesh.num_slices = 4
         c.rollout.update(dict(slots_per_slice=8, max_prefill_length=16, max_decode_len=16,
                               prefill_buckets=(8, 16)))
-        c.trainer.update(dict(length_buckets=(32,)))
+        c.trainer.update(dict(learning_rate=0.01, length_buckets=(32,)))
+        c.coordinator.update(dict(mode="dora", group_size=4, train_batch_size=4,
+                                  rollout_batch_size=8, max_staleness=2, num_steps=100))
+        c.data.update(dict(source="residue", reward="residue", modulus=4))
         return c
     if arg:
         raise ValueError(f"configs/moe.py: unknown variant {arg!r} (use ':tiny' or none)")
@@ -54,4 +57,8 @@ def get_config(arg=None):
                           eos_id=151_645, pad_id=151_643))
     c.trainer.update(dict(learning_rate=1e-6, warmup_steps=10, micro_batches=16,
                           length_buckets=(4096, 8192, 16384, 32768)))
+    # The paper's workload shape: 512 prompts x 16 samples per step, K=3.
+    c.coordinator.update(dict(mode="dora", group_size=16, train_batch_size=512,
+                              rollout_batch_size=768, max_staleness=3, num_steps=1000))
+    c.data.update(dict(source="jsonl", reward="exact_match", path="data/prompts.jsonl"))
     return c

@@ -11,6 +11,8 @@ import json
 import os
 from typing import Callable
 
+import jax
+
 from dora_jax.checkpointing import Checkpointer
 from dora_jax.config import Config
 from dora_jax.coordinator.core import Scheduler
@@ -47,6 +49,27 @@ def prompt_records(cfg: Config) -> list[dict]:
     return records
 
 
+def warm_up(slices, trainer, cfg: Config) -> None:
+    """Compiles every jitted function a run will use before its clock starts, so
+    throughput and waits measure steady state (and partial_rollout's longer
+    re-prefill buckets do not compile mid-run)."""
+    batch_size = cfg.coordinator.train_batch_size * cfg.coordinator.group_size
+    trainer.warmup(batch_size, cfg.coordinator.group_size)
+    for sl in slices:
+        engine = sl.engine
+        buckets = engine.buckets if cfg.coordinator.mode == "partial_rollout" else \
+            engine.prompt_buckets
+        state = engine.init_decode_state()
+        for bucket in buckets:
+            tokens = [tasks.BOS] * min(bucket, cfg.rollout.max_prefill_length)
+            padded, n = engine.pad_tokens(tokens)
+            prefix, _ = engine.prefill(params=sl.params, padded_tokens=padded, true_length=n,
+                                       rng=0)
+            state = engine.insert(prefix, state, 0)
+        state, _ = engine.generate(sl.params, state)
+        jax.block_until_ready(engine.extract(state, 0))
+
+
 def scheduler_config(cfg: Config, num_records: int) -> SchedulerConfig:
     c = cfg.coordinator
     max_groups = None if cfg.data.num_epochs is None else num_records * cfg.data.num_epochs
@@ -69,6 +92,7 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     for sl in slices:  # every slice starts on version 0, as the scheduler assumes
         sl.load_version(0, params)
     trainer = Trainer(cfg, trainer_mesh, params=params, graphdef=graphdef)
+    warm_up(slices, trainer, cfg)
 
     stream = prompts_lib.PromptStream(prompts_lib.prompt_dataset(
         records, seed=cfg.seed, shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs))
@@ -77,26 +101,22 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     reporter = StepReporter(os.path.join(workdir, "metrics.jsonl"), cfg.coordinator.group_size)
     timeline = Timeline()
     scheduler = Scheduler(scheduler_config(cfg, len(records)))
+    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"))
     runtime = Runtime(cfg, scheduler, slices, trainer, stream, rewards, ledger, reporter,
-                      timeline, on_step=on_step)
+                      timeline, on_step=on_step, checkpointer=checkpointer)
     try:
         summary = runtime.run(cfg.coordinator.num_steps)
+        runtime.save_checkpoint()
     finally:
         rewards.close()
         ledger.close()
         reporter.close()
+        checkpointer.close()
     summary["mode"] = cfg.coordinator.mode
     timeline.save_json(os.path.join(workdir, "timeline.json"))
     timeline.plot(os.path.join(workdir, "timeline.png"),
                   title=f"{cfg.coordinator.mode}: slices coloured by policy version; "
                         f"trainer steps on top")
-    with Checkpointer(os.path.join(workdir, "checkpoints")) as ckpt:
-        ckpt.save(trainer.version, trainer.state, {
-            "scheduler": scheduler.snapshot(),
-            "prompt_stream": stream.get_state(),
-            "groups": {str(gid): {"prompt_id": g.record["prompt_id"], "version": g.version}
-                       for gid, g in runtime.groups.items()},
-        }, force=True)
     with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     return summary

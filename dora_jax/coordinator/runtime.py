@@ -64,15 +64,19 @@ class Runtime:
       ledger: where admit/consume/unconsumed events go.
       reporter: per-step metrics (metrics.jsonl) and the run summary.
       on_step: called with each step's metrics record (progress bar).
+      checkpointer: if given, `save_checkpoint` is called every
+        `coordinator.checkpoint_every` steps.
     """
 
     def __init__(self, cfg, scheduler: Scheduler, slices, trainer, prompts: PromptStream,
                  rewards: RewardPool, ledger: LedgerWriter, reporter: StepReporter,
                  timeline: Timeline, on_step: Callable[[dict], None] = lambda m: None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 checkpointer=None, clock: Callable[[], float] = time.perf_counter):
         self.cfg, self.sched, self.slices, self.trainer = cfg, scheduler, slices, trainer
         self.prompts, self.rewards, self.ledger = prompts, rewards, ledger
         self.reporter, self.timeline, self.on_step = reporter, timeline, on_step
+        self.checkpointer = checkpointer
+        self._saved_version = None
         self._t0 = clock()
         self.clock = lambda: clock() - self._t0
         self.groups: dict[int, _Group] = {}
@@ -122,7 +126,26 @@ class Runtime:
                               samples=[self._sample_entry(g, k) for k in sorted(g.trajectories)])
         record = self.reporter.step(step, batch, metrics, wait=wait, train_time=end - start,
                                     now=end, slices=self.slices, scheduler=self.sched)
+        every = self.cfg.coordinator.checkpoint_every
+        if self.checkpointer is not None and every and (step + 1) % every == 0:
+            self.save_checkpoint()
         self.on_step(record)
+
+    def save_checkpoint(self) -> None:
+        """Saves the train state with everything the coordinator knows (scheduler
+        snapshot, prompt-stream state, the prompt of every unconsumed group).
+
+        Called between steps from the coordinator thread: the trainer is idle (it
+        only gets a batch from `decide()`), so its state is not being donated."""
+        if self.trainer.version == self._saved_version:
+            return
+        self._saved_version = self.trainer.version
+        self.checkpointer.save(self.trainer.version, self.trainer.state, {
+            "scheduler": self.sched.snapshot(),
+            "prompt_stream": self.prompts.get_state(),
+            "groups": {str(gid): {"prompt_id": g.record["prompt_id"], "version": g.version}
+                       for gid, g in self.groups.items()},
+        }, force=True)
 
     @staticmethod
     def _sample_entry(g: _Group, k: int) -> dict:

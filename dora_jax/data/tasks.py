@@ -3,10 +3,11 @@
 Token ids 0, 1, 2 are PAD, EOS and BOS in every built-in task; symbols start at 3.
 
 `residue`: a synthetic task a randomly initialised tiny model can improve on within
-a short CPU run. The prompt is BOS followed by random symbols; the reward is the
-fraction of response tokens (EOS excluded) whose id is congruent to the first prompt
-symbol modulo `modulus`. A uniform random policy scores about 1/modulus; the optimum
-is 1. The reward depends on the prompt, so the policy must read it.
+a short CPU run. The prompt is BOS, a cue symbol (one of `modulus` consecutive ids),
+then random symbols; the reward is the fraction of response tokens (EOS excluded)
+whose id is congruent to the cue modulo `modulus`. A uniform random policy scores
+about 1/modulus; the optimum is 1. The target depends on the prompt, so the policy
+must read the cue.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ def residue_prompts(num_prompts: int, vocab_size: int, *, prompt_len: int = 6,
     rng = np.random.default_rng(seed)
     records = []
     for i in range(num_prompts):
-        symbols = rng.integers(FIRST_SYMBOL, vocab_size, size=prompt_len - 1)
-        records.append({"prompt_id": f"residue-{i}", "tokens": [BOS, *map(int, symbols)],
-                        "target": int(symbols[0]) % modulus, "modulus": modulus})
+        cue = FIRST_SYMBOL + int(rng.integers(modulus))
+        filler = rng.integers(FIRST_SYMBOL, vocab_size, size=prompt_len - 2)
+        records.append({"prompt_id": f"residue-{i}", "tokens": [BOS, cue, *map(int, filler)],
+                        "target": cue % modulus, "modulus": modulus})
     return records
 
 

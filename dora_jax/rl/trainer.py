@@ -229,6 +229,29 @@ class Trainer:
         self._opt_updates += M
         return metrics
 
+    def warmup(self, batch_size: int, group_size: int) -> None:
+        """Compiles the train step for every length bucket without changing the
+        state: each compile runs on a throwaway copy (the step donates its input),
+        so timed runs measure steady-state steps, not compilation."""
+        copy = jax.jit(lambda s: jax.tree.map(jnp.copy, s), out_shardings=self._state_sh)
+        for T in self.cfg.trainer.length_buckets:
+            tokens = np.zeros((batch_size, T), np.int32)
+            tokens[:, 1] = 1
+            mask = np.zeros((batch_size, T), np.float32)
+            mask[:, 1] = 1.0
+            batch = TrainBatch(tokens_BT=tokens, loss_mask_BT=mask,
+                               behaviour_logp_BT=np.full((batch_size, T), -1.0, np.float32) * mask,
+                               rewards_B=np.zeros(batch_size, np.float32),
+                               versions_B=np.zeros(batch_size, np.int32),
+                               seq_lens_B=np.full(batch_size, 2, np.int32),
+                               group_size=group_size,
+                               group_ids=tuple(range(batch_size // group_size)))
+            M, U = self.cfg.trainer.num_minibatches, self.cfg.trainer.micro_batches
+            arrays = self._device_batch(batch, M, U)
+            with activation_rules(self.mesh, self.rules):
+                jax.block_until_ready(self._step_jit(copy(self._state), arrays, self._ref,
+                                                     group_size))
+
     def loss_and_grads(self, batch: TrainBatch):
         """(loss, grads) of the whole batch as ONE minibatch at the current params,
         accumulated over `micro_batches`; no update. For tests and debugging."""
