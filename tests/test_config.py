@@ -111,6 +111,15 @@ INVALID = [
     (_tiny, "trainer.dual_clip", 0.5, "trainer.dual_clip"),
     (_tiny, "trainer.micro_batches", 0, "trainer.micro_batches"),
     (_tiny, "trainer.length_buckets", (16,), "trainer.length_buckets"),  # < 16+16
+    (_tiny, "coordinator.mode", "async", "coordinator.mode"),
+    (_tiny, "coordinator.rollout_batch_size", 3, "coordinator.rollout_batch_size"),  # < TBS
+    (_tiny, "coordinator.max_staleness", -1, "coordinator.max_staleness"),
+    (_tiny, "coordinator.group_size", 33, "coordinator.group_size"),  # > 4 slices x 8 slots
+    (_tiny, "coordinator.num_steps", 0, "coordinator.num_steps"),
+    (_tiny, "trainer.micro_batches", 3, "coordinator.train_batch_size"),  # 16 samples / 3
+    (_tiny, "data.source", "hub", "data.source"),
+    (_tiny, "data.prompt_len", 17, "data.prompt_len"),  # > max_prefill_length 16
+    (_tiny, "data.modulus", 1, "data.modulus"),
 ]
 
 
