@@ -57,8 +57,8 @@ def warm_up(slices, trainer, cfg: Config) -> None:
     trainer.warmup(batch_size, cfg.coordinator.group_size)
     for sl in slices:
         engine = sl.engine
-        buckets = engine.buckets if cfg.coordinator.mode == "partial_rollout" else \
-            engine.prompt_buckets
+        buckets = [b for b in engine.buckets if cfg.coordinator.mode == "partial_rollout"
+                   or b <= cfg.rollout.prefill_buckets[-1]]
         state = engine.init_decode_state()
         for bucket in buckets:
             tokens = [tasks.BOS] * min(bucket, cfg.rollout.max_prefill_length)
@@ -87,7 +87,11 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     records = prompt_records(cfg) if records is None else records
     trainer_mesh, slice_meshes = sharding.make_meshes(cfg.mesh)
     graphdef, params = transformer.create(cfg.model, cfg.seed)
-    slices = [DecodeSlice.create(i, mesh, cfg.model, cfg.rollout, rules=cfg.mesh.decode_rules)
+    # Without lookahead a slice reports a finished sample in the step that ends it,
+    # so the scheduler never migrates or reloads around a request that has in fact
+    # already finished on the device.
+    slices = [DecodeSlice.create(i, mesh, cfg.model, cfg.rollout, rules=cfg.mesh.decode_rules,
+                                 lookahead=False)
               for i, mesh in enumerate(slice_meshes)]
     for sl in slices:  # every slice starts on version 0, as the scheduler assumes
         sl.load_version(0, params)

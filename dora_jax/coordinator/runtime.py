@@ -213,7 +213,7 @@ class Runtime:
                 # have several; the group's admission version is what staleness counts.
                 trajectories.append(batch_lib.Trajectory(
                     prompt_tokens=t.prompt_tokens, response_tokens=t.response_tokens,
-                    behaviour_logprobs=t.logprobs, reward=reward, group_id=gid,
+                    behaviour_logprobs=t.behaviour_logprobs, reward=reward, group_id=gid,
                     version=g.version))
         wait = self.clock() - self._trainer_idle_since
         self._inflight_batches[a.step] = (a.group_ids, wait)

@@ -1,0 +1,17 @@
+"""Rollout: a JetStream-style decode Engine and DecodeSlice (continuous batching,
+resident policy version, migration, interrupt-and-reload)."""
+
+from dora_jax.rollout.engine import (DecodeState, Engine, EngineParams, Prefix, ResultTokens,
+                                     reprefill_buckets)
+from dora_jax.rollout.sampling import SamplingParams, key_data_from_seed
+from dora_jax.rollout.slice import DecodeSlice
+from dora_jax.rollout.trajectory import (InFlight, Request, RolloutError, SliceStats,
+                                         SlotOverflowError, Trajectory, VersionMismatchError,
+                                         rle_expand, rle_extend)
+
+__all__ = [
+    "DecodeSlice", "DecodeState", "Engine", "EngineParams", "InFlight", "Prefix", "Request",
+    "ResultTokens", "RolloutError", "SamplingParams", "SliceStats", "SlotOverflowError",
+    "Trajectory", "VersionMismatchError", "key_data_from_seed", "reprefill_buckets",
+    "rle_expand", "rle_extend",
+]

@@ -1,0 +1,383 @@
+"""Decode engine with JetStream's Engine API, native, plus per-token log-probs.
+
+Same method names and meanings as `jetstream.engine.engine_api.Engine`:
+`load_params`, `init_decode_state`, `prefill`, `insert`, `generate`,
+`max_concurrent_decodes`, `max_prefill_length`, `samples_per_slot`, `mesh`. Params are
+an argument of every prefill and generate call; the engine holds none, so one engine
+serves any param version and several versions coexist as several pytrees.
+
+Life of a request in slot s:
+  prefix, first = prefill(params=p, padded_tokens=..., true_length=P, rng=key)
+      -> KV cache of the prompt and response token 0 (sampled from the last logits)
+  state = insert(prefix, state, s)
+  state, result = generate(p, state)     # every slot: one more token, until finished
+Token n of a response is sampled with fold_in(request_key, n) (see sampling.py).
+
+Compiled functions: prefill and insert once per padded length bucket, generate and
+extract once. Prefill buckets cover prompts (`rollout.prefill_buckets`) and, for
+re-prefill of prompt + tokens so far (partial rollout), extra buckets up to
+`rollout.cache_length`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dora_jax.config import DECODE_RULES, ModelConfig, RolloutConfig
+from dora_jax.model import transformer
+from dora_jax.model.sharding import activation_rules, logical_to_spec, param_shardings
+from dora_jax.rollout import sampling
+from dora_jax.rollout.sampling import SamplingParams
+
+
+class EngineParams(NamedTuple):
+    """Params as the engine takes them: the leaves of the model's param State, placed
+    on the engine mesh. A flat tuple, because flattening an nnx.State on every call
+    costs more host time than a small decode step."""
+
+    leaves: tuple
+
+
+class DecodeState(NamedTuple):
+    """Everything generate needs, for S slots. Donated to (consumed by) each call."""
+
+    cache: transformer.KVCache  # per layer [S, cache_length, kv_heads, head_dim]
+    tokens: jax.Array  # int32[S] next decode input: the slot's last sampled token
+    positions: jax.Array  # int32[S] position of that token in prompt + response
+    steps: jax.Array  # int32[S] response index of the next token to sample
+    keys: jax.Array  # uint32[S, 2] request RNG key data
+    active: jax.Array  # bool[S] slot holds an unfinished request
+
+
+class Prefix(NamedTuple):
+    """One request's decode state, ready for `insert` (from prefill or extract)."""
+
+    cache: transformer.KVCache  # per layer [1, T, kv_heads, head_dim], T <= cache_length
+    token: jax.Array  # int32[] last sampled token (next decode input)
+    position: jax.Array  # int32[] its position
+    step: jax.Array  # int32[] response index of the next token to sample
+    key: jax.Array  # uint32[2] request RNG key data
+    active: jax.Array  # bool[] False if the request has already finished
+
+
+class ResultTokens(NamedTuple):
+    """Per-slot output of one prefill (B=1) or generate (B=S) call.
+
+    Packed in one int32[B, 6] array (as JetStream packs its ResultTokens) so that a
+    host read is one transfer, not six; the properties below give the columns, on
+    device arrays or on the numpy arrays `jax.device_get` returns.
+    """
+
+    data: jax.Array  # int32[B, 6]: the columns below, log-prob bitcast from f32
+
+    @property
+    def tokens(self):
+        """Sampled token per row."""
+        return self.data[:, 0]
+
+    @property
+    def logprobs(self):
+        """f32 log-prob of the token under the sampling distribution actually used."""
+        col = self.data[:, 1]
+        if isinstance(col, np.ndarray):
+            return col.view(np.float32)
+        return jax.lax.bitcast_convert_type(col, jnp.float32)
+
+    @property
+    def positions(self):
+        """Position of the token in prompt + response."""
+        return self.data[:, 2]
+
+    @property
+    def steps(self):
+        """Index of the token in the response (0 = first response token)."""
+        return self.data[:, 3]
+
+    @property
+    def valid(self):
+        """Row holds a real token (the slot was active); ignore other rows."""
+        return self.data[:, 4] != 0
+
+    @property
+    def finished(self):
+        """The token ends its request (EOS or max_decode_len)."""
+        return self.data[:, 5] != 0
+
+    @staticmethod
+    def pack(tokens_B, logprobs_B, positions_B, steps_B, valid_B, finished_B) -> "ResultTokens":
+        i32 = jnp.int32
+        return ResultTokens(jnp.stack(
+            [tokens_B.astype(i32), jax.lax.bitcast_convert_type(logprobs_B, i32),
+             positions_B.astype(i32), steps_B.astype(i32), valid_B.astype(i32),
+             finished_B.astype(i32)], axis=1))
+
+
+def _leaf_paths(params) -> list:
+    """Leaf paths of an nnx.State or of its pure-dict form, alike."""
+    return [jax.tree_util.keystr(p).removesuffix(".value")
+            for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+
+
+def reprefill_buckets(rollout: RolloutConfig) -> tuple:
+    """Prompt buckets, then doubling extra buckets up to cache_length (re-prefill)."""
+    L = rollout.cache_length
+    buckets = [min(b, L) for b in rollout.prefill_buckets]
+    while buckets[-1] < L:
+        buckets.append(min(2 * buckets[-1], L))
+    return tuple(sorted(set(buckets)))
+
+
+class Engine:
+    """JetStream-style engine for one decode slice's mesh.
+
+    Args:
+      model_cfg, rollout_cfg: model and rollout settings (slots, lengths, sampling,
+        eos). `rollout_cfg.eos_id < 0` disables EOS (benchmarks).
+      mesh: the slice's device mesh (axes `tensor`, `expert`).
+      rules: logical-axis rules for params, activations and the KV cache.
+      sampling_params: overrides the sampling settings of `rollout_cfg`;
+        `greedy=True` is a shortcut for argmax decoding.
+    """
+
+    def __init__(self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, mesh: Mesh, *,
+                 rules=DECODE_RULES, sampling_params: SamplingParams | None = None,
+                 greedy: bool = False):
+        if not rollout_cfg.prefill_buckets or rollout_cfg.prefill_buckets[-1] < \
+                rollout_cfg.max_prefill_length:
+            raise ValueError("rollout.prefill_buckets must reach rollout.max_prefill_length, "
+                             f"got {rollout_cfg.prefill_buckets}")
+        self.model_cfg, self.rollout_cfg, self._mesh = model_cfg, rollout_cfg, mesh
+        self.rules = tuple(rules)
+        sp = sampling_params or SamplingParams.from_rollout(rollout_cfg)
+        self.sampling_params = SamplingParams(sp.temperature, sp.top_k, sp.top_p,
+                                              greedy or sp.greedy)
+        self.buckets = reprefill_buckets(rollout_cfg)  # padded prefill lengths
+        self.graphdef, abstract = transformer.abstract_params(model_cfg)
+        leaves, self._treedef = jax.tree.flatten(abstract)
+        self._paths = _leaf_paths(abstract)
+        self._leaf_shapes = [(x.shape, x.dtype) for x in leaves]
+        self._param_sh = EngineParams(tuple(jax.tree.leaves(
+            param_shardings(abstract, mesh, self.rules))))
+        rep = NamedSharding(mesh, PartitionSpec())
+        cache_sh = NamedSharding(mesh, logical_to_spec(transformer.CACHE_AXES, self.rules, mesh))
+        n = model_cfg.num_layers
+        kv_sh = transformer.KVCache((cache_sh,) * n, (cache_sh,) * n)
+        self._state_sh = DecodeState(kv_sh, rep, rep, rep, rep, rep)
+        self._prefix_sh = Prefix(kv_sh, rep, rep, rep, rep, rep)
+        res_sh = ResultTokens(rep)
+        self._prefill_jit = jax.jit(
+            self._prefill_fn, in_shardings=(self._param_sh, rep, rep, rep, rep),
+            out_shardings=(self._prefix_sh, res_sh))
+        self._insert_jit = jax.jit(
+            self._insert_fn, donate_argnums=(1,),
+            in_shardings=(self._prefix_sh, self._state_sh, rep), out_shardings=self._state_sh)
+        self._generate_jit = jax.jit(
+            self.generate_fn, donate_argnums=(1,), in_shardings=(self._param_sh, self._state_sh),
+            out_shardings=(self._state_sh, res_sh))
+        self._init_jit = jax.jit(self._init_fn, out_shardings=self._state_sh)
+        self._extract_jit = jax.jit(self._extract_fn, in_shardings=(self._state_sh, rep),
+                                    out_shardings=self._prefix_sh)
+
+    # ------------------------------------------------------------ Engine API
+
+    @property
+    def mesh(self) -> Mesh:
+        return self._mesh
+
+    @property
+    def max_concurrent_decodes(self) -> int:
+        """Number of slots S."""
+        return self.rollout_cfg.slots_per_slice
+
+    @property
+    def max_prefill_length(self) -> int:
+        """Longest prompt (re-prefill of prompt + tokens so far may be longer)."""
+        return self.rollout_cfg.max_prefill_length
+
+    @property
+    def samples_per_slot(self) -> int:
+        return 1
+
+    @property
+    def max_decode_len(self) -> int:
+        return self.rollout_cfg.max_decode_len
+
+    @property
+    def cache_length(self) -> int:
+        return self.rollout_cfg.cache_length
+
+    def load_params(self, params) -> EngineParams:
+        """Reshards `params` (the model's param nnx.State, or its pure dict, on any
+        devices — e.g. the trainer mesh — or EngineParams) onto this engine's mesh
+        with the decode rules. Returns EngineParams."""
+        if isinstance(params, EngineParams):
+            leaves = list(params.leaves)
+            paths = self._paths if len(leaves) == len(self._paths) else None
+        else:
+            leaves, paths = jax.tree.leaves(params), _leaf_paths(params)
+        if paths != self._paths:
+            diff = sorted(set(paths or ()) ^ set(self._paths))[:3]
+            raise ValueError("load_params: params do not have this model's structure "
+                             f"({len(leaves)} leaves, expected {len(self._paths)}; "
+                             f"differing paths e.g. {diff})")
+        for i, (x, (shape, dtype)) in enumerate(zip(leaves, self._leaf_shapes)):
+            if x.shape != shape or x.dtype != dtype:
+                raise ValueError(f"load_params: leaf {i} is {x.dtype}{list(x.shape)}, the "
+                                 f"model expects {dtype}{list(shape)}")
+        return EngineParams(tuple(jax.device_put(leaves, list(self._param_sh.leaves))))
+
+    def to_state(self, params: EngineParams):
+        """The nnx.State view of engine params (for full-forward references)."""
+        return jax.tree.unflatten(self._treedef, list(params.leaves))
+
+    def init_decode_state(self) -> DecodeState:
+        """Empty decode state: S inactive slots, zero KV cache."""
+        return self._init_jit()
+
+    def prefill(self, *, params: EngineParams, padded_tokens, true_length: int, rng=None,
+                num_generated: int = 0):
+        """Runs the prompt (or prompt + tokens so far) through the model and samples
+        the next token. Returns (Prefix, ResultTokens with B=1).
+
+        padded_tokens: int[T] with T one of `self.buckets` (see `pad_tokens`); the
+          first `true_length` are real.
+        rng: the request's RNG seed (int) or uint32[2] key data; may be omitted only
+          in greedy mode.
+        num_generated: response tokens already among the `true_length` (re-prefill);
+          the sampled token is response token `num_generated`.
+        """
+        tokens_T = np.asarray(padded_tokens, np.int32)
+        if tokens_T.ndim != 1 or tokens_T.shape[0] not in self.buckets:
+            raise ValueError(f"prefill: padded_tokens must be 1-D with length in "
+                             f"{self.buckets}, got shape {tokens_T.shape}")
+        if not 0 <= num_generated < self.max_decode_len:
+            raise ValueError(f"prefill: num_generated must be in [0, max_decode_len="
+                             f"{self.max_decode_len}), got {num_generated}")
+        prompt_len = true_length - num_generated
+        if not 1 <= prompt_len <= self.max_prefill_length or true_length > tokens_T.shape[0]:
+            raise ValueError(f"prefill: need 1 <= prompt length ({prompt_len}) <= "
+                             f"max_prefill_length ({self.max_prefill_length}) and "
+                             f"true_length ({true_length}) <= padded length "
+                             f"({tokens_T.shape[0]})")
+        if rng is None and not self.sampling_params.greedy:
+            raise ValueError("prefill: a per-request rng is required when sampling")
+        key = sampling.key_data_from_seed(0 if rng is None else rng)
+        return self._prefill_jit(params, tokens_T, np.int32(true_length), key,
+                                 np.int32(num_generated))
+
+    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
+        """Places a prefix in `slot` (donates `decode_state`). The prefix must be on
+        this engine's mesh (`jax.device_put(prefix, get_prefix_destination_sharding())`)."""
+        if not 0 <= slot < self.max_concurrent_decodes:
+            raise ValueError(f"insert: slot {slot} out of range [0, "
+                             f"{self.max_concurrent_decodes})")
+        if prefix.cache.k[0].shape[1] > self.cache_length:
+            raise ValueError(f"insert: prefix of length {prefix.cache.k[0].shape[1]} exceeds "
+                             f"cache_length {self.cache_length}")
+        return self._insert_jit(prefix, decode_state, np.int32(slot))
+
+    def generate(self, params: EngineParams, decode_state: DecodeState):
+        """One decode step for every slot (donates `decode_state`).
+        Returns (new DecodeState, ResultTokens with B=S)."""
+        return self._generate_jit(params, decode_state)
+
+    def get_prefix_destination_sharding(self) -> Prefix:
+        return self._prefix_sh
+
+    # ----------------------------------------------------------- extensions
+
+    def extract(self, decode_state: DecodeState, slot: int) -> Prefix:
+        """A slot's whole decode state as a Prefix (KV cache of cache_length, next
+        input token, position, RNG key and step): what migration moves."""
+        if not 0 <= slot < self.max_concurrent_decodes:
+            raise ValueError(f"extract: slot {slot} out of range")
+        return self._extract_jit(decode_state, np.int32(slot))
+
+    def bucket_for(self, length: int) -> int:
+        for b in self.buckets:
+            if b >= length:
+                return b
+        raise ValueError(f"length {length} exceeds the largest bucket {self.buckets[-1]}")
+
+    def pad_tokens(self, tokens) -> tuple[np.ndarray, int]:
+        """(tokens padded with pad_id to their bucket, true length)."""
+        tokens = np.asarray(tokens, np.int32)
+        padded = np.full(self.bucket_for(len(tokens)), self.rollout_cfg.pad_id, np.int32)
+        padded[:len(tokens)] = tokens
+        return padded, len(tokens)
+
+    # --------------------------------------------------- pure (traced) functions
+
+    def _params(self, params: EngineParams):
+        return jax.tree.unflatten(self._treedef, list(params.leaves))
+
+    def _finished(self, tokens_B, steps_B):
+        # steps_B is the index of the token just sampled: index D-1 is the last allowed.
+        return (tokens_B == self.rollout_cfg.eos_id) | (steps_B + 1 >= self.max_decode_len)
+
+    def _init_fn(self):
+        S = self.max_concurrent_decodes
+        return DecodeState(transformer.init_cache(self.model_cfg, S, self.cache_length),
+                           jnp.zeros(S, jnp.int32), jnp.zeros(S, jnp.int32),
+                           jnp.zeros(S, jnp.int32), jnp.zeros((S, 2), jnp.uint32),
+                           jnp.zeros(S, bool))
+
+    def _prefill_fn(self, params, tokens_T, true_length, key, num_generated):
+        with activation_rules(self._mesh, self.rules):
+            logits_1TV, _, kv = transformer.apply(
+                self.graphdef, self._params(params), tokens_T[None], dropless=True,
+                return_kv=True)
+        dtype = jnp.dtype(self.model_cfg.dtype)
+        kv = jax.tree.map(lambda x: x.astype(dtype), kv)
+        logits_1V = jax.lax.dynamic_slice_in_dim(logits_1TV[0], true_length - 1, 1, axis=0)
+        step_1 = num_generated[None]
+        token_1, logprob_1 = sampling.sample(logits_1V, sampling.step_keys(key[None], step_1),
+                                             self.sampling_params)
+        finished_1 = self._finished(token_1, step_1)
+        prefix = Prefix(kv, token_1[0], true_length, num_generated + 1, key, ~finished_1[0])
+        result = ResultTokens.pack(token_1, logprob_1, true_length[None], step_1,
+                                   jnp.ones(1, bool), finished_1)
+        return prefix, result
+
+    def _insert_fn(self, prefix: Prefix, state: DecodeState, slot):
+        def put(cache_SLKD, new_1TKD):
+            return jax.lax.dynamic_update_slice(cache_SLKD, new_1TKD.astype(cache_SLKD.dtype),
+                                                (slot, 0, 0, 0))
+
+        cache = jax.tree.map(put, state.cache, prefix.cache)
+        return DecodeState(cache, state.tokens.at[slot].set(prefix.token),
+                           state.positions.at[slot].set(prefix.position),
+                           state.steps.at[slot].set(prefix.step),
+                           state.keys.at[slot].set(prefix.key),
+                           state.active.at[slot].set(prefix.active))
+
+    def _extract_fn(self, state: DecodeState, slot):
+        cache = jax.tree.map(lambda c: jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=0),
+                             state.cache)
+        return Prefix(cache, state.tokens[slot], state.positions[slot], state.steps[slot],
+                      state.keys[slot], state.active[slot])
+
+    def generate_fn(self, params: EngineParams, state: DecodeState):
+        """The pure decode step behind `generate` (for use inside other jitted code,
+        e.g. a while_loop sampler)."""
+        with activation_rules(self._mesh, self.rules):
+            logits_SV, cache = transformer.decode(self.graphdef, self._params(params),
+                                                  state.tokens, state.positions, state.cache)
+        tokens_S, logprobs_S = sampling.sample(
+            logits_SV, sampling.step_keys(state.keys, state.steps), self.sampling_params)
+        active_S = state.active
+        finished_S = active_S & self._finished(tokens_S, state.steps)
+        inc_S = active_S.astype(jnp.int32)
+        # Inactive slots keep their token and position: their (ignored) decode just
+        # rewrites one cache entry of a slot that the next insert overwrites.
+        new_state = DecodeState(cache, jnp.where(active_S, tokens_S, state.tokens),
+                                state.positions + inc_S, state.steps + inc_S, state.keys,
+                                active_S & ~finished_S)
+        result = ResultTokens.pack(tokens_S, logprobs_S, state.positions + 1, state.steps,
+                                   active_S, finished_S)
+        return new_state, result

@@ -1,0 +1,379 @@
+"""A decode slice: a sub-mesh, an engine, one resident (version, params) and S slots.
+
+Continuous batching: `step()` prefills waiting requests into free slots, runs one
+generate step for all slots and returns the trajectories that finished; a freed slot
+takes the next waiting request on the next step. The only host sync per step is one
+read of the step's packed tokens / log-probs / finished flags (plus one for the
+prefill results of that step's inserts, if any); tokens are kept in host buffers
+indexed by (slot, response index), written with vectorised numpy.
+
+Lookahead (default): `step()` dispatches generate step k and only then reads the
+results of step k-1, so the device never waits for the host (JetStream's generate /
+detokenize split). Costs: a trajectory is returned one `step()` after its last
+token, and a finished slot idles for one generate step before it is refilled.
+`lookahead=False` reads each step's results in the same call. The methods that need
+the exact state (`load_version`, `export_requests`, `interrupt_and_reload`) first
+read what is in flight; the counts (`num_free_slots`, ...) are the host's view, in
+which a request that finished in the last generate step is still held.
+
+Constraint C1 is enforced here: `submit`, `import_requests` and `load_version` refuse
+anything that would make the slice serve a request under a version other than its
+own. `interrupt_and_reload` is the deliberate exception (the partial_rollout
+baseline), and the trajectory records which version produced which tokens.
+
+One thread drives a slice; its methods are not thread-safe.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Callable, Iterable, Optional
+
+import jax
+import numpy as np
+
+from dora_jax.rollout.engine import Engine, ResultTokens
+from dora_jax.rollout.trajectory import (InFlight, Request, RolloutError, SliceStats,
+                                         SlotOverflowError, Trajectory, VersionMismatchError,
+                                         rle_extend)
+
+
+class _Seq:
+    """A held request's host-side state. Tokens of a running request live in the
+    slice's slot buffers until `_flush` copies them here."""
+
+    __slots__ = ("request", "version", "tokens", "logprobs", "runs", "slice_ids",
+                 "t_submit", "t_start", "slot")
+
+    def __init__(self, request, version, tokens, logprobs, runs, slice_ids, t_submit, t_start):
+        self.request, self.version = request, version
+        self.tokens, self.logprobs, self.runs = tokens, logprobs, runs
+        self.slice_ids, self.t_submit, self.t_start = slice_ids, t_submit, t_start
+        self.slot = None
+
+
+class DecodeSlice:
+    """S slots of continuous batching on one engine, serving one resident version.
+
+    Args:
+      slice_id: this slice's id (recorded in trajectories).
+      engine: an `Engine` on the slice's mesh (see `create`).
+      lookahead: overlap generate step k with reading step k-1 (module docstring).
+      clock: wall-clock source for trajectory timestamps.
+    """
+
+    def __init__(self, slice_id: int, engine: Engine, *, lookahead: bool = True,
+                 clock: Callable[[], float] = time.time):
+        self.slice_id, self.engine, self.clock = slice_id, engine, clock
+        self.lookahead = lookahead
+        self.version: Optional[int] = None
+        self.params = None
+        self.stats = SliceStats()
+        self.load_log: list = []  # (version, seconds) per weight load
+        S, D = engine.max_concurrent_decodes, engine.max_decode_len
+        self.state = engine.init_decode_state()
+        self._slots: list = [None] * S
+        self._owned = np.zeros(S, bool)
+        self._tok_buf = np.zeros((S, D), np.int32)
+        self._lp_buf = np.zeros((S, D), np.float32)
+        self._count = np.zeros(S, np.int64)
+        self._held: dict = {}  # request_id -> _Seq (waiting and running)
+        self._waiting: collections.deque = collections.deque()
+        self._pending: list = []  # (seq, prefill ResultTokens on device) not yet dispatched
+        self._inflight = None  # (pending prefills, generate ResultTokens) not yet read
+        self._done: list = []  # finished Trajectories not yet returned by step()
+
+    @classmethod
+    def create(cls, slice_id, mesh, model_cfg, rollout_cfg, *, lookahead: bool = True,
+               **engine_kwargs) -> "DecodeSlice":
+        """A slice with its own Engine (engine kwargs: rules, sampling_params, greedy)."""
+        return cls(slice_id, Engine(model_cfg, rollout_cfg, mesh, **engine_kwargs),
+                   lookahead=lookahead)
+
+    # ------------------------------------------------------------ queries
+
+    @property
+    def num_slots(self) -> int:
+        return len(self._slots)
+
+    @property
+    def num_requests(self) -> int:
+        """Waiting + running requests held."""
+        return len(self._held)
+
+    @property
+    def num_free_slots(self) -> int:
+        """How many more requests `submit`/`import_requests` accept now."""
+        return self.num_slots - len(self._held)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._held) - len(self._waiting)
+
+    @property
+    def held_versions(self) -> set:
+        """Versions of the requests held: empty or {self.version} (C1)."""
+        return {seq.version for seq in self._held.values()}
+
+    @property
+    def request_ids(self) -> list:
+        return list(self._held)
+
+    # ------------------------------------------------------------ versions
+
+    def load_version(self, version: int, params) -> float:
+        """Makes `(version, params)` resident: reshards params onto the slice mesh
+        (jax.device_put to the decode rules) and waits for the transfer. Refuses
+        (VersionMismatchError, slice unchanged) while holding requests of another
+        version. Returns the transfer time in seconds."""
+        self._sync()  # requests that finished in flight no longer count
+        other = sorted(self.held_versions - {version})
+        if other:
+            raise VersionMismatchError(
+                f"slice {self.slice_id}: cannot load version {version} while holding "
+                f"{self.num_requests} request(s) of version(s) {other} (C1); drain or "
+                f"migrate them first")
+        return self._load(version, params)
+
+    def interrupt_and_reload(self, version: int, params) -> float:
+        """partial_rollout: loads `version` with requests in flight, re-prefills each
+        running one (prompt + tokens so far) under the new params and continues it;
+        waiting ones will start under the new version. Returns the transfer time."""
+        self._sync()
+        running = [seq for seq in self._slots if seq is not None]
+        for seq in running:
+            self._flush(seq)
+        seconds = self._load(version, params)
+        self.stats.interrupts += 1
+        for seq in self._held.values():
+            seq.version = version
+        for seq in running:
+            self._start(seq, seq.slot)
+        return seconds
+
+    def _load(self, version, params) -> float:
+        t0 = time.perf_counter()
+        loaded = jax.block_until_ready(self.engine.load_params(params))
+        seconds = time.perf_counter() - t0
+        self.params, self.version = loaded, version
+        self.stats.weight_loads += 1
+        self.stats.weight_transfer_seconds += seconds
+        self.load_log.append((version, seconds))
+        return seconds
+
+    # ------------------------------------------------------------ requests
+
+    def submit(self, request: Request) -> None:
+        """Queues a request; it is prefilled at the next `step()`. Raises (slice
+        unchanged) on a version other than the resident one (C1), a bad prompt, a
+        duplicate id or no free slot."""
+        self._check_accepts([request.request_id], [request.version])
+        self._check_prompt(request)
+        request.key_data()  # validates the seed
+        seq = _Seq(request, request.version, [], [], [], [self.slice_id], self.clock(), None)
+        self._held[request.request_id] = seq
+        self._waiting.append(seq)
+
+    def step(self) -> list:
+        """Prefills waiting requests into free slots, runs one generate step and
+        returns the trajectories that finished (list of Trajectory)."""
+        while self._waiting and not self._owned.all():
+            slot = int(np.argmin(self._owned))  # lowest free slot
+            self._start(self._waiting.popleft(), slot)
+        result = None
+        if self._owned.any():
+            self.state, result = self.engine.generate(self.params, self.state)
+            self.stats.generate_steps += 1
+            self.stats.total_slot_steps += self.num_slots
+        record = (self._pending, result) if self._pending or result is not None else None
+        self._pending = []
+        if self.lookahead:
+            record, self._inflight = self._inflight, record
+        if record is not None:
+            self._read(*record)
+        done, self._done = self._done, []
+        return done
+
+    def drain(self, max_steps: int | None = None) -> list:
+        """Steps until no request is held (or `max_steps`); returns all finished."""
+        out, n = [], 0
+        while ((self._held or self._done or self._inflight is not None)
+               and (max_steps is None or n < max_steps)):
+            out.extend(self.step())
+            n += 1
+        return out
+
+    # ------------------------------------------------------------ migration
+
+    def export_requests(self, request_ids: Iterable | None = None) -> list:
+        """Removes requests (all held if None) from this slice and returns them as
+        InFlight records (KV cache, tokens so far, RNG state, behaviour log-probs)
+        for `import_requests` on a slice holding the same version."""
+        self._sync()
+        ids = list(self._held) if request_ids is None else list(
+            dict.fromkeys(tuple(r) for r in request_ids))
+        missing = [r for r in ids if r not in self._held]
+        if missing:
+            raise KeyError(f"slice {self.slice_id} does not hold request(s) {missing}")
+        out = []
+        for rid in ids:
+            seq = self._held.pop(rid)
+            prefix = None
+            if seq.slot is None:
+                self._waiting.remove(seq)
+            else:
+                self._flush(seq)
+                prefix = self.engine.extract(self.state, seq.slot)
+                self._free(seq)
+            out.append(InFlight(
+                request=seq.request, version=seq.version, response_tokens=seq.tokens,
+                behaviour_logprobs=seq.logprobs, versions=seq.runs, slice_ids=seq.slice_ids,
+                t_submit=seq.t_submit, t_start=seq.t_start, prefix=prefix))
+        self.stats.migrated_out += len(out)
+        return out
+
+    def import_requests(self, inflights: Iterable[InFlight]) -> None:
+        """Takes over exported requests: moves each KV cache onto this slice's mesh
+        and inserts it into a free slot (not-started ones are queued). Refuses (slice
+        unchanged) requests of another version (C1) or more than the free slots."""
+        inflights = list(inflights)
+        self._check_accepts([f.request.request_id for f in inflights],
+                            [f.version for f in inflights])
+        for f in inflights:
+            if f.prefix is not None and f.prefix.cache.k[0].shape[1] != self.engine.cache_length:
+                raise RolloutError(f"slice {self.slice_id}: imported KV cache has length "
+                                   f"{f.prefix.cache.k[0].shape[1]}, this slice "
+                                   f"{self.engine.cache_length}")
+        dst = self.engine.get_prefix_destination_sharding()
+        for f in inflights:
+            seq = _Seq(f.request, f.version, list(f.response_tokens),
+                       list(f.behaviour_logprobs), [list(r) for r in f.versions],
+                       list(f.slice_ids) + [self.slice_id], f.t_submit, f.t_start)
+            self._held[f.request.request_id] = seq
+            if f.prefix is None:
+                self._waiting.append(seq)
+                continue
+            slot = int(np.argmin(self._owned))
+            self.state = self.engine.insert(jax.device_put(f.prefix, dst), self.state, slot)
+            self._place(seq, slot)
+        self.stats.migrated_in += len(inflights)
+
+    # ------------------------------------------------------------ internals
+
+    def _check_accepts(self, ids, versions):
+        if self.version is None:
+            raise RolloutError(f"slice {self.slice_id} has no params loaded (load_version)")
+        bad = sorted({v for v in versions if v != self.version})
+        if bad:
+            raise VersionMismatchError(
+                f"slice {self.slice_id} holds version {self.version}; refusing request(s) "
+                f"of version(s) {bad} (C1)")
+        dup = [r for r in ids if r in self._held]
+        if dup or len(set(ids)) != len(ids):
+            raise RolloutError(f"slice {self.slice_id}: duplicate request id(s) {dup or ids}")
+        if len(ids) > self.num_free_slots:
+            raise SlotOverflowError(
+                f"slice {self.slice_id}: {len(ids)} request(s) but only "
+                f"{self.num_free_slots} free slot(s) of {self.num_slots}")
+
+    def _check_prompt(self, request: Request):
+        n, limit = len(request.prompt_tokens), self.engine.max_prefill_length
+        if n == 0:
+            raise ValueError(f"request {request.request_id}: empty prompt")
+        if n > limit:
+            raise ValueError(f"request {request.request_id}: prompt of {n} tokens exceeds "
+                             f"max_prefill_length {limit}")
+        vocab = self.engine.model_cfg.vocab_size
+        if min(request.prompt_tokens) < 0 or max(request.prompt_tokens) >= vocab:
+            raise ValueError(f"request {request.request_id}: prompt token ids must be in "
+                             f"[0, {vocab})")
+
+    def _start(self, seq: _Seq, slot: int):
+        """Prefills prompt + tokens so far into `slot`; the result is read at the
+        next sync."""
+        padded, n = self.engine.pad_tokens(list(seq.request.prompt_tokens) + seq.tokens)
+        prefix, result = self.engine.prefill(params=self.params, padded_tokens=padded,
+                                             true_length=n, rng=seq.request.key_data(),
+                                             num_generated=len(seq.tokens))
+        self.state = self.engine.insert(prefix, self.state, slot)
+        if seq.t_start is None:
+            seq.t_start = self.clock()
+        self._place(seq, slot)
+        self._pending.append((seq, result))
+        self.stats.prefills += 1
+
+    def _place(self, seq: _Seq, slot: int):
+        m = len(seq.tokens)
+        self._tok_buf[slot, :m] = seq.tokens
+        self._lp_buf[slot, :m] = seq.logprobs
+        self._count[slot] = m
+        self._slots[slot], self._owned[slot], seq.slot = seq, True, slot
+
+    def _free(self, seq: _Seq):
+        self._slots[seq.slot], self._owned[seq.slot], seq.slot = None, False, None
+
+    def _flush(self, seq: _Seq):
+        """Copies the slot buffer's new tokens into the seq, tagged with its version."""
+        s, m = seq.slot, len(seq.tokens)
+        n = int(self._count[s])
+        seq.tokens.extend(self._tok_buf[s, m:n].tolist())
+        seq.logprobs.extend(self._lp_buf[s, m:n].tolist())
+        rle_extend(seq.runs, seq.version, n - m)
+
+    def _record(self, seq, step, token, logprob, finished):
+        s = seq.slot
+        self._tok_buf[s, step], self._lp_buf[s, step] = token, logprob
+        self._count[s] = step + 1
+        if finished:
+            self._finish(seq)
+
+    def _read(self, pending, result):
+        """Records prefill results (first, they precede any generate result of the
+        same slot) and one generate step's results; finishes what finished."""
+        if pending:
+            for (seq, _), r in zip(pending, jax.device_get([r for _, r in pending])):
+                self._record(seq, int(r.steps[0]), r.tokens[0], r.logprobs[0],
+                             bool(r.finished[0]))
+        if result is None:
+            return
+        host = ResultTokens(np.asarray(result.data))  # the one host sync per step
+        # Rows of slots that finished earlier (or were never filled) are not valid;
+        # a slot refilled since this step was dispatched was inactive in it.
+        valid = host.valid & self._owned
+        idx = np.flatnonzero(valid)
+        steps = host.steps[idx]
+        self._tok_buf[idx, steps] = host.tokens[idx]
+        self._lp_buf[idx, steps] = host.logprobs[idx]
+        self._count[idx] = steps + 1
+        self.stats.busy_slot_steps += len(idx)
+        for s in np.flatnonzero(host.finished & valid):
+            self._finish(self._slots[s])
+
+    def _sync(self):
+        """Reads everything dispatched but not yet read: afterwards the host view
+        equals the device state."""
+        if self._inflight is not None:
+            record, self._inflight = self._inflight, None
+            self._read(*record)
+        pending, self._pending = self._pending, []
+        self._read(pending, None)
+
+    def _finish(self, seq: _Seq):
+        self._flush(seq)
+        self._free(seq)
+        del self._held[seq.request.request_id]
+        eos = self.engine.rollout_cfg.eos_id
+        reason = "eos" if eos >= 0 and seq.tokens[-1] == eos else "length"
+        r = seq.request
+        self._done.append(Trajectory(
+            group_id=r.group_id, prompt_id=r.prompt_id, sample_index=r.sample_index,
+            prompt_tokens=list(r.prompt_tokens), response_tokens=seq.tokens,
+            behaviour_logprobs=seq.logprobs, versions=seq.runs, slice_ids=seq.slice_ids,
+            finish_reason=reason, t_submit=seq.t_submit, t_start=seq.t_start,
+            t_finish=self.clock()))
+        self.stats.finished += 1

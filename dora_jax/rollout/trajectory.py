@@ -1,0 +1,172 @@
+"""Rollout data: requests going into a decode slice, trajectories coming out, and
+the records a scheduler reads (slice counters, exported in-flight requests).
+
+Host-side records. A `Trajectory` is one ledger row's rollout part: `to_dict()`
+gives plain JSON types and `from_dict` reads it back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from dora_jax.rollout.sampling import key_data_from_seed
+
+
+class RolloutError(RuntimeError):
+    """Base class of the slice's refusals; the slice is unchanged when one is raised."""
+
+
+class VersionMismatchError(RolloutError):
+    """An operation would mix policy versions on a slice (constraint C1)."""
+
+
+class SlotOverflowError(RolloutError):
+    """More requests than the slice has free slots."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One sample to generate.
+
+    group_id, sample_index: identify the request (`request_id`); prompt_id: the
+    prompt's id in the data source. seed: the request's RNG, an int in [0, 2**64)
+    or uint32[2] key data; token n of the response is drawn with fold_in(key, n).
+    version: the policy version it must run under (the slice refuses any other).
+    """
+
+    group_id: int
+    prompt_id: Union[int, str]
+    sample_index: int
+    prompt_tokens: tuple
+    seed: object
+    version: int
+
+    def __post_init__(self):
+        object.__setattr__(self, "prompt_tokens", tuple(int(t) for t in self.prompt_tokens))
+
+    @property
+    def request_id(self) -> tuple:
+        return (self.group_id, self.sample_index)
+
+    def key_data(self) -> np.ndarray:
+        return key_data_from_seed(self.seed)
+
+
+def rle_extend(runs: list, version: int, n: int) -> list:
+    """Appends n tokens of `version` to run-length encoded [[version, n], ...]."""
+    if n <= 0:
+        return runs
+    if runs and runs[-1][0] == version:
+        runs[-1][1] += n
+    else:
+        runs.append([version, n])
+    return runs
+
+
+def rle_expand(runs) -> list:
+    """[[v, n], ...] -> one version per token."""
+    return [v for v, n in runs for _ in range(n)]
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """A finished sample with its provenance.
+
+    versions: run-length encoded behaviour versions, [[version, n_tokens], ...] in
+      token order (one run unless a partial-rollout reload happened mid-sequence).
+    behaviour_logprobs: log-prob of each response token under the distribution it
+      was sampled from (tempered, truncated), from the version that sampled it.
+    slice_ids: slices that held the request, in order (more than one after migration).
+    t_submit, t_start, t_finish: wall-clock seconds (submit, first prefill, last token).
+    reward: None from the slice; the runtime fills it in after scoring.
+    """
+
+    group_id: int
+    prompt_id: Union[int, str]
+    sample_index: int
+    prompt_tokens: list
+    response_tokens: list
+    behaviour_logprobs: list
+    versions: list
+    slice_ids: list
+    finish_reason: str
+    t_submit: float
+    t_start: float
+    t_finish: float
+    reward: Optional[float] = None
+
+    @property
+    def request_id(self) -> tuple:
+        return (self.group_id, self.sample_index)
+
+    @property
+    def version(self) -> int:
+        """The version the trajectory started under (its only one, unless a
+        partial-rollout reload happened: see `single_version`)."""
+        return self.versions[0][0]
+
+    @property
+    def single_version(self) -> bool:
+        """Every token came from one version (C1)."""
+        return len(self.versions) == 1
+
+    def token_versions(self) -> list:
+        return rle_expand(self.versions)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["prompt_tokens"] = [int(t) for t in self.prompt_tokens]
+        d["response_tokens"] = [int(t) for t in self.response_tokens]
+        d["behaviour_logprobs"] = [float(x) for x in self.behaviour_logprobs]
+        d["versions"] = [[int(v), int(n)] for v, n in self.versions]
+        d["slice_ids"] = [int(s) for s in self.slice_ids]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Trajectory":
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
+@dataclasses.dataclass
+class SliceStats:
+    """Per-slice counters (monotonic over the slice's life)."""
+
+    generate_steps: int = 0  # dispatched
+    busy_slot_steps: int = 0  # slots that produced a token, summed over steps read
+    total_slot_steps: int = 0  # S per generate step dispatched
+    prefills: int = 0
+    finished: int = 0
+    weight_loads: int = 0
+    weight_transfer_seconds: float = 0.0
+    interrupts: int = 0
+    migrated_in: int = 0
+    migrated_out: int = 0
+
+    @property
+    def utilisation(self) -> float:
+        return self.busy_slot_steps / self.total_slot_steps if self.total_slot_steps else 0.0
+
+    def to_dict(self) -> dict:
+        return dict(dataclasses.asdict(self), utilisation=self.utilisation)
+
+
+@dataclasses.dataclass
+class InFlight:
+    """An exported request: everything needed to continue it on another slice.
+
+    prefix: the slot's decode state (KV cache, next input token, position, RNG key
+    data and step) on the source slice's devices; None if it had not started.
+    """
+
+    request: Request
+    version: int
+    response_tokens: list
+    behaviour_logprobs: list
+    versions: list  # run-length encoded, as in Trajectory
+    slice_ids: list
+    t_submit: float
+    t_start: Optional[float]
+    prefix: Optional[Any]  # engine.Prefix

@@ -1,0 +1,123 @@
+"""Engine API against full-forward references (tests/_rollout_common.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import _rollout_common as rc
+from dora_jax.rollout import SamplingParams, key_data_from_seed, reprefill_buckets
+from dora_jax.rollout.sampling import truncated_logprobs
+
+
+def run_engine(eng, p, prompts, slots, seeds=None):
+    """Drives the raw Engine API: prefill + insert each prompt into its slot, then
+    generate until every slot finished. Returns [(tokens, logprobs, positions)]."""
+    params = eng.load_params(p)
+    state = eng.init_decode_state()
+    out = {}
+    for i, (prompt, slot) in enumerate(zip(prompts, slots)):
+        padded, n = eng.pad_tokens(prompt)
+        prefix, first = eng.prefill(params=params, padded_tokens=padded, true_length=n,
+                                    rng=None if seeds is None else seeds[i])
+        state = eng.insert(prefix, state, slot)
+        first = jax.device_get(first)
+        out[slot] = ([int(first.tokens[0])], [float(first.logprobs[0])],
+                     [int(first.positions[0])], bool(first.finished[0]))
+    running = {s for s, v in out.items() if not v[3]}
+    while running:
+        state, res = eng.generate(params, state)
+        res = jax.device_get(res)
+        assert set(np.flatnonzero(res.valid)) == running
+        for s in list(running):
+            out[s][0].append(int(res.tokens[s]))
+            out[s][1].append(float(res.logprobs[s]))
+            out[s][2].append(int(res.positions[s]))
+            if res.finished[s]:
+                running.remove(s)
+    return [out[s][:3] for s in slots]
+
+
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_greedy_equals_full_forward_argmax(model):
+    eng = rc.engine(model, "greedy", 0)
+    p = rc.params(model, 0)
+    prompts = rc.PROMPTS[:3]
+    got = run_engine(eng, p, prompts, slots=[3, 0, 2])
+    want = rc.greedy_reference(model, p, prompts, rc.eos_id())
+    for (tokens, _, positions), ref, prompt in zip(got, want, prompts):
+        assert tokens == ref
+        assert positions == list(range(len(prompt), len(prompt) + len(ref)))
+        assert len(tokens) == rc.MAX_DECODE or tokens[-1] == rc.eos_id()
+
+
+def test_sampled_logprobs_equal_full_forward_with_temperature():
+    eng = rc.engine("dense", "sampled", 1)
+    p = rc.params("dense", 0)
+    prompts = rc.PROMPTS[1:4]
+    got = run_engine(eng, p, prompts, slots=[1, 2, 0], seeds=[11, 12, 13])
+    for (tokens, logprobs, _), prompt in zip(got, prompts):
+        want = rc.logprob_reference("dense", p, prompt, tokens, rc.TEMPERATURE)
+        np.testing.assert_allclose(logprobs, want, rtol=0, atol=2e-5)
+    # Sampling, not argmax: some sampled token is not the greedy choice.
+    greedy = rc.greedy_reference("dense", p, prompts, rc.eos_id())
+    assert any(t != g for (t, _, _), g in zip(got, greedy))
+
+
+def test_topk_logprobs_renormalise_over_topk_set():
+    eng = rc.engine("dense", "topk", 3)
+    p = rc.params("dense", 0)
+    prompts = rc.PROMPTS[:2]
+    got = run_engine(eng, p, prompts, slots=[0, 1], seeds=[5, 6])
+    for (tokens, logprobs, _), prompt in zip(got, prompts):
+        (lg,) = rc.forward_logits("dense", p, [list(prompt) + tokens])
+        z = lg[len(prompt) - 1:-1].astype(np.float64) / 0.8
+        for zi, tok, lp in zip(z, tokens, logprobs):
+            top = np.argsort(-zi)[:rc.TOP_K]
+            assert tok in top
+            want = zi[tok] - rc.logsumexp(zi[top])
+            assert abs(lp - want) < 2e-5
+            # Strictly above the untruncated log-prob: the mass outside top-k is gone.
+            assert lp > zi[tok] - rc.logsumexp(zi) + 1e-4
+
+
+def test_truncation_by_hand():
+    logits = jnp.array([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    # top_p = 0.6 at T=1: probs ~ [.56, .21, .13, .08, .03]: .56 < .6 <= .77 so the
+    # nucleus is {0, 1}, renormalised: log(e^2 / (e^2 + e^1)).
+    lp = np.asarray(truncated_logprobs(logits, SamplingParams(top_p=0.6)))[0]
+    np.testing.assert_allclose(lp[:2], [2 - np.log(np.e ** 2 + np.e), 1 - np.log(np.e ** 2 + np.e)],
+                               rtol=1e-6)
+    assert np.all(np.isneginf(lp[2:]))
+    # top_k = 3, T = 2: logits/2 = [1, .5, .25, 0, -.5], kept {0, 1, 2}.
+    lp = np.asarray(truncated_logprobs(logits, SamplingParams(temperature=2.0, top_k=3)))[0]
+    norm = np.log(np.exp(1) + np.exp(.5) + np.exp(.25))
+    np.testing.assert_allclose(lp[:3], [1 - norm, .5 - norm, .25 - norm], rtol=1e-6)
+    assert np.all(np.isneginf(lp[3:]))
+
+
+def test_api_surface_and_bad_calls():
+    eng = rc.engine("dense", "greedy", 0)
+    assert eng.max_concurrent_decodes == rc.SLOTS
+    assert eng.max_prefill_length == rc.MAX_PROMPT
+    assert eng.samples_per_slot == 1
+    assert eng.mesh is rc.meshes()[1][0]
+    # Prompt bucket, then doubling re-prefill buckets capped at the cache length.
+    assert eng.buckets == (8, 16, 20) == reprefill_buckets(eng.rollout_cfg)
+    assert key_data_from_seed(7).tolist() == jax.random.key_data(jax.random.PRNGKey(7)).tolist()
+    params = eng.load_params(rc.params("dense", 0))
+    with pytest.raises(ValueError, match="padded_tokens"):
+        eng.prefill(params=params, padded_tokens=np.zeros(7, np.int32), true_length=3)
+    with pytest.raises(ValueError, match="max_prefill_length"):
+        eng.prefill(params=params, padded_tokens=np.zeros(16, np.int32), true_length=9)
+    with pytest.raises(ValueError, match="prompt length"):
+        eng.prefill(params=params, padded_tokens=np.zeros(8, np.int32), true_length=0)
+    with pytest.raises(ValueError, match="rng"):
+        rc.engine("dense", "sampled", 1).prefill(
+            params=params, padded_tokens=np.zeros(8, np.int32), true_length=3)
+    state = eng.init_decode_state()
+    prefix, _ = eng.prefill(params=params, padded_tokens=np.ones(8, np.int32), true_length=2)
+    with pytest.raises(ValueError, match="slot 4 out of range"):
+        eng.insert(prefix, state, 4)
+    with pytest.raises(ValueError, match="structure"):
+        eng.load_params(rc.params("moe", 0))

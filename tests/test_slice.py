@@ -1,0 +1,273 @@
+"""DecodeSlice: continuous batching, versions (C1), migration, partial-rollout reload,
+bad input. References are full forwards (tests/_rollout_common.py) or the same
+request run alone."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import _rollout_common as rc
+from dora_jax.config import SLICE_MESH_AXES, TRAINER_RULES
+from dora_jax.model.sharding import param_shardings
+from dora_jax.rollout import (DecodeSlice, Engine, Request, RolloutError, SlotOverflowError,
+                              Trajectory, VersionMismatchError)
+
+# Arrival step of each of the six prompts: more requests than slots, staggered.
+ARRIVALS = [0, 0, 1, 1, 3, 6]
+
+
+def requests(version=0, group0=0, seeds=None):
+    return [Request(group_id=group0 + i, prompt_id=f"p{i}", sample_index=0, prompt_tokens=q,
+                    seed=i + 100 if seeds is None else seeds[i], version=version)
+            for i, q in enumerate(rc.PROMPTS)]
+
+
+def run_staggered(sl, reqs, arrivals, returned_at=None):
+    """Submits each request at its arrival step (or the first step after with a
+    free slot), steps until all finish; returns {request_id: Trajectory} and fills
+    `returned_at` with the step() call that returned each."""
+    queue = sorted(zip(arrivals, range(len(reqs))))
+    out, step = {}, 0
+    while queue or sl.num_requests:
+        while queue and queue[0][0] <= step and sl.num_free_slots:
+            sl.submit(reqs[queue.pop(0)[1]])
+        for t in sl.step():
+            out[t.request_id] = t
+            if returned_at is not None:
+                returned_at[t.request_id] = step
+        step += 1
+    assert len(out) == len(reqs)
+    return out
+
+
+def ideal_schedule(lengths, arrivals, slots, lag):
+    """When an ideal continuous batcher returns each request, and how many generate
+    steps it runs. A request admitted at step t has token 0 from its prefill and
+    token k from the generate of step t+k-1, so its last token (n-1) comes at step
+    t + max(n-2, 0); it is returned `lag` steps later and its slot is free for the
+    next step's submissions. Generate runs at every step some request is held."""
+    queue = sorted(zip(arrivals, range(len(lengths))))
+    held, returned, busy_steps, t = [], {}, set(), 0
+    while queue or held:
+        held = [(a, r) for a, r in held if r >= t]
+        while queue and queue[0][0] <= t and len(held) < slots:
+            i = queue.pop(0)[1]
+            returned[i] = t + max(lengths[i] - 2, 0) + lag
+            held.append((t, returned[i]))
+        busy_steps |= {u for a, r in held for u in range(a, r + 1)}
+        t += 1
+    return returned, len(busy_steps)
+
+
+@pytest.mark.parametrize("lookahead", [True, False])
+def test_continuous_batching_greedy_equals_full_forward(lookahead):
+    sl = rc.make_slice(0, "dense", "greedy", 0, lookahead=lookahead)
+    reqs = requests()
+    returned_at = {}
+    got = run_staggered(sl, reqs, ARRIVALS, returned_at)
+    want = rc.greedy_reference("dense", rc.params("dense", 0), rc.PROMPTS, rc.eos_id())
+    lengths = set()
+    for r, ref in zip(reqs, want):
+        t = got[r.request_id]
+        assert t.response_tokens == ref
+        assert t.finish_reason == ("eos" if ref[-1] == rc.eos_id() else "length")
+        assert t.versions == [[0, len(ref)]] and t.slice_ids == [0]
+        assert t.t_submit <= t.t_start <= t.t_finish
+        assert Trajectory.from_dict(json.loads(json.dumps(t.to_dict()))) == t
+        lengths.add(len(ref))
+    assert len(lengths) > 1 and len(reqs) > sl.num_slots  # slots were refilled
+    # Every token but each request's first (from prefill) took one busy slot-step.
+    st = sl.stats
+    assert st.busy_slot_steps == sum(len(ref) - 1 for ref in want)
+    assert st.total_slot_steps == sl.num_slots * st.generate_steps
+    assert st.prefills == st.finished == len(reqs) and sl.num_free_slots == sl.num_slots
+    # Freed slots are refilled for the next generate step (with lookahead, the host
+    # learns of a finish one step later): return steps and the number of generate
+    # steps match an ideal continuous batcher's, exactly.
+    want_at, want_steps = ideal_schedule([len(r) for r in want], ARRIVALS, sl.num_slots,
+                                         lag=int(lookahead))
+    assert [returned_at[r.request_id] for r in reqs] == [want_at[i] for i in range(len(reqs))]
+    assert st.generate_steps == want_steps
+
+
+def test_continuous_batching_sampled_equals_alone():
+    sl = rc.make_slice(1, "dense", "sampled", 1)
+    reqs = requests()
+    together = run_staggered(sl, reqs, ARRIVALS)
+    for r in reqs:  # each alone in an otherwise empty slice
+        sl.submit(r)
+        (alone,) = sl.drain()
+        t = together[r.request_id]
+        assert t.response_tokens == alone.response_tokens
+        assert t.behaviour_logprobs == alone.behaviour_logprobs
+        want = rc.logprob_reference("dense", rc.params("dense", 0), r.prompt_tokens,
+                                    t.response_tokens, rc.TEMPERATURE)
+        np.testing.assert_allclose(t.behaviour_logprobs, want, rtol=0, atol=2e-5)
+    # A different seed gives a different sample.
+    other = requests(seeds=[7] * len(reqs))[2]
+    sl.submit(other)
+    assert sl.drain()[0].response_tokens != together[other.request_id].response_tokens
+
+
+def test_migration_mid_sequence_continues_identically():
+    # Source on device 5 (its params come from the trainer mesh), destination on 6.
+    trainer_mesh = rc.meshes()[0]
+    p0 = rc.params("dense", 0)
+    trainer_params = jax.device_put(p0, param_shardings(p0, trainer_mesh, TRAINER_RULES))
+    src = DecodeSlice(1, rc.engine("dense", "sampled", 1))
+    src.load_version(0, trainer_params)
+    reqs = requests(group0=50)
+    reference = {}
+    for r in reqs:
+        src.submit(r)
+        reference[r.request_id] = src.drain()[0]
+    by_length = sorted(reqs, key=lambda r: -len(reference[r.request_id].response_tokens))
+    moved, stay, left = by_length[:3], by_length[3], by_length[4]
+    assert len(reference[moved[-1].request_id].response_tokens) > 4
+    for r in moved + [stay]:
+        src.submit(r)
+    for _ in range(3):
+        assert src.step() == []
+    dst = DecodeSlice(2, rc.engine("dense", "sampled", 2))
+    dst.load_version(1, rc.params("dense", 1))
+    out = src.export_requests([r.request_id for r in moved])
+    assert [len(f.response_tokens) for f in out] == [4, 4, 4]
+    assert src.num_requests == 1 and src.num_free_slots == rc.SLOTS - 1
+    with pytest.raises(VersionMismatchError):
+        dst.import_requests(out)  # versions differ: refused, nothing taken
+    assert dst.num_requests == 0
+    dst.load_version(0, p0)
+    dst.import_requests(out)
+    assert dst.held_versions == {0} and dst.num_running == 3
+    results = {t.request_id: t for t in dst.drain() + src.drain()}
+    for r in moved + [stay]:
+        t, ref = results[r.request_id], reference[r.request_id]
+        assert t.response_tokens == ref.response_tokens
+        assert t.behaviour_logprobs == ref.behaviour_logprobs
+        assert t.versions == ref.versions
+        assert t.slice_ids == ([1, 2] if r in moved else [1])
+    assert dst.stats.migrated_in == src.stats.migrated_out == 3
+    # A waiting (not yet started) request can move as well and starts on dst.
+    src.submit(left)
+    (f,) = src.export_requests()
+    assert f.prefix is None and f.response_tokens == []
+    dst.import_requests([f])
+    (t,) = dst.drain()
+    assert t.response_tokens == reference[left.request_id].response_tokens
+
+
+def test_load_version_refuses_other_versions_then_follows_new_params():
+    sl = rc.make_slice(0, "dense", "greedy", 0)
+    p0, p1 = rc.params("dense", 0), rc.params("dense", 1)
+    ref0 = rc.greedy_reference("dense", p0, rc.PROMPTS, rc.eos_id())
+    prompt = rc.PROMPTS[max(range(len(ref0)), key=lambda j: len(ref0[j]))]
+    sl.submit(Request(1, "a", 0, prompt, seed=1, version=0))
+    sl.step()
+    with pytest.raises(VersionMismatchError, match="version"):
+        sl.load_version(1, p1)
+    assert sl.version == 0
+    (t0,) = sl.drain()
+    assert t0.response_tokens == max(ref0, key=len)
+    loads = sl.stats.weight_loads
+    seconds = sl.load_version(1, p1)
+    assert seconds > 0 and sl.stats.weight_loads == loads + 1 and sl.load_log[-1][0] == 1
+    with pytest.raises(VersionMismatchError):
+        sl.submit(Request(2, "a", 0, prompt, seed=1, version=0))
+    sl.submit(Request(2, "a", 0, prompt, seed=1, version=1))
+    (t1,) = sl.drain()
+    want1 = rc.greedy_reference("dense", p1, [prompt], rc.eos_id())[0]
+    assert t1.response_tokens == want1 != t0.response_tokens
+    assert t1.versions == [[1, len(want1)]]
+    sl.load_version(0, p0)  # leave the shared engine's slice as other tests expect
+
+
+def test_interrupt_and_reload_records_two_versions():
+    sl = rc.make_slice(0, "dense", "greedy", 0)
+    p0, p1 = rc.params("dense", 0), rc.params("dense", 1)
+    ref0 = rc.greedy_reference("dense", p0, rc.PROMPTS, rc.eos_id())
+    i = max(range(len(ref0)), key=lambda j: len(ref0[j]))  # the longest response
+    prompt = rc.PROMPTS[i]
+    assert len(ref0[i]) > 6
+    sl.submit(Request(9, "x", 0, prompt, seed=3, version=0))
+    for _ in range(4):
+        sl.step()
+    m = 5  # tokens so far: 1 from prefill + 4 generate steps
+    # prompt + 5 tokens > max_prefill_length: re-prefill uses an extra bucket.
+    assert len(prompt) + m > rc.MAX_PROMPT
+    sl.interrupt_and_reload(1, p1)
+    assert sl.version == 1 and sl.held_versions == {1} and sl.stats.interrupts == 1
+    (t,) = sl.drain()
+    head = t.response_tokens[:m]
+    assert head == ref0[i][:m]
+    tail = rc.greedy_reference("dense", p1, [list(prompt) + head], rc.eos_id(),
+                               steps=rc.MAX_DECODE - m)[0]
+    assert t.response_tokens[m:] == tail
+    assert t.versions == [[0, m], [1, len(tail)]] and not t.single_version and t.version == 0
+    assert t.token_versions() == [0] * m + [1] * len(tail)
+    want = rc.logprob_reference("dense", p1, list(prompt) + head, tail, 1.0)
+    np.testing.assert_allclose(t.behaviour_logprobs[m:], want, rtol=0, atol=2e-5)
+    sl.load_version(0, p0)
+
+
+def test_bad_input_gives_clear_errors_and_slice_stays_usable():
+    empty = DecodeSlice(7, rc.engine("dense", "greedy", 0))
+    with pytest.raises(RolloutError, match="no params loaded"):
+        empty.submit(Request(0, "a", 0, [1, 2], seed=0, version=0))
+    sl = rc.make_slice(0, "dense", "greedy", 0)
+    with pytest.raises(ValueError, match="exceeds max_prefill_length"):
+        sl.submit(Request(0, "a", 0, list(range(2, 2 + rc.MAX_PROMPT + 1)), seed=0, version=0))
+    with pytest.raises(ValueError, match="empty prompt"):
+        sl.submit(Request(0, "a", 0, [], seed=0, version=0))
+    with pytest.raises(ValueError, match="token ids"):
+        sl.submit(Request(0, "a", 0, [5, 128], seed=0, version=0))
+    with pytest.raises(ValueError, match="seed"):
+        sl.submit(Request(0, "a", 0, [5, 6], seed=-1, version=0))
+    reqs = requests()[:rc.SLOTS]
+    for r in reqs:
+        sl.submit(r)
+    with pytest.raises(SlotOverflowError, match="free slot"):
+        sl.submit(requests(group0=100)[4])
+    with pytest.raises(RolloutError, match="duplicate"):
+        sl.submit(reqs[0])
+    sl.step()
+    (f,) = sl.export_requests([reqs[0].request_id])
+    extra = requests(group0=100)[4]
+    sl.submit(extra)
+    with pytest.raises(SlotOverflowError):
+        sl.import_requests([f])
+    with pytest.raises(KeyError):
+        sl.export_requests([(12345, 0)])
+    assert sl.num_requests == rc.SLOTS and sl.num_free_slots == 0
+    got = {t.request_id: t.response_tokens for t in sl.drain()}
+    sl.import_requests([f])  # the refused import still works once a slot is free
+    got.update({t.request_id: t.response_tokens for t in sl.drain()})
+    want = rc.greedy_reference("dense", rc.params("dense", 0), rc.PROMPTS[:rc.SLOTS + 1],
+                               rc.eos_id())
+    assert [got[r.request_id] for r in reqs + [extra]] == want
+
+
+@pytest.mark.parametrize("model,shape", [("dense", (2, 1)), ("moe", (1, 2))])
+def test_sharded_slice_decodes_and_takes_migrated_requests(model, shape):
+    # A 2-device slice (tensor=2 for dense: KV heads and the cache split; expert=2
+    # for MoE) takes requests migrated from a 1-device slice mid-sequence: the KV
+    # caches are resharded on import and greedy decoding still equals the full forward.
+    devices = rc.meshes()[1][2].devices.flat[0], rc.meshes()[1][3].devices.flat[0]
+    mesh = Mesh(np.array(devices).reshape(shape), SLICE_MESH_AXES)
+    dst = DecodeSlice(3, Engine(rc.config(model).model, rc.rollout(), mesh,
+                          sampling_params=rc.SAMPLING["greedy"]))
+    p0 = rc.params(model, 0)
+    dst.load_version(0, p0)
+    src = rc.make_slice(0, model, "greedy", 0)
+    reqs = requests()[:rc.SLOTS]
+    for r in reqs:
+        src.submit(r)
+    src.step()
+    src.step()
+    dst.import_requests(src.export_requests())
+    got = {t.request_id: t for t in dst.drain()}
+    want = rc.greedy_reference(model, p0, rc.PROMPTS[:rc.SLOTS], rc.eos_id())
+    assert [got[r.request_id].response_tokens for r in reqs] == want
+    assert all(got[r.request_id].slice_ids == [0, 3] for r in reqs)
