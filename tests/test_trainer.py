@@ -202,7 +202,8 @@ def test_version_increments_once_per_step(which, request):
 def test_learning_rate_schedule_in_metrics(multi):
     # warmup 2 then cosine over 10 updates; the metric is the last update's rate.
     u = multi.opt_updates + 1  # the step's last update index
-    expected = 1e-3 * ((u + 1) / 2 if u < 2 else 0.5 * (1 + np.cos(np.pi * min(u - 2, 10) / 10)))
+    peak = multi.cfg.trainer.learning_rate
+    expected = peak * ((u + 1) / 2 if u < 2 else 0.5 * (1 + np.cos(np.pi * min(u - 2, 10) / 10)))
     m = multi.train_step(batch_of(trajectories(20, 4, 4), 4))
     assert float(m["learning_rate"]) == pytest.approx(expected, rel=1e-5)
 
