@@ -67,7 +67,9 @@ def warm_up(slices, trainer, cfg: Config) -> None:
                                        rng=0)
             state = engine.insert(prefix, state, 0)
         state, _ = engine.generate(sl.params, state)
-        jax.block_until_ready(engine.extract(state, 0))
+        # A migrated request arrives as a whole-cache prefix: its insert compiles too.
+        state = engine.insert(engine.extract(state, 0), state, 1)
+        jax.block_until_ready(state)
 
 
 def scheduler_config(cfg: Config, num_records: int) -> SchedulerConfig:

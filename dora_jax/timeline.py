@@ -73,23 +73,32 @@ def plot(spans: list[Span], path: str, title: str = "") -> None:
                         key=lambda r: int(r.split()[-1]) if r.split()[-1].isdigit() else r)
     rows = ["trainer", *slice_rows]
     versions = sorted({s.version for s in spans})
-    cmap = plt.get_cmap("tab10" if len(versions) <= 10 else "tab20")
-    colour = {v: cmap(i % cmap.N) for i, v in enumerate(versions)}
+    # Few versions: a discrete legend; many: a continuous colour scale.
+    discrete = len(versions) <= 10
+    cmap = plt.get_cmap("tab10" if discrete else "viridis")
+    lo, hi = versions[0], max(versions[-1], versions[0] + 1)
+    colour = {v: cmap(i) if discrete else cmap((v - lo) / (hi - lo))
+              for i, v in enumerate(versions)}
     fig, ax = plt.subplots(figsize=(12, 1.0 + 0.45 * len(rows)))
     for s in spans:
         y = rows.index(s.row)
         ax.barh(y, s.end - s.start, left=s.start, height=0.8, color=colour[s.version],
                 edgecolor="black" if s.kind != "decode" else "none", linewidth=0.4,
                 hatch="//" if s.kind == "load" else None)
-        if s.kind == "train" and s.end - s.start > 0:
+        if s.kind == "train" and discrete:
             ax.text((s.start + s.end) / 2, y, f"step {s.version}", ha="center",
                     va="center", fontsize=7)
     ax.set_yticks(range(len(rows)), rows)
     ax.invert_yaxis()
     ax.set_xlabel("seconds")
-    handles = [Patch(color=colour[v], label=f"v{v}") for v in versions]
-    handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="weight load"))
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    load = Patch(facecolor="white", edgecolor="black", hatch="//", label="weight load")
+    if discrete:
+        handles = [Patch(color=colour[v], label=f"v{v}") for v in versions] + [load]
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    else:
+        scale = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(lo, hi))
+        fig.colorbar(scale, ax=ax, label="policy version (trainer: step)", pad=0.01)
+        ax.legend(handles=[load], loc="lower right", fontsize=8)
     ax.set_title(title or "decode slices coloured by policy version; trainer steps on top")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
