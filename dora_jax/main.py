@@ -5,7 +5,7 @@ Every field can be overridden: --config.coordinator.mode=sync,
 mesh needs with XLA_FLAGS=--xla_force_host_platform_device_count=8.
 """
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/x.py[:variant]",
@@ -16,6 +16,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
     del argv
+    logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
     import jax
     import tqdm
 

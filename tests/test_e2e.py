@@ -95,3 +95,16 @@ def test_main_rejects_bad_override_before_compute(tmp_path):
     assert out.returncode != 0
     assert "config.coordinator.rollout_batch_size" in out.stderr
     assert not os.path.exists(tmp_path / "ledger.jsonl")
+
+
+@pytest.mark.slow
+def test_colab_quickstart_runs(tmp_path, monkeypatch):
+    """The notebook's code cells run as written (its display cell needs IPython)."""
+    nb = json.load(open("colab/quickstart.ipynb"))
+    code = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    source = "\n".join(code).replace("c.coordinator.num_steps = 40", "c.coordinator.num_steps = 3")
+    source = source.replace("/tmp/dora_colab", str(tmp_path))
+    source = source.split("from IPython.display")[0]
+    namespace = {}
+    exec(compile(source, "quickstart.ipynb", "exec"), namespace)
+    assert namespace["report"].ok and namespace["summary"]["steps"] == 3

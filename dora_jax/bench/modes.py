@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import tempfile
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "config file")
@@ -27,6 +27,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "where each mode's run is kept")
 
 def main(argv):
     del argv
+    logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
     import jax
 
     from dora_jax import config as config_lib, experiment

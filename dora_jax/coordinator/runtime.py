@@ -80,8 +80,9 @@ class Runtime:
         self._t0 = clock()
         self.clock = lambda: clock() - self._t0
         self.groups: dict[int, _Group] = {}
-        self.published = {0: trainer.params}
         self._copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p))
+        # A copy: step 0 donates the trainer's own buffers.
+        self.published = {0: self._copy(trainer.params)}
         self._pool = concurrent.futures.ThreadPoolExecutor(max(1, len(slices)), "slice")
         self._stream = GroupQueue()
         self._done: queue.Queue = queue.Queue()
