@@ -185,12 +185,10 @@ class CoordinatorConfig:
 class DataConfig:
     """Where prompts come from and how they are scored."""
 
-    source: str = "residue"  # "residue" (synthetic) | "jsonl" | "tfds"
+    # "residue" (synthetic) | "jsonl". TFDS prompts: experiment.run(records=TfdsSource(..)).
+    source: str = "residue"
     reward: str = "residue"
     path: str = ""  # jsonl file
-    tfds_name: str = ""
-    tfds_split: str = "train"
-    tfds_data_dir: str = ""
     num_prompts: int = 512  # synthetic tasks
     prompt_len: int = 6
     modulus: int = 4
@@ -416,8 +414,12 @@ def validate_data(cd, model: ModelConfig, rollout: RolloutConfig) -> DataConfig:
         _fail("data.source", f"must be 'residue', 'jsonl' or 'tfds', got {d.source!r}")
     if d.source == "jsonl" and not d.path:
         _fail("data.path", "data.source='jsonl' needs a path")
-    if d.source == "tfds" and not d.tfds_name:
-        _fail("data.tfds_name", "data.source='tfds' needs a dataset name")
+    if d.source == "tfds":
+        # Turning a TFDS example into prompt tokens is task-specific (which feature,
+        # which tokenizer): that mapping is code, not config.
+        _fail("data.source", "'tfds' prompts need an example->record mapping: build "
+                             "data.prompts.TfdsSource(name, split, to_record) and pass it "
+                             "to experiment.run(records=...)")
     if d.source == "residue":
         _positive("data.num_prompts", d.num_prompts)
         if not 2 <= d.prompt_len <= rollout.max_prefill_length:

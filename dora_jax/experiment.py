@@ -35,12 +35,7 @@ def prompt_records(cfg: Config) -> list[dict]:
         records = tasks.residue_prompts(d.num_prompts, vocab, prompt_len=d.prompt_len,
                                         modulus=d.modulus, seed=cfg.seed)
         return prompts_lib.in_memory(records, vocab)
-    if d.source == "jsonl":
-        records = prompts_lib.read_jsonl(d.path, vocab_size=vocab)
-    else:
-        raise NotImplementedError(
-            "data.source='tfds' needs a task-specific example->record mapping; build a "
-            "prompts.TfdsSource in code and pass it to experiment.run(records=...)")
+    records = prompts_lib.read_jsonl(d.path, vocab_size=vocab)  # validate() allows no other
     too_long = [r["prompt_id"] for r in records if len(r["tokens"]) > cfg.rollout.max_prefill_length]
     if too_long:
         raise prompts_lib.DataError(

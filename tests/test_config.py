@@ -118,6 +118,7 @@ INVALID = [
     (_tiny, "coordinator.num_steps", 0, "coordinator.num_steps"),
     (_tiny, "trainer.micro_batches", 3, "coordinator.train_batch_size"),  # 16 samples / 3
     (_tiny, "data.source", "hub", "data.source"),
+    (_tiny, "data.source", "tfds", "data.source"),  # the mapping is code: TfdsSource
     (_tiny, "data.prompt_len", 17, "data.prompt_len"),  # > max_prefill_length 16
     (_tiny, "data.modulus", 1, "data.modulus"),
 ]
