@@ -15,6 +15,8 @@ expert, vocab 128: 152,960 parameters. Mesh as configs/tiny.py but with expert=2
 the trainer (8 fake CPU devices).
 """
 
+import os
+
 from dora_jax import config as config_lib
 
 
@@ -22,26 +24,17 @@ VARIANTS = (None, "tiny")
 
 
 def get_config(arg=None):
-    c = config_lib.base()
     if arg == "tiny":
-        c.model.update(dict(vocab_size=128, d_model=64, num_layers=2, num_heads=4,
-                            num_kv_heads=2, head_dim=16, mlp_hidden=192,
-                            tie_embeddings=False, qk_norm=True))
+        # configs/tiny.py (model, mesh, rollout, workload) with every MLP made MoE.
+        c = config_lib.load(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny.py"))
         c.model.moe.update(dict(num_experts=8, top_k=2, expert_hidden=32,
                                 num_shared_experts=1, shared_expert_hidden=32,
                                 capacity_factor=2.0, aux_loss_coef=1e-3, z_loss_coef=1e-4))
         c.mesh.trainer.update(dict(data=2, fsdp=1, tensor=1, expert=2))
-        c.mesh.slice.update(dict(tensor=1, expert=1))
-        c.mesh.num_slices = 4
-        c.rollout.update(dict(slots_per_slice=8, max_prefill_length=16, max_decode_len=16,
-                              prefill_buckets=(8, 16)))
-        c.trainer.update(dict(learning_rate=0.01, length_buckets=(32,)))
-        c.coordinator.update(dict(mode="dora", group_size=4, train_batch_size=4,
-                                  rollout_batch_size=8, max_staleness=2, num_steps=100))
-        c.data.update(dict(source="residue", reward="residue", modulus=4))
         return c
     if arg:
         raise ValueError(f"configs/moe.py: unknown variant {arg!r} (use ':tiny' or none)")
+    c = config_lib.base()
     c.model.update(dict(vocab_size=151_936, d_model=2048, num_layers=48, num_heads=32,
                         num_kv_heads=4, head_dim=128, mlp_hidden=6144,
                         tie_embeddings=False, qk_norm=True, rope_theta=1_000_000.0,

@@ -46,7 +46,6 @@ def request_seed(run_seed: int, group_id: int, sample: int) -> np.ndarray:
 class _Group:
     record: dict
     version: int
-    admitted_at: float
     trajectories: dict = dataclasses.field(default_factory=dict)  # sample -> Trajectory
     rewards: dict = dataclasses.field(default_factory=dict)  # sample -> Future
 
@@ -185,7 +184,7 @@ class Runtime:
         record = self.prompts.next()
         if record is None:
             raise RuntimeError(f"prompt source exhausted at group {a.group_id}")
-        self.groups[a.group_id] = _Group(record, a.version, self.clock())
+        self.groups[a.group_id] = _Group(record, a.version)
         self.ledger.write("admit", group_id=a.group_id, prompt_id=record["prompt_id"],
                           version=a.version, time=self.clock())
 
@@ -210,6 +209,7 @@ class Runtime:
             for k in sorted(g.trajectories):
                 t = g.trajectories[k]
                 reward, _ = g.rewards[k].result()
+                t.reward = reward
                 # The version that sampled the tokens: in partial_rollout a sample may
                 # have several; the group's admission version is what staleness counts.
                 trajectories.append(batch_lib.Trajectory(
