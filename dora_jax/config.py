@@ -14,6 +14,8 @@ from typing import Any, Mapping
 
 import ml_collections
 
+from dora_jax.coordinator.types import MODES
+
 TRAINER_MESH_AXES = ("data", "fsdp", "tensor", "expert")
 SLICE_MESH_AXES = ("tensor", "expert")
 
@@ -375,9 +377,6 @@ def validate_trainer(cd) -> TrainerConfig:
     if not t.length_buckets or sorted(t.length_buckets) != list(t.length_buckets):
         _fail("trainer.length_buckets", f"must be a non-empty ascending list, got {t.length_buckets}")
     return t
-
-
-MODES = ("sync", "one_step_off", "partial_rollout", "dora")
 
 
 def validate_coordinator(cd, mesh: MeshConfig, rollout: RolloutConfig,
