@@ -17,8 +17,7 @@ import dataclasses
 import queue
 import threading
 import time
-from collections import Counter
-from typing import Callable, Optional
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
