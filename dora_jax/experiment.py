@@ -99,7 +99,7 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
         records, seed=cfg.seed, shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs))
     rewards = tasks.RewardPool(tasks.reward_fn(cfg.data.reward), cfg.coordinator.reward_threads)
     ledger = LedgerWriter(os.path.join(workdir, "ledger.jsonl"))
-    reporter = StepReporter(os.path.join(workdir, "metrics.jsonl"), cfg.coordinator.group_size)
+    reporter = StepReporter(os.path.join(workdir, "metrics.jsonl"))
     timeline = Timeline()
     scheduler = Scheduler(scheduler_config(cfg, len(records)))
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"))

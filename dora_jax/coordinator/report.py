@@ -22,9 +22,8 @@ def _scalar(x):
 class StepReporter:
     """Turns each finished step into a metrics record and keeps run totals."""
 
-    def __init__(self, path: str | None, group_size: int):
+    def __init__(self, path: str | None):
         self._file = open(path, "a") if path else None
-        self.group_size = group_size
         self.records: list[dict] = []
         self.migrations = 0
         self.transfer_seconds = 0.0
