@@ -15,16 +15,17 @@ import jax
 
 from dora_jax.checkpointing import Checkpointer
 from dora_jax.config import Config
-from dora_jax.coordinator.core import Scheduler
-from dora_jax.coordinator.ledger import LedgerWriter
-from dora_jax.coordinator.report import StepReporter
-from dora_jax.coordinator.runtime import Runtime
-from dora_jax.coordinator.types import SchedulerConfig
 from dora_jax.data import prompts as prompts_lib
 from dora_jax.data import tasks
 from dora_jax.model import sharding, transformer
 from dora_jax.rl.trainer import Trainer
 from dora_jax.rollout.slice import DecodeSlice
+from dora_jax.runtime.loop import Runtime
+from dora_jax.runtime.report import StepReporter
+from dora_jax.scheduler.core import Scheduler
+from dora_jax.scheduler.ledger import LedgerWriter
+from dora_jax.scheduler.modes import policy_for
+from dora_jax.scheduler.types import SchedulerConfig
 from dora_jax.timeline import Timeline
 
 
@@ -52,8 +53,8 @@ def warm_up(slices, trainer, cfg: Config) -> None:
     trainer.warmup(batch_size, cfg.coordinator.group_size)
     for sl in slices:
         engine = sl.engine
-        buckets = [b for b in engine.buckets if cfg.coordinator.mode == "partial_rollout"
-                   or b <= cfg.rollout.prefill_buckets[-1]]
+        reprefills = not policy_for(cfg.coordinator.mode).keeps_c1
+        buckets = [b for b in engine.buckets if reprefills or b <= cfg.rollout.prefill_buckets[-1]]
         state = engine.init_decode_state()
         for bucket in buckets:
             tokens = [tasks.BOS] * min(bucket, cfg.rollout.max_prefill_length)
@@ -67,21 +68,12 @@ def warm_up(slices, trainer, cfg: Config) -> None:
         jax.block_until_ready(state)
 
 
-def scheduler_config(cfg: Config, num_records: int) -> SchedulerConfig:
-    c = cfg.coordinator
-    max_groups = None if cfg.data.num_epochs is None else num_records * cfg.data.num_epochs
-    return SchedulerConfig(mode=c.mode, num_slices=cfg.mesh.num_slices,
-                           slots_per_slice=cfg.rollout.slots_per_slice,
-                           group_size=c.group_size, train_batch_size=c.train_batch_size,
-                           rollout_batch_size=c.rollout_batch_size,
-                           max_staleness=c.max_staleness, max_groups=max_groups)
-
-
 def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
         on_step: Callable[[dict], None] = lambda record: None) -> dict:
     """Runs `cfg.coordinator.num_steps` train steps end to end; returns the summary."""
     os.makedirs(workdir, exist_ok=True)
     records = prompt_records(cfg) if records is None else records
+    reward_fn = tasks.reward_fn(cfg.data.reward)  # an unknown name fails before compute
     trainer_mesh, slice_meshes = sharding.make_meshes(cfg.mesh)
     graphdef, params = transformer.create(cfg.model, cfg.seed)
     # Without lookahead a slice reports a finished sample in the step that ends it,
@@ -97,11 +89,12 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
 
     stream = prompts_lib.PromptStream(prompts_lib.prompt_dataset(
         records, seed=cfg.seed, shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs))
-    rewards = tasks.RewardPool(tasks.reward_fn(cfg.data.reward), cfg.coordinator.reward_threads)
+    rewards = tasks.RewardPool(reward_fn, cfg.coordinator.reward_threads)
     ledger = LedgerWriter(os.path.join(workdir, "ledger.jsonl"))
     reporter = StepReporter(os.path.join(workdir, "metrics.jsonl"))
     timeline = Timeline()
-    scheduler = Scheduler(scheduler_config(cfg, len(records)))
+    max_groups = None if cfg.data.num_epochs is None else len(records) * cfg.data.num_epochs
+    scheduler = Scheduler(SchedulerConfig.from_config(cfg, max_groups))
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"))
     runtime = Runtime(cfg, scheduler, slices, trainer, stream, rewards, ledger, reporter,
                       timeline, on_step=on_step, checkpointer=checkpointer)

@@ -1,6 +1,6 @@
 """Timeline of a run: what each slice and the trainer did, when, at which version.
 
-The runtime (and the simulator) record spans; `plot` draws the figure a reader of
+The runtime records spans; `plot` draws the figure a reader of
 the DORA paper expects: one row per decode slice coloured by the version it served,
 weight loads hatched, and the trainer's steps on their own row, with its waits left
 blank so the bubble is visible.

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import pathlib
 
 import jax
 import numpy as np
 
-from dora_jax import config as config_lib
+from conftest import TINY, load_repo_config
 from dora_jax.model import transformer
 from dora_jax.model.sharding import make_meshes
 from dora_jax.rollout import DecodeSlice, Engine, SamplingParams
@@ -31,9 +30,8 @@ PROMPTS = [[5, 17, 9], [40, 2, 77, 31, 8], [3, 3, 3, 3, 3, 3, 3, 3], [99, 12, 64
 
 @functools.cache
 def config(model: str):
-    root = pathlib.Path(__file__).resolve().parents[1]
-    spec = "configs/tiny.py" if model == "dense" else "configs/moe.py:tiny"
-    return config_lib.validate(config_lib.load(str(root / spec)), num_devices=8)
+    """"dense" or "moe": the tiny configs, loaded as the `load_config` fixture does."""
+    return load_repo_config(TINY[model], num_devices=8)
 
 
 @functools.cache

@@ -1,7 +1,6 @@
 """Checkpoint round trips: values, JSON extra, restore onto another mesh shape, async
 save followed by donation, retention."""
 
-import importlib.util
 import pathlib
 
 import jax
@@ -15,16 +14,6 @@ from dora_jax.checkpointing import Checkpointer
 from dora_jax.model.sharding import param_specs
 from dora_jax.rl.trainer import TrainState, Trainer
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def tiny_config():
-    spec = importlib.util.spec_from_file_location("tiny_config", ROOT / "configs" / "tiny.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    c = module.get_config()
-    c.model.num_layers = 1
-    return config_lib.validate(c, len(jax.devices()))
 
 
 def trainer_mesh(data, fsdp, tensor):
@@ -33,8 +22,8 @@ def trainer_mesh(data, fsdp, tensor):
 
 
 @pytest.fixture(scope="module")
-def cfg():
-    return tiny_config()
+def cfg(load_config):
+    return load_config("configs/tiny.py", num_devices=len(jax.devices()), model__num_layers=1)
 
 
 @pytest.fixture(scope="module")

@@ -10,34 +10,35 @@ import pytest
 
 from dora_jax import config as config_lib
 from dora_jax import experiment
-from dora_jax.coordinator import ledger
+from dora_jax.scheduler import SchedulerConfig, ledger
+from conftest import REPO
 
 
-def small_config(mode: str, **coordinator):
-    """configs/tiny.py shrunk so that each run compiles and trains in seconds."""
-    c = config_lib.load("configs/tiny.py")
-    c.model.num_layers = 1
-    c.rollout.update(dict(slots_per_slice=4, max_prefill_length=8, max_decode_len=8,
-                          prefill_buckets=(8,)))
-    c.trainer.length_buckets = (16,)
-    c.coordinator.update(dict(mode=mode, group_size=2, train_batch_size=2,
-                              rollout_batch_size=4, max_staleness=1, num_steps=4))
-    c.coordinator.update(coordinator)
-    c.data.num_prompts = 64
-    return config_lib.validate(c, num_devices=8)
+@pytest.fixture(scope="module")
+def small_config(load_config):
+    def make(mode: str, **coordinator):
+        """configs/tiny.py shrunk so that each run compiles and trains in seconds."""
+        c = load_config("configs/tiny.py", validate=False)
+        c.model.num_layers = 1
+        c.rollout.update(dict(slots_per_slice=4, max_prefill_length=8, max_decode_len=8,
+                              prefill_buckets=(8,)))
+        c.trainer.length_buckets = (16,)
+        c.coordinator.update(dict(mode=mode, group_size=2, train_batch_size=2,
+                                  rollout_batch_size=4, max_staleness=1, num_steps=4))
+        c.coordinator.update(coordinator)
+        c.data.num_prompts = 64
+        return config_lib.validate(c, num_devices=8)
+    return make
 
 
 def _audit(cfg, workdir):
     events = ledger.read(os.path.join(workdir, "ledger.jsonl"))
-    bound = {"sync": 0, "one_step_off": 1, "dora": cfg.coordinator.max_staleness}
-    return events, ledger.audit(events, train_batch_size=cfg.coordinator.train_batch_size,
-                                group_size=cfg.coordinator.group_size,
-                                max_staleness=bound.get(cfg.coordinator.mode),
-                                max_decode_len=cfg.rollout.max_decode_len)
+    return events, ledger.audit_run(events, SchedulerConfig.from_config(cfg),
+                                    cfg.rollout.max_decode_len)
 
 
 @pytest.mark.parametrize("mode", ["sync", "one_step_off", "partial_rollout", "dora"])
-def test_mode_end_to_end_satisfies_constraints(mode, tmp_path):
+def test_mode_end_to_end_satisfies_constraints(mode, tmp_path, small_config):
     cfg = small_config(mode)
     workdir = str(tmp_path)
     summary = experiment.run(cfg, workdir)
@@ -78,7 +79,7 @@ def test_main_entry_point(tmp_path):
            "--config.coordinator.mode=sync", "--config.model.num_layers=1",
            "--config.rollout.max_decode_len=4", "--config.rollout.slots_per_slice=4",
            "--config.trainer.dual_clip=3.0"]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "summary: steps=2" in out.stdout
     summary = json.load(open(tmp_path / "summary.json"))
@@ -91,7 +92,7 @@ def test_main_rejects_bad_override_before_compute(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     cmd = [sys.executable, "-m", "dora_jax.main", "--config=configs/tiny.py",
            f"--workdir={tmp_path}", "--config.coordinator.rollout_batch_size=2"]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode != 0
     assert "config.coordinator.rollout_batch_size" in out.stderr
     assert not os.path.exists(tmp_path / "ledger.jsonl")
@@ -100,7 +101,7 @@ def test_main_rejects_bad_override_before_compute(tmp_path):
 @pytest.mark.slow
 def test_colab_quickstart_runs(tmp_path, monkeypatch):
     """The notebook's code cells run as written (its display cell needs IPython)."""
-    nb = json.load(open("colab/quickstart.ipynb"))
+    nb = json.load(open(REPO / "colab/quickstart.ipynb"))
     code = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
     source = "\n".join(code).replace("c.coordinator.num_steps = 40", "c.coordinator.num_steps = 3")
     source = source.replace("/tmp/dora_colab", str(tmp_path))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import _rollout_common as rc
-from dora_jax.rollout import SamplingParams, key_data_from_seed, reprefill_buckets
+from dora_jax.rollout import SamplingParams, key_data_from_seed, prefill_buckets
 from dora_jax.rollout.sampling import truncated_logprobs
 
 
@@ -103,7 +103,7 @@ def test_api_surface_and_bad_calls():
     assert eng.samples_per_slot == 1
     assert eng.mesh is rc.meshes()[1][0]
     # Prompt bucket, then doubling re-prefill buckets capped at the cache length.
-    assert eng.buckets == (8, 16, 20) == reprefill_buckets(eng.rollout_cfg)
+    assert eng.buckets == (8, 16, 20) == prefill_buckets(eng.rollout_cfg)
     assert key_data_from_seed(7).tolist() == jax.random.key_data(jax.random.PRNGKey(7)).tolist()
     params = eng.load_params(rc.params("dense", 0))
     with pytest.raises(ValueError, match="padded_tokens"):

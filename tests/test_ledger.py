@@ -2,7 +2,7 @@
 
 import copy
 
-from dora_jax.coordinator import ledger
+from dora_jax.scheduler import ledger
 
 
 def _sample(i, version, n=3, finish="eos"):

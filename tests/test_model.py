@@ -7,11 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dora_jax import config as config_lib
 from dora_jax.model import transformer as tf
 
-DENSE = config_lib.validate(config_lib.load("configs/tiny.py")).model
-MOE = config_lib.validate(config_lib.load("configs/moe.py:tiny")).model
+
+
+@pytest.fixture(scope="module")
+def dense(load_config):
+    return load_config("configs/tiny.py").model
 
 
 def _decode_against_full(cfg, prompt_lens, total_len, cache_len=24):
@@ -44,25 +46,25 @@ def _decode_against_full(cfg, prompt_lens, total_len, cache_len=24):
     return worst, float(jnp.max(jnp.abs(full_BTV)))
 
 
-@pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
-def test_kv_cache_decode_equals_full_forward(cfg):
+def test_kv_cache_decode_equals_full_forward(tiny_cfg):
+    cfg = tiny_cfg.model
     err, scale = _decode_against_full(cfg, prompt_lens=[1, 4, 7], total_len=12)
     assert scale > 0.1  # the comparison is not between near-zero logits
     assert err < 1e-4 * max(1.0, scale), err
 
 
-def test_decode_from_wrong_cache_differs():
+def test_decode_from_wrong_cache_differs(dense):
     """Guards the equality test: a cache missing the prompt must not match."""
-    graphdef, params = tf.create(DENSE, seed=3)
-    tokens = jax.random.randint(jax.random.key(7), (1, 6), 0, DENSE.vocab_size)
+    graphdef, params = tf.create(dense, seed=3)
+    tokens = jax.random.randint(jax.random.key(7), (1, 6), 0, dense.vocab_size)
     full, _, _ = tf.apply(graphdef, params, tokens)
     logits, _ = tf.decode(graphdef, params, tokens[:, 5], jnp.array([5]),
-                          tf.init_cache(DENSE, 1, 8))
+                          tf.init_cache(dense, 1, 8))
     assert float(jnp.max(jnp.abs(logits - full[:, 5]))) > 1e-3
 
 
-@pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
-def test_causality(cfg):
+def test_causality(tiny_cfg):
+    cfg = tiny_cfg.model
     graphdef, params = tf.create(cfg, seed=1)
     tokens = jax.random.randint(jax.random.key(0), (2, 10), 0, cfg.vocab_size)
     j = 6
@@ -73,18 +75,18 @@ def test_causality(cfg):
     assert float(jnp.max(jnp.abs(a[:, j:] - b[:, j:]))) > 1e-4
 
 
-def test_tied_embeddings_share_the_table():
-    cfg = dataclasses.replace(DENSE, tie_embeddings=True)
+def test_tied_embeddings_share_the_table(dense):
+    cfg = dataclasses.replace(dense, tie_embeddings=True)
     _, params = tf.create(cfg)
     assert "lm_head" not in params
-    assert tf.count_params(params) == tf.count_params(tf.create(DENSE)[1]) - 128 * 64
+    assert tf.count_params(params) == tf.count_params(tf.create(dense)[1]) - 128 * 64
 
 
-def test_rope_is_relative():
+def test_rope_is_relative(dense):
     """Shifting every position by a constant leaves the logits unchanged (RoPE
     encodes relative offsets); changing one gap changes them."""
-    graphdef, params = tf.create(DENSE)
-    tokens = jax.random.randint(jax.random.key(0), (1, 5), 0, DENSE.vocab_size)
+    graphdef, params = tf.create(dense)
+    tokens = jax.random.randint(jax.random.key(0), (1, 5), 0, dense.vocab_size)
     a, _, _ = tf.apply(graphdef, params, tokens)
     b, _, _ = tf.apply(graphdef, params, tokens, jnp.arange(3, 8)[None])
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)

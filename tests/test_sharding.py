@@ -9,8 +9,6 @@ from jax.sharding import Mesh, PartitionSpec as P
 from dora_jax import config as config_lib
 from dora_jax.model import sharding, transformer as tf
 
-DENSE = config_lib.validate(config_lib.load("configs/tiny.py")).model
-MOE = config_lib.validate(config_lib.load("configs/moe.py:tiny")).model
 
 
 def test_logical_to_spec_rules():
@@ -28,9 +26,10 @@ def _trainer_mesh(shape):
     return Mesh(np.array(jax.devices()[:8]).reshape(shape), config_lib.TRAINER_MESH_AXES)
 
 
-@pytest.mark.parametrize("cfg,shape", [(DENSE, (2, 2, 2, 1)), (MOE, (2, 1, 2, 2))],
-                         ids=["dense-data2-fsdp2-tensor2", "moe-data2-tensor2-expert2"])
-def test_trainer_sharded_forward_equals_unsharded(cfg, shape):
+def test_trainer_sharded_forward_equals_unsharded(tiny_cfg):
+    """dense: data2 x fsdp2 x tensor2; moe: data2 x tensor2 x expert2."""
+    cfg = tiny_cfg.model
+    shape = (2, 1, 2, 2) if cfg.moe.enabled else (2, 2, 2, 1)
     graphdef, params = tf.create(cfg, seed=5)
     tokens = jax.random.randint(jax.random.key(0), (8, 12), 0, cfg.vocab_size)
     ref, ref_aux, _ = tf.apply(graphdef, params, tokens)
@@ -59,8 +58,8 @@ def test_trainer_sharded_forward_equals_unsharded(cfg, shape):
         np.testing.assert_allclose(float(aux[key]), float(ref_aux[key]), rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
-def test_decode_rules_on_two_device_slice(cfg):
+def test_decode_rules_on_two_device_slice(tiny_cfg):
+    cfg = tiny_cfg.model
     graphdef, params = tf.create(cfg, seed=2)
     B, S = 4, 10
     cache = tf.init_cache(cfg, B, S)
@@ -84,8 +83,8 @@ def test_decode_rules_on_two_device_slice(cfg):
                                rtol=2e-4, atol=2e-5)
 
 
-def test_make_meshes_disjoint_devices():
-    cfg = config_lib.validate(config_lib.load("configs/tiny.py"), num_devices=8)
+def test_make_meshes_disjoint_devices(load_config):
+    cfg = load_config("configs/tiny.py", num_devices=8)
     trainer, slices = sharding.make_meshes(cfg.mesh)
     ids = [set(d.id for d in m.devices.flat) for m in [trainer, *slices]]
     assert sum(len(s) for s in ids) == len(set().union(*ids)) == 8

@@ -2,7 +2,6 @@
 and batch validation. References are written here from the model and loss functions
 directly (no trainer code), or are the same step on one device."""
 
-import importlib.util
 import pathlib
 
 import jax
@@ -14,27 +13,37 @@ from jax.sharding import Mesh, PartitionSpec
 from dora_jax import config as config_lib
 from dora_jax.model import transformer
 from dora_jax.rl import losses
-from dora_jax.rl.batch import BatchError, TrainBatch, Trajectory
+from dora_jax.rl.batch import BatchError, TrainBatch
+from dora_jax.rollout import Trajectory
 from dora_jax.rl.trainer import Trainer
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 VOCAB = 128
 
 
-def tiny_config(file="tiny.py", variant=None, **trainer):
-    spec = importlib.util.spec_from_file_location("config_" + file[:-3], ROOT / "configs" / file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    c = module.get_config(variant)
-    c.model.num_layers = 1  # compile time dominates on CPU; one layer tests the same code
-    c.trainer.update(trainer)
-    return config_lib.validate(c, len(jax.devices()))
+@pytest.fixture(scope="module")
+def tiny_config(load_config):
+    def make(spec="configs/tiny.py", **trainer):
+        # Compile time dominates on CPU; one layer tests the same code.
+        return load_config(spec, num_devices=len(jax.devices()), model__num_layers=1,
+                           **{f"trainer__{k}": v for k, v in trainer.items()})
+    return make
 
 
 def trainer_mesh(data=1, fsdp=1, tensor=1, expert=1):
     n = data * fsdp * tensor * expert
     devices = np.array(jax.devices()[:n]).reshape(data, fsdp, tensor, expert)
     return Mesh(devices, config_lib.TRAINER_MESH_AXES)
+
+
+def make_trajectory(prompt_tokens, response_tokens, behaviour_logprobs, reward, group_id,
+                    version):
+    """A finished sample as the runtime hands it to the batch (rollout.Trajectory)."""
+    return Trajectory(group_id=group_id, prompt_id=group_id, sample_index=0, version=version,
+                      prompt_tokens=list(prompt_tokens), response_tokens=list(response_tokens),
+                      behaviour_logprobs=list(behaviour_logprobs),
+                      versions=[[version, len(response_tokens)]], slice_ids=[0],
+                      finish_reason="eos", t_submit=0.0, t_start=0.0, t_finish=0.0,
+                      reward=reward)
 
 
 def trajectories(seed, num_groups, group_size, *, rewards=None, version=0, max_len=32,
@@ -49,7 +58,7 @@ def trajectories(seed, num_groups, group_size, *, rewards=None, version=0, max_l
             i = g * group_size + k
             n = int(rng.integers(1, max_len - len(prompt) + 1))
             logp = (np.log(1 / VOCAB) + 0.3 * rng.standard_normal(n)).clip(max=0)
-            out.append(Trajectory(
+            out.append(make_trajectory(
                 prompt_tokens=prompt, response_tokens=rng.integers(2, VOCAB, n).tolist(),
                 behaviour_logprobs=np.asarray(logp if behaviour is None else behaviour[i]).tolist(),
                 reward=float(rewards[i] if rewards is not None else rng.random()),
@@ -66,17 +75,17 @@ def leaves(tree):
 
 
 @pytest.fixture(scope="module")
-def simple():
+def simple(tiny_config):
     """One update per step, no accumulation, one device."""
     return Trainer(tiny_config(), trainer_mesh())
 
 
 @pytest.fixture(scope="module")
-def multi_cfg():
+def multi_cfg(tiny_config):
     # Every optional term on: the MoE model (aux + z losses, capacity dropping), 2
     # updates x 2 micro-batches, TIS, dual clip, KL to the initial params, weight
     # decay, warmup + cosine.
-    return tiny_config("moe.py", "tiny", num_minibatches=2, micro_batches=2, tis_cap=1.5,
+    return tiny_config("configs/moe.py:tiny", num_minibatches=2, micro_batches=2, tis_cap=1.5,
                        dual_clip=3.0,
                        kl_coef=0.05, weight_decay=0.01, warmup_steps=2,
                        schedule="cosine", decay_steps=10, clip_high=0.28)
@@ -93,12 +102,12 @@ def sharded(multi_cfg):
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
-def test_grad_accumulation_matches_full_batch(mode):
+def test_grad_accumulation_matches_full_batch(mode, tiny_config):
     cfg = tiny_config(micro_batches=4, loss_agg_mode=mode)
     tr = Trainer(cfg, trainer_mesh())
     trajs = trajectories(1, num_groups=2, group_size=4)
     # An empty response: a row with no loss tokens must neither count nor produce NaN.
-    trajs[5] = Trajectory(trajs[5].prompt_tokens, [], [], trajs[5].reward,
+    trajs[5] = make_trajectory(trajs[5].prompt_tokens, [], [], trajs[5].reward,
                           trajs[5].group_id, 0)
     batch = batch_of(trajs, 4)
     loss, grads = tr.loss_and_grads(batch)
@@ -212,17 +221,17 @@ def test_batch_errors(simple, multi):
     good = trajectories(4, 2, 4)
     with pytest.raises(BatchError, match="expected group_size=4"):
         batch_of(good[:7], 4)
-    with pytest.raises(BatchError, match="longer than the largest length bucket 32"):
-        long = Trajectory([5] * 10, [6] * 30, [-1.0] * 30, 0.0, "x", 0)
+    with pytest.raises(BatchError, match="exceeds the largest bucket 32"):
+        long = make_trajectory([5] * 10, [6] * 30, [-1.0] * 30, 0.0, "x", 0)
         batch_of([long], 1)
     with pytest.raises(BatchError, match="3 response tokens but 2 behaviour log-probs"):
-        batch_of([Trajectory([5], [6, 7, 8], [-1.0, -1.0], 0.0, "x", 0)], 1)
+        batch_of([make_trajectory([5], [6, 7, 8], [-1.0, -1.0], 0.0, "x", 0)], 1)
     with pytest.raises(BatchError, match="mixes policy versions"):
-        batch_of([Trajectory([5], [6], [-1.0], 0.0, "x", v) for v in (0, 1)], 2)
+        batch_of([make_trajectory([5], [6], [-1.0], 0.0, "x", v) for v in (0, 1)], 2)
     with pytest.raises(BatchError, match="empty prompt"):
-        batch_of([Trajectory([], [6], [-1.0], 0.0, "x", 0)], 1)
+        batch_of([make_trajectory([], [6], [-1.0], 0.0, "x", 0)], 1)
     with pytest.raises(BatchError, match="must be log-probabilities"):
-        batch_of([Trajectory([5], [6], [0.5], 0.0, "x", 0)], 1)
+        batch_of([make_trajectory([5], [6], [0.5], 0.0, "x", 0)], 1)
     with pytest.raises(BatchError, match="missing field 'reward'"):
         batch_of([dict(prompt_tokens=[5], response_tokens=[6], behaviour_logprobs=[-1.0],
                        group_id=0, version=0)], 1)

@@ -1,9 +1,9 @@
 """Decode throughput: DecodeSlice (continuous batching) vs a fixed-batch while_loop.
 
-    python -m dora_jax.bench.engine [--models tiny,moe] [--slots 8,32] [--decode-len 128]
+    python -m dora_jax.bench.engine [--models=tiny,moe] [--slots=8,32] [--decode_len=128]
 
-Runs on one device (the first). For each model (configs/tiny.py, configs/moe.py:tiny)
-and the same requests (same prompts, seeds, hence the same tokens and lengths — the
+Runs on one device (the first). For each model (`--config`, default configs/tiny.py;
+`--moe_config`, default configs/moe.py:tiny) and the same requests (same prompts, seeds, hence the same tokens and lengths — the
 RNG is per request):
   1. all slots busy: EOS disabled, every request runs max_decode_len tokens; the
      slice keeps its S slots full by refilling freed slots, the fixed-batch sampler
@@ -22,12 +22,13 @@ of `--repeats` interleaved runs.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
-import pathlib
 import statistics
 import time
+
+from absl import app, flags
+from ml_collections import config_flags
 
 import jax
 import jax.numpy as jnp
@@ -35,15 +36,22 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dora_jax import config as config_lib
+from dora_jax.bench import CONFIGS
 from dora_jax.model import transformer
 from dora_jax.rollout import DecodeSlice, Engine, Request
 
-CONFIGS = {"tiny": "configs/tiny.py", "moe": "configs/moe.py:tiny"}
-
-
-def load_config(name: str):
-    root = pathlib.Path(__file__).resolve().parents[2]
-    return config_lib.validate(config_lib.load(str(root / CONFIGS[name])))
+_MODEL_CONFIGS = {
+    "tiny": config_flags.DEFINE_config_file("config", str(CONFIGS / "tiny.py"),
+                                            "the dense model's config"),
+    "moe": config_flags.DEFINE_config_file("moe_config", str(CONFIGS / "moe.py") + ":tiny",
+                                           "the MoE model's config"),
+}
+_MODELS = flags.DEFINE_list("models", ["tiny", "moe"], "which of the two configs to run")
+_SLOTS = flags.DEFINE_list("slots", ["8", "32"],
+                           "slot counts S; the configs' is 8, the final ratio uses the largest")
+_DECODE_LEN = flags.DEFINE_integer("decode_len", 128, "max_decode_len of the benchmark")
+_PER_SLOT = flags.DEFINE_integer("requests_per_slot", 4, "requests per slot")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "interleaved repeats (best is kept)")
 
 
 def make_requests(n: int, max_prompt: int, vocab: int, seed: int = 0) -> list:
@@ -145,7 +153,7 @@ def frequent_token(graphdef, params, vocab: int) -> int:
 
 
 def bench_model(name: str, slots: int, decode_len: int, per_slot: int, repeats: int) -> float:
-    cfg = load_config(name)
+    cfg = config_lib.validate(_MODEL_CONFIGS[name].value)
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), config_lib.SLICE_MESH_AXES)
     graphdef, params = transformer.create(cfg.model, cfg.seed)
     S, max_prompt = slots, cfg.rollout.max_prefill_length
@@ -185,20 +193,13 @@ def bench_model(name: str, slots: int, decode_len: int, per_slot: int, repeats: 
     return ratio
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="tiny,moe")
-    ap.add_argument("--slots", default="8,32",
-                    help="slot counts S; the config's is 8, the final ratio uses the largest")
-    ap.add_argument("--decode-len", type=int, default=128)
-    ap.add_argument("--requests-per-slot", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args(argv)
+def main(argv):
+    del argv
     print(f"device {jax.devices()[0].device_kind} ({jax.devices()[0].platform}), "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
-    slots = [int(x) for x in args.slots.split(",")]
-    ratios = {(m, S): bench_model(m, S, args.decode_len, args.requests_per_slot, args.repeats)
-              for S in slots for m in args.models.split(",")}
+    slots = [int(x) for x in _SLOTS.value]
+    ratios = {(m, S): bench_model(m, S, _DECODE_LEN.value, _PER_SLOT.value, _REPEATS.value)
+              for S in slots for m in _MODELS.value}
     print("\nall-slots-busy ratio (slice / fixed-batch tokens/s): " +
           ", ".join(f"{m} S={S}: {r:.2f}" for (m, S), r in ratios.items()))
     final = min(r for (m, S), r in ratios.items() if S == max(slots))
@@ -206,4 +207,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

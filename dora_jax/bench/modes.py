@@ -18,7 +18,9 @@ import tempfile
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "config file")
+from dora_jax.bench import CONFIGS
+
+_CONFIG = config_flags.DEFINE_config_file("config", str(CONFIGS / "tiny.py"), "config file")
 _STEPS = flags.DEFINE_integer("steps", 30, "train steps per mode")
 _MODES = flags.DEFINE_list("modes", ["sync", "one_step_off", "partial_rollout", "dora"],
                            "modes to run")

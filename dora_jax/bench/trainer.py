@@ -19,32 +19,32 @@ import os
 # On a CPU host, fake the devices the configs' meshes expect (no effect elsewhere).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import argparse
 import dataclasses
-import importlib.util
 import statistics
 import time
 
 import jax
 import numpy as np
 import optax
+from absl import app, flags
 from jax.sharding import Mesh
+from ml_collections import config_flags
 
 from dora_jax import config as config_lib
+from dora_jax.bench import CONFIGS
 from dora_jax.model import transformer
 from dora_jax.rl import losses
-from dora_jax.rl.batch import TrainBatch, Trajectory
+from dora_jax.rl.batch import TrainBatch
 from dora_jax.rl.optimizer import make_optimizer
 from dora_jax.rl.trainer import Trainer, compute_advantages
 
-
-def load_config(spec: str) -> config_lib.Config:
-    """`path/to/config.py[:variant]` -> validated Config."""
-    path, _, variant = spec.partition(":")
-    mod_spec = importlib.util.spec_from_file_location("bench_config", path)
-    module = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(module)
-    return config_lib.validate(module.get_config(variant or None), len(jax.devices()))
+_CONFIG = config_flags.DEFINE_config_file("config", str(CONFIGS / "tiny.py"), "config file")
+_MESH = flags.DEFINE_enum("mesh", "both", ["config", "single", "both"],
+                          "trainer mesh: the config's, one device, or both")
+_GROUPS = flags.DEFINE_integer("groups", 8, "groups per batch")
+_GROUP_SIZE = flags.DEFINE_integer("group_size", 8, "samples per group")
+_STEPS = flags.DEFINE_integer("steps", 5, "steps per round")
+_ROUNDS = flags.DEFINE_integer("rounds", 5, "interleaved rounds (median reported)")
 
 
 def synthetic_batch(cfg: config_lib.Config, num_groups: int, group_size: int, seed: int = 0):
@@ -58,8 +58,9 @@ def synthetic_batch(cfg: config_lib.Config, num_groups: int, group_size: int, se
         for _ in range(group_size):
             n = int(rng.integers(T // 2, T - len(prompt) + 1))
             logp = np.minimum(np.log(1.0 / V) + 0.3 * rng.standard_normal(n), 0.0)
-            trajs.append(Trajectory(prompt, rng.integers(2, V, n).tolist(), logp.tolist(),
-                                    float(rng.random()), g, 0))
+            trajs.append(dict(prompt_tokens=prompt, response_tokens=rng.integers(2, V, n),
+                              behaviour_logprobs=logp, reward=float(rng.random()),
+                              group_id=g, version=0))
     return TrainBatch.from_trajectories(trajs, group_size=group_size,
                                         length_buckets=cfg.trainer.length_buckets)
 
@@ -85,21 +86,14 @@ def plain_optax_step(cfg: config_lib.Config, graphdef, group_size: int):
     return tx, jax.jit(step, donate_argnums=(0, 1))
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=os.path.join("configs", "tiny.py"))
-    p.add_argument("--mesh", choices=("config", "single", "both"), default="both")
-    p.add_argument("--groups", type=int, default=8)
-    p.add_argument("--group_size", type=int, default=8)
-    p.add_argument("--steps", type=int, default=5, help="steps per round")
-    p.add_argument("--rounds", type=int, default=5)
-    args = p.parse_args(argv)
-
-    cfg = load_config(args.config)
+def main(argv):
+    del argv
+    mesh_choice, steps, rounds = _MESH.value, _STEPS.value, _ROUNDS.value
+    cfg = config_lib.validate(_CONFIG.value, len(jax.devices()))
     # One optimizer update per step on both sides; no optional terms the plain loop lacks.
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(
         cfg.trainer, micro_batches=1, num_minibatches=1, kl_coef=0.0, tis_cap=None))
-    batch = synthetic_batch(cfg, args.groups, args.group_size)
+    batch = synthetic_batch(cfg, _GROUPS.value, _GROUP_SIZE.value)
     tokens_per_step = int(batch.seq_lens_B.sum())
     print(f"backend={jax.default_backend()} devices={len(jax.devices())} "
           f"batch B={batch.batch_size} T={batch.length} tokens/step={tokens_per_step} "
@@ -116,11 +110,11 @@ def main(argv=None):
     trainer_shape = tuple(cfg.mesh.trainer[a] for a in config_lib.TRAINER_MESH_AXES)
     if np.prod(trainer_shape) <= len(jax.devices()):
         meshes["config"] = mesh_of(trainer_shape)
-    elif args.mesh != "single":
+    elif mesh_choice != "single":
         print(f"only {len(jax.devices())} devices: the config's trainer mesh "
               f"{trainer_shape} does not fit; running the one-device mesh only")
-        args.mesh = "single"
-    for name in (("config", "single") if args.mesh == "both" else (args.mesh,)):
+        mesh_choice = "single"
+    for name in (("config", "single") if mesh_choice == "both" else (mesh_choice,)):
         tr = Trainer(cfg, meshes[name], params=jax.device_put(host_params), graphdef=graphdef)
         shape = "x".join(str(v) for v in meshes[name].shape.values())
         runners[f"trainer[{name} mesh {shape}]"] = (
@@ -142,17 +136,17 @@ def main(argv=None):
         jax.block_until_ready((run(), result()))
         print(f"  {name}: first step (compile) {time.perf_counter() - t0:.1f}s")
     times = {name: [] for name in runners}
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         for name, (run, result) in runners.items():
             t0 = time.perf_counter()
-            for _ in range(args.steps):
+            for _ in range(steps):
                 out = run()
             jax.block_until_ready((out, result()))
-            times[name].append((time.perf_counter() - t0) / args.steps)
+            times[name].append((time.perf_counter() - t0) / steps)
     rates = {name: tokens_per_step / statistics.median(ts) for name, ts in times.items()}
     for name, rate in rates.items():
         print(f"{name:>40s}: {rate:12,.0f} tokens/s  ({statistics.median(times[name]) * 1e3:.1f} "
-              f"ms/step, median of {args.rounds} rounds x {args.steps} steps)")
+              f"ms/step, median of {rounds} rounds x {steps} steps)")
     plain_rate = rates.pop("plain optax")
     for name, rate in rates.items():
         print(f"{name} / plain-optax: {rate / plain_rate:.2f}")
@@ -161,4 +155,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

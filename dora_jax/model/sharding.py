@@ -13,6 +13,7 @@ import threading
 from typing import Iterable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -105,6 +106,14 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
         size = int(np.prod([mesh.shape[a] for a in tup]))
         fixed.append(axes if dim % size == 0 else None)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*fixed)))
+
+
+@jax.jit
+def copy_tree(tree):
+    """A fresh copy of every array in `tree`, on the same devices and shardings: what
+    must outlive a jitted step that donates the original (published params, a
+    frozen reference, a throwaway state for compiling)."""
+    return jax.tree.map(jnp.copy, tree)
 
 
 def make_meshes(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None):

@@ -19,6 +19,8 @@ from typing import Any, Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from dora_jax.buckets import BucketError, pick_bucket
+
 # Behaviour log-probs come from the decode engine in float32; allow rounding above 0.
 _LOGP_SLACK = 1e-4
 
@@ -31,24 +33,10 @@ class BatchError(ValueError):
     """A train batch (or the trajectories it is built from) is malformed."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Trajectory:
-    """One finished sample as plain python, as the runtime hands it to the trainer.
-
-    `behaviour_logprobs[i]` is log p(response_tokens[i] | prompt, response[:i]) under
-    the sampling temperature, from the decode engine of policy `version` (the version
-    that generated the whole trajectory: C1).
-    """
-
-    prompt_tokens: Sequence[int]
-    response_tokens: Sequence[int]
-    behaviour_logprobs: Sequence[float]
-    reward: float
-    group_id: Hashable
-    version: int
-
-
-_TRAJ_FIELDS = tuple(f.name for f in dataclasses.fields(Trajectory))
+# What a batch reads of each finished sample (`rollout.Trajectory`, or a Mapping
+# with these keys). `version` is the group's version: all samples of a group share it.
+_TRAJ_FIELDS = ("prompt_tokens", "response_tokens", "behaviour_logprobs", "reward",
+                "group_id", "version")
 
 
 def _get(traj: Any, name: str):
@@ -61,15 +49,6 @@ def _get(traj: Any, name: str):
         raise BatchError(f"trajectory {type(traj).__name__} has no attribute {name!r}; "
                          f"needs {_TRAJ_FIELDS}")
     return getattr(traj, name)
-
-
-def pick_bucket(length: int, buckets: Sequence[int]) -> int:
-    """Smallest bucket >= length; BatchError if none is large enough."""
-    for b in sorted(buckets):
-        if b >= length:
-            return b
-    raise BatchError(f"sequence of length {length} (prompt + response) is longer than the "
-                     f"largest length bucket {max(buckets)} (trainer.length_buckets={tuple(buckets)})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +190,11 @@ class TrainBatch:
                                  "log-probs")
             rows.append((prompt, response, logp, float(_get(t, "reward")), int(_get(t, "version"))))
         B = len(rows)
-        T = pick_bucket(max(p.size + r.size for p, r, *_ in rows), length_buckets)
+        longest = max(p.size + r.size for p, r, *_ in rows)
+        try:
+            T = pick_bucket(longest, length_buckets, "trainer.length_buckets")
+        except BucketError as e:
+            raise BatchError(f"a trajectory (prompt + response): {e}") from None
         tokens = np.full((B, T), pad_id, np.int32)
         mask = np.zeros((B, T), np.float32)
         logp_BT = np.zeros((B, T), np.float32)

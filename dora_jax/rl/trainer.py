@@ -50,8 +50,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dora_jax.config import Config
 from dora_jax.model import transformer
-from dora_jax.model.sharding import (activation_rules, logical_to_spec, make_meshes,
-                                     param_shardings)
+from dora_jax.model.sharding import (activation_rules, copy_tree, logical_to_spec,
+                                     make_meshes, param_shardings)
 from dora_jax.rl import losses
 from dora_jax.rl.batch import BATCH_KEYS, BatchError, TrainBatch
 from dora_jax.rl.optimizer import learning_rate_schedule, make_optimizer, opt_state_shardings
@@ -146,8 +146,7 @@ class Trainer:
         params = jax.device_put(params, self._param_sh)
         if ref_params is None and t.kl_coef > 0:
             # A real copy: `params` is donated to the first step, the reference is not.
-            ref_params = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
-                                 out_shardings=self._param_sh)(params)
+            ref_params = copy_tree(params)
         self._ref = None if ref_params is None else jax.device_put(ref_params, self._param_sh)
         opt_state = jax.jit(self._tx.init, out_shardings=opt_sh)(params)
         # Three distinct buffers: the state is donated, one buffer cannot be donated twice.
@@ -233,7 +232,6 @@ class Trainer:
         """Compiles the train step for every length bucket without changing the
         state: each compile runs on a throwaway copy (the step donates its input),
         so timed runs measure steady-state steps, not compilation."""
-        copy = jax.jit(lambda s: jax.tree.map(jnp.copy, s), out_shardings=self._state_sh)
         for T in self.cfg.trainer.length_buckets:
             tokens = np.zeros((batch_size, T), np.int32)
             tokens[:, 1] = 1
@@ -249,7 +247,7 @@ class Trainer:
             M, U = self.cfg.trainer.num_minibatches, self.cfg.trainer.micro_batches
             arrays = self._device_batch(batch, M, U)
             with activation_rules(self.mesh, self.rules):
-                jax.block_until_ready(self._step_jit(copy(self._state), arrays, self._ref,
+                jax.block_until_ready(self._step_jit(copy_tree(self._state), arrays, self._ref,
                                                      group_size))
 
     def loss_and_grads(self, batch: TrainBatch):

@@ -2,16 +2,14 @@
 resident policy version, migration, interrupt-and-reload)."""
 
 from dora_jax.rollout.engine import (DecodeState, Engine, EngineParams, Prefix, ResultTokens,
-                                     reprefill_buckets)
+                                     prefill_buckets)
 from dora_jax.rollout.sampling import SamplingParams, key_data_from_seed
 from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.rollout.trajectory import (InFlight, Request, RolloutError, SliceStats,
-                                         SlotOverflowError, Trajectory, VersionMismatchError,
-                                         rle_expand, rle_extend)
+                                         SlotOverflowError, Trajectory, VersionMismatchError)
 
 __all__ = [
     "DecodeSlice", "DecodeState", "Engine", "EngineParams", "InFlight", "Prefix", "Request",
     "ResultTokens", "RolloutError", "SamplingParams", "SliceStats", "SlotOverflowError",
-    "Trajectory", "VersionMismatchError", "key_data_from_seed", "reprefill_buckets",
-    "rle_expand", "rle_extend",
+    "Trajectory", "VersionMismatchError", "key_data_from_seed", "prefill_buckets",
 ]

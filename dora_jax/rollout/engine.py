@@ -15,8 +15,8 @@ Token n of a response is sampled with fold_in(request_key, n) (see sampling.py).
 
 Compiled functions: prefill and insert once per padded length bucket, generate and
 extract once. Prefill buckets cover prompts (`rollout.prefill_buckets`) and, for
-re-prefill of prompt + tokens so far (partial rollout), extra buckets up to
-`rollout.cache_length`.
+re-prefill of prompt + tokens so far (partial rollout), doubling buckets up to
+`rollout.cache_length` (`prefill_buckets`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dora_jax.buckets import doubling_buckets, pick_bucket
 from dora_jax.config import DECODE_RULES, ModelConfig, RolloutConfig
 from dora_jax.model import transformer
 from dora_jax.model.sharding import activation_rules, logical_to_spec, param_shardings
@@ -123,21 +124,18 @@ def _leaf_paths(params) -> list:
             for p, _ in jax.tree_util.tree_leaves_with_path(params)]
 
 
-def reprefill_buckets(rollout: RolloutConfig) -> tuple:
-    """Prompt buckets, then doubling extra buckets up to cache_length (re-prefill)."""
-    L = rollout.cache_length
-    buckets = [min(b, L) for b in rollout.prefill_buckets]
-    while buckets[-1] < L:
-        buckets.append(min(2 * buckets[-1], L))
-    return tuple(sorted(set(buckets)))
+def prefill_buckets(rollout: RolloutConfig) -> tuple:
+    """Padded prefill lengths: the prompt buckets, then doubling buckets up to
+    cache_length for re-prefilling prompt + tokens so far."""
+    return doubling_buckets(rollout.prefill_buckets, rollout.cache_length)
 
 
 class Engine:
     """JetStream-style engine for one decode slice's mesh.
 
     Args:
-      model_cfg, rollout_cfg: model and rollout settings (slots, lengths, sampling,
-        eos). `rollout_cfg.eos_id < 0` disables EOS (benchmarks).
+      model_cfg, rollout_cfg: validated model and rollout settings (slots, lengths,
+        sampling, eos). `rollout_cfg.eos_id < 0` disables EOS (benchmarks).
       mesh: the slice's device mesh (axes `tensor`, `expert`).
       rules: logical-axis rules for params, activations and the KV cache.
       sampling_params: overrides the sampling settings of `rollout_cfg`;
@@ -147,16 +145,12 @@ class Engine:
     def __init__(self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, mesh: Mesh, *,
                  rules=DECODE_RULES, sampling_params: SamplingParams | None = None,
                  greedy: bool = False):
-        if not rollout_cfg.prefill_buckets or rollout_cfg.prefill_buckets[-1] < \
-                rollout_cfg.max_prefill_length:
-            raise ValueError("rollout.prefill_buckets must reach rollout.max_prefill_length, "
-                             f"got {rollout_cfg.prefill_buckets}")
         self.model_cfg, self.rollout_cfg, self._mesh = model_cfg, rollout_cfg, mesh
         self.rules = tuple(rules)
         sp = sampling_params or SamplingParams.from_rollout(rollout_cfg)
         self.sampling_params = SamplingParams(sp.temperature, sp.top_k, sp.top_p,
                                               greedy or sp.greedy)
-        self.buckets = reprefill_buckets(rollout_cfg)  # padded prefill lengths
+        self.buckets = prefill_buckets(rollout_cfg)  # padded prefill lengths
         self.graphdef, abstract = transformer.abstract_params(model_cfg)
         leaves, self._treedef = jax.tree.flatten(abstract)
         self._paths = _leaf_paths(abstract)
@@ -231,10 +225,6 @@ class Engine:
                                  f"model expects {dtype}{list(shape)}")
         return EngineParams(tuple(jax.device_put(leaves, list(self._param_sh.leaves))))
 
-    def to_state(self, params: EngineParams):
-        """The nnx.State view of engine params (for full-forward references)."""
-        return jax.tree.unflatten(self._treedef, list(params.leaves))
-
     def init_decode_state(self) -> DecodeState:
         """Empty decode state: S inactive slots, zero KV cache."""
         return self._init_jit()
@@ -298,16 +288,11 @@ class Engine:
             raise ValueError(f"extract: slot {slot} out of range")
         return self._extract_jit(decode_state, np.int32(slot))
 
-    def bucket_for(self, length: int) -> int:
-        for b in self.buckets:
-            if b >= length:
-                return b
-        raise ValueError(f"length {length} exceeds the largest bucket {self.buckets[-1]}")
-
     def pad_tokens(self, tokens) -> tuple[np.ndarray, int]:
         """(tokens padded with pad_id to their bucket, true length)."""
         tokens = np.asarray(tokens, np.int32)
-        padded = np.full(self.bucket_for(len(tokens)), self.rollout_cfg.pad_id, np.int32)
+        padded = np.full(pick_bucket(len(tokens), self.buckets, "prefill buckets"),
+                         self.rollout_cfg.pad_id, np.int32)
         padded[:len(tokens)] = tokens
         return padded, len(tokens)
 

@@ -26,7 +26,8 @@ KEY_IMPL = "threefry2x32"  # fixed, so key data means the same whatever JAX's de
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """Static sampling settings (part of the compiled decode step).
+    """Static sampling settings (part of the compiled decode step), as validated
+    by `config.RolloutConfig` (`from_rollout`).
 
     greedy: take the argmax of the logits instead of sampling (evaluation and
       tests); the reported log-prob is that of the argmax under the truncated
@@ -37,14 +38,6 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1.0: off
     greedy: bool = False
-
-    def __post_init__(self):
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
     @classmethod
     def from_rollout(cls, rollout: RolloutConfig, greedy: bool = False) -> "SamplingParams":

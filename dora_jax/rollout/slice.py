@@ -35,8 +35,8 @@ import numpy as np
 
 from dora_jax.rollout.engine import Engine, ResultTokens
 from dora_jax.rollout.trajectory import (InFlight, Request, RolloutError, SliceStats,
-                                         SlotOverflowError, Trajectory, VersionMismatchError,
-                                         rle_extend)
+                                         SlotOverflowError, Trajectory, VersionMismatchError)
+from dora_jax.scheduler.ledger import rle_extend
 
 
 class _Seq:
@@ -119,10 +119,6 @@ class DecodeSlice:
     def held_versions(self) -> set:
         """Versions of the requests held: empty or {self.version} (C1)."""
         return {seq.version for seq in self._held.values()}
-
-    @property
-    def request_ids(self) -> list:
-        return list(self._held)
 
     # ------------------------------------------------------------ versions
 
@@ -372,7 +368,7 @@ class DecodeSlice:
         r = seq.request
         self._done.append(Trajectory(
             group_id=r.group_id, prompt_id=r.prompt_id, sample_index=r.sample_index,
-            prompt_tokens=list(r.prompt_tokens), response_tokens=seq.tokens,
+            version=r.version, prompt_tokens=list(r.prompt_tokens), response_tokens=seq.tokens,
             behaviour_logprobs=seq.logprobs, versions=seq.runs, slice_ids=seq.slice_ids,
             finish_reason=reason, t_submit=seq.t_submit, t_start=seq.t_start,
             t_finish=self.clock()))

@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from dora_jax.rollout.sampling import key_data_from_seed
+from dora_jax.scheduler.ledger import rle_expand
 
 
 class RolloutError(RuntimeError):
@@ -55,26 +56,14 @@ class Request:
         return key_data_from_seed(self.seed)
 
 
-def rle_extend(runs: list, version: int, n: int) -> list:
-    """Appends n tokens of `version` to run-length encoded [[version, n], ...]."""
-    if n <= 0:
-        return runs
-    if runs and runs[-1][0] == version:
-        runs[-1][1] += n
-    else:
-        runs.append([version, n])
-    return runs
-
-
-def rle_expand(runs) -> list:
-    """[[v, n], ...] -> one version per token."""
-    return [v for v, n in runs for _ in range(n)]
-
-
 @dataclasses.dataclass
 class Trajectory:
-    """A finished sample with its provenance.
+    """A finished sample with its provenance: what the reward function scores, the
+    train batch reads (`rl.batch.TrainBatch.from_trajectories`) and the ledger
+    records.
 
+    version: the group's version, the one the sample was submitted under (C1: every
+      token's, unless a partial-rollout reload happened; see `versions`).
     versions: run-length encoded behaviour versions, [[version, n_tokens], ...] in
       token order (one run unless a partial-rollout reload happened mid-sequence).
     behaviour_logprobs: log-prob of each response token under the distribution it
@@ -87,6 +76,7 @@ class Trajectory:
     group_id: int
     prompt_id: Union[int, str]
     sample_index: int
+    version: int
     prompt_tokens: list
     response_tokens: list
     behaviour_logprobs: list
@@ -101,12 +91,6 @@ class Trajectory:
     @property
     def request_id(self) -> tuple:
         return (self.group_id, self.sample_index)
-
-    @property
-    def version(self) -> int:
-        """The version the trajectory started under (its only one, unless a
-        partial-rollout reload happened: see `single_version`)."""
-        return self.versions[0][0]
 
     @property
     def single_version(self) -> bool:
@@ -148,9 +132,6 @@ class SliceStats:
     @property
     def utilisation(self) -> float:
         return self.busy_slot_steps / self.total_slot_steps if self.total_slot_steps else 0.0
-
-    def to_dict(self) -> dict:
-        return dict(dataclasses.asdict(self), utilisation=self.utilisation)
 
 
 @dataclasses.dataclass

@@ -1,4 +1,4 @@
-"""DORA: multi-version streaming rollout (DESIGN.md §4) as a scheduling policy.
+"""DORA: multi-version streaming rollout as a scheduling policy.
 
 Notation: P = newest published version, t = `Scheduler.next_step` (the next train
 step to run), K = max_staleness, U(<=w) = unconsumed groups of version <= w.
@@ -12,15 +12,15 @@ steps t .. w+K can consume only TBS groups each; so without it the staleness gua
 would one day need more than TBS groups in one batch. With K = 0 it admits exactly
 TBS groups per version, which makes `dora` with K = 0 behave like `sync`.
 
-Choices made where the design brief is silent:
+Choices made where the design leaves room:
 * Slices only ever load the newest published version. Old versions therefore only
   lose slices, and the runtime never needs params older than the ones it holds.
   A version with unfinished samples always keeps at least one serving slice
   (liveness: its work is never stranded).
 * The staleness guard is applied in its general form: a batch (TBS oldest finished
   groups) is formed only if what stays unconsumed still satisfies FEASIBILITY for
-  step t+1. For version t-K this is exactly the brief's guard (all of it must be in
-  the batch); for newer versions it stops the trainer from eating young groups while
+  step t+1. For version t-K this is exactly the plain guard (every unconsumed
+  group of version t-K is in the batch); for newer versions it stops the trainer from eating young groups while
   old ones would then miss their deadline.
 * Admission at a version older than P (newest resident version not yet P, or a
   top-up) also needs w + K > t: a group that the very next step would be forced to
@@ -81,24 +81,24 @@ class DoraPolicy(Policy):
 
     name = "dora"
 
-    def plan(self, s: "Scheduler") -> list:
-        acts = self._form_batch(s)
-        balance, kept = self._balance(s)
+    def plan(self, sched: "Scheduler") -> list:
+        acts = self._form_batch(sched)
+        balance, kept = self._balance(sched)
         acts += balance
-        acts += self._admit(s, kept)
-        acts += assign_pending(s, lambda sl: sl.slice_id in kept)
+        acts += self._admit(sched, kept)
+        acts += assign_pending(sched, lambda sl: sl.slice_id in kept)
         return acts
 
     # -- (2)+(3) streaming batch formation with the staleness guard
-    def _form_batch(self, s):
-        cfg = s.config
-        tbs, k, t = cfg.train_batch_size, cfg.max_staleness, s.next_step
-        if s.trainer_busy:
+    def _form_batch(self, sched):
+        cfg = sched.config
+        tbs, k, t = cfg.train_batch_size, cfg.max_staleness, sched.next_step
+        if sched.trainer_busy:
             return []
-        batch = s.finished_groups()[:tbs]  # oldest version first
+        batch = sched.finished_groups()[:tbs]  # oldest version first
         if len(batch) < tbs:
             return []
-        counts = s.unconsumed_by_version()
+        counts = sched.unconsumed_by_version()
         taken = Counter(g.version for g in batch)
         cum = cum_taken = 0
         for v in sorted(v for v, c in counts.items() if c > 0):
@@ -106,32 +106,32 @@ class DoraPolicy(Policy):
             # What stays of versions <= v must fit in steps t+1 .. v+K.
             if cum - cum_taken > tbs * (v + k - t):
                 return []  # guard: wait for older groups still generating
-        return [s.do_train([g.group_id for g in batch])]
+        return [sched.do_train([g.group_id for g in batch])]
 
     # -- (4)+(5) slice versions: consolidate old versions, move slices to the newest
-    def _balance(self, s):
+    def _balance(self, sched):
         """Return (actions, kept): kept = serving slices that may take new requests.
 
         Serving slices of an old version w beyond its target are drained: if their
         requests all fit in free slots of the kept w-slices they migrate there and
         the slice loads P at once; otherwise the slice takes no new work and loads P
         when its requests end."""
-        cfg = s.config
-        p, slots = s.published, cfg.slots_per_slice
-        unfinished = s.unfinished_by_version()
+        cfg = sched.config
+        p, slots = sched.published, cfg.slots_per_slice
+        unfinished = sched.unfinished_by_version()
         demand = {w: n for w, n in unfinished.items() if n > 0}
         # The newest version also stands for the groups still to be admitted.
-        demand[p] = demand.get(p, 0) + s.admission_room(cfg.rollout_batch_size) * cfg.group_size
+        demand[p] = demand.get(p, 0) + sched.admission_room(cfg.rollout_batch_size) * cfg.group_size
         cap = {w: -(-n // slots) for w, n in demand.items() if w != p}
         target = apportion(cfg.num_slices, demand, p, cap)
 
         acts, kept = [], set()
         by_version = defaultdict(list)
-        for sl in s.slices:
+        for sl in sched.slices:
             if sl.loading is not None:
                 # A load that fell out of the window [P-K, P] is re-targeted at P.
                 if sl.loading < p - cfg.max_staleness:
-                    acts.append(s.do_load(sl.slice_id, p))
+                    acts.append(sched.do_load(sl.slice_id, p))
             elif sl.version == p:
                 kept.add(sl.slice_id)
             else:
@@ -145,33 +145,33 @@ class DoraPolicy(Policy):
             order = sorted(sls, key=lambda sl: (-len(sl.running), sl.slice_id))
             keep, drain = order[:n_keep], order[n_keep:]
             kept.update(sl.slice_id for sl in keep)
-            free = {sl.slice_id: s.free_slots(sl) for sl in keep}
+            free = {sl.slice_id: sched.free_slots(sl) for sl in keep}
             for sl in sorted(drain, key=lambda sl: (len(sl.running), sl.slice_id)):
                 reqs = sorted(sl.running)
                 if len(reqs) > sum(free.values()):
                     break  # cannot empty it now (nor any fuller one); it drains by itself
                 for gid, k in reqs:
                     dst = max(free, key=lambda i: (free[i], -i))
-                    acts.append(s.do_migrate(gid, k, dst))
+                    acts.append(sched.do_migrate(gid, k, dst))
                     free[dst] -= 1
-                acts.append(s.do_load(sl.slice_id, p))
+                acts.append(sched.do_load(sl.slice_id, p))
         return acts, kept
 
     # -- (1)+(6) admission and staleness-aware top-up
-    def _admit(self, s, kept):
-        cfg = s.config
-        p, t, k = s.published, s.next_step, cfg.max_staleness
+    def _admit(self, sched, kept):
+        cfg = sched.config
+        p, t, k = sched.published, sched.next_step, cfg.max_staleness
         tbs, G = cfg.train_batch_size, cfg.group_size
-        room = s.admission_room(cfg.rollout_batch_size)
+        room = sched.admission_room(cfg.rollout_batch_size)
         if not room:
             return []
         free = Counter()
         for i in kept:
-            free[s.slices[i].version] += s.free_slots(s.slices[i])
-        versions = sorted({s.slices[i].version for i in kept})
+            free[sched.slices[i].version] += sched.free_slots(sched.slices[i])
+        versions = sorted({sched.slices[i].version for i in kept})
         if not versions:
             return []
-        counts, pend = s.unconsumed_by_version(), s.pending_by_version()
+        counts, pend = sched.unconsumed_by_version(), sched.pending_by_version()
 
         def ok(w):
             return (w == p or w + k > t) and admission_feasible(counts, w, t, k, tbs)
@@ -190,24 +190,24 @@ class DoraPolicy(Policy):
             w = pick()
             if w is None:
                 break
-            acts.append(s.do_admit(w))
+            acts.append(sched.do_admit(w))
             counts[w] += 1
             pend[w] += G
         return acts
 
-    def check(self, s, req):
-        cfg = s.config
-        tbs, k, t, p = cfg.train_batch_size, cfg.max_staleness, s.next_step, s.published
-        req(len(s.groups) <= cfg.rollout_batch_size, "dora: more than RBS in flight")
-        counts, cum = s.unconsumed_by_version(), 0
+    def check(self, sched, req):
+        cfg = sched.config
+        tbs, k, t, p = cfg.train_batch_size, cfg.max_staleness, sched.next_step, sched.published
+        req(len(sched.groups) <= cfg.rollout_batch_size, "dora: more than RBS in flight")
+        counts, cum = sched.unconsumed_by_version(), 0
         for v in sorted(v for v, c in counts.items() if c > 0):
             cum += counts[v]
             req(cum <= tbs * (v + k - t + 1), f"dora: infeasible backlog at version {v}")
-        lo = p - k - (0 if s.settled else 1)  # just after a publish, before decide()
-        for sl in s.slices:
+        lo = p - k - (0 if sched.settled else 1)  # just after a publish, before decide()
+        for sl in sched.slices:
             v = sl.effective_version
             req(v is None or lo <= v <= p,
                 f"dora: slice {sl.slice_id} on v{v} outside window [{lo}, {p}]")
-        serving = {sl.version for sl in s.slices if sl.serving}
-        for w, n in s.unfinished_by_version().items():
+        serving = {sl.version for sl in sched.slices if sl.serving}
+        for w, n in sched.unfinished_by_version().items():
             req(n <= 0 or w in serving, f"dora: version {w} has work but no slice")

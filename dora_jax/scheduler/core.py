@@ -10,8 +10,9 @@ published version) and exposes two kinds of calls:
   order the runtime must execute them.
 
 There is no clock, no thread, no randomness and no engine in here, so the real JAX
-runtime and the discrete-event simulator drive the very same object, and a
-`snapshot()` is all a checkpoint needs.
+runtime and the fake driver (fake.py) drive the very same object, and a `snapshot()`
+is all a checkpoint needs. The core has no mode-specific branch: the mode's policy
+(modes.py) decides, and says which constraints it keeps.
 
 Choices the runtime must know:
 * Migrate is instantaneous for the core: the request leaves its source slot and takes
@@ -29,18 +30,10 @@ from collections import Counter
 from dataclasses import asdict
 from typing import Iterator, Optional
 
-from .dora import DoraPolicy
-from .policies import OneStepOffPolicy, PartialRolloutPolicy, SyncPolicy
+from .modes import policy_for
 from .types import (FINISHED, PENDING, RUNNING, Admit, Assign, GroupState,
                     InterruptReload, LoadVersion, Migrate, SampleState,
-                    SchedulerConfig, SliceState, TrainBatch)
-
-_POLICIES = {
-    "sync": SyncPolicy,
-    "one_step_off": OneStepOffPolicy,
-    "partial_rollout": PartialRolloutPolicy,
-    "dora": DoraPolicy,
-}
+                    SchedulerConfig, SliceState, TrainStep)
 
 SNAPSHOT_FORMAT = 1
 
@@ -53,7 +46,7 @@ class Scheduler:
     """Scheduling state plus the event API; the mode's policy makes the decisions.
 
     Read-only attributes for runtimes: `config`, `published` (newest published
-    version), `next_step` (index of the next TrainBatch), `trainer_step` (step being
+    version), `next_step` (index of the next TrainStep), `trainer_step` (step being
     trained, or None), `next_group_id`, `groups` (unconsumed groups by id, in
     admission order) and `slices` (list of `SliceState`).
     """
@@ -64,7 +57,7 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.policy = _POLICIES[config.mode]()
+        self.policy = policy_for(config.mode)
         self.published = 0
         self.next_step = 0
         self.trainer_step: Optional[int] = None
@@ -111,8 +104,8 @@ class Scheduler:
         gs = sorted((g for g in self.groups.values() if g.n_pending),
                     key=lambda g: (g.version, g.group_id))
         for g in gs:
-            for k, s in enumerate(g.samples):
-                if s.status == PENDING:
+            for k, smp in enumerate(g.samples):
+                if smp.status == PENDING:
                     yield g, k
 
     def finished_groups(self) -> list[GroupState]:
@@ -128,10 +121,6 @@ class Scheduler:
             room = min(room, self.config.max_groups - self.next_group_id)
         return max(room, 0)
 
-    def consumed_ids(self) -> set[int]:
-        """Ids of consumed groups (every admitted id that is no longer unconsumed)."""
-        return set(range(self.next_group_id)) - set(self.groups)
-
     # ------------------------------------------------------------------ events
 
     def sample_finished(self, group_id: int, sample: int, num_tokens: Optional[int] = None):
@@ -139,11 +128,11 @@ class Scheduler:
         g = self.groups.get(group_id)
         if g is None or not 0 <= sample < len(g.samples):
             raise ValueError(f"sample_finished: unknown sample ({group_id}, {sample})")
-        s = g.samples[sample]
-        if s.status != RUNNING:
-            raise ValueError(f"sample_finished: ({group_id}, {sample}) is {s.status}")
-        self.slices[s.slice_id].running.discard((group_id, sample))
-        s.status, s.slice_id, s.num_tokens = FINISHED, None, num_tokens
+        smp = g.samples[sample]
+        if smp.status != RUNNING:
+            raise ValueError(f"sample_finished: ({group_id}, {sample}) is {smp.status}")
+        self.slices[smp.slice_id].running.discard((group_id, sample))
+        smp.status, smp.slice_id, smp.num_tokens = FINISHED, None, num_tokens
         g.n_running -= 1
         g.n_finished += 1
         self._unfinished_v[g.version] -= 1
@@ -207,11 +196,11 @@ class Scheduler:
 
     def do_assign(self, group_id: int, sample: int, slice_id: int) -> Assign:
         g, sl = self.groups[group_id], self.slices[slice_id]
-        s = g.samples[sample]
-        assert s.status == PENDING and sl.serving and self.free_slots(sl) > 0
-        s.status, s.slice_id = RUNNING, slice_id
-        s.versions.append(sl.version)
-        s.slices.append(slice_id)
+        smp = g.samples[sample]
+        assert smp.status == PENDING and sl.serving and self.free_slots(sl) > 0
+        smp.status, smp.slice_id = RUNNING, slice_id
+        smp.versions.append(sl.version)
+        smp.slices.append(slice_id)
         sl.running.add((group_id, sample))
         g.n_pending -= 1
         g.n_running += 1
@@ -219,16 +208,16 @@ class Scheduler:
         return Assign(group_id, sample, slice_id)
 
     def do_migrate(self, group_id: int, sample: int, dst: int) -> Migrate:
-        s = self.groups[group_id].samples[sample]
-        src_sl, dst_sl = self.slices[s.slice_id], self.slices[dst]
+        smp = self.groups[group_id].samples[sample]
+        src_sl, dst_sl = self.slices[smp.slice_id], self.slices[dst]
         # C1: a migrated request keeps its version, so the destination must hold it.
-        assert s.status == RUNNING and dst_sl.serving and dst_sl.version == src_sl.version
+        assert smp.status == RUNNING and dst_sl.serving and dst_sl.version == src_sl.version
         assert self.free_slots(dst_sl) > 0 and src_sl.loading is None
-        src = s.slice_id
+        src = smp.slice_id
         src_sl.running.discard((group_id, sample))
         dst_sl.running.add((group_id, sample))
-        s.slice_id = dst
-        s.slices.append(dst)
+        smp.slice_id = dst
+        smp.slices.append(dst)
         return Migrate(group_id, sample, src, dst)
 
     def do_load(self, slice_id: int, version: int) -> LoadVersion:
@@ -239,13 +228,13 @@ class Scheduler:
         return LoadVersion(slice_id, version)
 
     def do_interrupt_reload(self, slice_id: int, version: int) -> InterruptReload:
-        assert self.config.mode == "partial_rollout", "only partial_rollout breaks C1"
+        assert not self.policy.keeps_c1, "a C1-keeping mode never reloads under requests"
         sl = self.slices[slice_id]
         assert sl.loading is None and version <= self.published
         sl.loading, sl.interrupted = version, True
         return InterruptReload(slice_id, version)
 
-    def do_train(self, group_ids: list[int]) -> TrainBatch:
+    def do_train(self, group_ids: list[int]) -> TrainStep:
         assert not self.trainer_busy and len(group_ids) == self.config.train_batch_size
         for gid in group_ids:
             g = self.groups.pop(gid)
@@ -254,7 +243,7 @@ class Scheduler:
         step = self.next_step
         self.trainer_step = step
         self.next_step += 1
-        return TrainBatch(step, tuple(group_ids))
+        return TrainStep(step, tuple(group_ids))
 
     # ------------------------------------------------------------------ recovery
 
@@ -268,8 +257,8 @@ class Scheduler:
         for sl in self.slices:
             for gid, k in sl.running:
                 g = self.groups[gid]
-                s = g.samples[k]
-                s.status, s.slice_id, s.versions, s.slices = PENDING, None, [], []
+                smp = g.samples[k]
+                smp.status, smp.slice_id, smp.versions, smp.slices = PENDING, None, [], []
                 g.n_running -= 1
                 g.n_pending += 1
                 self._pending_v[g.version] += 1
@@ -294,8 +283,8 @@ class Scheduler:
             "settled": self.settled,
             "groups": [{
                 "id": g.group_id, "version": g.version,
-                "samples": [[s.status, s.slice_id, list(s.versions), list(s.slices),
-                             s.num_tokens] for s in g.samples],
+                "samples": [[smp.status, smp.slice_id, list(smp.versions), list(smp.slices),
+                             smp.num_tokens] for smp in g.samples],
             } for g in self.groups.values()],
             "slices": [{
                 "id": sl.slice_id, "version": sl.version, "loading": sl.loading,
@@ -319,9 +308,9 @@ class Scheduler:
             samples = [SampleState(st, sid, list(vs), list(ss), nt)
                        for st, sid, vs, ss, nt in gd["samples"]]
             g = GroupState(gd["id"], gd["version"], samples)
-            g.n_pending = sum(s.status == PENDING for s in samples)
-            g.n_running = sum(s.status == RUNNING for s in samples)
-            g.n_finished = sum(s.status == FINISHED for s in samples)
+            g.n_pending = sum(smp.status == PENDING for smp in samples)
+            g.n_running = sum(smp.status == RUNNING for smp in samples)
+            g.n_finished = sum(smp.status == FINISHED for smp in samples)
             self.groups[g.group_id] = g
         self.slices = [SliceState(d["id"], d["version"], d["loading"], d["interrupted"],
                                   {tuple(r) for r in d["running"]}) for d in snap["slices"]]
@@ -347,26 +336,26 @@ class Scheduler:
                 raise InvariantError(msg)
 
         cfg = self.config
-        c1 = cfg.mode != "partial_rollout"
+        c1 = self.policy.keeps_c1
         uncons, unfin, pend = Counter(), Counter(), Counter()
         for gid, g in self.groups.items():
             req(0 <= gid < self.next_group_id, f"group id {gid} never admitted")
             req(g.version <= self.published, f"group {gid} from the future")
             req(len(g.samples) == cfg.group_size, f"group {gid} has wrong size")
-            counts = Counter(s.status for s in g.samples)
+            counts = Counter(smp.status for smp in g.samples)
             req((counts[PENDING], counts[RUNNING], counts[FINISHED])
                 == (g.n_pending, g.n_running, g.n_finished), f"group {gid} counts")
             uncons[g.version] += 1
             unfin[g.version] += g.n_pending + g.n_running
             pend[g.version] += g.n_pending
-            for k, s in enumerate(g.samples):
-                if s.status == RUNNING:
-                    req((gid, k) in self.slices[s.slice_id].running, f"({gid},{k}) lost")
+            for k, smp in enumerate(g.samples):
+                if smp.status == RUNNING:
+                    req((gid, k) in self.slices[smp.slice_id].running, f"({gid},{k}) lost")
                 else:
-                    req(s.slice_id is None, f"({gid},{k}) not running but on a slice")
-                req((s.status == PENDING) == (not s.versions), f"({gid},{k}) versions")
+                    req(smp.slice_id is None, f"({gid},{k}) not running but on a slice")
+                req((smp.status == PENDING) == (not smp.versions), f"({gid},{k}) versions")
                 if c1:  # C1: one version per trajectory and per group
-                    req(set(s.versions) <= {g.version}, f"C1: ({gid},{k}) ran {s.versions}")
+                    req(set(smp.versions) <= {g.version}, f"C1: ({gid},{k}) ran {smp.versions}")
         req(_nonzero(uncons) == _nonzero(self._unconsumed_v)
             and _nonzero(unfin) == _nonzero(self._unfinished_v)
             and _nonzero(pend) == _nonzero(self._pending_v), "per-version counters drifted")

@@ -8,7 +8,8 @@ One JSON object per line:
   {"event": "filter", "group_id", "reason"}
   {"event": "unconsumed", "group_id", "version"}     (written at exit)
 `step` is the params version the trainer used for the batch (it publishes step+1).
-The simulator writes the same format, so one auditor serves both.
+`versions` is run-length encoded (`rle_extend` builds it). The runtime and the fake
+driver (fake.py) write the same format, so one auditor serves both.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import dataclasses
 import json
 import threading
 from typing import Iterable
+
+from .modes import policy_for
+from .types import SchedulerConfig
 
 
 class LedgerWriter:
@@ -35,6 +39,22 @@ class LedgerWriter:
 
     def close(self) -> None:
         self._file.close()
+
+
+def rle_extend(runs: list, version: int, n: int) -> list:
+    """Appends n tokens of `version` to run-length encoded [[version, n], ...]."""
+    if n <= 0:
+        return runs
+    if runs and runs[-1][0] == version:
+        runs[-1][1] += n
+    else:
+        runs.append([version, n])
+    return runs
+
+
+def rle_expand(runs) -> list:
+    """[[v, n], ...] -> one version per token."""
+    return [v for v, n in runs for _ in range(n)]
 
 
 def read(path: str) -> list[dict]:
@@ -64,11 +84,13 @@ class AuditReport:
 
 
 def audit(events: Iterable[dict], *, train_batch_size: int, group_size: int,
-          max_staleness: int | None, max_decode_len: int | None = None) -> AuditReport:
-    """Checks C1 (one version per trajectory and per group), C2 (every admitted group
-    consumed exactly once, complete; or filtered with a reason; or listed as
-    unconsumed at exit), C3 (step - version <= max_staleness; None skips) and that
-    every step consumed exactly `train_batch_size` groups."""
+          max_staleness: int | None, max_decode_len: int | None = None,
+          check_c1: bool = True) -> AuditReport:
+    """Checks C1 (one version per trajectory and per group; `check_c1=False` for a
+    mode that breaks it by design), C2 (every admitted group consumed exactly once,
+    complete; or filtered with a reason; or listed as unconsumed at exit), C3
+    (step - version <= max_staleness; None skips) and that every step consumed
+    exactly `train_batch_size` groups."""
     c1, c2, c3, bad_batch = [], [], [], []
     admitted: dict = {}
     consumed = collections.Counter()
@@ -98,7 +120,7 @@ def audit(events: Iterable[dict], *, train_batch_size: int, group_size: int,
                           f"{sorted(s['sample'] for s in samples)}")
             for s in samples:
                 versions = {v for v, n in s["versions"] if n > 0}
-                if versions != {e["version"]}:
+                if check_c1 and versions != {e["version"]}:
                     c1.append(f"group {gid} sample {s['sample']} versions {s['versions']} "
                               f"!= group version {e['version']}")
                 n_tokens = sum(n for _, n in s["versions"])
@@ -131,3 +153,13 @@ def audit(events: Iterable[dict], *, train_batch_size: int, group_size: int,
     return AuditReport(steps=len(per_step), groups_admitted=len(admitted),
                        groups_consumed=len(consumed), c1=c1, c2=c2, c3=c3,
                        batch_size=bad_batch, staleness=dict(staleness))
+
+
+def audit_run(events: Iterable[dict], config: SchedulerConfig,
+              max_decode_len: int | None = None) -> AuditReport:
+    """`audit` under the run's own mode: its staleness bound, and C1 unless the mode
+    breaks it by design."""
+    policy = policy_for(config.mode)
+    return audit(events, train_batch_size=config.train_batch_size,
+                 group_size=config.group_size, max_staleness=policy.staleness_bound(config),
+                 max_decode_len=max_decode_len, check_c1=policy.keeps_c1)

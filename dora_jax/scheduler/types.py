@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-MODES = ("sync", "one_step_off", "partial_rollout", "dora")
+from dora_jax.config import (Config, ConfigError, CoordinatorConfig, MeshConfig, RolloutConfig,
+                             check_group_fits)
 
 # Sample status values. Strings rather than an Enum so a snapshot is plain JSON.
 PENDING = "pending"
@@ -22,7 +23,7 @@ class SchedulerConfig:
     """Static shape of a run, shared by all four modes.
 
     Attributes:
-      mode: one of `MODES`.
+      mode: one of `dora_jax.config.MODES` (a policy in `modes.POLICIES`).
       num_slices: number of decode slices S.
       slots_per_slice: concurrent requests per slice (same for every slice).
       group_size: samples per group G (the GRPO group).
@@ -31,8 +32,7 @@ class SchedulerConfig:
         (used by `partial_rollout` and `dora`; `sync` and `one_step_off` admit whole
         batches of TBS and ignore it).
       max_staleness: K, a group of version w may be consumed by step t only if
-        t - w <= K (enforced by `dora`; `sync` behaves as K=0 and `one_step_off` as
-        K=1 whatever this says; `partial_rollout` does not bound it).
+        t - w <= K (each policy says which bound it guarantees: `staleness_bound`).
       max_groups: optional cap on the total number of groups ever admitted (dataset
         size or run budget). None = unbounded.
     """
@@ -47,39 +47,30 @@ class SchedulerConfig:
     max_groups: Optional[int] = None
 
     def __post_init__(self):
-        # Each message starts with the field name so callers (and tests) can tell
-        # which knob is wrong.
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.num_slices < 1:
-            raise ValueError(f"num_slices must be >= 1, got {self.num_slices}")
-        if self.slots_per_slice < 1:
-            raise ValueError(f"slots_per_slice must be >= 1, got {self.slots_per_slice}")
-        if self.group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
-        if self.group_size > self.num_slices * self.slots_per_slice:
-            raise ValueError(
-                f"group_size ({self.group_size}) must be <= num_slices * slots_per_slice "
-                f"({self.num_slices * self.slots_per_slice})")
-        if self.train_batch_size < 1:
-            raise ValueError(f"train_batch_size must be >= 1, got {self.train_batch_size}")
-        if self.rollout_batch_size < self.train_batch_size:
-            raise ValueError(
-                f"rollout_batch_size ({self.rollout_batch_size}) must be >= "
-                f"train_batch_size ({self.train_batch_size})")
-        if self.max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        # The coordinator section owns these checks; building one runs them.
+        CoordinatorConfig(mode=self.mode, group_size=self.group_size,
+                          train_batch_size=self.train_batch_size,
+                          rollout_batch_size=self.rollout_batch_size,
+                          max_staleness=self.max_staleness)
+        MeshConfig(num_slices=self.num_slices)
+        RolloutConfig(slots_per_slice=self.slots_per_slice)
+        check_group_fits(self.group_size, self.num_slices, self.slots_per_slice)
         if self.max_groups is not None and self.max_groups < 0:
-            raise ValueError(f"max_groups must be >= 0 or None, got {self.max_groups}")
+            raise ConfigError(f"max_groups must be >= 0 or None, got {self.max_groups}")
+
+    @classmethod
+    def from_config(cls, cfg: Config, max_groups: Optional[int] = None) -> "SchedulerConfig":
+        """The scheduler's view of a validated run config."""
+        c = cfg.coordinator
+        return cls(mode=c.mode, num_slices=cfg.mesh.num_slices,
+                   slots_per_slice=cfg.rollout.slots_per_slice, group_size=c.group_size,
+                   train_batch_size=c.train_batch_size,
+                   rollout_batch_size=c.rollout_batch_size, max_staleness=c.max_staleness,
+                   max_groups=max_groups)
 
     @property
     def total_slots(self) -> int:
         return self.num_slices * self.slots_per_slice
-
-    @property
-    def effective_max_staleness(self) -> Optional[int]:
-        """The staleness bound the mode guarantees (None: not bounded by the mode)."""
-        return {"sync": 0, "one_step_off": 1, "dora": self.max_staleness}.get(self.mode)
 
 
 # ---------------------------------------------------------------------------
@@ -140,7 +131,7 @@ class InterruptReload:
 
 
 @dataclass(frozen=True)
-class TrainBatch:
+class TrainStep:
     """Run train step `step` on exactly TBS groups, ordered oldest version first.
     Report `step_finished(step)` when params of version step+1 are published."""
 
@@ -148,7 +139,7 @@ class TrainBatch:
     group_ids: tuple
 
 
-Action = Union[Admit, Assign, Migrate, LoadVersion, InterruptReload, TrainBatch]
+Action = Union[Admit, Assign, Migrate, LoadVersion, InterruptReload, TrainStep]
 
 
 # ---------------------------------------------------------------------------

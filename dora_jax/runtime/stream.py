@@ -14,7 +14,8 @@ from typing import Sequence
 
 import grain
 
-from dora_jax.rl.batch import TrainBatch, Trajectory
+from dora_jax.rl.batch import TrainBatch
+from dora_jax.rollout.trajectory import Trajectory
 
 _END = object()
 

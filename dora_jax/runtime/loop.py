@@ -1,13 +1,14 @@
-"""The runtime: drives real decode slices and the trainer from the scheduling core.
+"""The run loop: drives real decode slices and the trainer from the scheduling core.
 
-One coordinator thread owns the `Scheduler` and executes its decisions; decode
+One coordinator thread owns the `Scheduler` and executes its actions; decode
 slices step concurrently on a thread pool (each on its own sub-mesh); the trainer
 runs in its own thread, fed through the Grain trajectory stream, so decoding goes
 on while it trains. Rewards are computed on host threads as samples finish.
 
 Weights: after step t the trainer's params (version t+1) are copied on the trainer
 mesh — the next step donates the originals — and slices told to load that version
-get them through `jax.device_put` to their own shardings.
+get them through `jax.device_put` to their own shardings. The README's "Life of a
+group" names the function at each hop from admission to the ledger.
 """
 
 from __future__ import annotations
@@ -20,18 +21,18 @@ import time
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from dora_jax.coordinator import types as T
-from dora_jax.coordinator.core import Scheduler
-from dora_jax.coordinator.ledger import LedgerWriter
-from dora_jax.coordinator.report import StepReporter
-from dora_jax.coordinator.stream import GroupQueue, train_batches
 from dora_jax.data.prompts import PromptStream
 from dora_jax.data.tasks import RewardPool
-from dora_jax.rl import batch as batch_lib
+from dora_jax.model.sharding import copy_tree
 from dora_jax.rollout.trajectory import Request
+from dora_jax.runtime.report import StepReporter
+from dora_jax.runtime.stream import GroupQueue, train_batches
+from dora_jax.scheduler.core import Scheduler
+from dora_jax.scheduler.ledger import LedgerWriter
+from dora_jax.scheduler.types import (Admit, Assign, InterruptReload, LoadVersion, Migrate,
+                                      TrainStep)
 from dora_jax.timeline import Timeline
 
 
@@ -78,9 +79,9 @@ class Runtime:
         self._t0 = clock()
         self.clock = lambda: clock() - self._t0
         self.groups: dict[int, _Group] = {}
-        self._copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p))
-        # A copy: step 0 donates the trainer's own buffers.
-        self.published = {0: self._copy(trainer.params)}
+        # Params of the versions slices may load. A copy: step 0 donates the
+        # trainer's own buffers.
+        self.params_by_version = {0: copy_tree(trainer.params)}
         self._pool = concurrent.futures.ThreadPoolExecutor(max(1, len(slices)), "slice")
         self._stream = GroupQueue()
         self._done: queue.Queue = queue.Queue()
@@ -102,7 +103,7 @@ class Runtime:
                 metrics = self.trainer.train_step(batch)
                 metrics = jax.device_get(metrics)  # the step's only host sync
                 # Publish: keep a copy, as the next step donates the trainer's params.
-                params = self._copy(self.trainer.params)
+                params = copy_tree(self.trainer.params)
                 jax.block_until_ready(params)
                 end = self.clock()
                 self.timeline.add("trainer", "train", start, end, step)
@@ -115,7 +116,7 @@ class Runtime:
             raise RuntimeError("train step failed") from item
         step, batch, metrics, params, start, end = item
         self.sched.step_finished(step)
-        self.published = {step + 1: params}  # slices only ever load the newest
+        self.params_by_version = {step + 1: params}  # slices only ever load the newest
         self._trainer_idle_since = end
         group_ids, wait = self._inflight_batches.pop(step)
         for gid in group_ids:
@@ -160,26 +161,26 @@ class Runtime:
     # ------------------------------------------------------------------ actions
     def _execute(self, actions):
         for a in actions:
-            if isinstance(a, T.Admit):
+            if isinstance(a, Admit):
                 self._admit(a)
-            elif isinstance(a, T.Assign):
+            elif isinstance(a, Assign):
                 g = self.groups[a.group_id]
                 self.slices[a.slice_id].submit(Request(
                     group_id=a.group_id, prompt_id=g.record["prompt_id"], sample_index=a.sample,
                     prompt_tokens=g.record["tokens"], version=g.version,
                     seed=request_seed(self.cfg.seed, a.group_id, a.sample)))
-            elif isinstance(a, T.Migrate):
+            elif isinstance(a, Migrate):
                 src, dst = self.slices[a.src_slice], self.slices[a.dst_slice]
                 dst.import_requests(src.export_requests([(a.group_id, a.sample)]))
                 self.reporter.migrations += 1
-            elif isinstance(a, (T.LoadVersion, T.InterruptReload)):
+            elif isinstance(a, (LoadVersion, InterruptReload)):
                 self._load(a)
-            elif isinstance(a, T.TrainBatch):
+            elif isinstance(a, TrainStep):
                 self._train(a)
             else:  # pragma: no cover - the core emits only the types above
                 raise TypeError(f"unknown action {a!r}")
 
-    def _admit(self, a: T.Admit):
+    def _admit(self, a: Admit):
         record = self.prompts.next()
         if record is None:
             raise RuntimeError(f"prompt source exhausted at group {a.group_id}")
@@ -188,12 +189,13 @@ class Runtime:
                           version=a.version, time=self.clock())
 
     def _load(self, a):
-        params = self.published.get(a.version)
+        params = self.params_by_version.get(a.version)
         if params is None:
-            raise RuntimeError(f"version {a.version} is not published (have {list(self.published)})")
+            raise RuntimeError(f"version {a.version} is not published "
+                               f"(have {list(self.params_by_version)})")
         sl = self.slices[a.slice_id]
         start = self.clock()
-        if isinstance(a, T.InterruptReload):
+        if isinstance(a, InterruptReload):
             seconds = sl.interrupt_and_reload(a.version, params)
         else:
             seconds = sl.load_version(a.version, params)
@@ -201,20 +203,15 @@ class Runtime:
         self.timeline.add(f"slice {a.slice_id}", "load", start, self.clock(), a.version)
         self.sched.version_loaded(a.slice_id, a.version)
 
-    def _train(self, a: T.TrainBatch):
+    def _train(self, a: TrainStep):
+        """Form the batch: the step's groups, scored, go into the trajectory stream."""
         trajectories = []
         for gid in a.group_ids:
             g = self.groups[gid]
             for k in sorted(g.trajectories):
                 t = g.trajectories[k]
-                reward, _ = g.rewards[k].result()
-                t.reward = reward
-                # The version that sampled the tokens: in partial_rollout a sample may
-                # have several; the group's admission version is what staleness counts.
-                trajectories.append(batch_lib.Trajectory(
-                    prompt_tokens=t.prompt_tokens, response_tokens=t.response_tokens,
-                    behaviour_logprobs=t.behaviour_logprobs, reward=reward, group_id=gid,
-                    version=g.version))
+                t.reward, _ = g.rewards[k].result()
+                trajectories.append(t)
         wait = self.clock() - self._trainer_idle_since
         self._inflight_batches[a.step] = (a.group_ids, wait)
         self._stream.put(a.step, trajectories)
@@ -259,9 +256,7 @@ class Runtime:
                 # Loads complete synchronously (version_loaded is reported inside
                 # _execute), so decide again until the core has nothing more to say.
                 while actions := self.sched.decide():
-                    # The last step's batch is the last one worth forming.
-                    self._execute([a for a in actions if not (
-                        isinstance(a, T.TrainBatch) and a.step >= num_steps)])
+                    self._execute(actions)
                 if not self._decode():
                     # Nothing to decode: the trainer holds all the work; wait for it.
                     if not self.sched.trainer_busy:

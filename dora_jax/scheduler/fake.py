@@ -5,10 +5,11 @@ ticks of decoding; LoadVersion / InterruptReload take `load_ticks` (a slice bein
 reloaded decodes nothing); a train step takes `train_ticks`; Migrate moves the
 request with its progress. The driver executes actions, feeds events back, checks
 engine-level C1 and writes a ledger of admit / consume records in the format of
-`dora_jax.coordinator.ledger` (time = tick, prompt id = group id).
+`dora_jax.scheduler.ledger` (time = tick, prompt id = group id); `audit()` checks it
+with the project's auditor.
 
-Time is simulated event to event (jumping over ticks in which nothing finishes),
-which gives exactly the tick-by-tick result at a fraction of the cost.
+Time advances event to event (jumping over ticks in which nothing finishes), which
+gives exactly the tick-by-tick result at a fraction of the cost.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
 from .core import Scheduler
+from .ledger import AuditReport, audit_run, rle_extend
 from .types import (Admit, Assign, InterruptReload, LoadVersion, Migrate,
-                    SchedulerConfig, TrainBatch)
+                    SchedulerConfig, TrainStep)
 
 
 class LivenessError(RuntimeError):
@@ -148,7 +150,7 @@ class FakeRun:
         self._settle(events)
 
     def restart_engines(self):
-        """Simulate a runtime restart: all in-flight requests and loads are lost, the
+        """Model a runtime restart: all in-flight requests and loads are lost, the
         scheduler requeues them (`Scheduler.requeue_inflight`), and decoding resumes."""
         for sl in self.slices:
             sl.requests.clear()
@@ -199,7 +201,7 @@ class FakeRun:
 
     def _execute(self, a) -> list:
         """Apply one action to the fake engine; return immediate events."""
-        mode = self.config.mode
+        keeps_c1 = self.sched.policy.keeps_c1
         if isinstance(a, Admit):
             self.group_version[a.group_id] = a.version
             self.ledger.append(dict(event="admit", group_id=a.group_id, prompt_id=a.group_id,
@@ -207,7 +209,7 @@ class FakeRun:
         elif isinstance(a, Assign):
             sl = self.slices[a.slice_id]
             assert sl.loading is None and len(sl.requests) < self.config.slots_per_slice
-            if mode != "partial_rollout":  # engine-level C1
+            if keeps_c1:  # engine-level C1
                 assert sl.version == self.group_version[a.group_id], a
             length = int(self._length(a.group_id, a.sample))
             assert length >= 1, "sample lengths must be >= 1"
@@ -228,12 +230,12 @@ class FakeRun:
                 assert not sl.requests, f"C1: params changed under running requests {a}"
                 self.stats["loads"] += 1
             else:
-                assert mode == "partial_rollout", a
+                assert not keeps_c1, a
                 self.stats["interrupt_reloads"] += 1
             sl.loading, sl.load_left = a.version, self.load_ticks
             if self.load_ticks == 0:
                 return [("loaded", a.slice_id, a.version)]
-        elif isinstance(a, TrainBatch):
+        elif isinstance(a, TrainStep):
             assert self.trainer is None and len(a.group_ids) == self.config.train_batch_size
             self.trainer = [a.step, self.train_ticks]
             for gid in a.group_ids:
@@ -249,12 +251,7 @@ class FakeRun:
             assert r.produced == r.length, "C2: incomplete trajectory trained"
             rle = []
             for v, n in r.segments:
-                if n == 0:
-                    continue
-                if rle and rle[-1][0] == v:
-                    rle[-1][1] += n
-                else:
-                    rle.append([v, n])
+                rle_extend(rle, v, n)
             samples.append(dict(sample=k, versions=rle, slices=list(r.slices),
                                 response_len=r.length, finish="eos"))
         self.ledger.append(dict(event="consume", group_id=gid, prompt_id=gid, step=step,
@@ -280,6 +277,11 @@ class FakeRun:
             if rec["event"] == "consume":
                 out.setdefault(rec["step"], []).append(rec["group_id"])
         return out
+
+    def audit(self) -> AuditReport:
+        """The project's auditor over this run's ledger (plus the unconsumed
+        records an exit would write), with the mode's own C1 and staleness bound."""
+        return audit_run(self.ledger + self.unconsumed_records(), self.config)
 
     def summary(self) -> dict:
         """Run statistics: ticks, steps, trainer wait, slot utilisation, counts."""

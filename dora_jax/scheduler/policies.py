@@ -1,0 +1,187 @@
+"""The three baseline modes (`sync`, `one_step_off`, `partial_rollout`) as policies
+over the shared `Scheduler` state, plus the `Policy` base and the helpers the `dora`
+policy reuses. modes.py maps mode names to policies.
+
+A policy is stateless: everything it needs is in the Scheduler, so a snapshot needs
+no policy state. `plan()` is one decision pass; `Scheduler.decide()` repeats passes
+until one returns nothing. Each pass runs, in order: batch formation (consuming
+groups frees admission room), slice versions, admission, request assignment.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import TYPE_CHECKING, Callable, Optional, Union
+
+from .types import SchedulerConfig, SliceState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .core import Scheduler
+
+
+class Policy:
+    """Base class: one decision pass plus the mode's own invariants.
+
+    A policy also says which constraints it keeps, so the core and the auditor need
+    no mode-specific branch: `keeps_c1` (every trajectory from one version; a policy
+    that does not keep it may issue InterruptReload) and `staleness_bound`.
+    """
+
+    name = ""
+    keeps_c1 = True
+    # The staleness the mode guarantees: "K" (config.max_staleness), a fixed number,
+    # or None (not bounded by the mode).
+    bound: Union[int, str, None] = "K"
+
+    def staleness_bound(self, config: SchedulerConfig) -> Optional[int]:
+        """The largest step - version this mode guarantees (None: not bounded)."""
+        return config.max_staleness if self.bound == "K" else self.bound
+
+    def plan(self, sched: "Scheduler") -> list:
+        """Return the actions of one decision pass (already applied to `sched`)."""
+        raise NotImplementedError
+
+    def check(self, sched: "Scheduler", req: Callable[[bool, str], None]) -> None:
+        """Check mode-specific invariants; `req(cond, msg)` raises if cond is false."""
+
+
+def assign_pending(sched: "Scheduler", slice_ok: Callable[[SliceState], bool] = lambda sl: True,
+                   match_version: bool = True) -> list:
+    """Give pending samples (oldest version, then oldest group first) a free slot on a
+    serving slice accepted by `slice_ok` and, if `match_version` (C1), holding the
+    group's version.
+
+    The slice with the most free slots wins (lowest id on ties): spreading requests
+    keeps per-slice batches small, which continuous-batching engines decode fastest.
+    Heaps keyed by version keep this O(pending * log slices) for large clusters."""
+    if not sched.has_pending():
+        return []
+    heaps: dict = {}
+    for sl in sched.slices:
+        n = sched.free_slots(sl)
+        if sl.serving and n > 0 and slice_ok(sl):
+            heaps.setdefault(sl.version if match_version else None, []).append(
+                (-n, sl.slice_id))
+    for h in heaps.values():
+        heapq.heapify(h)
+    acts = []
+    for g, k in list(sched.pending_samples()):
+        h = heaps.get(g.version if match_version else None)
+        if not h:
+            continue
+        neg_free, sid = heapq.heappop(h)
+        acts.append(sched.do_assign(g.group_id, k, sid))
+        if neg_free + 1 < 0:
+            heapq.heappush(h, (neg_free + 1, sid))
+    return acts
+
+
+def converge_slices(sched: "Scheduler", target: int) -> list:
+    """Uniform-version modes: every empty slice not holding (or loading) `target`
+    loads it. Non-empty slices keep their version until they drain (C1)."""
+    acts = []
+    for sl in sched.slices:
+        if sl.effective_version != target and not sl.running:
+            acts.append(sched.do_load(sl.slice_id, target))
+    return acts
+
+
+def check_uniform_slices(sched: "Scheduler", req) -> None:
+    """All slices hold (or are loading) one and the same version."""
+    vs = {sl.effective_version for sl in sched.slices}
+    req(len(vs) <= 1, f"{sched.config.mode}: slices disagree on version {sorted(vs)}")
+
+
+class SyncPolicy(Policy):
+    """Synchronous on-policy RL: admit TBS groups at the published version t, all
+    slices on t, train when all are finished, then every slice loads t+1."""
+
+    name = "sync"
+    bound = 0
+
+    def plan(self, sched):
+        tbs = sched.config.train_batch_size
+        acts = []
+        groups = sched.groups
+        if not sched.trainer_busy and len(groups) == tbs and all(
+                g.finished for g in groups.values()):
+            acts.append(sched.do_train(sorted(groups)))
+        acts += converge_slices(sched, sched.published)
+        # A new batch only once the previous one is trained and its version published.
+        if not sched.trainer_busy and not sched.groups and sched.admission_room(tbs) == tbs:
+            acts += [sched.do_admit(sched.published) for _ in range(tbs)]
+        acts += assign_pending(sched)
+        return acts
+
+    def check(self, sched, req):
+        req(len(sched.groups) <= sched.config.train_batch_size, "sync: more than TBS in flight")
+        req(all(g.version == sched.published for g in sched.groups.values()),
+            "sync: a group is not on the published version")
+        check_uniform_slices(sched, req)
+
+
+class OneStepOffPolicy(Policy):
+    """verl's one-step-off pipelining. Batch b (group ids b*TBS .. b*TBS+TBS-1) is
+    generated by version max(b-1, 0) and trained by step b, so step t overlaps the
+    rollout of batch t+1. Batch b starts once batch b-1 is fully generated and step
+    b-2 has published version b-1; only then do the (empty) slices switch version."""
+
+    name = "one_step_off"
+    bound = 1
+
+    def plan(self, sched):
+        tbs = sched.config.train_batch_size
+        acts = []
+        t = sched.next_step
+        batch = range(t * tbs, (t + 1) * tbs)
+        if (not sched.trainer_busy and sched.next_group_id >= batch.stop
+                and all(sched.groups[i].finished for i in batch)):
+            acts.append(sched.do_train(list(batch)))
+        b = sched.next_group_id // tbs  # next batch to admit
+        prev_done = all(sched.groups[i].finished for i in range((b - 1) * tbs, b * tbs)
+                        if i in sched.groups) if b else True
+        if prev_done and sched.published >= b - 1 and sched.admission_room(2 * tbs) >= tbs:
+            acts += [sched.do_admit(max(b - 1, 0)) for _ in range(tbs)]
+        latest = sched.next_group_id // tbs - 1  # newest admitted batch
+        acts += converge_slices(sched, max(latest - 1, 0))
+        acts += assign_pending(sched)
+        return acts
+
+    def check(self, sched, req):
+        tbs = sched.config.train_batch_size
+        req(len(sched.groups) <= 2 * tbs, "one_step_off: more than two batches in flight")
+        for gid, g in sched.groups.items():
+            req(g.version == max(gid // tbs - 1, 0),
+                f"one_step_off: group {gid} has version {g.version}")
+        check_uniform_slices(sched, req)
+
+
+class PartialRolloutPolicy(Policy):
+    """AReaL/slime-style partial rollout: keep RBS groups in flight at the newest
+    version; on every publish each slice interrupts, reloads the newest version and
+    continues its requests under it (C1 deliberately broken, recorded per sample);
+    train on the TBS oldest finished groups as soon as there are TBS."""
+
+    name = "partial_rollout"
+    keeps_c1 = False
+    bound = None  # bounded by admission only: RBS groups in flight
+
+    def plan(self, sched):
+        cfg = sched.config
+        acts = []
+        fin = sched.finished_groups()
+        if not sched.trainer_busy and len(fin) >= cfg.train_batch_size:
+            acts.append(sched.do_train([g.group_id for g in fin[:cfg.train_batch_size]]))
+        for sl in sched.slices:
+            if sl.loading is None and sl.version != sched.published:
+                if sl.running:
+                    acts.append(sched.do_interrupt_reload(sl.slice_id, sched.published))
+                else:
+                    acts.append(sched.do_load(sl.slice_id, sched.published))
+        acts += [sched.do_admit(sched.published)
+                 for _ in range(sched.admission_room(cfg.rollout_batch_size))]
+        acts += assign_pending(sched, match_version=False)
+        return acts
+
+    def check(self, sched, req):
+        req(len(sched.groups) <= sched.config.rollout_batch_size, "partial: more than RBS in flight")

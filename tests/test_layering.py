@@ -1,0 +1,49 @@
+"""The layering the package promises: the scheduling core and the config load without
+JAX (the scheduler's tests, the fake driver and a future simulator need no
+accelerator stack), and the mode registry matches the config's list of modes."""
+
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("jax", "jaxlib", "flax", "grain", "orbax", "optax")
+
+
+@pytest.mark.parametrize("module", ["dora_jax.config", "dora_jax.scheduler",
+                                    "dora_jax.scheduler.ledger", "dora_jax.timeline"])
+def test_pure_modules_import_no_jax(module):
+    code = (f"import sys, {module}\n"
+            f"heavy = sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r}))\n"
+            "print(','.join(heavy))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "", f"importing {module} loaded {out}"
+
+
+def test_config_imports_nothing_from_the_package():
+    code = ("import sys, dora_jax.config\n"
+            "print(sorted(m for m in sys.modules if m.startswith('dora_jax.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "['dora_jax.config']"
+
+
+def test_mode_registry_is_the_config_list():
+    from dora_jax import config
+    from dora_jax.scheduler import POLICIES
+
+    assert tuple(POLICIES) == config.MODES
+
+
+def test_readme_layout_matches_the_package():
+    import pathlib
+    import re
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    layout = (repo / "README.md").read_text().split("## Layout")[1].split("```")[1]
+    block = layout.split("configs/")[0]  # the dora_jax/ part
+    listed = set(re.findall(r"^  (\w+(?:\.py|/))", block, flags=re.M))
+    actual = {p.name + ("/" if p.is_dir() else "") for p in (repo / "dora_jax").iterdir()
+              if p.name not in ("__init__.py", "__pycache__")}
+    assert listed == actual
