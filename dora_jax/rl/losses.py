@@ -17,13 +17,8 @@ import operator
 import jax
 import jax.numpy as jnp
 
-AGGREGATION_MODES = (
-    "token-mean",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-scale",
-)
-KL_KINDS = ("k1", "k2", "k3")
+from dora_jax.config import KL_KINDS, LOSS_AGG_MODES
+
 
 
 def _safe_div(num, den):
@@ -234,9 +229,9 @@ def aggregate_loss(loss, mask, mode, *, num_tokens=None, max_len=None):
 
     Raises ValueError for an unknown ``mode``.
     """
-    if mode not in AGGREGATION_MODES:
+    if mode not in LOSS_AGG_MODES:
         raise ValueError(
-            f"unknown loss aggregation mode {mode!r}; valid modes: {', '.join(AGGREGATION_MODES)}"
+            f"unknown loss aggregation mode {mode!r}; valid modes: {', '.join(LOSS_AGG_MODES)}"
         )
     return _aggregate_loss(
         loss,

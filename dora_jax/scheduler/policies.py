@@ -76,6 +76,16 @@ def assign_pending(sched: "Scheduler", slice_ok: Callable[[SliceState], bool] = 
     return acts
 
 
+def train_when_finished(sched: "Scheduler", group_ids) -> list:
+    """A TrainStep on exactly these groups once every one is admitted and finished
+    and the trainer is idle (the batch-synchronous modes)."""
+    group_ids = list(group_ids)
+    if (not sched.trainer_busy and len(group_ids) == sched.config.train_batch_size
+            and all(gid in sched.groups and sched.groups[gid].finished for gid in group_ids)):
+        return [sched.do_train(group_ids)]
+    return []
+
+
 def converge_slices(sched: "Scheduler", target: int) -> list:
     """Uniform-version modes: every empty slice not holding (or loading) `target`
     loads it. Non-empty slices keep their version until they drain (C1)."""
@@ -101,11 +111,7 @@ class SyncPolicy(Policy):
 
     def plan(self, sched):
         tbs = sched.config.train_batch_size
-        acts = []
-        groups = sched.groups
-        if not sched.trainer_busy and len(groups) == tbs and all(
-                g.finished for g in groups.values()):
-            acts.append(sched.do_train(sorted(groups)))
+        acts = train_when_finished(sched, sorted(sched.groups))
         acts += converge_slices(sched, sched.published)
         # A new batch only once the previous one is trained and its version published.
         if not sched.trainer_busy and not sched.groups and sched.admission_room(tbs) == tbs:
@@ -130,13 +136,8 @@ class OneStepOffPolicy(Policy):
     bound = 1
 
     def plan(self, sched):
-        tbs = sched.config.train_batch_size
-        acts = []
-        t = sched.next_step
-        batch = range(t * tbs, (t + 1) * tbs)
-        if (not sched.trainer_busy and sched.next_group_id >= batch.stop
-                and all(sched.groups[i].finished for i in batch)):
-            acts.append(sched.do_train(list(batch)))
+        tbs, t = sched.config.train_batch_size, sched.next_step
+        acts = train_when_finished(sched, range(t * tbs, (t + 1) * tbs))
         b = sched.next_group_id // tbs  # next batch to admit
         prev_done = all(sched.groups[i].finished for i in range((b - 1) * tbs, b * tbs)
                         if i in sched.groups) if b else True
