@@ -12,6 +12,7 @@ import os
 from typing import Callable
 
 import jax
+import numpy as np
 
 from dora_jax.checkpointing import Checkpointer
 from dora_jax.config import Config
@@ -56,11 +57,14 @@ def warm_up(slices, trainer, cfg: Config) -> None:
         reprefills = not policy_for(cfg.coordinator.mode).keeps_c1
         buckets = [b for b in engine.buckets if reprefills or b <= cfg.rollout.prefill_buckets[-1]]
         state = engine.init_decode_state()
+        r = cfg.rollout
         for bucket in buckets:
-            tokens = [tasks.BOS] * min(bucket, cfg.rollout.max_prefill_length)
-            padded, n = engine.pad_tokens(tokens)
-            prefix, _ = engine.prefill(params=sl.params, padded_tokens=padded, true_length=n,
-                                       rng=0)
+            # Fill the bucket: a re-prefill bucket needs prompt + tokens so far.
+            length = min(bucket, r.cache_length - 1)
+            prompt_len = min(length, r.max_prefill_length)
+            prefix, _ = engine.prefill(params=sl.params, rng=0,
+                                       padded_tokens=np.full(bucket, tasks.BOS, np.int32),
+                                       true_length=length, num_generated=length - prompt_len)
             state = engine.insert(prefix, state, 0)
         state, _ = engine.generate(sl.params, state)
         # A migrated request arrives as a whole-cache prefix: its insert compiles too.
@@ -69,8 +73,13 @@ def warm_up(slices, trainer, cfg: Config) -> None:
 
 
 def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
-        on_step: Callable[[dict], None] = lambda record: None) -> dict:
-    """Runs `cfg.coordinator.num_steps` train steps end to end; returns the summary."""
+        on_step: Callable[[dict], None] = lambda record: None,
+        make_trainer: Callable[..., Trainer] = Trainer) -> dict:
+    """Runs `cfg.coordinator.num_steps` train steps end to end; returns the summary.
+
+    `make_trainer(cfg, mesh, params=, graphdef=)` builds the trainer (a subclass can
+    instrument it). Raises `runtime.loop.RunError` if any part fails; the ledger
+    then still accounts for every admitted group."""
     os.makedirs(workdir, exist_ok=True)
     records = prompt_records(cfg) if records is None else records
     reward_fn = tasks.reward_fn(cfg.data.reward)  # an unknown name fails before compute
@@ -84,7 +93,7 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
               for i, mesh in enumerate(slice_meshes)]
     for sl in slices:  # every slice starts on version 0, as the scheduler assumes
         sl.load_version(0, params)
-    trainer = Trainer(cfg, trainer_mesh, params=params, graphdef=graphdef)
+    trainer = make_trainer(cfg, trainer_mesh, params=params, graphdef=graphdef)
     warm_up(slices, trainer, cfg)
 
     stream = prompts_lib.PromptStream(prompts_lib.prompt_dataset(

@@ -2,7 +2,7 @@
 
 The runtime records spans; `plot` draws the figure a reader of
 the DORA paper expects: one row per decode slice coloured by the version it served,
-weight loads hatched, and the trainer's steps on their own row, with its waits left
+weight loads and migrations hatched, and the trainer's steps on their own row, with its waits left
 blank so the bubble is visible.
 """
 
@@ -16,7 +16,7 @@ import threading
 @dataclasses.dataclass(frozen=True)
 class Span:
     row: str  # "slice 0", "slice 1", ..., "trainer"
-    kind: str  # "decode" | "load" | "train"
+    kind: str  # "decode" | "load" | "migrate" | "train"
     start: float
     end: float
     version: int
@@ -60,6 +60,9 @@ def _merge(spans: list[Span]) -> list[Span]:
     return out
 
 
+_HATCH = {"load": "//", "migrate": "xx"}
+
+
 def plot(spans: list[Span], path: str, title: str = "") -> None:
     """Writes a PNG: slices x time coloured by version, trainer steps on top."""
     import matplotlib
@@ -84,21 +87,22 @@ def plot(spans: list[Span], path: str, title: str = "") -> None:
         y = rows.index(s.row)
         ax.barh(y, s.end - s.start, left=s.start, height=0.8, color=colour[s.version],
                 edgecolor="black" if s.kind != "decode" else "none", linewidth=0.4,
-                hatch="//" if s.kind == "load" else None)
+                hatch=_HATCH.get(s.kind))
         if s.kind == "train" and discrete:
             ax.text((s.start + s.end) / 2, y, f"step {s.version}", ha="center",
                     va="center", fontsize=7)
     ax.set_yticks(range(len(rows)), rows)
     ax.invert_yaxis()
     ax.set_xlabel("seconds")
-    load = Patch(facecolor="white", edgecolor="black", hatch="//", label="weight load")
+    marks = [Patch(facecolor="white", edgecolor="black", hatch=_HATCH[k], label=label)
+             for k, label in (("load", "weight load"), ("migrate", "migration"))]
     if discrete:
-        handles = [Patch(color=colour[v], label=f"v{v}") for v in versions] + [load]
+        handles = [Patch(color=colour[v], label=f"v{v}") for v in versions] + marks
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     else:
         scale = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(lo, hi))
         fig.colorbar(scale, ax=ax, label="policy version (trainer: step)", pad=0.01)
-        ax.legend(handles=[load], loc="lower right", fontsize=8)
+        ax.legend(handles=marks, loc="lower right", fontsize=8)
     ax.set_title(title or "decode slices coloured by policy version; trainer steps on top")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -99,11 +99,16 @@ def eos_id() -> int:
     return best[1]
 
 
-def rollout():
+# Tokens per generate call: 5 does not divide MAX_DECODE, so requests end mid-call.
+DECODE_STEPS = 5
+
+
+def rollout(decode_steps=DECODE_STEPS):
     base = config("dense").rollout
     return dataclasses.replace(base, slots_per_slice=SLOTS, max_prefill_length=MAX_PROMPT,
                                max_decode_len=MAX_DECODE, prefill_buckets=(MAX_PROMPT,),
-                               temperature=1.0, top_k=0, top_p=1.0, eos_id=eos_id())
+                               temperature=1.0, top_k=0, top_p=1.0, eos_id=eos_id(),
+                               decode_steps=decode_steps)
 
 
 SAMPLING = {
@@ -114,14 +119,16 @@ SAMPLING = {
 
 
 @functools.cache
-def engine(model: str, kind: str, mesh_index: int) -> Engine:
-    """One engine per (model, sampling kind, slice mesh), shared by both test files."""
-    return Engine(config(model).model, rollout(), meshes()[1][mesh_index],
+def engine(model: str, kind: str, mesh_index: int, decode_steps=DECODE_STEPS) -> Engine:
+    """One engine per (model, sampling kind, slice mesh, tokens per call), shared by
+    both test files."""
+    return Engine(config(model).model, rollout(decode_steps), meshes()[1][mesh_index],
                   sampling_params=SAMPLING[kind])
 
 
 def make_slice(slice_id, model, kind, mesh_index, version=0, seed=0,
-               lookahead=True) -> DecodeSlice:
-    s = DecodeSlice(slice_id, engine(model, kind, mesh_index), lookahead=lookahead)
+               lookahead=True, decode_steps=DECODE_STEPS) -> DecodeSlice:
+    s = DecodeSlice(slice_id, engine(model, kind, mesh_index, decode_steps),
+                    lookahead=lookahead)
     s.load_version(version, params(model, seed))
     return s

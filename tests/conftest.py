@@ -41,3 +41,31 @@ def load_config():
 def tiny_cfg(request, load_config):
     """Each tiny model config (dense, MoE) in turn, validated."""
     return load_config(TINY[request.param])
+
+
+@pytest.fixture(scope="session")
+def small_config(load_config):
+    """`small_config(mode, **coordinator)`: configs/tiny.py shrunk so that a run
+    compiles and trains in seconds (1 layer, 4 slices x 4 slots, 8-token responses)."""
+    def make(mode: str, *, rollout=None, **coordinator):
+        c = load_config("configs/tiny.py", validate=False)
+        c.model.num_layers = 1
+        c.rollout.update(dict(slots_per_slice=4, max_prefill_length=8, max_decode_len=8,
+                              prefill_buckets=(8,), decode_steps=4))
+        c.rollout.update(rollout or {})
+        c.trainer.length_buckets = (c.rollout.max_prefill_length + c.rollout.max_decode_len,)
+        c.coordinator.update(dict(mode=mode, group_size=2, train_batch_size=2,
+                                  rollout_batch_size=4, max_staleness=1, num_steps=4))
+        c.coordinator.update(coordinator)
+        c.data.num_prompts = 64
+        return config_lib.validate(c, num_devices=8)
+    return make
+
+
+def audit_workdir(cfg, workdir):
+    """(ledger events, the project's audit of them under the run's own mode)."""
+    from dora_jax.scheduler import SchedulerConfig, ledger
+
+    events = ledger.read(os.path.join(workdir, "ledger.jsonl"))
+    return events, ledger.audit_run(events, SchedulerConfig.from_config(cfg),
+                                    cfg.rollout.max_decode_len)

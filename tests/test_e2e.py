@@ -8,33 +8,9 @@ import sys
 
 import pytest
 
-from dora_jax import config as config_lib
 from dora_jax import experiment
-from dora_jax.scheduler import SchedulerConfig, ledger
-from conftest import REPO
-
-
-@pytest.fixture(scope="module")
-def small_config(load_config):
-    def make(mode: str, **coordinator):
-        """configs/tiny.py shrunk so that each run compiles and trains in seconds."""
-        c = load_config("configs/tiny.py", validate=False)
-        c.model.num_layers = 1
-        c.rollout.update(dict(slots_per_slice=4, max_prefill_length=8, max_decode_len=8,
-                              prefill_buckets=(8,)))
-        c.trainer.length_buckets = (16,)
-        c.coordinator.update(dict(mode=mode, group_size=2, train_batch_size=2,
-                                  rollout_batch_size=4, max_staleness=1, num_steps=4))
-        c.coordinator.update(coordinator)
-        c.data.num_prompts = 64
-        return config_lib.validate(c, num_devices=8)
-    return make
-
-
-def _audit(cfg, workdir):
-    events = ledger.read(os.path.join(workdir, "ledger.jsonl"))
-    return events, ledger.audit_run(events, SchedulerConfig.from_config(cfg),
-                                    cfg.rollout.max_decode_len)
+from dora_jax.scheduler import ledger
+from conftest import REPO, audit_workdir
 
 
 @pytest.mark.parametrize("mode", ["sync", "one_step_off", "partial_rollout", "dora"])
@@ -42,7 +18,7 @@ def test_mode_end_to_end_satisfies_constraints(mode, tmp_path, small_config):
     cfg = small_config(mode)
     workdir = str(tmp_path)
     summary = experiment.run(cfg, workdir)
-    events, report = _audit(cfg, workdir)
+    events, report = audit_workdir(cfg, workdir)
     assert report.steps == cfg.coordinator.num_steps
     assert not report.c2 and not report.c3 and not report.batch_size, report.summary()
     if mode != "partial_rollout":

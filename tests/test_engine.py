@@ -28,13 +28,20 @@ def run_engine(eng, p, prompts, slots, seeds=None):
     while running:
         state, res = eng.generate(params, state)
         res = jax.device_get(res)
-        assert set(np.flatnonzero(res.valid)) == running
-        for s in list(running):
-            out[s][0].append(int(res.tokens[s]))
-            out[s][1].append(float(res.logprobs[s]))
-            out[s][2].append(int(res.positions[s]))
-            if res.finished[s]:
-                running.remove(s)
+        assert res.data.shape[:2] == (eng.decode_steps, eng.max_concurrent_decodes)
+        # Token i of this call for every running slot; the call ends after the first
+        # step in which a slot finishes (later rows hold nothing).
+        steps_run = int(res.valid.any(axis=1).sum())
+        assert not res.valid[steps_run:].any()
+        assert steps_run == eng.decode_steps or res.finished[steps_run - 1].any()
+        for i in range(steps_run):
+            assert set(np.flatnonzero(res.valid[i])) == running
+            for s in list(running):
+                out[s][0].append(int(res.tokens[i, s]))
+                out[s][1].append(float(res.logprobs[i, s]))
+                out[s][2].append(int(res.positions[i, s]))
+                if res.finished[i, s]:
+                    running.remove(s)
     return [out[s][:3] for s in slots]
 
 

@@ -34,7 +34,7 @@ def test_sync_api_walkthrough():
     """The event/decide protocol on the smallest sync run, action by action."""
     s = Scheduler(config("sync", num_slices=1, slots_per_slice=2, group_size=2,
                          train_batch_size=1, rollout_batch_size=1))
-    assert s.decide() == [Admit(0, 0), Assign(0, 0, 0), Assign(0, 1, 0)]
+    assert s.decide() == [Admit(0, 0), Assign(0, 0, 0, 0), Assign(0, 1, 0, 0)]
     assert s.decide() == []
     s.sample_finished(0, 0, num_tokens=5)
     assert s.decide() == []
@@ -43,7 +43,7 @@ def test_sync_api_walkthrough():
     s.step_finished(0)
     assert s.decide() == [LoadVersion(0, 1), Admit(1, 1)]
     s.version_loaded(0, 1)
-    assert s.decide() == [Assign(1, 0, 0), Assign(1, 1, 0)]
+    assert s.decide() == [Assign(1, 0, 0, 1), Assign(1, 1, 0, 1)]
     s.check_invariants()
 
 
@@ -188,9 +188,9 @@ def test_interrupt_reload_action_shape():
     s = Scheduler(config("partial_rollout", num_slices=1, slots_per_slice=2, group_size=1,
                          train_batch_size=1, rollout_batch_size=2))
     acts = s.decide()
-    assert acts == [Admit(0, 0), Admit(1, 0), Assign(0, 0, 0), Assign(1, 0, 0)]
+    assert acts == [Admit(0, 0), Admit(1, 0), Assign(0, 0, 0, 0), Assign(1, 0, 0, 0)]
     s.sample_finished(0, 0)
-    assert s.decide() == [TrainStep(0, (0,)), Admit(2, 0), Assign(2, 0, 0)]
+    assert s.decide() == [TrainStep(0, (0,)), Admit(2, 0), Assign(2, 0, 0, 0)]
     s.step_finished(0)
     assert s.decide() == [InterruptReload(0, 1)]  # RBS groups already in flight
     s.version_loaded(0, 1)

@@ -62,9 +62,9 @@ def ideal_schedule(lengths, arrivals, slots, lag):
     return returned, len(busy_steps)
 
 
-@pytest.mark.parametrize("lookahead", [True, False])
-def test_continuous_batching_greedy_equals_full_forward(lookahead):
-    sl = rc.make_slice(0, "dense", "greedy", 0, lookahead=lookahead)
+@pytest.mark.parametrize("lookahead,decode_steps", [(True, 1), (False, 1), (True, 5)])
+def test_continuous_batching_greedy_equals_full_forward(lookahead, decode_steps):
+    sl = rc.make_slice(0, "dense", "greedy", 0, lookahead=lookahead, decode_steps=decode_steps)
     reqs = requests()
     returned_at = {}
     got = run_staggered(sl, reqs, ARRIVALS, returned_at)
@@ -84,13 +84,31 @@ def test_continuous_batching_greedy_equals_full_forward(lookahead):
     assert st.busy_slot_steps == sum(len(ref) - 1 for ref in want)
     assert st.total_slot_steps == sl.num_slots * st.generate_steps
     assert st.prefills == st.finished == len(reqs) and sl.num_free_slots == sl.num_slots
+    if decode_steps > 1:
+        return  # a call of n tokens: the one-token schedule below does not apply
     # Freed slots are refilled for the next generate step (with lookahead, the host
     # learns of a finish one step later): return steps and the number of generate
     # steps match an ideal continuous batcher's, exactly.
     want_at, want_steps = ideal_schedule([len(r) for r in want], ARRIVALS, sl.num_slots,
                                          lag=int(lookahead))
     assert [returned_at[r.request_id] for r in reqs] == [want_at[i] for i in range(len(reqs))]
-    assert st.generate_steps == want_steps
+    assert st.generate_calls == want_steps
+
+
+def test_tokens_per_call_do_not_change_samples():
+    """n tokens per generate call gives exactly the tokens and log-probs of one token
+    per call, for the same seeds (requests ending mid-call included)."""
+    reqs = requests()
+    one = run_staggered(rc.make_slice(0, "dense", "sampled", 0, decode_steps=1), reqs,
+                        ARRIVALS)
+    five = run_staggered(rc.make_slice(0, "dense", "sampled", 0, decode_steps=5), reqs,
+                         ARRIVALS)
+    assert {len(t.response_tokens) % 5 for t in one.values()} - {0}  # some end mid-call
+    for r in reqs:
+        assert five[r.request_id].response_tokens == one[r.request_id].response_tokens
+        np.testing.assert_allclose(five[r.request_id].behaviour_logprobs,
+                                   one[r.request_id].behaviour_logprobs, rtol=0, atol=1e-6)
+        assert five[r.request_id].finish_reason == one[r.request_id].finish_reason
 
 
 def test_continuous_batching_sampled_equals_alone():
@@ -117,7 +135,7 @@ def test_migration_mid_sequence_continues_identically():
     trainer_mesh = rc.meshes()[0]
     p0 = rc.params("dense", 0)
     trainer_params = jax.device_put(p0, param_shardings(p0, trainer_mesh, TRAINER_RULES))
-    src = DecodeSlice(1, rc.engine("dense", "sampled", 1))
+    src = DecodeSlice(1, rc.engine("dense", "sampled", 1, decode_steps=1))
     src.load_version(0, trainer_params)
     reqs = requests(group0=50)
     reference = {}
@@ -131,7 +149,7 @@ def test_migration_mid_sequence_continues_identically():
         src.submit(r)
     for _ in range(3):
         assert src.step() == []
-    dst = DecodeSlice(2, rc.engine("dense", "sampled", 2))
+    dst = DecodeSlice(2, rc.engine("dense", "sampled", 2, decode_steps=1))
     dst.load_version(1, rc.params("dense", 1))
     out = src.export_requests([r.request_id for r in moved])
     assert [len(f.response_tokens) for f in out] == [4, 4, 4]
@@ -185,7 +203,7 @@ def test_load_version_refuses_other_versions_then_follows_new_params():
 
 
 def test_interrupt_and_reload_records_two_versions():
-    sl = rc.make_slice(0, "dense", "greedy", 0)
+    sl = rc.make_slice(0, "dense", "greedy", 0, decode_steps=1)
     p0, p1 = rc.params("dense", 0), rc.params("dense", 1)
     ref0 = rc.greedy_reference("dense", p0, rc.PROMPTS, rc.eos_id())
     i = max(range(len(ref0)), key=lambda j: len(ref0[j]))  # the longest response
@@ -213,10 +231,10 @@ def test_interrupt_and_reload_records_two_versions():
 
 
 def test_bad_input_gives_clear_errors_and_slice_stays_usable():
-    empty = DecodeSlice(7, rc.engine("dense", "greedy", 0))
+    empty = DecodeSlice(7, rc.engine("dense", "greedy", 0, decode_steps=1))
     with pytest.raises(RolloutError, match="no params loaded"):
         empty.submit(Request(0, "a", 0, [1, 2], seed=0, version=0))
-    sl = rc.make_slice(0, "dense", "greedy", 0)
+    sl = rc.make_slice(0, "dense", "greedy", 0, decode_steps=1)
     with pytest.raises(ValueError, match="exceeds max_prefill_length"):
         sl.submit(Request(0, "a", 0, list(range(2, 2 + rc.MAX_PROMPT + 1)), seed=0, version=0))
     with pytest.raises(ValueError, match="empty prompt"):
@@ -256,11 +274,11 @@ def test_sharded_slice_decodes_and_takes_migrated_requests(model, shape):
     # caches are resharded on import and greedy decoding still equals the full forward.
     devices = rc.meshes()[1][2].devices.flat[0], rc.meshes()[1][3].devices.flat[0]
     mesh = Mesh(np.array(devices).reshape(shape), SLICE_MESH_AXES)
-    dst = DecodeSlice(3, Engine(rc.config(model).model, rc.rollout(), mesh,
+    dst = DecodeSlice(3, Engine(rc.config(model).model, rc.rollout(1), mesh,
                           sampling_params=rc.SAMPLING["greedy"]))
     p0 = rc.params(model, 0)
     dst.load_version(0, p0)
-    src = rc.make_slice(0, model, "greedy", 0)
+    src = rc.make_slice(0, model, "greedy", 0, decode_steps=1)
     reqs = requests()[:rc.SLOTS]
     for r in reqs:
         src.submit(r)

@@ -10,7 +10,9 @@ RNG is per request):
      runs batches of S requests, each as one jitted `lax.while_loop`;
   2. long-tailed lengths: EOS set to the token the model emits most often, so
      lengths are roughly geometric; the fixed batch waits for its longest request;
-  3. slice step time as a function of busy slots 1..S.
+  3. slice time per decode step as a function of busy slots 1..S.
+First, a sweep of `rollout.decode_steps` (tokens per generate call) with all slots
+busy shows what the configs' default is chosen from.
 Both samplers use the engine's prefill/insert and its decode step (`generate_fn`),
 so the difference is the loop: host-driven continuous batching vs one device loop.
 Ends with `slice/fixed-batch tokens/s ratio: X.XX` for the all-busy case: the lower
@@ -52,6 +54,9 @@ _SLOTS = flags.DEFINE_list("slots", ["8", "32"],
 _DECODE_LEN = flags.DEFINE_integer("decode_len", 128, "max_decode_len of the benchmark")
 _PER_SLOT = flags.DEFINE_integer("requests_per_slot", 4, "requests per slot")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "interleaved repeats (best is kept)")
+_SWEEP = flags.DEFINE_list("sweep", ["1", "2", "4", "8", "16"],
+                           "decode_steps values compared first (all slots busy, first "
+                           "model, largest S); empty to skip")
 
 
 def make_requests(n: int, max_prompt: int, vocab: int, seed: int = 0) -> list:
@@ -131,17 +136,16 @@ def best_of_interleaved(repeats: int, *fns):
     return best
 
 
-def step_time(sl: DecodeSlice, requests: list, n: int) -> float:
-    """Mean seconds per `step()` with len(requests) busy slots (after prefill)."""
+def step_time(sl: DecodeSlice, requests: list) -> float:
+    """Mean seconds per decode step with len(requests) busy slots (after prefill),
+    over the requests' whole length (several steps per `step()` call)."""
     for r in requests:
         sl.submit(r)
-    sl.step()  # prefills + first generate
-    t0 = time.perf_counter()
-    for _ in range(n):
+    sl.step()  # prefills + first generate call
+    steps0, t0 = sl.stats.generate_steps, time.perf_counter()
+    while sl.num_requests:
         sl.step()
-    dt = (time.perf_counter() - t0) / n
-    sl.drain()
-    return dt
+    return (time.perf_counter() - t0) / max(sl.stats.generate_steps - steps0, 1)
 
 
 def frequent_token(graphdef, params, vocab: int) -> int:
@@ -150,6 +154,29 @@ def frequent_token(graphdef, params, vocab: int) -> int:
     x = np.random.default_rng(1).integers(2, vocab, (8, 32))
     probs = jax.nn.softmax(transformer.apply(graphdef, params, x)[0], axis=-1)
     return int(np.argmax(np.asarray(probs.mean(axis=(0, 1)))[2:])) + 2
+
+
+def sweep_decode_steps(name: str, slots: int, decode_len: int, per_slot: int, repeats: int):
+    """All slots busy: slice/fixed-batch ratio for each tokens-per-call setting."""
+    cfg = config_lib.validate(_MODEL_CONFIGS[name].value)
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), config_lib.SLICE_MESH_AXES)
+    _, params = transformer.create(cfg.model, cfg.seed)
+    reqs = make_requests(per_slot * slots, cfg.rollout.max_prefill_length, cfg.model.vocab_size)
+    print(f"\n== {name} S={slots}: tokens per generate call (rollout.decode_steps), "
+          f"all slots busy, {decode_len} tokens each")
+    for n in _SWEEP.value:
+        rollout = dataclasses.replace(cfg.rollout, slots_per_slice=slots,
+                                      max_decode_len=decode_len, eos_id=-1,
+                                      decode_steps=int(n))
+        sl = DecodeSlice(0, Engine(cfg.model, rollout, mesh))
+        sl.load_version(0, params)
+        fixed = make_fixed_batch(sl.engine)
+        run_slice(sl, reqs[:slots])  # compile
+        fixed(sl.params, reqs[:slots])
+        (t_slice, _), (t_fixed, _) = best_of_interleaved(
+            repeats, lambda: run_slice(sl, reqs), lambda: fixed(sl.params, reqs))
+        print(f"   decode_steps {int(n):3d}: slice {len(reqs) * decode_len / t_slice:8.0f} "
+              f"tokens/s, ratio {t_fixed / t_slice:.2f}")
 
 
 def bench_model(name: str, slots: int, decode_len: int, per_slot: int, repeats: int) -> float:
@@ -178,18 +205,18 @@ def bench_model(name: str, slots: int, decode_len: int, per_slot: int, repeats: 
         lengths = [len(v) for v in out_slice.values()]
         tokens = sum(lengths)
         r = t_fixed / t_slice
-        print(f"-- {label}: {tokens} tokens, lengths mean {statistics.mean(lengths):.1f} "
+        print(f"-- {label}, decode_steps={rollout.decode_steps}: {tokens} tokens, lengths mean {statistics.mean(lengths):.1f} "
               f"median {statistics.median(lengths):.0f} max {max(lengths)}")
         print(f"   slice (continuous batching) {tokens / t_slice:8.0f} tokens/s   "
               f"fixed-batch while_loop {tokens / t_fixed:8.0f} tokens/s   ratio {r:.2f}   "
               f"slot utilisation {sl.stats.utilisation:.2f}")
         if eos < 0:
             ratio = r
-            print("   busy slots   slice.step ms   tokens/s")
+            print("   busy slots   ms per decode step   tokens/s")
             ks = range(1, S + 1) if S <= 8 else sorted({1, 2, 4, 8, S // 4, S // 2, S})
             for k in ks:
-                dt = min(step_time(sl, reqs[:k], decode_len - 2) for _ in range(repeats))
-                print(f"   {k:10d} {dt * 1e3:15.3f} {k / dt:10.0f}")
+                dt = min(step_time(sl, reqs[:k]) for _ in range(repeats))
+                print(f"   {k:10d} {dt * 1e3:20.3f} {k / dt:10.0f}")
     return ratio
 
 
@@ -198,6 +225,9 @@ def main(argv):
     print(f"device {jax.devices()[0].device_kind} ({jax.devices()[0].platform}), "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     slots = [int(x) for x in _SLOTS.value]
+    if _SWEEP.value:
+        sweep_decode_steps(_MODELS.value[0], max(slots), _DECODE_LEN.value, _PER_SLOT.value,
+                           _REPEATS.value)
     ratios = {(m, S): bench_model(m, S, _DECODE_LEN.value, _PER_SLOT.value, _REPEATS.value)
               for S in slots for m in _MODELS.value}
     print("\nall-slots-busy ratio (slice / fixed-batch tokens/s): " +

@@ -10,8 +10,15 @@ Life of a request in slot s:
   prefix, first = prefill(params=p, padded_tokens=..., true_length=P, rng=key)
       -> KV cache of the prompt and response token 0 (sampled from the last logits)
   state = insert(prefix, state, s)
-  state, result = generate(p, state)     # every slot: one more token, until finished
+  state, result = generate(p, state)     # every slot: n more tokens, until finished
 Token n of a response is sampled with fold_in(request_key, n) (see sampling.py).
+
+`generate` advances every active slot by up to `rollout.decode_steps` tokens in one
+dispatch (a `lax.while_loop` of the decode step on device, EOS / max-length masking
+on device) and returns all of them in one array, so the host syncs once per call.
+The call ends early, after the step in which some slot finishes, so that its slot
+can be refilled at once: the host never decodes a freed slot empty for the rest of a
+call, and finish positions are token-exact.
 
 Compiled functions: prefill and insert once per padded length bucket, generate and
 extract once. Prefill buckets cover prompts (`rollout.prefill_buckets`) and, for
@@ -67,24 +74,25 @@ class Prefix(NamedTuple):
 
 
 class ResultTokens(NamedTuple):
-    """Per-slot output of one prefill (B=1) or generate (B=S) call.
+    """Per-slot output of one prefill (B=1) or generate call (n steps x S slots).
 
-    Packed in one int32[B, 6] array (as JetStream packs its ResultTokens) so that a
-    host read is one transfer, not six; the properties below give the columns, on
-    device arrays or on the numpy arrays `jax.device_get` returns.
+    Packed in one int32[..., B, 6] array (as JetStream packs its ResultTokens) so that
+    a host read is one transfer, not six; the properties below give the columns (with
+    the leading step axis of a generate call), on device arrays or on the numpy
+    arrays `jax.device_get` returns.
     """
 
-    data: jax.Array  # int32[B, 6]: the columns below, log-prob bitcast from f32
+    data: jax.Array  # int32[B, 6] or [n, S, 6]: the columns below, log-prob as f32 bits
 
     @property
     def tokens(self):
         """Sampled token per row."""
-        return self.data[:, 0]
+        return self.data[..., 0]
 
     @property
     def logprobs(self):
         """f32 log-prob of the token under the sampling distribution actually used."""
-        col = self.data[:, 1]
+        col = self.data[..., 1]
         if isinstance(col, np.ndarray):
             return col.view(np.float32)
         return jax.lax.bitcast_convert_type(col, jnp.float32)
@@ -92,22 +100,22 @@ class ResultTokens(NamedTuple):
     @property
     def positions(self):
         """Position of the token in prompt + response."""
-        return self.data[:, 2]
+        return self.data[..., 2]
 
     @property
     def steps(self):
         """Index of the token in the response (0 = first response token)."""
-        return self.data[:, 3]
+        return self.data[..., 3]
 
     @property
     def valid(self):
         """Row holds a real token (the slot was active); ignore other rows."""
-        return self.data[:, 4] != 0
+        return self.data[..., 4] != 0
 
     @property
     def finished(self):
         """The token ends its request (EOS or max_decode_len)."""
-        return self.data[:, 5] != 0
+        return self.data[..., 5] != 0
 
     @staticmethod
     def pack(tokens_B, logprobs_B, positions_B, steps_B, valid_B, finished_B) -> "ResultTokens":
@@ -171,7 +179,8 @@ class Engine:
             self._insert_fn, donate_argnums=(1,),
             in_shardings=(self._prefix_sh, self._state_sh, rep), out_shardings=self._state_sh)
         self._generate_jit = jax.jit(
-            self.generate_fn, donate_argnums=(1,), in_shardings=(self._param_sh, self._state_sh),
+            self._generate_steps_fn, donate_argnums=(1,),
+            in_shardings=(self._param_sh, self._state_sh),
             out_shardings=(self._state_sh, res_sh))
         self._init_jit = jax.jit(self._init_fn, out_shardings=self._state_sh)
         self._extract_jit = jax.jit(self._extract_fn, in_shardings=(self._state_sh, rep),
@@ -200,6 +209,11 @@ class Engine:
     @property
     def max_decode_len(self) -> int:
         return self.rollout_cfg.max_decode_len
+
+    @property
+    def decode_steps(self) -> int:
+        """Tokens per slot per `generate` call."""
+        return self.rollout_cfg.decode_steps
 
     @property
     def cache_length(self) -> int:
@@ -272,8 +286,10 @@ class Engine:
         return self._insert_jit(prefix, decode_state, np.int32(slot))
 
     def generate(self, params: EngineParams, decode_state: DecodeState):
-        """One decode step for every slot (donates `decode_state`).
-        Returns (new DecodeState, ResultTokens with B=S)."""
+        """Up to `decode_steps` decode steps for every slot in one dispatch, ending
+        after the first step in which a slot finishes (donates `decode_state`).
+        Returns (new DecodeState, ResultTokens of [n, S, 6]; rows of steps not run
+        are not valid)."""
         return self._generate_jit(params, decode_state)
 
     def get_prefix_destination_sharding(self) -> Prefix:
@@ -346,6 +362,24 @@ class Engine:
                              state.cache)
         return Prefix(cache, state.tokens[slot], state.positions[slot], state.steps[slot],
                       state.keys[slot], state.active[slot])
+
+    def _generate_steps_fn(self, params: EngineParams, state: DecodeState):
+        n, S = self.decode_steps, self.max_concurrent_decodes
+
+        def cond(carry):
+            state, i, _, any_finished = carry
+            return (i < n) & ~any_finished & jnp.any(state.active)
+
+        def body(carry):
+            state, i, data_NS6, _ = carry
+            state, result = self.generate_fn(params, state)
+            data_NS6 = jax.lax.dynamic_update_slice_in_dim(data_NS6, result.data[None], i, 0)
+            return state, i + 1, data_NS6, jnp.any(result.finished)
+
+        # Rows of steps not run stay zero: not valid.
+        init = (state, jnp.int32(0), jnp.zeros((n, S, 6), jnp.int32), jnp.bool_(False))
+        state, _, data_NS6, _ = jax.lax.while_loop(cond, body, init)
+        return state, ResultTokens(data_NS6)
 
     def generate_fn(self, params: EngineParams, state: DecodeState):
         """The pure decode step behind `generate` (for use inside other jitted code,

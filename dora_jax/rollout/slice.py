@@ -1,16 +1,17 @@
 """A decode slice: a sub-mesh, an engine, one resident (version, params) and S slots.
 
 Continuous batching: `step()` prefills waiting requests into free slots, runs one
-generate step for all slots and returns the trajectories that finished; a freed slot
-takes the next waiting request on the next step. The only host sync per step is one
-read of the step's packed tokens / log-probs / finished flags (plus one for the
-prefill results of that step's inserts, if any); tokens are kept in host buffers
-indexed by (slot, response index), written with vectorised numpy.
+generate call (`rollout.decode_steps` tokens per slot) and returns the trajectories
+that finished; a freed slot takes the next waiting request on the next call. The
+only host sync per call is one read of its packed tokens / log-probs / finished
+flags (plus one for the prefill results of that call's inserts, if any); tokens are
+kept in host buffers indexed by (slot, response index), written with vectorised
+numpy.
 
-Lookahead (default): `step()` dispatches generate step k and only then reads the
-results of step k-1, so the device never waits for the host (JetStream's generate /
+Lookahead (default): `step()` dispatches generate call k and only then reads the
+results of call k-1, so the device never waits for the host (JetStream's generate /
 detokenize split). Costs: a trajectory is returned one `step()` after its last
-token, and a finished slot idles for one generate step before it is refilled.
+token, and a finished slot idles for one more generate call before it is refilled.
 `lookahead=False` reads each step's results in the same call. The methods that need
 the exact state (`load_version`, `export_requests`, `interrupt_and_reload`) first
 read what is in flight; the counts (`num_free_slots`, ...) are the host's view, in
@@ -115,6 +116,10 @@ class DecodeSlice:
     def num_running(self) -> int:
         return len(self._held) - len(self._waiting)
 
+    def holds(self, request_id) -> bool:
+        """The request is waiting or running here (not finished, not exported)."""
+        return tuple(request_id) in self._held
+
     @property
     def held_versions(self) -> set:
         """Versions of the requests held: empty or {self.version} (C1)."""
@@ -176,7 +181,7 @@ class DecodeSlice:
         self._waiting.append(seq)
 
     def step(self) -> list:
-        """Prefills waiting requests into free slots, runs one generate step and
+        """Prefills waiting requests into free slots, runs one generate call and
         returns the trajectories that finished (list of Trajectory)."""
         while self._waiting and not self._owned.all():
             slot = int(np.argmin(self._owned))  # lowest free slot
@@ -184,8 +189,7 @@ class DecodeSlice:
         result = None
         if self._owned.any():
             self.state, result = self.engine.generate(self.params, self.state)
-            self.stats.generate_steps += 1
-            self.stats.total_slot_steps += self.num_slots
+            self.stats.generate_calls += 1
         record = (self._pending, result) if self._pending or result is not None else None
         self._pending = []
         if self.lookahead:
@@ -330,24 +334,27 @@ class DecodeSlice:
 
     def _read(self, pending, result):
         """Records prefill results (first, they precede any generate result of the
-        same slot) and one generate step's results; finishes what finished."""
+        same slot) and one generate call's results; finishes what finished."""
         if pending:
             for (seq, _), r in zip(pending, jax.device_get([r for _, r in pending])):
                 self._record(seq, int(r.steps[0]), r.tokens[0], r.logprobs[0],
                              bool(r.finished[0]))
         if result is None:
             return
-        host = ResultTokens(np.asarray(result.data))  # the one host sync per step
-        # Rows of slots that finished earlier (or were never filled) are not valid;
-        # a slot refilled since this step was dispatched was inactive in it.
-        valid = host.valid & self._owned
-        idx = np.flatnonzero(valid)
-        steps = host.steps[idx]
-        self._tok_buf[idx, steps] = host.tokens[idx]
-        self._lp_buf[idx, steps] = host.logprobs[idx]
-        self._count[idx] = steps + 1
-        self.stats.busy_slot_steps += len(idx)
-        for s in np.flatnonzero(host.finished & valid):
+        host = ResultTokens(np.asarray(result.data))  # the one host sync per call
+        steps_run = int(host.valid.any(axis=1).sum())  # the call may end early
+        self.stats.generate_steps += steps_run
+        self.stats.total_slot_steps += self.num_slots * steps_run
+        # [n, S]: rows of slots that finished earlier (or were never filled) are not
+        # valid; a slot refilled since this call was dispatched was inactive in it.
+        valid_NS = host.valid & self._owned
+        n_idx, slots = np.nonzero(valid_NS)
+        steps = host.steps[n_idx, slots]
+        self._tok_buf[slots, steps] = host.tokens[n_idx, slots]
+        self._lp_buf[slots, steps] = host.logprobs[n_idx, slots]
+        np.maximum.at(self._count, slots, steps + 1)
+        self.stats.busy_slot_steps += len(slots)
+        for s in np.flatnonzero((host.finished & valid_NS).any(axis=0)):
             self._finish(self._slots[s])
 
     def _sync(self):
@@ -368,7 +375,8 @@ class DecodeSlice:
         r = seq.request
         self._done.append(Trajectory(
             group_id=r.group_id, prompt_id=r.prompt_id, sample_index=r.sample_index,
-            version=r.version, prompt_tokens=list(r.prompt_tokens), response_tokens=seq.tokens,
+            version=r.version if r.group_version is None else r.group_version,
+            prompt_tokens=list(r.prompt_tokens), response_tokens=seq.tokens,
             behaviour_logprobs=seq.logprobs, versions=seq.runs, slice_ids=seq.slice_ids,
             finish_reason=reason, t_submit=seq.t_submit, t_start=seq.t_start,
             t_finish=self.clock()))

@@ -36,6 +36,8 @@ class Request:
     prompt's id in the data source. seed: the request's RNG, an int in [0, 2**64)
     or uint32[2] key data; token n of the response is drawn with fold_in(key, n).
     version: the policy version it must run under (the slice refuses any other).
+    group_version: the version of its group, when the request runs under another
+      (partial_rollout); None means `version`.
     """
 
     group_id: int
@@ -44,6 +46,7 @@ class Request:
     prompt_tokens: tuple
     seed: object
     version: int
+    group_version: Optional[int] = None
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_tokens", tuple(int(t) for t in self.prompt_tokens))
@@ -118,9 +121,10 @@ class Trajectory:
 class SliceStats:
     """Per-slice counters (monotonic over the slice's life)."""
 
-    generate_steps: int = 0  # dispatched
+    generate_calls: int = 0  # dispatched
+    generate_steps: int = 0  # decode steps run (read back), up to decode_steps per call
     busy_slot_steps: int = 0  # slots that produced a token, summed over steps read
-    total_slot_steps: int = 0  # S per generate step dispatched
+    total_slot_steps: int = 0  # S per decode step run
     prefills: int = 0
     finished: int = 0
     weight_loads: int = 0

@@ -1,19 +1,28 @@
 """The run loop: drives real decode slices and the trainer from the scheduling core.
 
-One coordinator thread owns the `Scheduler` and executes its actions; decode
-slices step concurrently on a thread pool (each on its own sub-mesh); the trainer
-runs in its own thread, fed through the Grain trajectory stream, so decoding goes
-on while it trains. Rewards are computed on host threads as samples finish.
+Every decode slice runs its own loop (`worker.SliceWorker`, a thread owning the
+slice's engine and decode state); the trainer runs in its own thread, fed through
+the Grain trajectory stream; rewards are computed on host threads as samples
+finish. The coordinator (this module, the caller's thread) alone owns the
+`Scheduler`: it waits for events (samples finished, version loaded, step done,
+failure), feeds them to the scheduler, and sends the actions `decide()` returns as
+commands. It never waits on a slice's device work, and one slice loading weights or
+taking a migration never pauses another.
 
-Weights: after step t the trainer's params (version t+1) are copied on the trainer
-mesh — the next step donates the originals — and slices told to load that version
-get them through `jax.device_put` to their own shardings. The README's "Life of a
-group" names the function at each hop from admission to the ledger.
+Weights: after step t the trainer thread dispatches a copy of the params (version
+t+1) on the trainer mesh — the next step donates the originals — without waiting for
+it; a slice told to load that version `jax.device_put`s them to its own shardings in
+its own thread, waiting only for its own copy. Only the newest version's params are
+kept here (slices only ever load the newest; a pending load holds its own
+reference). The README's "Life of a group" names the function at each hop.
+
+A failure anywhere (a slice, the trainer, the coordinator) stops the run with one
+`RunError` naming where it happened, after the ledger has recorded an `unconsumed`
+line for every admitted group not consumed.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import queue
 import threading
@@ -29,11 +38,17 @@ from dora_jax.model.sharding import copy_tree
 from dora_jax.rollout.trajectory import Request
 from dora_jax.runtime.report import StepReporter
 from dora_jax.runtime.stream import GroupQueue, train_batches
+from dora_jax.runtime.worker import Event, SliceWorker
 from dora_jax.scheduler.core import Scheduler
 from dora_jax.scheduler.ledger import LedgerWriter
 from dora_jax.scheduler.types import (Admit, Assign, InterruptReload, LoadVersion, Migrate,
                                       TrainStep)
 from dora_jax.timeline import Timeline
+
+
+class RunError(RuntimeError):
+    """The run stopped: a slice, the trainer or the coordinator failed (the cause is
+    chained). The ledger accounts for every admitted group."""
 
 
 def request_seed(run_seed: int, group_id: int, sample: int) -> np.ndarray:
@@ -56,12 +71,13 @@ class Runtime:
     Args:
       cfg: validated `Config`.
       scheduler: a fresh `Scheduler` for `cfg.coordinator`.
-      slices: `DecodeSlice`s on disjoint sub-meshes, ids 0..S-1.
+      slices: `DecodeSlice`s on disjoint sub-meshes, ids 0..S-1, holding version 0.
       trainer: an `rl.trainer.Trainer` on the trainer mesh.
       prompts: the prompt stream (Grain).
       rewards: the host reward pool.
       ledger: where admit/consume/unconsumed events go.
       reporter: per-step metrics (metrics.jsonl) and the run summary.
+      timeline: decode, load, migration and train spans.
       on_step: called with each step's metrics record (progress bar).
       checkpointer: if given, `save_checkpoint` is called every
         `coordinator.checkpoint_every` steps.
@@ -79,13 +95,15 @@ class Runtime:
         self._t0 = clock()
         self.clock = lambda: clock() - self._t0
         self.groups: dict[int, _Group] = {}
-        # Params of the versions slices may load. A copy: step 0 donates the
+        # Params of the newest published version. A copy: step 0 donates the
         # trainer's own buffers.
         self.params_by_version = {0: copy_tree(trainer.params)}
-        self._pool = concurrent.futures.ThreadPoolExecutor(max(1, len(slices)), "slice")
+        self._events: queue.Queue = queue.Queue()
+        self.workers = [SliceWorker(sl, self._events, timeline, self.clock) for sl in slices]
         self._stream = GroupQueue()
-        self._done: queue.Queue = queue.Queue()
         self._inflight_batches: dict[int, tuple] = {}
+        self._to_ack: set = set()  # slices whose finished samples await an answer
+        self.max_resident_versions = 1
         self._trainer_idle_since = 0.0
         self._trainer_thread = threading.Thread(target=self._train_loop, name="trainer",
                                                 daemon=True)
@@ -101,19 +119,18 @@ class Runtime:
             for step, batch in stream:
                 start = self.clock()
                 metrics = self.trainer.train_step(batch)
-                metrics = jax.device_get(metrics)  # the step's only host sync
-                # Publish: keep a copy, as the next step donates the trainer's params.
+                # Publish: a copy, as the next step donates the trainer's params. Its
+                # dispatch is asynchronous; slices wait for it, the trainer does not.
                 params = copy_tree(self.trainer.params)
-                jax.block_until_ready(params)
+                metrics = jax.device_get(metrics)  # the step's only host sync
                 end = self.clock()
                 self.timeline.add("trainer", "train", start, end, step)
-                self._done.put((step, batch, metrics, params, start, end))
-        except BaseException as e:  # surfaced in the coordinator thread
-            self._done.put(e)
+                self._events.put(Event("step", "trainer",
+                                       (step, batch, metrics, params, start, end)))
+        except BaseException as e:  # noqa: BLE001 - surfaced by the coordinator
+            self._events.put(Event("failed", "trainer", e))
 
     def _on_step_done(self, item):
-        if isinstance(item, BaseException):
-            raise RuntimeError("train step failed") from item
         step, batch, metrics, params, start, end = item
         self.sched.step_finished(step)
         self.params_by_version = {step + 1: params}  # slices only ever load the newest
@@ -165,16 +182,21 @@ class Runtime:
                 self._admit(a)
             elif isinstance(a, Assign):
                 g = self.groups[a.group_id]
-                self.slices[a.slice_id].submit(Request(
+                self.workers[a.slice_id].submit(Request(
                     group_id=a.group_id, prompt_id=g.record["prompt_id"], sample_index=a.sample,
-                    prompt_tokens=g.record["tokens"], version=g.version,
+                    prompt_tokens=g.record["tokens"], version=a.version,
+                    group_version=g.version,
                     seed=request_seed(self.cfg.seed, a.group_id, a.sample)))
             elif isinstance(a, Migrate):
-                src, dst = self.slices[a.src_slice], self.slices[a.dst_slice]
-                dst.import_requests(src.export_requests([(a.group_id, a.sample)]))
-                self.reporter.migrations += 1
+                self.workers[a.src_slice].migrate([(a.group_id, a.sample)],
+                                                  self.workers[a.dst_slice])
             elif isinstance(a, (LoadVersion, InterruptReload)):
-                self._load(a)
+                params = self.params_by_version.get(a.version)
+                if params is None:
+                    raise RuntimeError(f"version {a.version} is not published "
+                                       f"(have {list(self.params_by_version)})")
+                self.workers[a.slice_id].load(a.version, params,
+                                              interrupt=isinstance(a, InterruptReload))
             elif isinstance(a, TrainStep):
                 self._train(a)
             else:  # pragma: no cover - the core emits only the types above
@@ -187,21 +209,6 @@ class Runtime:
         self.groups[a.group_id] = _Group(record, a.version)
         self.ledger.write("admit", group_id=a.group_id, prompt_id=record["prompt_id"],
                           version=a.version, time=self.clock())
-
-    def _load(self, a):
-        params = self.params_by_version.get(a.version)
-        if params is None:
-            raise RuntimeError(f"version {a.version} is not published "
-                               f"(have {list(self.params_by_version)})")
-        sl = self.slices[a.slice_id]
-        start = self.clock()
-        if isinstance(a, InterruptReload):
-            seconds = sl.interrupt_and_reload(a.version, params)
-        else:
-            seconds = sl.load_version(a.version, params)
-        self.reporter.transfer_seconds += seconds
-        self.timeline.add(f"slice {a.slice_id}", "load", start, self.clock(), a.version)
-        self.sched.version_loaded(a.slice_id, a.version)
 
     def _train(self, a: TrainStep):
         """Form the batch: the step's groups, scored, go into the trajectory stream."""
@@ -216,60 +223,82 @@ class Runtime:
         self._inflight_batches[a.step] = (a.group_ids, wait)
         self._stream.put(a.step, trajectories)
 
-    # ------------------------------------------------------------------ decoding
-    def _step_slice(self, sl):
-        start = self.clock()
-        version = sl.version
-        finished = sl.step()
-        self.timeline.add(f"slice {sl.slice_id}", "decode", start, self.clock(), version)
-        return finished
-
-    def _decode(self) -> bool:
-        """One generate step on every slice holding requests; False if none does."""
-        active = [sl for sl in self.slices if sl.num_requests]
-        if not active:
-            return False
-        for finished in self._pool.map(self._step_slice, active):
-            for t in finished:
+    # ------------------------------------------------------------------ events
+    def _handle(self, ev: Event) -> int:
+        """Feeds one event to the scheduler; returns the train steps it completed."""
+        if ev.kind == "finished":
+            self._to_ack.add(ev.source)
+            for t in ev.data:
                 g = self.groups[t.group_id]
                 g.trajectories[t.sample_index] = t
                 g.rewards[t.sample_index] = self.rewards.submit(g.record, t.response_tokens)
                 self.sched.sample_finished(t.group_id, t.sample_index, len(t.response_tokens))
-        return True
+        elif ev.kind == "loaded":
+            self.sched.version_loaded(ev.source, ev.data)
+        elif ev.kind == "step":
+            self._on_step_done(ev.data)
+            return 1
+        elif ev.kind == "failed":
+            where = "the trainer" if ev.source == "trainer" else f"slice {ev.source}"
+            raise RunError(f"{where} failed at step {self.sched.next_step}: "
+                           f"{type(ev.data).__name__}: {ev.data}") from ev.data
+        return 0  # "migrated": the slices' own counters record it
+
+    def _work_in_flight(self) -> bool:
+        """Something will post an event: a sample running, a load, or a train step."""
+        return self.sched.trainer_busy or any(sl.running or sl.loading is not None
+                                              for sl in self.sched.slices)
 
     # ------------------------------------------------------------------ loop
     def run(self, num_steps: int) -> dict:
-        """Runs until `num_steps` train steps finished; returns the run summary."""
+        """Runs until `num_steps` train steps finished; returns the run summary.
+
+        Raises RunError (after writing `unconsumed` lines for every group in flight)
+        if any part fails."""
+        for w in self.workers:
+            w.start()
         self._trainer_thread.start()
         steps_done = 0
         try:
+            self._execute(self.sched.decide())
             while steps_done < num_steps:
-                while True:
+                if not self._work_in_flight():
+                    raise RuntimeError("no slice holds work, none is loading and the "
+                                       "trainer is idle: the run cannot progress; scheduler "
+                                       f"state: {self.sched.snapshot()}")
+                steps_done += self._handle(self._events.get())
+                while steps_done < num_steps:  # take every event already posted
                     try:
-                        item = self._done.get_nowait()
+                        steps_done += self._handle(self._events.get_nowait())
                     except queue.Empty:
                         break
-                    self._on_step_done(item)
-                    steps_done += 1
-                if steps_done >= num_steps:
-                    break
-                # Loads complete synchronously (version_loaded is reported inside
-                # _execute), so decide again until the core has nothing more to say.
-                while actions := self.sched.decide():
-                    self._execute(actions)
-                if not self._decode():
-                    # Nothing to decode: the trainer holds all the work; wait for it.
-                    if not self.sched.trainer_busy:
-                        raise RuntimeError(
-                            "no slice holds work and the trainer is idle: the run cannot "
-                            f"progress; scheduler state: {self.sched.snapshot()}")
-                    item = self._done.get()
-                    self._on_step_done(item)
-                    steps_done += 1
-        finally:
-            self._stream.close()
-            self._trainer_thread.join(timeout=600)
-            self._pool.shutdown(wait=True)
+                if steps_done < num_steps:
+                    self._execute(self.sched.decide())
+                    resident = {sl.effective_version for sl in self.sched.slices} - {None}
+                    self.max_resident_versions = max(self.max_resident_versions,
+                                                     len(resident))
+                    for i in self._to_ack:
+                        self.workers[i].ack()
+                    self._to_ack.clear()
+        except BaseException as e:
+            self._write_unconsumed()
+            self._shutdown()
+            if isinstance(e, RunError):
+                raise
+            raise RunError(f"the coordinator failed at step {self.sched.next_step}: "
+                           f"{type(e).__name__}: {e}") from e
+        self._write_unconsumed()
+        self._shutdown()
+        summary = self.reporter.summary(self.slices, self.timeline)
+        summary["max_resident_versions"] = self.max_resident_versions
+        return summary
+
+    def _write_unconsumed(self):
         for gid, g in sorted(self.groups.items()):
             self.ledger.write("unconsumed", group_id=gid, version=g.version)
-        return self.reporter.summary(self.slices)
+
+    def _shutdown(self):
+        self._stream.close()
+        for w in self.workers:
+            w.stop()
+        self._trainer_thread.join(timeout=600)

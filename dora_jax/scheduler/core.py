@@ -205,7 +205,7 @@ class Scheduler:
         g.n_pending -= 1
         g.n_running += 1
         self._pending_v[g.version] -= 1
-        return Assign(group_id, sample, slice_id)
+        return Assign(group_id, sample, slice_id, sl.version)
 
     def do_migrate(self, group_id: int, sample: int, dst: int) -> Migrate:
         smp = self.groups[group_id].samples[sample]

@@ -87,15 +87,18 @@ class Admit:
 
 @dataclass(frozen=True)
 class Assign:
-    """Start generating sample `sample` of `group_id` on `slice_id`.
+    """Start generating sample `sample` of `group_id` on `slice_id`, under `version`
+    (the slice's resident version).
 
-    The slice holds the group's version (except in partial_rollout, where it holds
-    whatever is newest) and had a free slot; the slot is taken from now on.
+    In every mode that keeps C1, `version` is the group's; in partial_rollout a
+    sample of an older group may start on whatever version its slice now holds (its
+    per-token versions say so). The slice had a free slot; it is taken from now on.
     """
 
     group_id: int
     sample: int
     slice_id: int
+    version: int
 
 
 @dataclass(frozen=True)
