@@ -264,8 +264,9 @@ class RolloutConfig(_Section):
     slots_per_slice: int = _field(4, min=1)
     max_prefill_length: int = _field(32, min=1)
     max_decode_len: int = _field(32, min=1)
-    # Tokens per slot per generate call: one dispatch and one host read each. A slot
-    # that finishes mid-call idles for the rest of it (finish positions stay exact).
+    # Most tokens per slot per generate call (one dispatch, one host read). A call
+    # ends early when a slot finishes; a slice with a free slot decodes one token per
+    # call so new work starts at once.
     decode_steps: int = _field(16, min=1)
     # Padded prompt lengths for prefill; the largest must be >= max_prefill_length.
     prefill_buckets: tuple = _field((16, 32), ascending=True)

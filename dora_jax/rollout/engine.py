@@ -18,7 +18,8 @@ dispatch (a `lax.while_loop` of the decode step on device, EOS / max-length mask
 on device) and returns all of them in one array, so the host syncs once per call.
 The call ends early, after the step in which some slot finishes, so that its slot
 can be refilled at once: the host never decodes a freed slot empty for the rest of a
-call, and finish positions are token-exact.
+call, and finish positions are token-exact. `max_steps` caps a call below
+`decode_steps` without recompiling (a slice with free slots asks for one token).
 
 Compiled functions: prefill and insert once per padded length bucket, generate and
 extract once. Prefill buckets cover prompts (`rollout.prefill_buckets`) and, for
@@ -180,7 +181,7 @@ class Engine:
             in_shardings=(self._prefix_sh, self._state_sh, rep), out_shardings=self._state_sh)
         self._generate_jit = jax.jit(
             self._generate_steps_fn, donate_argnums=(1,),
-            in_shardings=(self._param_sh, self._state_sh),
+            in_shardings=(self._param_sh, self._state_sh, rep),
             out_shardings=(self._state_sh, res_sh))
         self._init_jit = jax.jit(self._init_fn, out_shardings=self._state_sh)
         self._extract_jit = jax.jit(self._extract_fn, in_shardings=(self._state_sh, rep),
@@ -285,12 +286,14 @@ class Engine:
                              f"cache_length {self.cache_length}")
         return self._insert_jit(prefix, decode_state, np.int32(slot))
 
-    def generate(self, params: EngineParams, decode_state: DecodeState):
-        """Up to `decode_steps` decode steps for every slot in one dispatch, ending
-        after the first step in which a slot finishes (donates `decode_state`).
-        Returns (new DecodeState, ResultTokens of [n, S, 6]; rows of steps not run
-        are not valid)."""
-        return self._generate_jit(params, decode_state)
+    def generate(self, params: EngineParams, decode_state: DecodeState,
+                 max_steps: int | None = None):
+        """Up to `decode_steps` (or `max_steps`, if fewer) decode steps for every slot
+        in one dispatch, ending after the first step in which a slot finishes
+        (donates `decode_state`). Returns (new DecodeState, ResultTokens of
+        [decode_steps, S, 6]; rows of steps not run are not valid)."""
+        n = self.decode_steps if max_steps is None else min(max_steps, self.decode_steps)
+        return self._generate_jit(params, decode_state, np.int32(n))
 
     def get_prefix_destination_sharding(self) -> Prefix:
         return self._prefix_sh
@@ -363,12 +366,12 @@ class Engine:
         return Prefix(cache, state.tokens[slot], state.positions[slot], state.steps[slot],
                       state.keys[slot], state.active[slot])
 
-    def _generate_steps_fn(self, params: EngineParams, state: DecodeState):
+    def _generate_steps_fn(self, params: EngineParams, state: DecodeState, max_steps):
         n, S = self.decode_steps, self.max_concurrent_decodes
 
         def cond(carry):
             state, i, _, any_finished = carry
-            return (i < n) & ~any_finished & jnp.any(state.active)
+            return (i < max_steps) & ~any_finished & jnp.any(state.active)
 
         def body(carry):
             state, i, data_NS6, _ = carry

@@ -188,7 +188,10 @@ class DecodeSlice:
             self._start(self._waiting.popleft(), slot)
         result = None
         if self._owned.any():
-            self.state, result = self.engine.generate(self.params, self.state)
+            # With a free slot, new work may arrive at any moment: one token, then look
+            # again. A full slice runs the whole call (it ends early when a slot frees).
+            max_steps = None if self._owned.all() else 1
+            self.state, result = self.engine.generate(self.params, self.state, max_steps)
             self.stats.generate_calls += 1
         record = (self._pending, result) if self._pending or result is not None else None
         self._pending = []

@@ -11,8 +11,10 @@ taking a migration never pauses another.
 
 Weights: after step t the trainer thread dispatches a copy of the params (version
 t+1) on the trainer mesh — the next step donates the originals — without waiting for
-it; a slice told to load that version `jax.device_put`s them to its own shardings in
-its own thread, waiting only for its own copy. Only the newest version's params are
+it; for a slice told to load that version the coordinator dispatches the
+`jax.device_put` to the slice's shardings (asynchronous; one thread issues every
+transfer of the same arrays) and the slice's own loop waits for its copy only, while
+the other slices decode. Only the newest version's params are
 kept here (slices only ever load the newest; a pending load holds its own
 reference). The README's "Life of a group" names the function at each hop.
 
@@ -195,7 +197,10 @@ class Runtime:
                 if params is None:
                     raise RuntimeError(f"version {a.version} is not published "
                                        f"(have {list(self.params_by_version)})")
-                self.workers[a.slice_id].load(a.version, params,
+                # The transfer is dispatched here, one thread for every device_put of
+                # the same params; the slice's own loop waits for its copy only.
+                placed = self.slices[a.slice_id].engine.load_params(params)
+                self.workers[a.slice_id].load(a.version, placed,
                                               interrupt=isinstance(a, InterruptReload))
             elif isinstance(a, TrainStep):
                 self._train(a)
