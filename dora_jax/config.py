@@ -1,16 +1,15 @@
 """Typed, validated configuration: `configs/*.py` return an `ml_collections.ConfigDict`
-built from `base()`; `validate` turns it into the frozen dataclasses below.
-
-The dataclasses are the schema, written once: `base()` is generated from them, each
-field declares its constraint (`_field`), each section checks its own rules in
-`__post_init__`, and `Config.__post_init__` holds every check that spans sections.
-Errors name the field (`config.rollout.temperature: must be > 0, got 0.0`) and come
-before any compute. Imports nothing from dora_jax and no JAX: the pure scheduling
-core depends on it."""
+built from `base()`; `validate` turns it into the frozen dataclasses below, the schema
+written once: `base()` is generated from them, each field declares its constraint
+(`_field`), each section checks its own rules in `__post_init__`, `Config.__post_init__`
+holds every check that spans sections. Errors name the field (`config.rollout.
+temperature: must be > 0, got 0.0`) before any compute. Imports nothing from dora_jax
+and no JAX: the pure scheduling core depends on it."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import operator
 import typing
@@ -91,11 +90,6 @@ def _check(field: str, value, choices=None, ascending=False, **bounds):
         _fail(field, f"must be a non-empty ascending list, got {value}")
 
 
-def _divides(field: str, size: int, what: str, dim: int):
-    if size > 1 and dim % size:
-        _fail(field, f"mesh axis size {size} must divide {what} ({dim})")
-
-
 class _Section:
     """A config section: `PATH` is its place in the ConfigDict ('model.moe')."""
 
@@ -127,11 +121,10 @@ class _Section:
             sub, value = _section_type(hints[f.name]), values.get(f.name)
             if sub is not None:
                 kwargs[f.name] = sub.from_dict(value)
-            elif value is not None or not _required(f):
-                if f.name in values:
-                    kwargs[f.name] = tuple(value) if isinstance(value, list) else value
-            else:
+            elif value is None and _required(f):
                 _fail(f"{cls.PATH}.{f.name}" if cls.PATH else f.name, "must be set")
+            elif f.name in values:
+                kwargs[f.name] = tuple(value) if isinstance(value, list) else value
         return cls(**kwargs)
 
 
@@ -332,9 +325,8 @@ class CoordinatorConfig(_Section):
     def __post_init__(self):
         super().__post_init__()
         if self.rollout_batch_size < self.train_batch_size:
-            _fail(self._f("rollout_batch_size"),
-                  f"must be >= coordinator.train_batch_size ({self.train_batch_size}), "
-                  f"got {self.rollout_batch_size}")
+            _fail(self._f("rollout_batch_size"), f"must be >= coordinator.train_batch_size "
+                  f"({self.train_batch_size}), got {self.rollout_batch_size}")
 
 
 def check_group_fits(group_size: int, num_slices: int, slots_per_slice: int):
@@ -364,9 +356,7 @@ class DataConfig(_Section):
         super().__post_init__()
         if self.source == "jsonl" and not self.path:
             _fail(self._f("path"), "data.source='jsonl' needs a path")
-        if self.source == "tfds":
-            # Turning a TFDS example into prompt tokens is task-specific (which feature,
-            # which tokenizer): that mapping is code, not config.
+        if self.source == "tfds":  # which feature, which tokenizer: code, not config
             _fail(self._f("source"), "'tfds' prompts need an example->record mapping: build "
                                      "data.prompts.TfdsSource(name, split, to_record) and "
                                      "pass it to experiment.run(records=...)")
@@ -386,12 +376,14 @@ class Config(_Section):
         """Every check that spans sections."""
         m, mesh, r, t, c, d = (self.model, self.mesh, self.rollout, self.trainer,
                                self.coordinator, self.data)
-        for name in ("trainer", "slice"):
-            _divides(f"mesh.{name}.tensor", getattr(mesh, name)["tensor"], "model.num_kv_heads",
-                     m.num_kv_heads)
-            if m.moe.enabled:
-                _divides(f"mesh.{name}.expert", getattr(mesh, name)["expert"],
-                         "model.moe.num_experts", m.moe.num_experts)
+        for (name, axis), (what, dim) in [
+                (("trainer", "tensor"), ("model.num_kv_heads", m.num_kv_heads)),
+                (("slice", "tensor"), ("model.num_kv_heads", m.num_kv_heads)),
+                (("trainer", "expert"), ("model.moe.num_experts", m.moe.num_experts)),
+                (("slice", "expert"), ("model.moe.num_experts", m.moe.num_experts))]:
+            size = getattr(mesh, name)[axis]
+            if size > 1 and dim and dim % size:
+                _fail(f"mesh.{name}.{axis}", f"mesh axis size {size} must divide {what} ({dim})")
         if r.top_k > m.vocab_size:
             _fail("rollout.top_k", f"must be in [0, vocab_size={m.vocab_size}], got {r.top_k}")
         for name in ("eos_id", "pad_id"):
@@ -408,8 +400,7 @@ class Config(_Section):
                   f"TBS x group_size = {samples} samples must divide evenly into "
                   f"trainer.num_minibatches x trainer.micro_batches = {split}")
         if d.source == "residue" and d.prompt_len > r.max_prefill_length:
-            _fail("data.prompt_len", f"must be in [2, rollout.max_prefill_length="
-                                     f"{r.max_prefill_length}], got {d.prompt_len}")
+            _fail("data.prompt_len", f"must be <= rollout.max_prefill_length, got {d.prompt_len}")
         if d.source == "residue" and d.modulus > m.vocab_size - 3:
             _fail("data.modulus", f"must be in [2, vocab_size - 3], got {d.modulus}")
 
@@ -417,12 +408,11 @@ class Config(_Section):
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> Config:
     """Validates a whole ConfigDict into a `Config`; `num_devices` is checked when given."""
     cfg = Config.from_dict(config.to_dict())
-    mesh = cfg.mesh
-    if num_devices is not None and mesh.total_devices > num_devices:
+    mesh, n = cfg.mesh, cfg.mesh.total_devices
+    if num_devices is not None and n > num_devices:
         _fail("mesh", f"trainer ({mesh.trainer_devices}) + {mesh.num_slices} slices x "
-                      f"{mesh.slice_devices} devices = {mesh.total_devices}, but only "
-                      f"{num_devices} devices are available (on a CPU, fake them with "
-                      f"XLA_FLAGS=--xla_force_host_platform_device_count={mesh.total_devices})")
+                      f"{mesh.slice_devices} devices = {n}, but only {num_devices} devices are "
+                      f"available (on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count={n})")
     return cfg
 
 
@@ -453,8 +443,6 @@ def base() -> ml_collections.ConfigDict:
 def load(spec: str) -> ml_collections.ConfigDict:
     """Loads `path/to/config.py[:variant]` (relative to the working directory or
     absolute), the way `--config=` does."""
-    import importlib.util
-
     path, _, variant = spec.partition(":")
     module_spec = importlib.util.spec_from_file_location("_dora_config", path)
     module = importlib.util.module_from_spec(module_spec)
