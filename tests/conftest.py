@@ -1,12 +1,19 @@
-"""Test setup: eight fake CPU devices, set before JAX is first imported, and the one
-way tests load the shipped configs (rooted at the repository, not the working
-directory)."""
+"""Test setup: eight fake CPU devices and a persistent compilation cache, set before
+JAX is first imported, and the one way tests load the shipped configs (rooted at the
+repository, not the working directory)."""
 
 import os
 import pathlib
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Many tests build engines and trainers of the same shapes: a persistent compilation
+# cache, shared by the xdist workers (and by runs), compiles each program once.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), "dora_jax_test_compile_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import pytest  # noqa: E402
 
