@@ -1,7 +1,6 @@
 """Checkpoint round trips: values, JSON extra, restore onto another mesh shape, async
 save followed by donation, retention."""
 
-import pathlib
 
 import jax
 import jax.numpy as jnp

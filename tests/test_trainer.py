@@ -2,7 +2,6 @@
 and batch validation. References are written here from the model and loss functions
 directly (no trainer code), or are the same step on one device."""
 
-import pathlib
 
 import jax
 import jax.numpy as jnp
