@@ -25,7 +25,7 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
 KL_KINDS = ("k1", "k2", "k3")
 SCHEDULES = ("constant", "cosine")
 DTYPES = ("float32", "bfloat16")
-DATA_SOURCES = ("residue", "jsonl", "tfds")
+DATA_SOURCES = ("residue", "countdown", "jsonl", "tfds")
 
 TRAINER_MESH_AXES = ("data", "fsdp", "tensor", "expert")
 SLICE_MESH_AXES = ("tensor", "expert")
@@ -142,8 +142,7 @@ class MoEConfig(_Section):
     num_experts: int = _field(0, min=0)  # 0: dense MLP everywhere
     top_k: int = 2
     expert_hidden: int = 0
-    # None: dropless (exact). A float: each expert takes at most
-    # ceil(capacity_factor * tokens * top_k / num_experts) assignments; the rest drop.
+    # None: dropless. A float: an expert takes ceil(cf * tokens * top_k / E) at most.
     capacity_factor: float | None = _field(None, gt=0)
     num_shared_experts: int = _field(0, min=0)
     shared_expert_hidden: int = 0
@@ -257,11 +256,8 @@ class RolloutConfig(_Section):
     slots_per_slice: int = _field(4, min=1)
     max_prefill_length: int = _field(32, min=1)
     max_decode_len: int = _field(32, min=1)
-    # Most tokens per slot per generate call (one dispatch, one host read). A call
-    # ends early when a slot finishes; a slice with a free slot decodes one token per
-    # call so new work starts at once.
+    # Most tokens per slot per generate call (one dispatch, one host read); see Engine.
     decode_steps: int = _field(16, min=1)
-    # Padded prompt lengths for prefill; the largest must be >= max_prefill_length.
     prefill_buckets: tuple = _field((16, 32), ascending=True)
     temperature: float = _field(1.0, gt=0)
     top_k: int = _field(0, min=0)  # 0: off
@@ -303,8 +299,7 @@ class TrainerConfig(_Section):
     kl_coef: float = _field(0.0, ge=0)
     kl_kind: str = _field("k3", choices=KL_KINDS)
     tis_cap: float | None = _field(None, gt=0)
-    # Padded lengths (prompt + response) of train batches; the largest holds a whole
-    # trajectory.
+    # Padded prompt + response lengths of train batches (the largest: a whole one).
     length_buckets: tuple = _field((32, 64), ascending=True)
 
 
@@ -342,13 +337,15 @@ class DataConfig(_Section):
     """Where prompts come from and how they are scored."""
 
     PATH: ClassVar[str] = "data"
-    # TFDS prompts: experiment.run(records=TfdsSource(...)).
-    source: str = _field("residue", choices=DATA_SOURCES)
+    source: str = _field("residue", choices=DATA_SOURCES)  # tfds: see __post_init__
     reward: str = "residue"
     path: str = ""  # jsonl file
     num_prompts: int = _field(512, min=1)  # synthetic tasks
-    prompt_len: int = _field(6, min=2)
-    modulus: int = _field(4, min=2)
+    prompt_len: int = _field(6, min=2)  # residue
+    modulus: int = _field(4, min=2)  # residue
+    count_median: float = _field(12.0, gt=0)  # countdown: lognormal counts, clipped
+    count_sigma: float = _field(1.1, ge=0)  # to [1, max_count]
+    max_count: int = _field(255, min=1)
     num_epochs: int | None = _field(None, min=1)  # None: repeat forever
     shuffle: bool = True
 
@@ -403,6 +400,9 @@ class Config(_Section):
             _fail("data.prompt_len", f"must be <= rollout.max_prefill_length, got {d.prompt_len}")
         if d.source == "residue" and d.modulus > m.vocab_size - 3:
             _fail("data.modulus", f"must be in [2, vocab_size - 3], got {d.modulus}")
+        if d.source == "countdown" and not d.max_count < min(r.max_decode_len, m.vocab_size - 3):
+            _fail("data.max_count", f"must be < rollout.max_decode_len and vocab_size - 3 (a "
+                  f"countdown is max_count + 1 tokens of numbers 0..), got {d.max_count}")
 
 
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> Config:

@@ -33,9 +33,13 @@ from dora_jax.timeline import Timeline
 def prompt_records(cfg: Config) -> list[dict]:
     """The prompt source named by `cfg.data`, validated."""
     d, vocab = cfg.data, cfg.model.vocab_size
-    if d.source == "residue":
-        records = tasks.residue_prompts(d.num_prompts, vocab, prompt_len=d.prompt_len,
-                                        modulus=d.modulus, seed=cfg.seed)
+    if d.source in ("residue", "countdown"):  # generated
+        records = (tasks.residue_prompts(d.num_prompts, vocab, prompt_len=d.prompt_len,
+                                         modulus=d.modulus, seed=cfg.seed)
+                   if d.source == "residue" else
+                   tasks.countdown_prompts(d.num_prompts, vocab, median=d.count_median,
+                                           sigma=d.count_sigma, max_count=d.max_count,
+                                           seed=cfg.seed))
         return prompts_lib.in_memory(records, vocab)
     records = prompts_lib.read_jsonl(d.path, vocab_size=vocab)  # validate() allows no other
     too_long = [r["prompt_id"] for r in records if len(r["tokens"]) > cfg.rollout.max_prefill_length]

@@ -116,6 +116,7 @@ INVALID = [
     (_tiny, "data.source", "tfds", "data.source"),  # the mapping is code: TfdsSource
     (_tiny, "data.prompt_len", 17, "data.prompt_len"),  # > max_prefill_length 16
     (_tiny, "data.modulus", 1, "data.modulus"),
+    (_tiny, "data.count_sigma", -0.5, "data.count_sigma"),
 ]
 
 
@@ -186,3 +187,17 @@ def test_base_is_the_schema():
                 "data": config_lib.DataConfig, "mesh": config_lib.MeshConfig}
     for name, cls in sections.items():
         assert set(c[name]) == {f.name for f in dataclasses.fields(cls)}, name
+
+
+def test_countdown_must_fit_the_decode_limit_and_vocab(load_config):
+    c = load_config(_tiny, validate=False)
+    c.data.source = "countdown"
+    c.data.max_count = 16  # a countdown of 16 is 17 tokens > max_decode_len 16
+    with pytest.raises(config_lib.ConfigError, match=r"config\.data\.max_count"):
+        config_lib.validate(c)
+    c.data.max_count = 15
+    config_lib.validate(c)
+    c.rollout.max_decode_len, c.trainer.length_buckets = 256, (272,)
+    c.data.max_count = 200  # numbers up to 199 need more than vocab 128 - 3
+    with pytest.raises(config_lib.ConfigError, match=r"config\.data\.max_count"):
+        config_lib.validate(c)

@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from dora_jax.data import prompts, tasks
@@ -106,3 +107,30 @@ def test_reward_pool_records_failures_and_goes_on():
 def test_unknown_reward_name():
     with pytest.raises(ValueError, match="unknown reward"):
         tasks.reward_fn("nope")
+
+
+def test_countdown_reward_by_hand():
+    record = {"count": 3}  # the countdown 2, 1, 0 then EOS: tokens 5, 4, 3, 1
+    assert tasks.countdown_target(record) == [5, 4, 3, tasks.EOS]
+    assert tasks.countdown_reward(record, [5, 4, 3, tasks.EOS]) == 1.0
+    assert tasks.countdown_reward(record, [5, 4, tasks.EOS]) == pytest.approx(2 / 4)  # early
+    assert tasks.countdown_reward(record, [5, 4, 3, 9, 9, tasks.EOS]) == pytest.approx(3 / 6)
+    assert tasks.countdown_reward(record, [9, 4, 3, tasks.EOS]) == pytest.approx(3 / 4)
+    assert tasks.countdown_reward(record, []) == 0.0
+
+
+def test_countdown_lengths_are_long_tailed_and_fit_the_decode_limit():
+    """The config's workload shape (seed 0, 512 prompts, max_count 255 for a
+    256-token decode limit): correct responses have max/mean >= 8 and p90/p50 >= 3,
+    and none is longer than the limit."""
+    records = tasks.countdown_prompts(512, 260, seed=0)
+    assert records == tasks.countdown_prompts(512, 260, seed=0)
+    lengths = np.array([len(tasks.countdown_target(r)) for r in records])
+    assert lengths.max() / lengths.mean() >= 8
+    assert np.percentile(lengths, 90) / np.percentile(lengths, 50) >= 3
+    assert lengths.max() <= 256 and lengths.min() >= 2
+    for r in records:
+        assert r["tokens"] == [tasks.BOS, tasks.FIRST_SYMBOL + r["count"]]
+    prompts.in_memory(records, vocab_size=260)
+    with pytest.raises(ValueError, match="vocab_size 200 too small"):
+        tasks.countdown_prompts(4, 200)
