@@ -93,6 +93,15 @@ class Checkpointer:
         self.close()
 
 
+def load_params(directory: str, like: Any) -> Any:
+    """The params saved last in `directory` (e.g. by `dora_jax.sft`), restored with the
+    structure, shapes, dtypes and shardings of `like`. FileNotFoundError, naming the
+    directory, if it holds no checkpoint."""
+    with Checkpointer(directory, async_save=False) as checkpointer:
+        params, _ = checkpointer.restore(like)
+    return params
+
+
 def _abstract(x):
     if isinstance(x, jax.ShapeDtypeStruct):
         return x

@@ -67,9 +67,8 @@ def _fail(field: str, message: str):
 
 
 def _field(default=dataclasses.MISSING, **constraint):
-    """A dataclass field with its constraint, checked by `_Section.__post_init__`:
-    `min=n` (an integer >= n), bounds `ge`, `gt`, `le`, `lt`, `choices`, or
-    `ascending=True` (a non-empty ascending tuple). A None default means optional."""
+    """A field with its constraint, checked by `_Section.__post_init__`: `min=n` (an
+    integer >= n), `ge`, `gt`, `le`, `lt`, `choices`, `ascending=True`; None: optional."""
     return dataclasses.field(default=default, metadata=constraint)
 
 
@@ -368,6 +367,7 @@ class Config(_Section):
     coordinator: CoordinatorConfig = CoordinatorConfig()
     data: DataConfig = DataConfig()
     seed: int = 0
+    init_checkpoint: str = ""  # params to start from (e.g. dora_jax.sft's checkpoints/)
 
     def __post_init__(self):
         """Every check that spans sections."""

@@ -14,7 +14,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from dora_jax.checkpointing import Checkpointer
+from dora_jax.checkpointing import Checkpointer, load_params
 from dora_jax.config import Config
 from dora_jax.data import prompts as prompts_lib
 from dora_jax.data import tasks
@@ -87,8 +87,13 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     os.makedirs(workdir, exist_ok=True)
     records = prompt_records(cfg) if records is None else records
     reward_fn = tasks.reward_fn(cfg.data.reward)  # an unknown name fails before compute
+    if cfg.init_checkpoint and not os.path.isdir(cfg.init_checkpoint):
+        raise FileNotFoundError(f"config.init_checkpoint: no checkpoint directory at "
+                                f"{cfg.init_checkpoint!r}")
     trainer_mesh, slice_meshes = sharding.make_meshes(cfg.mesh)
     graphdef, params = transformer.create(cfg.model, cfg.seed)
+    if cfg.init_checkpoint:
+        params = load_params(cfg.init_checkpoint, params)
     # Without lookahead a slice reports a finished sample in the step that ends it,
     # so the scheduler never migrates or reloads around a request that has in fact
     # already finished on the device.

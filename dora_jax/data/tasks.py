@@ -90,6 +90,16 @@ def countdown_reward(record: dict, response: Sequence[int]) -> float:
 
 REWARDS: dict[str, RewardFn] = {"residue": residue_reward, "exact_match": exact_match_reward,
                                 "countdown": countdown_reward}
+# The correct response of a record, by task (reward name): what a supervised warm
+# start imitates.
+DEMONSTRATIONS: dict[str, Callable[[dict], list]] = {"countdown": countdown_target}
+
+
+def demonstration_fn(name: str) -> Callable[[dict], list]:
+    if name not in DEMONSTRATIONS:
+        raise ValueError(f"task {name!r} has no demonstrations to imitate; tasks with "
+                         f"them: {sorted(DEMONSTRATIONS)}")
+    return DEMONSTRATIONS[name]
 
 
 def reward_fn(name: str) -> RewardFn:

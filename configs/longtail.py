@@ -1,0 +1,39 @@
+"""Long-tailed workload on a CPU: DORA's regime, learnable by a tiny policy.
+
+SFT:  python -m dora_jax.sft --config=configs/longtail.py --workdir=/tmp/longtail_sft
+RL:   python -m dora_jax.main --config=configs/longtail.py --workdir=/tmp/longtail \\
+        --config.init_checkpoint=/tmp/longtail_sft/checkpoints
+
+Task: countdown (dora_jax/data/tasks.py): the prompt [BOS, n(L)] asks for n(L-1) ...
+n(0) then EOS, so response lengths come from the policy itself; counts L are
+lognormal (median 12, sigma 1.1) up to 255, so correct responses have max/mean about
+12 and p90/p50 about 3-4 within the 256-token decode limit. A random policy does not
+count down; the supervised warm start (first command, a minute on a CPU) does, so the
+lengths are long-tailed from RL step 0.
+
+Model: configs/tiny.py's (2 layers, d_model 64, 4 query / 2 KV heads of dim 16, SwiGLU
+192) with a 260-token vocabulary for the numbers: 131,968 parameters. Mesh as
+configs/tiny.py (8 fake CPU devices). Workload: groups of 4, 4 groups per step, 8
+admitted ahead, max_staleness 2, 100 steps; RL learning rate 1e-3 (not tuned yet).
+Measured here: SFT 300 steps, loss 6.03 -> 0.001 (1.5 min); then 20 RL steps in dora
+mode: responses max 192, mean 21.1 tokens (max/mean 9.1, p90/p50 5.2), none truncated,
+mean reward 0.95.
+"""
+
+import os
+
+from dora_jax import config as config_lib
+
+
+VARIANTS = (None,)
+
+
+def get_config(arg=None):
+    del arg
+    c = config_lib.load(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny.py"))
+    c.model.vocab_size = 260
+    c.rollout.update(dict(max_prefill_length=8, max_decode_len=256, prefill_buckets=(8,)))
+    c.trainer.update(dict(learning_rate=1e-3, length_buckets=(32, 64, 136, 264)))
+    c.data.update(dict(source="countdown", reward="countdown", num_prompts=512,
+                       count_median=12.0, count_sigma=1.1, max_count=255))
+    return c
