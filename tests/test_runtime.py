@@ -109,7 +109,7 @@ def test_failing_trainer_stops_with_one_error_and_a_complete_ledger(tmp_path, sm
                                                                     monkeypatch):
     cfg = small_config("dora", num_steps=6)
     monkeypatch.setattr(RecordingTrainer, "fail_at_step", 2)
-    with pytest.raises(RunError, match=r"the trainer failed at step 3: FloatingPointError: "
+    with pytest.raises(RunError, match=r"the trainer failed at step 2: FloatingPointError: "
                                        r"injected failure in step 2"):
         _run(cfg, tmp_path)
     events, report = audit_workdir(cfg, tmp_path)

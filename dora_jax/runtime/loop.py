@@ -244,9 +244,11 @@ class Runtime:
             self._on_step_done(ev.data)
             return 1
         elif ev.kind == "failed":
-            where = "the trainer" if ev.source == "trainer" else f"slice {ev.source}"
-            raise RunError(f"{where} failed at step {self.sched.next_step}: "
-                           f"{type(ev.data).__name__}: {ev.data}") from ev.data
+            trainer = ev.source == "trainer"
+            step = self.sched.trainer_step if trainer and self.sched.trainer_busy \
+                else self.sched.next_step
+            raise RunError(f"{'the trainer' if trainer else f'slice {ev.source}'} failed at "
+                           f"step {step}: {type(ev.data).__name__}: {ev.data}") from ev.data
         return 0  # "migrated": the slices' own counters record it
 
     def _work_in_flight(self) -> bool:
