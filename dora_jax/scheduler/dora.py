@@ -49,6 +49,37 @@ def admission_feasible(counts: Counter, w: int, t: int, k: int, tbs: int) -> boo
     return True
 
 
+def form_guarded_batch(sched: "Scheduler") -> list:
+    """Streaming batch formation with the staleness guard: a TrainStep on the TBS oldest
+    finished groups, unless what would stay unconsumed could then miss a deadline
+    (FEASIBILITY for step t+1), in which case the trainer waits."""
+    cfg = sched.config
+    tbs, k, t = cfg.train_batch_size, cfg.max_staleness, sched.next_step
+    if sched.trainer_busy:
+        return []
+    batch = sched.finished_groups()[:tbs]  # oldest version first
+    if len(batch) < tbs:
+        return []
+    counts = sched.unconsumed_by_version()
+    taken = Counter(g.version for g in batch)
+    cum = cum_taken = 0
+    for v in sorted(v for v, c in counts.items() if c > 0):
+        cum, cum_taken = cum + counts[v], cum_taken + taken[v]
+        # What stays of versions <= v must fit in steps t+1 .. v+K.
+        if cum - cum_taken > tbs * (v + k - t):
+            return []  # guard: wait for older groups still generating
+    return [sched.do_train([g.group_id for g in batch])]
+
+
+def check_feasible(sched: "Scheduler", req) -> None:
+    """The FEASIBILITY invariant of the module docstring holds."""
+    tbs, k, t = sched.config.train_batch_size, sched.config.max_staleness, sched.next_step
+    counts, cum = sched.unconsumed_by_version(), 0
+    for v in sorted(v for v, c in counts.items() if c > 0):
+        cum += counts[v]
+        req(cum <= tbs * (v + k - t + 1), f"{sched.config.mode}: infeasible backlog at v{v}")
+
+
 def apportion(total: int, demand: dict, newest: int, cap: dict) -> dict:
     """Split `total` slices over versions in proportion to `demand` (largest remainder,
     integer arithmetic so it is exact and deterministic).
@@ -82,31 +113,12 @@ class DoraPolicy(Policy):
     name = "dora"
 
     def plan(self, sched: "Scheduler") -> list:
-        acts = self._form_batch(sched)
+        acts = form_guarded_batch(sched)
         balance, kept = self._balance(sched)
         acts += balance
         acts += self._admit(sched, kept)
         acts += assign_pending(sched, lambda sl: sl.slice_id in kept)
         return acts
-
-    # -- (2)+(3) streaming batch formation with the staleness guard
-    def _form_batch(self, sched):
-        cfg = sched.config
-        tbs, k, t = cfg.train_batch_size, cfg.max_staleness, sched.next_step
-        if sched.trainer_busy:
-            return []
-        batch = sched.finished_groups()[:tbs]  # oldest version first
-        if len(batch) < tbs:
-            return []
-        counts = sched.unconsumed_by_version()
-        taken = Counter(g.version for g in batch)
-        cum = cum_taken = 0
-        for v in sorted(v for v, c in counts.items() if c > 0):
-            cum, cum_taken = cum + counts[v], cum_taken + taken[v]
-            # What stays of versions <= v must fit in steps t+1 .. v+K.
-            if cum - cum_taken > tbs * (v + k - t):
-                return []  # guard: wait for older groups still generating
-        return [sched.do_train([g.group_id for g in batch])]
 
     # -- (4)+(5) slice versions: consolidate old versions, move slices to the newest
     def _balance(self, sched):
@@ -197,12 +209,9 @@ class DoraPolicy(Policy):
 
     def check(self, sched, req):
         cfg = sched.config
-        tbs, k, t, p = cfg.train_batch_size, cfg.max_staleness, sched.next_step, sched.published
+        k, p = cfg.max_staleness, sched.published
         req(len(sched.groups) <= cfg.rollout_batch_size, "dora: more than RBS in flight")
-        counts, cum = sched.unconsumed_by_version(), 0
-        for v in sorted(v for v, c in counts.items() if c > 0):
-            cum += counts[v]
-            req(cum <= tbs * (v + k - t + 1), f"dora: infeasible backlog at version {v}")
+        check_feasible(sched, req)
         lo = p - k - (0 if sched.settled else 1)  # just after a publish, before decide()
         for sl in sched.slices:
             v = sl.effective_version

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dora_jax.config import MODES
 
 from .dora import DoraPolicy
-from .policies import OneStepOffPolicy, PartialRolloutPolicy, Policy, SyncPolicy
+from .partial import PartialRolloutPolicy
+from .policies import OneStepOffPolicy, Policy, SyncPolicy
 
 POLICIES: dict[str, type[Policy]] = {
     p.name: p for p in (SyncPolicy, OneStepOffPolicy, PartialRolloutPolicy, DoraPolicy)}

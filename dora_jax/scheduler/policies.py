@@ -1,6 +1,6 @@
-"""The three baseline modes (`sync`, `one_step_off`, `partial_rollout`) as policies
-over the shared `Scheduler` state, plus the `Policy` base and the helpers the `dora`
-policy reuses. modes.py maps mode names to policies.
+"""The batch-synchronous baselines (`sync`, `one_step_off`) as policies over the
+shared `Scheduler` state, plus the `Policy` base and the helpers the other modes
+reuse (dora.py, partial.py). modes.py maps mode names to policies.
 
 A policy is stateless: everything it needs is in the Scheduler, so a snapshot needs
 no policy state. `plan()` is one decision pass; `Scheduler.decide()` repeats passes
@@ -155,34 +155,3 @@ class OneStepOffPolicy(Policy):
             req(g.version == max(gid // tbs - 1, 0),
                 f"one_step_off: group {gid} has version {g.version}")
         check_uniform_slices(sched, req)
-
-
-class PartialRolloutPolicy(Policy):
-    """AReaL/slime-style partial rollout: keep RBS groups in flight at the newest
-    version; on every publish each slice interrupts, reloads the newest version and
-    continues its requests under it (C1 deliberately broken, recorded per sample);
-    train on the TBS oldest finished groups as soon as there are TBS."""
-
-    name = "partial_rollout"
-    keeps_c1 = False
-    bound = None  # bounded by admission only: RBS groups in flight
-
-    def plan(self, sched):
-        cfg = sched.config
-        acts = []
-        fin = sched.finished_groups()
-        if not sched.trainer_busy and len(fin) >= cfg.train_batch_size:
-            acts.append(sched.do_train([g.group_id for g in fin[:cfg.train_batch_size]]))
-        for sl in sched.slices:
-            if sl.loading is None and sl.version != sched.published:
-                if sl.running:
-                    acts.append(sched.do_interrupt_reload(sl.slice_id, sched.published))
-                else:
-                    acts.append(sched.do_load(sl.slice_id, sched.published))
-        acts += [sched.do_admit(sched.published)
-                 for _ in range(sched.admission_room(cfg.rollout_batch_size))]
-        acts += assign_pending(sched, match_version=False)
-        return acts
-
-    def check(self, sched, req):
-        req(len(sched.groups) <= sched.config.rollout_batch_size, "partial: more than RBS in flight")
