@@ -96,7 +96,9 @@ class Checkpointer:
 def load_params(directory: str, like: Any) -> Any:
     """The params saved last in `directory` (e.g. by `dora_jax.sft`), restored with the
     structure, shapes, dtypes and shardings of `like`. FileNotFoundError, naming the
-    directory, if it holds no checkpoint."""
+    directory, if it holds no checkpoint (nothing is created there)."""
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"no checkpoint directory at {directory!r}")
     with Checkpointer(directory, async_save=False) as checkpointer:
         params, _ = checkpointer.restore(like)
     return params

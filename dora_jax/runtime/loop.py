@@ -249,7 +249,7 @@ class Runtime:
                 else self.sched.next_step
             raise RunError(f"{'the trainer' if trainer else f'slice {ev.source}'} failed at "
                            f"step {step}: {type(ev.data).__name__}: {ev.data}") from ev.data
-        return 0  # "migrated": the slices' own counters record it
+        return 0
 
     def _work_in_flight(self) -> bool:
         """Something will post an event: a sample running, a load, or a train step."""

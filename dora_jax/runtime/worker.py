@@ -4,7 +4,7 @@ The worker owns its `DecodeSlice` (engine, decode state, resident params): nothi
 else touches them. It decodes while it holds work and, between generate calls,
 applies the commands the coordinator sent — submit, load a version, interrupt and
 reload, export (migration out), import (migration in) — then posts events to the
-coordinator's queue: samples finished, version loaded, migration done, failure.
+coordinator's queue: samples finished, version loaded, failure.
 A slice loading weights or receiving a migration never pauses another slice, and
 the coordinator never waits on a slice's device work.
 
@@ -39,8 +39,8 @@ class Event:
     """What a worker (or the trainer) tells the coordinator.
 
     kind: "finished" (data: list of Trajectory), "loaded" (data: version),
-    "migrated" (data: number of requests moved out), "failed" (data: the exception),
-    "step" (the trainer: data is its step record).
+    "failed" (data: the exception), "step" (the trainer: data is its step record).
+    Migrations post nothing: the slices' own counters record them.
     source: the slice id, or "trainer".
     """
 
@@ -152,7 +152,6 @@ class SliceWorker:
             if moving:
                 self._timeline.add(self._row, "migrate", start, self._clock(), sl.version)
                 dst._commands.put(("import", moving))
-            self._events.put(Event("migrated", self.slice_id, len(moving)))
         elif kind == "import":
             start = self._clock()
             sl.import_requests(arg)
