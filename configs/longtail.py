@@ -33,7 +33,10 @@ def get_config(arg=None):
     c = config_lib.load(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny.py"))
     c.model.vocab_size = 260
     c.rollout.update(dict(max_prefill_length=8, max_decode_len=256, prefill_buckets=(8,)))
-    c.trainer.update(dict(learning_rate=1e-3, length_buckets=(32, 64, 136, 264)))
+    c.trainer.update(dict(learning_rate=3e-3, length_buckets=(32, 64, 136, 264)))
+    # Up to 64 samples admitted for 32 slots, so long-tailed stragglers do not leave
+    # slots idle (dora and partial_rollout; FEASIBILITY caps it at TBS x (K + 1)).
+    c.coordinator.rollout_batch_size = 16
     c.data.update(dict(source="countdown", reward="countdown", num_prompts=512,
                        count_median=12.0, count_sigma=1.1, max_count=255))
     return c

@@ -18,7 +18,7 @@ from typing import ClassVar, Mapping
 import ml_collections
 
 # Allowed values: each list has its one owner here.
-MODES = ("sync", "one_step_off", "partial_rollout", "dora")
+MODES = ("colocated_sync", "sync", "one_step_off", "partial_rollout", "dora")
 ADVANTAGES = ("grpo", "drgrpo", "rloo")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                   "seq-mean-token-scale")
@@ -209,18 +209,21 @@ def _mesh_shape(axes):
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig(_Section):
-    """Device layout: a trainer mesh and `num_slices` disjoint decode-slice meshes."""
+    """Device layout: a trainer mesh and `num_slices` decode-slice meshes, on disjoint
+    devices, or with `colocated` all on the trainer's devices (colocated_sync)."""
 
     PATH: ClassVar[str] = "mesh"
     trainer: Mapping[str, int] = _mesh_shape(TRAINER_MESH_AXES)
     slice: Mapping[str, int] = _mesh_shape(SLICE_MESH_AXES)
     num_slices: int = _field(1, min=1)
+    colocated: bool = False
     trainer_rules: tuple = TRAINER_RULES
     decode_rules: tuple = DECODE_RULES
 
     trainer_devices = property(lambda self: math.prod(self.trainer.values()))
     slice_devices = property(lambda self: math.prod(self.slice.values()))
-    total_devices = property(lambda self: self.trainer_devices + self.num_slices * self.slice_devices)
+    total_devices = property(lambda self: self.trainer_devices + (
+        0 if self.colocated else self.num_slices * self.slice_devices))
 
     def __post_init__(self):
         super().__post_init__()
@@ -233,6 +236,24 @@ class MeshConfig(_Section):
             object.__setattr__(self, name, {a: shape[a] for a in axes})
         for name, axes in (("trainer_rules", TRAINER_MESH_AXES), ("decode_rules", SLICE_MESH_AXES)):
             object.__setattr__(self, name, _normalise_rules(self._f(name), getattr(self, name), axes))
+        if self.colocated and self.num_slices * self.slice_devices != self.trainer_devices:
+            _fail(self._f("num_slices"), f"colocated: {self.num_slices} slices x "
+                  f"{self.slice_devices} devices must cover the trainer's {self.trainer_devices}")
+
+
+def colocate(mesh: Mapping) -> dict:
+    """The colocated layout on the same devices as disaggregated `mesh` (a dict): the
+    trainer's data axis grows to span every device and slices of the same shape
+    cover them all, so colocated_sync is compared on the same device count."""
+    m = MeshConfig.from_dict(mesh)
+    if m.colocated:
+        return dict(mesh)
+    n, k = m.total_devices, m.slice_devices
+    if n % m.trainer_devices or n % k:
+        _fail("mesh.trainer", f"colocated_sync spreads trainer ({m.trainer_devices} devices) "
+              f"and slices ({k} each) over all {n}: both must divide {n}")
+    trainer = dict(m.trainer, data=m.trainer["data"] * n // m.trainer_devices)
+    return dict(mesh, trainer=trainer, num_slices=n // k, colocated=True)
 
 
 def _normalise_rules(field: str, rules, axes) -> tuple:
@@ -390,12 +411,21 @@ class Config(_Section):
             _fail("trainer.length_buckets",
                   f"largest bucket {t.length_buckets[-1]} must hold a whole trajectory "
                   f"(rollout.max_prefill_length + rollout.max_decode_len = {r.cache_length})")
+        if mesh.colocated != (c.mode == "colocated_sync"):
+            _fail("mesh.colocated", "slices share the trainer's devices in mode colocated_sync "
+                  f"and only there (mode {c.mode!r}, colocated {mesh.colocated})")
         check_group_fits(c.group_size, mesh.num_slices, r.slots_per_slice)
         samples, split = c.train_batch_size * c.group_size, t.micro_batches * t.num_minibatches
         if samples % split:
             _fail("coordinator.train_batch_size",
                   f"TBS x group_size = {samples} samples must divide evenly into "
                   f"trainer.num_minibatches x trainer.micro_batches = {split}")
+        batch_axes = _axes_of(dict(mesh.trainer_rules).get("batch"))
+        shards = math.prod(mesh.trainer[a] for a in batch_axes)
+        if (samples // split) % shards:
+            _fail("coordinator.train_batch_size", f"TBS x group_size = {samples} samples in "
+                  f"{split} micro-batches must divide by the trainer mesh's {shards} batch "
+                  f"shards {batch_axes}")
         if d.source == "residue" and d.prompt_len > r.max_prefill_length:
             _fail("data.prompt_len", f"must be <= rollout.max_prefill_length, got {d.prompt_len}")
         if d.source == "residue" and d.modulus > m.vocab_size - 3:
@@ -407,7 +437,10 @@ class Config(_Section):
 
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> Config:
     """Validates a whole ConfigDict into a `Config`; `num_devices` is checked when given."""
-    cfg = Config.from_dict(config.to_dict())
+    d = config.to_dict()
+    if d.get("coordinator", {}).get("mode") == "colocated_sync":
+        d["mesh"] = colocate(d.get("mesh", {}))
+    cfg = Config.from_dict(d)
     mesh, n = cfg.mesh, cfg.mesh.total_devices
     if num_devices is not None and n > num_devices:
         _fail("mesh", f"trainer ({mesh.trainer_devices}) + {mesh.num_slices} slices x "

@@ -53,8 +53,9 @@ def tiny_cfg(request, load_config):
 @pytest.fixture(scope="session")
 def small_config(load_config):
     """`small_config(mode, **coordinator)`: configs/tiny.py shrunk so that a run
-    compiles and trains in seconds (1 layer, 4 slices x 4 slots, 8-token responses)."""
-    def make(mode: str, *, rollout=None, **coordinator):
+    compiles and trains in seconds (1 layer, 4 slices x 4 slots, 8-token responses);
+    `validate=False` gives the ConfigDict."""
+    def make(mode: str, *, rollout=None, validate=True, **coordinator):
         c = load_config("configs/tiny.py", validate=False)
         c.model.num_layers = 1
         c.rollout.update(dict(slots_per_slice=4, max_prefill_length=8, max_decode_len=8,
@@ -65,7 +66,7 @@ def small_config(load_config):
                                   rollout_batch_size=4, max_staleness=1, num_steps=4))
         c.coordinator.update(coordinator)
         c.data.num_prompts = 64
-        return config_lib.validate(c, num_devices=8)
+        return config_lib.validate(c, num_devices=8) if validate else c
     return make
 
 

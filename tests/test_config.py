@@ -201,3 +201,43 @@ def test_countdown_must_fit_the_decode_limit_and_vocab(load_config):
     c.data.max_count = 200  # numbers up to 199 need more than vocab 128 - 3
     with pytest.raises(config_lib.ConfigError, match=r"config\.data\.max_count"):
         config_lib.validate(c)
+
+
+def test_colocated_sync_spreads_trainer_and_slices_over_the_same_devices(load_config):
+    """colocated_sync on a disaggregated layout: the same 8 devices, the trainer's
+    data axis grown to span them all, slices of the same shape covering them too."""
+    c = load_config("configs/tiny.py", validate=False)
+    c.coordinator.mode = "colocated_sync"
+    cfg = config_lib.validate(c, num_devices=8)
+    assert cfg.mesh.colocated and cfg.mesh.total_devices == 8
+    assert cfg.mesh.trainer == {"data": 4, "fsdp": 2, "tensor": 1, "expert": 1}
+    assert cfg.mesh.num_slices == 8 and cfg.mesh.slice_devices == 1
+    # The same explicit layout validates as written; other modes refuse it.
+    c.mesh.update(dict(colocated=True, num_slices=8))
+    c.mesh.trainer.data = 4
+    assert config_lib.validate(c).mesh == cfg.mesh
+    c.coordinator.mode = "dora"
+    with pytest.raises(config_lib.ConfigError, match=r"config\.mesh\.colocated"):
+        config_lib.validate(c)
+
+
+@pytest.mark.parametrize("change, named", [
+    (dict(num_slices=3), r"mesh\.trainer: colocated_sync .* must divide 7"),  # 4 + 3 devices
+    (dict(colocated=True), r"mesh\.num_slices: colocated: 4 slices x 1 devices must cover"),
+])
+def test_colocated_layout_errors_name_the_field(change, named, load_config):
+    c = load_config("configs/tiny.py", validate=False)
+    c.coordinator.mode = "colocated_sync"
+    c.mesh.update(change)
+    with pytest.raises(config_lib.ConfigError, match=named):
+        config_lib.validate(c)
+
+
+def test_batch_must_divide_over_the_trainer_batch_shards(load_config):
+    c = load_config("configs/tiny.py", validate=False)
+    c.coordinator.train_batch_size = 3  # 12 samples over data 2 x fsdp 2 = 4: fine
+    config_lib.validate(c)
+    c.coordinator.group_size = 3  # 9 samples: not
+    with pytest.raises(config_lib.ConfigError,
+                       match=r"coordinator\.train_batch_size: .* 4 batch shards"):
+        config_lib.validate(c)

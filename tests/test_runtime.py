@@ -125,7 +125,67 @@ def test_rollout_batch_beyond_all_slots(mode, factor, tmp_path, small_config):
     """rollout_batch_size x group_size = 2x and 4x the 16 slots: pending samples of
     old groups wait while slices move on; partial_rollout starts them on the newest
     version (recorded per token) and never mixes versions where C1 is kept."""
-    cfg = small_config(mode, rollout_batch_size=16 * factor // 2, num_steps=3)
+    # colocated_sync's trainer spans 8 devices: its batch needs 8 samples.
+    tbs = 4 if mode == "colocated_sync" else 2
+    cfg = small_config(mode, rollout_batch_size=16 * factor // 2, train_batch_size=tbs,
+                       num_steps=3)
     _run(cfg, tmp_path)
     events, report = audit_workdir(cfg, tmp_path)
     assert report.ok and report.steps == 3, report.summary()
+
+
+def test_colocated_sync_time_shares_every_device(tmp_path, small_config):
+    """colocated_sync: the trainer and the slices share all 8 devices and take turns
+    (no decode span overlaps a train span); every slice reloads the trainer's
+    params, resharded onto its own device."""
+    cfg = small_config("colocated_sync", train_batch_size=4, rollout_batch_size=4,
+                       num_steps=3)
+    summary, trainer = _run(cfg, tmp_path)
+    _, report = audit_workdir(cfg, tmp_path)
+    assert report.ok and report.steps == 3 and set(report.staleness) == {0}, report.summary()
+    assert trainer.mesh.devices.size == 8 and cfg.mesh.num_slices == 8
+    import json
+    spans = json.load(open(tmp_path / "timeline.json"))
+    train = [(s["start"], s["end"]) for s in spans if s["kind"] == "train"]
+    decode = [(s["start"], s["end"]) for s in spans if s["kind"] == "decode"]
+    assert len(train) == 3 and decode
+    assert not [(d, t) for d in decode for t in train if d[0] < t[1] and t[0] < d[1]]
+    assert summary["rollout_only_share"] > 0
+
+
+def test_trainer_wait_is_split_by_cause(tmp_path, small_config):
+    """Every step's recorded wait is exactly its fill + guard + starvation; only step
+    0 waits for the pipeline to fill."""
+    cfg = small_config("dora", num_steps=5)
+    summary, _ = _run(cfg, tmp_path)
+    records = _metrics(tmp_path)
+    for m in records:
+        split = m["trainer_wait_split"]
+        assert abs(sum(split.values()) - m["trainer_wait"]) < 2e-3, m
+        assert (split["fill"] > 0) == (m["step"] == 0), m
+    s = summary["trainer_wait_split"]
+    assert s["fill_seconds"] == records[0]["trainer_wait_split"]["fill"]
+    assert abs(s["guard"] + s["starvation"] - summary["trainer_wait_fraction"]) < 2e-3
+
+
+def test_rollout_only_share_and_wait_clock_by_hand():
+    from dora_jax.runtime.report import WaitClock, rollout_only_share
+    from dora_jax.timeline import Span
+
+    spans = [Span("slice 0", "decode", 0.0, 4.0, 0), Span("slice 1", "decode", 3.0, 6.0, 0),
+             Span("slice 0", "load", 6.0, 7.0, 1), Span("trainer", "train", 2.0, 5.0, 0),
+             Span("slice 0", "decode", 8.0, 9.0, 1), Span("trainer", "train", 8.5, 10.0, 1)]
+    # Window [1, 10]: decoding on [1, 6] + [8, 9], training on [2, 5] + [8.5, 10]:
+    # rollout only on [1, 2] + [5, 6] + [8, 8.5] = 2.5 of 9.
+    assert rollout_only_share(spans, 1.0, 10.0) == round(2.5 / 9, 4)
+    assert rollout_only_share(spans, 3.0, 3.0) is None
+
+    clock = WaitClock()
+    clock.mark(0.0, "fill")
+    clock.mark(1.0, "fill")
+    assert clock.take(1.5) == {"fill": 1.5, "guard": 0.0, "starvation": 0.0}
+    clock.mark(1.7, None)  # busy: not counted
+    clock.mark(2.0, "starvation")
+    clock.mark(2.5, "guard")
+    clock.mark(2.75, "starvation")
+    assert clock.take(3.0) == {"fill": 0.0, "guard": 0.25, "starvation": 0.75}

@@ -88,3 +88,12 @@ def test_make_meshes_disjoint_devices(load_config):
     ids = [set(d.id for d in m.devices.flat) for m in [trainer, *slices]]
     assert sum(len(s) for s in ids) == len(set().union(*ids)) == 8
     assert trainer.shape == {"data": 2, "fsdp": 2, "tensor": 1, "expert": 1}
+
+
+def test_make_meshes_colocated_slices_cover_the_trainer_devices(load_config):
+    c = load_config("configs/tiny.py", validate=False)
+    c.coordinator.mode = "colocated_sync"
+    cfg = config_lib.validate(c, num_devices=8)
+    trainer, slices = sharding.make_meshes(cfg.mesh)
+    slice_ids = [d.id for m in slices for d in m.devices.flat]
+    assert sorted(slice_ids) == sorted(d.id for d in trainer.devices.flat) == list(range(8))

@@ -1,30 +1,205 @@
-"""The four scheduling modes side by side on one workload, in one process.
+"""Every scheduling mode side by side on one long-tailed workload: DORA's regime.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
-        python -m dora_jax.bench.modes --config=configs/tiny.py --steps=30
+        python -m dora_jax.bench.modes --config=configs/longtail.py --workdir=/tmp/modes
 
-Each mode runs the same config (same prompts, seed, model, slices) for the same
-number of steps; compilation happens before each run's clock starts. Prints trained
-tokens/s and the trainer-wait fraction over the steady-state window (after step 0),
-mean slot utilisation, and the reward at the first and last step. Workdirs (ledger,
-metrics, timeline.png per mode) are kept under --workdir.
+Runs colocated_sync, sync, one_step_off, partial_rollout and dora at K = 1, 2, 3 on
+the same config, prompts, seed and total device count, interleaved (the order
+rotates each repetition) and repeated `--reps` times; the table gives medians. Each
+run goes to DIR/<mode>/<rep>/ (ledger.jsonl, metrics.jsonl, summary.json,
+timeline.png) and counts only if its ledger audits clean under the mode's own
+constraints (C1 unless the mode breaks it by design, C2, C3). partial_rollout runs
+under the config's staleness bound, like the DORA run with the same K.
+
+Without `--config.init_checkpoint` the policy is first trained with the supervised
+warm start (`dora_jax.sft`, into DIR/sft/, reused when present), so response lengths
+are long-tailed from the first step.
+
+`--curves` instead runs sync and dora at K = 1, 2, 3 over `--curve_seeds` seeds from
+a partly trained policy (DIR/sft_<n>/, `--curve_sft_steps` supervised steps) so the
+reward has room to rise, and writes DIR/curves.png and DIR/curves.json
+(bench/curves.py).
 """
 
 from __future__ import annotations
 
+import json
 import os
-import tempfile
+import shutil
+import statistics
+from collections import Counter
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from dora_jax.bench import CONFIGS
 
-_CONFIG = config_flags.DEFINE_config_file("config", str(CONFIGS / "tiny.py"), "config file")
-_STEPS = flags.DEFINE_integer("steps", 30, "train steps per mode")
-_MODES = flags.DEFINE_list("modes", ["sync", "one_step_off", "partial_rollout", "dora"],
-                           "modes to run")
-_WORKDIR = flags.DEFINE_string("workdir", None, "where each mode's run is kept")
+_CONFIG = config_flags.DEFINE_config_file("config", str(CONFIGS / "longtail.py"), "config file")
+_WORKDIR = flags.DEFINE_string("workdir", None, "where every run is kept")
+_STEPS = flags.DEFINE_integer("steps", 60, "train steps per run")
+_REPS = flags.DEFINE_integer("reps", 3, "repetitions of every mode (the table gives medians)")
+_MODES = flags.DEFINE_list(
+    "modes", ["colocated_sync", "sync", "one_step_off", "partial_rollout", "dora_k1",
+              "dora_k2", "dora_k3"],
+    "runs: a mode, optionally with _k<K> for its staleness bound (default: the config's)")
+_SFT_STEPS = flags.DEFINE_integer("sft_steps", 300, "supervised warm-start steps")
+_CURVES = flags.DEFINE_bool("curves", False, "reward curves instead of the throughput table")
+_CURVE_STEPS = flags.DEFINE_integer("curve_steps", 150, "train steps per curve run")
+_CURVE_SEEDS = flags.DEFINE_integer("curve_seeds", 3, "seeds per curve")
+_CURVE_SFT_STEPS = flags.DEFINE_integer("curve_sft_steps", 20,
+                                        "supervised steps before the curve runs")
+
+SYNC_MODES = ("colocated_sync", "sync")
+
+
+def parse_spec(spec: str) -> tuple[str, int | None]:
+    """'dora_k2' -> ('dora', 2); 'sync' -> ('sync', None)."""
+    mode, sep, k = spec.rpartition("_k")
+    if sep and k.isdigit():
+        return mode, int(k)
+    return spec, None
+
+
+def run_config(base, spec: str, *, steps: int, seed: int | None = None,
+               init_checkpoint: str | None = None):
+    """The ConfigDict of one run: `base` with the spec's mode and staleness bound."""
+    c = base.copy_and_resolve_references()
+    mode, k = parse_spec(spec)
+    c.coordinator.mode = mode
+    if k is not None:
+        c.coordinator.max_staleness = k
+    c.coordinator.num_steps = steps
+    if seed is not None:
+        c.seed = seed
+    if init_checkpoint:
+        c.init_checkpoint = init_checkpoint
+    return c
+
+
+def warm_start(base, workdir: str, steps: int) -> str:
+    """The supervised checkpoint RL starts from: trained into `workdir` unless it is
+    already there."""
+    from dora_jax import config as config_lib, sft
+
+    directory = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(directory):
+        out = sft.train(config_lib.validate(base), workdir, steps=steps, batch_size=32,
+                        learning_rate=3e-3)
+        print(f"supervised warm start: loss {out['loss_first']:.3f} -> "
+              f"{out['loss_last']:.4f} in {steps} steps ({directory})", flush=True)
+    return directory
+
+
+def audited_run(c, workdir: str) -> dict:
+    """Runs one config into a fresh `workdir`; returns its summary with the audit."""
+    import jax
+
+    from dora_jax import config as config_lib, experiment
+    from dora_jax.scheduler import ledger
+    from dora_jax.scheduler.types import SchedulerConfig
+
+    cfg = config_lib.validate(c, num_devices=jax.device_count())
+    shutil.rmtree(workdir, ignore_errors=True)
+    summary = experiment.run(cfg, workdir)
+    report = ledger.audit_run(ledger.read(os.path.join(workdir, "ledger.jsonl")),
+                              SchedulerConfig.from_config(cfg), cfg.rollout.max_decode_len)
+    summary["audit_ok"], summary["audit"] = report.ok, report.summary()
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return summary
+
+
+COLUMNS = (  # (header, summary key or function, format)
+    ("tokens/s", "tokens_per_second", "{:9.0f}"),
+    ("step s", "step_seconds", "{:7.3f}"),
+    ("fill s", lambda s: s["trainer_wait_split"]["fill_seconds"], "{:7.2f}"),
+    ("wait", "trainer_wait_fraction", "{:6.1%}"),
+    ("guard", lambda s: s["trainer_wait_split"]["guard"], "{:6.1%}"),
+    ("starve", lambda s: s["trainer_wait_split"]["starvation"], "{:6.1%}"),
+    ("slot util", "mean_slot_utilisation", "{:9.1%}"),
+    ("rollout-only", "rollout_only_share", "{:12.1%}"),
+    ("reward", "reward_mean", "{:6.3f}"),
+)
+
+
+def _value(summary: dict, key):
+    return key(summary) if callable(key) else summary[key]
+
+
+def median_row(summaries: list[dict]) -> dict:
+    """Medians of every column over a mode's audited runs, and their staleness
+    histogram summed."""
+    row = {h: statistics.median(_value(s, k) for s in summaries) for h, k, _ in COLUMNS}
+    stale = Counter()
+    for s in summaries:
+        stale.update({int(k): v for k, v in s["staleness"].items()})
+    row["staleness"] = dict(sorted(stale.items()))
+    return row
+
+
+def table(rows: dict[str, dict], counts: dict[str, str]) -> str:
+    header = f"{'mode':16} {'runs':>5} " + " ".join(
+        f"{h:>{len(fmt.format(0))}}" for h, _, fmt in COLUMNS)
+    lines = [header + "  staleness", "-" * (len(header) + 11)]
+    for spec, row in rows.items():
+        cells = " ".join(fmt.format(row[h]) for h, _, fmt in COLUMNS)
+        stale = " ".join(f"{k}:{v}" for k, v in row["staleness"].items())
+        lines.append(f"{spec:16} {counts[spec]:>5} {cells}  {stale}")
+    return "\n".join(lines)
+
+
+def ratio_lines(rows: dict[str, dict], dora_spec: str) -> list[str]:
+    """Per-K ratios against the better sync, then the two headline lines."""
+    tps = {spec: row["tokens/s"] for spec, row in rows.items()}
+    syncs = [s for s in SYNC_MODES if s in tps]
+    if not syncs or dora_spec not in tps:
+        return ["(need a sync mode and dora to print ratios)"]
+    best_sync = max(syncs, key=tps.get)
+    others = [s for s in tps if parse_spec(s)[0] != "dora"]
+    best_other = max(others, key=tps.get)
+    lines = [f"{s}/{best_sync} tokens/s ratio: {tps[s] / tps[best_sync]:.2f}"
+             for s in tps if parse_spec(s)[0] == "dora"]
+    lines += [f"(dora = {dora_spec}; sync = {best_sync}; best other = {best_other})",
+              f"dora/sync tokens/s ratio: {tps[dora_spec] / tps[best_sync]:.2f}",
+              f"dora/best-other tokens/s ratio: {tps[dora_spec] / tps[best_other]:.2f}"]
+    return lines
+
+
+def bench_modes(base, root: str, specs: list[str], steps: int, reps: int) -> dict:
+    """Runs every spec `reps` times, interleaved; prints and returns the table."""
+    runs: dict[str, list[dict]] = {spec: [] for spec in specs}
+    for rep in range(reps):
+        order = specs[rep % len(specs):] + specs[:rep % len(specs)]
+        for spec in order:
+            s = audited_run(run_config(base, spec, steps=steps), os.path.join(root, spec, str(rep)))
+            s["reward_mean"] = _reward_mean(os.path.join(root, spec, str(rep)))
+            runs[spec].append(s)
+            print(f"{spec} rep {rep}: {s['tokens_per_second']:.0f} tokens/s, "
+                  f"audit {'clean' if s['audit_ok'] else 'FAILED: ' + s['audit']}", flush=True)
+    clean = {spec: [s for s in rs if s["audit_ok"]] for spec, rs in runs.items()}
+    rows = {spec: median_row(rs) for spec, rs in clean.items() if rs}
+    counts = {spec: f"{len(clean[spec])}/{len(runs[spec])}" for spec in specs}
+    k = base.coordinator.max_staleness
+    dora_spec = f"dora_k{k}" if f"dora_k{k}" in rows else next(
+        (s for s in rows if parse_spec(s)[0] == "dora"), "dora")
+    c = base.coordinator
+    print(f"\nworkload: {c.train_batch_size} groups x {c.group_size} samples per step, "
+          f"{steps} steps, {reps} repetitions (medians over audited runs); runs in {root}")
+    print("wait = trainer idle share of the steady window (after step 0) = guard + starve; "
+          "fill s = the pipeline fill before step 0")
+    print(table(rows, counts))
+    for line in ratio_lines(rows, dora_spec):
+        print(line)
+    out = {"rows": rows, "runs": runs}
+    with open(os.path.join(root, "bench.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    return out
+
+
+def _reward_mean(workdir: str) -> float:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        rewards = [json.loads(line)["reward_mean"] for line in f]
+    return sum(rewards) / len(rewards)
 
 
 def main(argv):
@@ -32,37 +207,25 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
     import jax
 
-    from dora_jax import config as config_lib, experiment
+    # Every run recompiles the same programs: a persistent cache makes that a load.
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", os.path.join(_WORKDIR.value, ".jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    base = _CONFIG.value
+    root = _WORKDIR.value
+    if _CURVES.value:
+        from dora_jax.bench import curves
 
-    root = _WORKDIR.value or tempfile.mkdtemp(prefix="dora_modes_")
-    rows = []
-    for mode in _MODES.value:
-        c = _CONFIG.value.copy_and_resolve_references()
-        c.coordinator.mode = mode
-        c.coordinator.num_steps = _STEPS.value
-        cfg = config_lib.validate(c, num_devices=jax.device_count())
-        summary = experiment.run(cfg, os.path.join(root, mode))
-        rows.append((mode, summary))
-        print(f"{mode}: {summary}", flush=True)
-    print(f"\nworkload: {_CONFIG.value.coordinator.train_batch_size} groups x "
-          f"{_CONFIG.value.coordinator.group_size} samples per step, {_STEPS.value} steps; "
-          f"runs in {root}")
-    header = (f"{'mode':16} {'tokens/s':>9} {'trainer wait':>13} {'slot util':>10} "
-              f"{'reward first':>13} {'reward last':>12} {'max stale':>9}")
-    print(header)
-    print("-" * len(header))
-    for mode, s in rows:
-        stale = max(int(k) for k in s["staleness"])
-        print(f"{mode:16} {s['tokens_per_second']:9.1f} {s['trainer_wait_fraction']:13.3f} "
-              f"{s['mean_slot_utilisation']:10.3f} {s['reward_first']:13.3f} "
-              f"{s['reward_last']:12.3f} {stale:9d}")
-    base = dict(rows).get("sync")
-    if base:
-        for mode, s in rows:
-            if mode != "sync":
-                print(f"{mode}/sync tokens/s ratio: "
-                      f"{s['tokens_per_second'] / base['tokens_per_second']:.2f}")
+        ckpt = base.init_checkpoint or warm_start(
+            base, os.path.join(root, f"sft_{_CURVE_SFT_STEPS.value}"), _CURVE_SFT_STEPS.value)
+        curves.run_curves(base, root, init_checkpoint=ckpt, steps=_CURVE_STEPS.value,
+                          seeds=_CURVE_SEEDS.value)
+        return
+    if not base.init_checkpoint:
+        base.init_checkpoint = warm_start(base, os.path.join(root, "sft"), _SFT_STEPS.value)
+    bench_modes(base, root, list(_MODES.value), _STEPS.value, _REPS.value)
 
 
 if __name__ == "__main__":
+    flags.mark_flags_as_required(["workdir"])
     app.run(main)

@@ -117,9 +117,10 @@ def copy_tree(tree):
 
 
 def make_meshes(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None):
-    """Builds the trainer mesh and the decode-slice meshes on disjoint devices.
+    """Builds the trainer mesh and the decode-slice meshes.
 
-    The trainer takes the first devices, each slice the next block; returns
+    The trainer takes the first devices; each slice the next block, or with
+    `mesh_cfg.colocated` a block of the trainer's own devices. Returns
     `(trainer_mesh, [slice_mesh, ...])`.
     """
     devices = list(jax.devices() if devices is None else devices)
@@ -132,6 +133,7 @@ def make_meshes(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = Non
     k = mesh_cfg.slice_devices
     sshape = tuple(mesh_cfg.slice[a] for a in SLICE_MESH_AXES)
     for i in range(mesh_cfg.num_slices):
-        block = devices[n + i * k: n + (i + 1) * k]
+        start = (0 if mesh_cfg.colocated else n) + i * k
+        block = devices[start: start + k]
         slices.append(Mesh(np.array(block).reshape(sshape), SLICE_MESH_AXES))
     return trainer, slices

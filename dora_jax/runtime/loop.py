@@ -38,7 +38,7 @@ from dora_jax.data.prompts import PromptStream
 from dora_jax.data.tasks import RewardPool
 from dora_jax.model.sharding import copy_tree
 from dora_jax.rollout.trajectory import Request
-from dora_jax.runtime.report import StepReporter
+from dora_jax.runtime.report import StepReporter, WaitClock
 from dora_jax.runtime.stream import GroupQueue, train_batches
 from dora_jax.runtime.worker import Event, SliceWorker
 from dora_jax.scheduler.core import Scheduler
@@ -107,6 +107,7 @@ class Runtime:
         self._to_ack: set = set()  # slices whose finished samples await an answer
         self.max_resident_versions = 1
         self._trainer_idle_since = 0.0
+        self.waits = WaitClock()
         self._trainer_thread = threading.Thread(target=self._train_loop, name="trainer",
                                                 daemon=True)
 
@@ -137,14 +138,16 @@ class Runtime:
         self.sched.step_finished(step)
         self.params_by_version = {step + 1: params}  # slices only ever load the newest
         self._trainer_idle_since = end
-        group_ids, wait = self._inflight_batches.pop(step)
+        self.waits.mark(end, self._wait_kind())
+        group_ids, wait, wait_split = self._inflight_batches.pop(step)
         for gid in group_ids:
             g = self.groups.pop(gid)
             self.ledger.write("consume", group_id=gid, prompt_id=g.record["prompt_id"],
                               version=g.version, step=step, time=end,
                               samples=[self._sample_entry(g, k) for k in sorted(g.trajectories)])
-        record = self.reporter.step(step, batch, metrics, wait=wait, train_time=end - start,
-                                    now=end, slices=self.slices, scheduler=self.sched)
+        record = self.reporter.step(step, batch, metrics, wait=wait, wait_split=wait_split,
+                                    train_time=end - start, now=end, slices=self.slices,
+                                    scheduler=self.sched)
         every = self.cfg.coordinator.checkpoint_every
         if self.checkpointer is not None and every and (step + 1) % every == 0:
             self.save_checkpoint()
@@ -224,8 +227,9 @@ class Runtime:
                 t = g.trajectories[k]
                 t.reward, _ = g.rewards[k].result()
                 trajectories.append(t)
-        wait = self.clock() - self._trainer_idle_since
-        self._inflight_batches[a.step] = (a.group_ids, wait)
+        now = self.clock()
+        self._inflight_batches[a.step] = (a.group_ids, now - self._trainer_idle_since,
+                                          self.waits.take(now))
         self._stream.put(a.step, trajectories)
 
     # ------------------------------------------------------------------ events
@@ -251,6 +255,15 @@ class Runtime:
                            f"step {step}: {type(ev.data).__name__}: {ev.data}") from ev.data
         return 0
 
+    def _wait_kind(self) -> str | None:
+        """Why the trainer is idle now (`report.WaitClock`), or None if it is busy."""
+        if self.sched.trainer_busy:
+            return None
+        if self.sched.next_step == 0:
+            return "fill"
+        finished = sum(g.finished for g in self.sched.groups.values())
+        return "guard" if finished >= self.cfg.coordinator.train_batch_size else "starvation"
+
     def _work_in_flight(self) -> bool:
         """Something will post an event: a sample running, a load, or a train step."""
         return self.sched.trainer_busy or any(sl.running or sl.loading is not None
@@ -267,7 +280,9 @@ class Runtime:
         self._trainer_thread.start()
         steps_done = 0
         try:
+            self.waits.mark(self._trainer_idle_since, self._wait_kind())
             self._execute(self.sched.decide())
+            self.waits.mark(self.clock(), self._wait_kind())
             while steps_done < num_steps:
                 if not self._work_in_flight():
                     raise RuntimeError("no slice holds work, none is loading and the "
@@ -281,6 +296,7 @@ class Runtime:
                         break
                 if steps_done < num_steps:
                     self._execute(self.sched.decide())
+                    self.waits.mark(self.clock(), self._wait_kind())
                     resident = {sl.effective_version for sl in self.sched.slices} - {None}
                     self.max_resident_versions = max(self.max_resident_versions,
                                                      len(resident))

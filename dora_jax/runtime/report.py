@@ -1,9 +1,9 @@
 """Per-step metrics (`<workdir>/metrics.jsonl`) and the run summary.
 
-Throughput and the trainer-wait fraction are reported over the steady-state window
-— from the end of step 0 to the end of the last step — because on a fresh process
-the first step also pays for compiling every jitted function; whole-run figures are
-given too.
+Throughput, the trainer-wait fraction (split by cause, `WaitClock`), the step time
+and the rollout-only share are reported over the steady-state window — from the end of
+step 0 to the end of the last step — because the wait before step 0 is the pipeline
+filling; whole-run figures are given too.
 """
 
 from __future__ import annotations
@@ -39,6 +39,63 @@ def load_overlap_fraction(spans) -> float | None:
     return round(overlapped / len(loads), 4)
 
 
+def _union(intervals) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def rollout_only_share(spans, start: float, end: float) -> float | None:
+    """Of the window [start, end], the fraction in which some slice was decoding and
+    the trainer was not training (the paper's "rollout-only" time); None if empty."""
+    if end <= start:
+        return None
+    clip = lambda iv: [(max(a, start), min(b, end)) for a, b in iv if b > start and a < end]
+    decode = _union(clip((s.start, s.end) for s in spans if s.kind == "decode"))
+    train = _union(clip((s.start, s.end) for s in spans if s.kind == "train"))
+    overlap, j = 0.0, 0
+    for a, b in decode:  # both lists sorted and disjoint: one merge pass
+        while j < len(train) and train[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(train) and train[k][0] < b:
+            overlap += min(b, train[k][1]) - max(a, train[k][0])
+            k += 1
+    return round((sum(b - a for a, b in decode) - overlap) / (end - start), 4)
+
+
+WAIT_KINDS = ("fill", "guard", "starvation")
+
+
+class WaitClock:
+    """Splits the trainer's idle time by cause. The coordinator calls `mark` after
+    every decision pass with the state it leaves: the trainer busy (None), still
+    before its first step ("fill": the pipeline filling), holding at least a batch of
+    finished groups that the mode does not train yet ("guard": the staleness guard or
+    the mode's batch rule), or short of finished groups ("starvation")."""
+
+    def __init__(self, now: float = 0.0):
+        self._kind, self._since = None, now
+        self._split = dict.fromkeys(WAIT_KINDS, 0.0)
+
+    def mark(self, now: float, kind: str | None) -> None:
+        if self._kind is not None:
+            self._split[self._kind] += now - self._since
+        self._kind, self._since = kind, now
+
+    def take(self, now: float) -> dict:
+        """The split since the last `take`, up to `now`, when the trainer gets a batch
+        (so it is busy from `now`)."""
+        self.mark(now, None)
+        out = {k: round(v, 4) for k, v in self._split.items()}
+        self._split = dict.fromkeys(WAIT_KINDS, 0.0)
+        return out
+
+
 class StepReporter:
     """Turns each finished step into a metrics record and keeps run totals."""
 
@@ -58,8 +115,10 @@ class StepReporter:
             out[str(sl.slice_id)] = round(d_busy / d_total, 4) if d_total else 0.0
         return out
 
-    def step(self, step, batch, metrics, *, wait, train_time, now, slices, scheduler) -> dict:
-        """Records step `step` (a TrainBatch and the trainer's host metrics)."""
+    def step(self, step, batch, metrics, *, wait, train_time, now, slices, scheduler,
+             wait_split=None) -> dict:
+        """Records step `step` (a TrainBatch and the trainer's host metrics); `wait`
+        is the trainer's idle time before it, `wait_split` that time by cause."""
         versions = batch.versions_B[::batch.group_size]  # one per group
         lags = Counter(int(step - v) for v in versions)
         self.staleness.update(lags)
@@ -71,6 +130,7 @@ class StepReporter:
             "trained_tokens": int(batch.num_response_tokens),
             "step_time": round(train_time, 4),
             "trainer_wait": round(wait, 4),
+            "trainer_wait_split": wait_split or {},
             "slot_utilisation": self._utilisation_since_last(slices),
             "resident_versions": sorted({sl.version for sl in scheduler.slices
                                          if sl.version is not None}),
@@ -113,6 +173,14 @@ class StepReporter:
             window = r[-1]["time"] - r[0]["time"]
             out["tokens_per_second"] = round(sum(x["trained_tokens"] for x in r[1:]) / window, 2)
             out["trainer_wait_fraction"] = round(sum(x["trainer_wait"] for x in r[1:]) / window, 4)
+            out["trainer_wait_split"] = {  # fill: seconds before step 0; others: fractions
+                "fill_seconds": round(r[0].get("trainer_wait_split", {}).get("fill", 0.0), 4),
+                **{k: round(sum(x.get("trainer_wait_split", {}).get(k, 0.0) for x in r[1:])
+                            / window, 4) for k in ("guard", "starvation")}}
+            out["step_seconds"] = round(window / (len(r) - 1), 4)
+            if timeline is not None:
+                out["rollout_only_share"] = rollout_only_share(timeline.spans, r[0]["time"],
+                                                               r[-1]["time"])
         return out
 
     def close(self):

@@ -1,6 +1,6 @@
 """The pure-Python scheduling core (no JAX): deterministic and event-driven.
 
-`Scheduler` (core.py) holds the state and the event API; the four modes are
+`Scheduler` (core.py) holds the state and the event API; the modes are
 policies (policies.py, dora.py) behind one registry (modes.py); the ledger format and
 its auditor are in ledger.py; `FakeRun` (fake.py) drives the core with a fake engine.
 The real runtime (`dora_jax.runtime`) drives the same `Scheduler`.

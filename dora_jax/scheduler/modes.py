@@ -8,10 +8,11 @@ from dora_jax.config import MODES
 
 from .dora import DoraPolicy
 from .partial import PartialRolloutPolicy
-from .policies import OneStepOffPolicy, Policy, SyncPolicy
+from .policies import ColocatedSyncPolicy, OneStepOffPolicy, Policy, SyncPolicy
 
 POLICIES: dict[str, type[Policy]] = {
-    p.name: p for p in (SyncPolicy, OneStepOffPolicy, PartialRolloutPolicy, DoraPolicy)}
+    p.name: p for p in (ColocatedSyncPolicy, SyncPolicy, OneStepOffPolicy, PartialRolloutPolicy,
+                        DoraPolicy)}
 
 if tuple(POLICIES) != MODES:  # pragma: no cover - caught by any import in the tests
     raise ImportError(f"policy registry {tuple(POLICIES)} != config.MODES {MODES}")

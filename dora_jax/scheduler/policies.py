@@ -155,3 +155,12 @@ class OneStepOffPolicy(Policy):
             req(g.version == max(gid // tbs - 1, 0),
                 f"one_step_off: group {gid} has version {g.version}")
         check_uniform_slices(sched, req)
+
+
+class ColocatedSyncPolicy(SyncPolicy):
+    """Sync on one set of devices (verl's default deployment): the slices and the
+    trainer share every device and take turns — the batch is generated on all of
+    them, then trained on all of them, then the new weights are resharded in place
+    for the slices. The schedule is sync's; the layout (`config.colocate`) differs."""
+
+    name = "colocated_sync"

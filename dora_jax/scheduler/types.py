@@ -20,7 +20,7 @@ FINISHED = "finished"
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Static shape of a run, shared by all four modes.
+    """Static shape of a run, shared by every mode.
 
     Attributes:
       mode: one of `dora_jax.config.MODES` (a policy in `modes.POLICIES`).

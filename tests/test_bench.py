@@ -1,0 +1,63 @@
+"""bench.modes and bench.curves: run specs, the table's figures from audited runs,
+the headline ratios, and one small end-to-end run of each entry."""
+
+import json
+
+import numpy as np
+import pytest
+
+from dora_jax.bench import curves, modes
+
+
+def test_parse_spec():
+    assert modes.parse_spec("dora_k3") == ("dora", 3)
+    assert modes.parse_spec("partial_rollout_k1") == ("partial_rollout", 1)
+    assert modes.parse_spec("one_step_off") == ("one_step_off", None)
+    assert modes.parse_spec("colocated_sync") == ("colocated_sync", None)
+
+
+def test_ratio_lines_use_the_better_sync_and_the_best_other_mode():
+    rows = {"colocated_sync": {"tokens/s": 90.0}, "sync": {"tokens/s": 100.0},
+            "partial_rollout": {"tokens/s": 120.0}, "dora_k1": {"tokens/s": 150.0},
+            "dora_k2": {"tokens/s": 180.0}}
+    lines = modes.ratio_lines(rows, "dora_k2")
+    assert lines[-2:] == ["dora/sync tokens/s ratio: 1.80",
+                          "dora/best-other tokens/s ratio: 1.50"]
+    assert "dora_k1/sync tokens/s ratio: 1.50" in lines
+
+
+def test_median_row_and_staleness_sum():
+    runs = [{"tokens_per_second": t, "step_seconds": 1.0, "trainer_wait_fraction": 0.1,
+             "trainer_wait_split": {"fill_seconds": 1.0, "guard": 0.0, "starvation": 0.1},
+             "mean_slot_utilisation": 0.5, "rollout_only_share": 0.2, "reward_mean": 0.5,
+             "staleness": {"0": 4, "1": n}} for t, n in ((3.0, 1), (1.0, 2), (2.0, 3))]
+    row = modes.median_row(runs)
+    assert row["tokens/s"] == 2.0 and row["staleness"] == {0: 12, 1: 6}
+
+
+def test_smooth_is_a_trailing_mean():
+    x = np.array([[1.0, 3.0, 5.0, 7.0]])
+    np.testing.assert_allclose(curves._smooth(x, 2), [[1.0, 2.0, 4.0, 6.0]])
+    np.testing.assert_allclose(curves._smooth(x, 10), [[1.0, 2.0, 3.0, 4.0]])
+
+
+@pytest.mark.slow
+def test_bench_modes_and_curves_end_to_end(tmp_path, small_config, capsys):
+    base = small_config("dora", validate=False, train_batch_size=4, rollout_batch_size=8)
+    out = modes.bench_modes(base, str(tmp_path), ["colocated_sync", "dora_k1"], steps=3,
+                            reps=1)
+    printed = capsys.readouterr().out
+    assert "dora/sync tokens/s ratio:" in printed and "audit clean" in printed
+    assert set(out["rows"]) == {"colocated_sync", "dora_k1"}
+    for spec in out["rows"]:
+        summary = json.load(open(tmp_path / spec / "0" / "summary.json"))
+        assert summary["audit_ok"] and summary["steps"] == 3
+        assert (tmp_path / spec / "0" / "timeline.png").exists()
+    assert json.load(open(tmp_path / "dora_k1" / "0" / "summary.json"))["mode"] == "dora"
+    assert out["rows"]["colocated_sync"]["staleness"] == {0: 12}
+
+    c = curves.run_curves(base, str(tmp_path), init_checkpoint="", steps=3, seeds=1,
+                          specs=("dora_k1",))
+    (run,) = c["runs"]["dora_k1"]
+    assert run["audit_ok"] and len(run["reward"]) == len(run["time"]) == 3
+    assert (tmp_path / "curves.png").exists() and (tmp_path / "curves.json").exists()
