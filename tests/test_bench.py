@@ -6,14 +6,14 @@ import json
 import numpy as np
 import pytest
 
-from dora_jax.bench import curves, modes
+from dora_jax.bench import curves, modes, runs
 
 
 def test_parse_spec():
-    assert modes.parse_spec("dora_k3") == ("dora", 3)
-    assert modes.parse_spec("partial_rollout_k1") == ("partial_rollout", 1)
-    assert modes.parse_spec("one_step_off") == ("one_step_off", None)
-    assert modes.parse_spec("colocated_sync") == ("colocated_sync", None)
+    assert runs.parse_spec("dora_k3") == ("dora", 3)
+    assert runs.parse_spec("partial_rollout_k1") == ("partial_rollout", 1)
+    assert runs.parse_spec("one_step_off") == ("one_step_off", None)
+    assert runs.parse_spec("colocated_sync") == ("colocated_sync", None)
 
 
 def test_ratio_lines_use_the_better_sync_and_the_best_other_mode():
@@ -56,8 +56,23 @@ def test_bench_modes_and_curves_end_to_end(tmp_path, small_config, capsys):
     assert json.load(open(tmp_path / "dora_k1" / "0" / "summary.json"))["mode"] == "dora"
     assert out["rows"]["colocated_sync"]["staleness"] == {0: 12}
 
-    c = curves.run_curves(base, str(tmp_path), init_checkpoint="", steps=3, seeds=1,
-                          specs=("dora_k1",))
+
+
+@pytest.mark.slow
+def test_curves_entry_point(tmp_path):
+    """`python -m dora_jax.bench.modes --curves` end to end (its flags, the shared
+    run helpers), on the tiny config from the random init."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    cmd = [sys.executable, "-m", "dora_jax.bench.modes", "--config=configs/tiny.py",
+           f"--workdir={tmp_path}", "--curves", "--curve_modes=dora_k1", "--curve_seeds=1",
+           "--curve_steps=3", "--curve_sft_steps=0", "--config.model.num_layers=1"]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    c = json.load(open(tmp_path / "curves.json"))
     (run,) = c["runs"]["dora_k1"]
     assert run["audit_ok"] and len(run["reward"]) == len(run["time"]) == 3
-    assert (tmp_path / "curves.png").exists() and (tmp_path / "curves.json").exists()
+    assert (tmp_path / "curves.png").exists()

@@ -13,6 +13,8 @@ import os
 
 import numpy as np
 
+from dora_jax.bench.runs import audited_run, run_config
+
 CURVE_SPECS = ("sync", "dora_k1", "dora_k2", "dora_k3")
 
 
@@ -25,8 +27,6 @@ def run_curves(base, root: str, *, init_checkpoint: str, steps: int, seeds: int,
                specs=CURVE_SPECS) -> dict:
     """Runs every spec for every seed (interleaved), writes curves.json and curves.png,
     and prints each spec's mean reward over the first and last tenth of the steps."""
-    from dora_jax.bench.modes import audited_run, run_config
-
     out: dict = {"steps": steps, "init_checkpoint": init_checkpoint, "runs": {}}
     for seed in range(seeds):
         for spec in specs:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
 from collections import Counter
 
@@ -33,6 +32,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from dora_jax.bench import CONFIGS
+from dora_jax.bench.runs import audited_run, parse_spec, run_config, warm_start
 
 _CONFIG = config_flags.DEFINE_config_file("config", str(CONFIGS / "longtail.py"), "config file")
 _WORKDIR = flags.DEFINE_string("workdir", None, "where every run is kept")
@@ -42,71 +42,17 @@ _MODES = flags.DEFINE_list(
     "modes", ["colocated_sync", "sync", "one_step_off", "partial_rollout", "dora_k1",
               "dora_k2", "dora_k3"],
     "runs: a mode, optionally with _k<K> for its staleness bound (default: the config's)")
-_SFT_STEPS = flags.DEFINE_integer("sft_steps", 300, "supervised warm-start steps")
+_SFT_STEPS = flags.DEFINE_integer("sft_steps", 300,
+                                  "supervised warm-start steps (0: start from the random init)")
 _CURVES = flags.DEFINE_bool("curves", False, "reward curves instead of the throughput table")
 _CURVE_STEPS = flags.DEFINE_integer("curve_steps", 150, "train steps per curve run")
+_CURVE_MODES = flags.DEFINE_list("curve_modes", ["sync", "dora_k1", "dora_k2", "dora_k3"],
+                                 "runs of the curves (specs as --modes)")
 _CURVE_SEEDS = flags.DEFINE_integer("curve_seeds", 3, "seeds per curve")
 _CURVE_SFT_STEPS = flags.DEFINE_integer("curve_sft_steps", 20,
-                                        "supervised steps before the curve runs")
+                                        "supervised steps before the curve runs (0: none)")
 
 SYNC_MODES = ("colocated_sync", "sync")
-
-
-def parse_spec(spec: str) -> tuple[str, int | None]:
-    """'dora_k2' -> ('dora', 2); 'sync' -> ('sync', None)."""
-    mode, sep, k = spec.rpartition("_k")
-    if sep and k.isdigit():
-        return mode, int(k)
-    return spec, None
-
-
-def run_config(base, spec: str, *, steps: int, seed: int | None = None,
-               init_checkpoint: str | None = None):
-    """The ConfigDict of one run: `base` with the spec's mode and staleness bound."""
-    c = base.copy_and_resolve_references()
-    mode, k = parse_spec(spec)
-    c.coordinator.mode = mode
-    if k is not None:
-        c.coordinator.max_staleness = k
-    c.coordinator.num_steps = steps
-    if seed is not None:
-        c.seed = seed
-    if init_checkpoint:
-        c.init_checkpoint = init_checkpoint
-    return c
-
-
-def warm_start(base, workdir: str, steps: int) -> str:
-    """The supervised checkpoint RL starts from: trained into `workdir` unless it is
-    already there."""
-    from dora_jax import config as config_lib, sft
-
-    directory = os.path.join(workdir, "checkpoints")
-    if not os.path.isdir(directory):
-        out = sft.train(config_lib.validate(base), workdir, steps=steps, batch_size=32,
-                        learning_rate=3e-3)
-        print(f"supervised warm start: loss {out['loss_first']:.3f} -> "
-              f"{out['loss_last']:.4f} in {steps} steps ({directory})", flush=True)
-    return directory
-
-
-def audited_run(c, workdir: str) -> dict:
-    """Runs one config into a fresh `workdir`; returns its summary with the audit."""
-    import jax
-
-    from dora_jax import config as config_lib, experiment
-    from dora_jax.scheduler import ledger
-    from dora_jax.scheduler.types import SchedulerConfig
-
-    cfg = config_lib.validate(c, num_devices=jax.device_count())
-    shutil.rmtree(workdir, ignore_errors=True)
-    summary = experiment.run(cfg, workdir)
-    report = ledger.audit_run(ledger.read(os.path.join(workdir, "ledger.jsonl")),
-                              SchedulerConfig.from_config(cfg), cfg.rollout.max_decode_len)
-    summary["audit_ok"], summary["audit"] = report.ok, report.summary()
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
-    return summary
 
 
 COLUMNS = (  # (header, summary key or function, format)
@@ -216,12 +162,12 @@ def main(argv):
     if _CURVES.value:
         from dora_jax.bench import curves
 
-        ckpt = base.init_checkpoint or warm_start(
-            base, os.path.join(root, f"sft_{_CURVE_SFT_STEPS.value}"), _CURVE_SFT_STEPS.value)
-        curves.run_curves(base, root, init_checkpoint=ckpt, steps=_CURVE_STEPS.value,
-                          seeds=_CURVE_SEEDS.value)
+        n = _CURVE_SFT_STEPS.value
+        ckpt = base.init_checkpoint or (n and warm_start(base, os.path.join(root, f"sft_{n}"), n))
+        curves.run_curves(base, root, init_checkpoint=ckpt or "", steps=_CURVE_STEPS.value,
+                          seeds=_CURVE_SEEDS.value, specs=tuple(_CURVE_MODES.value))
         return
-    if not base.init_checkpoint:
+    if not base.init_checkpoint and _SFT_STEPS.value:
         base.init_checkpoint = warm_start(base, os.path.join(root, "sft"), _SFT_STEPS.value)
     bench_modes(base, root, list(_MODES.value), _STEPS.value, _REPS.value)
 

@@ -15,10 +15,14 @@ generate call instead of decoding empty. Only this slice waits, for the
 coordinator's reaction time, never for another slice.
 
 A migration goes from worker to worker: the source exports the request (KV cache,
-tokens so far, RNG state) and hands it straight to the destination's command queue.
-A request that finished on the source before the export arrived is simply not
-exported: its `finished` event, posted earlier on the same queue, already told the
-coordinator.
+tokens so far, RNG state) into a hand-over box that the coordinator queued, at the
+same moment, as an `import` command on the destination. The destination therefore
+applies the import in the coordinator's order: a later command for it (load a
+version, migrate the request on) sees the request there, even if the source exports
+late. It waits for the box when it reaches the import; there is no deadlock, since
+the earliest pending export has only earlier hand-overs ahead of it. A request that
+finished on the source before the export arrived is simply not exported: its
+`finished` event, posted earlier on the same queue, already told the coordinator.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ class SliceWorker:
         self._refill_wait = refill_wait
         self._awaiting_ack = False
         self._commands: queue.Queue = queue.Queue()
+        self._stopping = threading.Event()
         self._row = f"slice {slice_.slice_id}"
         self._thread = threading.Thread(target=self._loop, name=self._row, daemon=True)
 
@@ -94,10 +99,14 @@ class SliceWorker:
         self._commands.put(("ack", None))
 
     def migrate(self, request_ids: list, dst: "SliceWorker") -> None:
-        """Export these requests (those still held) and import them into `dst`."""
-        self._commands.put(("export", (request_ids, dst)))
+        """Export these requests (those still held) and import them into `dst`, in
+        the order of the commands each worker receives (see the module docstring)."""
+        box: queue.Queue = queue.Queue(maxsize=1)
+        self._commands.put(("export", (request_ids, box)))
+        dst._commands.put(("import", box))
 
     def stop(self, timeout: float = 600.0) -> None:
+        self._stopping.set()
         self._commands.put((_STOP, None))
         self._thread.join(timeout)
 
@@ -146,15 +155,29 @@ class SliceWorker:
             self._timeline.add(self._row, "load", start, self._clock(), version)
             self._events.put(Event("loaded", self.slice_id, version))
         elif kind == "export":
-            request_ids, dst = arg
+            request_ids, box = arg
             start = self._clock()
-            moving = sl.export_requests([r for r in request_ids if sl.holds(r)])
+            moving = []
+            try:
+                moving = sl.export_requests([r for r in request_ids if sl.holds(r)])
+            finally:
+                box.put(moving)  # the destination waits for this, even on failure
             if moving:
                 self._timeline.add(self._row, "migrate", start, self._clock(), sl.version)
-                dst._commands.put(("import", moving))
         elif kind == "import":
-            start = self._clock()
-            sl.import_requests(arg)
-            self._timeline.add(self._row, "migrate", start, self._clock(), sl.version)
+            moving = self._wait_for(arg)
+            if moving:
+                start = self._clock()
+                sl.import_requests(moving)
+                self._timeline.add(self._row, "migrate", start, self._clock(), sl.version)
         else:  # pragma: no cover - only the methods above enqueue commands
             raise ValueError(f"unknown command {kind!r}")
+
+    def _wait_for(self, box: queue.Queue) -> list:
+        """The requests a source exported into `box` (none if this worker stops first)."""
+        while not self._stopping.is_set():
+            try:
+                return box.get(timeout=0.05)
+            except queue.Empty:
+                continue
+        return []

@@ -1,0 +1,66 @@
+"""One benchmark run: its config from a run spec ('dora_k2'), the supervised warm
+start it starts from, and the run itself with its ledger audited (bench.modes and
+bench.curves share these)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+
+def parse_spec(spec: str) -> tuple[str, int | None]:
+    """'dora_k2' -> ('dora', 2); 'sync' -> ('sync', None)."""
+    mode, sep, k = spec.rpartition("_k")
+    if sep and k.isdigit():
+        return mode, int(k)
+    return spec, None
+
+
+def run_config(base, spec: str, *, steps: int, seed: int | None = None,
+               init_checkpoint: str | None = None):
+    """The ConfigDict of one run: `base` with the spec's mode and staleness bound."""
+    c = base.copy_and_resolve_references()
+    mode, k = parse_spec(spec)
+    c.coordinator.mode = mode
+    if k is not None:
+        c.coordinator.max_staleness = k
+    c.coordinator.num_steps = steps
+    if seed is not None:
+        c.seed = seed
+    if init_checkpoint:
+        c.init_checkpoint = init_checkpoint
+    return c
+
+
+def warm_start(base, workdir: str, steps: int) -> str:
+    """The supervised checkpoint RL starts from: trained into `workdir` unless it is
+    already there."""
+    from dora_jax import config as config_lib, sft
+
+    directory = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(directory):
+        out = sft.train(config_lib.validate(base), workdir, steps=steps, batch_size=32,
+                        learning_rate=3e-3)
+        print(f"supervised warm start: loss {out['loss_first']:.3f} -> "
+              f"{out['loss_last']:.4f} in {steps} steps ({directory})", flush=True)
+    return directory
+
+
+def audited_run(c, workdir: str) -> dict:
+    """Runs one config into a fresh `workdir`; returns its summary with the audit."""
+    import jax
+
+    from dora_jax import config as config_lib, experiment
+    from dora_jax.scheduler import ledger
+    from dora_jax.scheduler.types import SchedulerConfig
+
+    cfg = config_lib.validate(c, num_devices=jax.device_count())
+    shutil.rmtree(workdir, ignore_errors=True)
+    summary = experiment.run(cfg, workdir)
+    report = ledger.audit_run(ledger.read(os.path.join(workdir, "ledger.jsonl")),
+                              SchedulerConfig.from_config(cfg), cfg.rollout.max_decode_len)
+    summary["audit_ok"], summary["audit"] = report.ok, report.summary()
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return summary
