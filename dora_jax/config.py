@@ -1,21 +1,22 @@
 """Typed, validated configuration: `configs/*.py` return an `ml_collections.ConfigDict`
 built from `base()`; `validate` turns it into the frozen dataclasses below, the schema
 written once: `base()` is generated from them, each field declares its constraint
-(`_field`), each section checks its own rules in `__post_init__`, `Config.__post_init__`
-holds every check that spans sections. Errors name the field (`config.rollout.
-temperature: must be > 0, got 0.0`) before any compute. Imports nothing from dora_jax
-and no JAX: the pure scheduling core depends on it."""
+(`field`, schema.py), each section checks its own rules in `__post_init__`,
+`Config.__post_init__` holds every check that spans sections. Errors name the field
+(`config.rollout.temperature: must be > 0, got 0.0`) before any compute. Imports only
+schema.py from dora_jax and no JAX: the pure scheduling core depends on it."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
 import math
-import operator
-import typing
 from typing import ClassVar, Mapping
 
 import ml_collections
+
+from dora_jax.schema import Section, check, fail, field, schema
+from dora_jax.schema import ConfigError  # noqa: F401 - callers catch config.ConfigError
 
 # Allowed values: each list has its one owner here.
 MODES = ("colocated_sync", "sync", "one_step_off", "partial_rollout", "dora")
@@ -58,97 +59,20 @@ def decode_rules_from(trainer_rules) -> tuple:
 DECODE_RULES = decode_rules_from(TRAINER_RULES)
 
 
-class ConfigError(ValueError):
-    """A config value is invalid; the message names the field."""
-
-
-def _fail(field: str, message: str):
-    raise ConfigError(f"config.{field}: {message}")
-
-
-def _field(default=dataclasses.MISSING, **constraint):
-    """A field with its constraint, checked by `_Section.__post_init__`: `min=n` (an
-    integer >= n), `ge`, `gt`, `le`, `lt`, `choices`, `ascending=True`; None: optional."""
-    return dataclasses.field(default=default, metadata=constraint)
-
-
-_BOUNDS = {"min": (operator.ge, ">="), "ge": (operator.ge, ">="), "gt": (operator.gt, ">"),
-           "le": (operator.le, "<="), "lt": (operator.lt, "<")}
-
-
-def _check(field: str, value, choices=None, ascending=False, **bounds):
-    if "min" in bounds and (not isinstance(value, int) or isinstance(value, bool)):
-        _fail(field, f"must be an integer, got {value!r}")
-    for name, bound in bounds.items():
-        op, sign = _BOUNDS[name]
-        if not op(value, bound):
-            _fail(field, f"must be {sign} {bound}, got {value}")
-    if choices is not None and value not in choices:
-        _fail(field, f"must be one of {choices}, got {value!r}")
-    if ascending and (not value or list(value) != sorted(value)):
-        _fail(field, f"must be a non-empty ascending list, got {value}")
-
-
-class _Section:
-    """A config section: `PATH` is its place in the ConfigDict ('model.moe')."""
-
-    PATH: ClassVar[str] = ""
-
-    def _f(self, name: str) -> str:
-        return f"{self.PATH}.{name}" if self.PATH else name
-
-    def __post_init__(self):
-        """Checks every field's declared constraint (`_field`); sections add their
-        own rules after calling this."""
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.metadata and not (value is None and f.default is None):
-                _check(self._f(f.name), value, **f.metadata)
-
-    @classmethod
-    def from_dict(cls, values: Mapping | None):
-        """Builds the section from plain values: unknown fields are rejected by name,
-        missing required ones too, lists become tuples, nested sections recurse."""
-        values = dict(values or {})
-        hints = typing.get_type_hints(cls)
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(values) - set(names))
-        if unknown:
-            _fail(cls.PATH or unknown[0], f"unknown field(s) {unknown}; known: {sorted(names)}")
-        kwargs = {}
-        for f in dataclasses.fields(cls):
-            sub, value = _section_type(hints[f.name]), values.get(f.name)
-            if sub is not None:
-                kwargs[f.name] = sub.from_dict(value)
-            elif value is None and _required(f):
-                _fail(f"{cls.PATH}.{f.name}" if cls.PATH else f.name, "must be set")
-            elif f.name in values:
-                kwargs[f.name] = tuple(value) if isinstance(value, list) else value
-        return cls(**kwargs)
-
-
-def _required(f) -> bool:
-    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-
-
-def _section_type(hint):  # a nested section's class, or None
-    return hint if isinstance(hint, type) and issubclass(hint, _Section) else None
-
-
 @dataclasses.dataclass(frozen=True)
-class MoEConfig(_Section):
+class MoEConfig(Section):
     PATH: ClassVar[str] = "model.moe"
-    num_experts: int = _field(0, min=0)  # 0: dense MLP everywhere
+    num_experts: int = field(0, min=0)  # 0: dense MLP everywhere
     top_k: int = 2
     expert_hidden: int = 0
     # None: dropless. A float: an expert takes ceil(cf * tokens * top_k / E) at most.
-    capacity_factor: float | None = _field(None, gt=0)
-    num_shared_experts: int = _field(0, min=0)
+    capacity_factor: float | None = field(None, gt=0)
+    num_shared_experts: int = field(0, min=0)
     shared_expert_hidden: int = 0
     moe_every: int = 1  # layer i is MoE iff i % moe_every == moe_every - 1
     normalize_topk: bool = True  # renormalise the top-k router weights to sum to 1
-    aux_loss_coef: float = _field(0.0, ge=0)
-    z_loss_coef: float = _field(0.0, ge=0)
+    aux_loss_coef: float = field(0.0, ge=0)
+    z_loss_coef: float = field(0.0, ge=0)
 
     @property
     def enabled(self) -> bool:
@@ -160,28 +84,28 @@ class MoEConfig(_Section):
             return
         for name in ("top_k", "expert_hidden", "moe_every") + (
                 ("shared_expert_hidden",) if self.num_shared_experts else ()):
-            _check(self._f(name), getattr(self, name), min=1)
+            check(self._f(name), getattr(self, name), min=1)
         if self.top_k > self.num_experts:
-            _fail(self._f("top_k"), f"must be <= model.moe.num_experts ({self.num_experts}), "
+            fail(self._f("top_k"), f"must be <= model.moe.num_experts ({self.num_experts}), "
                                     f"got {self.top_k}")
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig(_Section):
+class ModelConfig(Section):
     PATH: ClassVar[str] = "model"
-    vocab_size: int = _field(min=1)
-    d_model: int = _field(min=1)
-    num_layers: int = _field(min=1)
-    num_heads: int = _field(min=1)
-    num_kv_heads: int = _field(min=1)
-    head_dim: int = _field(min=1)
-    mlp_hidden: int = _field(min=1)
+    vocab_size: int = field(min=1)
+    d_model: int = field(min=1)
+    num_layers: int = field(min=1)
+    num_heads: int = field(min=1)
+    num_kv_heads: int = field(min=1)
+    head_dim: int = field(min=1)
+    mlp_hidden: int = field(min=1)
     tie_embeddings: bool = False
     qk_norm: bool = True
-    rope_theta: float = _field(10_000.0, gt=0)
-    norm_eps: float = _field(1e-6, gt=0)
-    dtype: str = _field("float32", choices=DTYPES)  # activations / compute
-    param_dtype: str = _field("float32", choices=DTYPES)
+    rope_theta: float = field(10_000.0, gt=0)
+    norm_eps: float = field(1e-6, gt=0)
+    dtype: str = field("float32", choices=DTYPES)  # activations / compute
+    param_dtype: str = field("float32", choices=DTYPES)
     moe: MoEConfig = MoEConfig()
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -191,15 +115,15 @@ class ModelConfig(_Section):
     def __post_init__(self):
         super().__post_init__()
         if self.d_model % self.num_heads:
-            _fail(self._f("num_heads"),
+            fail(self._f("num_heads"),
                   f"must divide model.d_model ({self.d_model}), got {self.num_heads}")
         if self.num_heads % self.num_kv_heads:
-            _fail(self._f("num_kv_heads"),
+            fail(self._f("num_kv_heads"),
                   f"must divide model.num_heads ({self.num_heads}), got {self.num_kv_heads}")
         if self.head_dim % 2:
-            _fail(self._f("head_dim"), f"must be even for rotary embeddings, got {self.head_dim}")
+            fail(self._f("head_dim"), f"must be even for rotary embeddings, got {self.head_dim}")
         if self.moe.enabled and self.moe.moe_every > self.num_layers:
-            _fail("model.moe.moe_every", f"must be <= model.num_layers ({self.num_layers}) or "
+            fail("model.moe.moe_every", f"must be <= model.num_layers ({self.num_layers}) or "
                                          f"no layer is MoE, got {self.moe.moe_every}")
 
 
@@ -208,14 +132,14 @@ def _mesh_shape(axes):
 
 
 @dataclasses.dataclass(frozen=True)
-class MeshConfig(_Section):
+class MeshConfig(Section):
     """Device layout: a trainer mesh and `num_slices` decode-slice meshes, on disjoint
     devices, or with `colocated` all on the trainer's devices (colocated_sync)."""
 
     PATH: ClassVar[str] = "mesh"
     trainer: Mapping[str, int] = _mesh_shape(TRAINER_MESH_AXES)
     slice: Mapping[str, int] = _mesh_shape(SLICE_MESH_AXES)
-    num_slices: int = _field(1, min=1)
+    num_slices: int = field(1, min=1)
     colocated: bool = False
     trainer_rules: tuple = TRAINER_RULES
     decode_rules: tuple = DECODE_RULES
@@ -230,14 +154,14 @@ class MeshConfig(_Section):
         for name, axes in (("trainer", TRAINER_MESH_AXES), ("slice", SLICE_MESH_AXES)):
             shape = dict(getattr(self, name))
             if set(shape) != set(axes):
-                _fail(self._f(name), f"must give a size for each of {axes}, got {sorted(shape)}")
+                fail(self._f(name), f"must give a size for each of {axes}, got {sorted(shape)}")
             for axis in axes:
-                _check(f"mesh.{name}.{axis}", shape[axis], min=1)
+                check(f"mesh.{name}.{axis}", shape[axis], min=1)
             object.__setattr__(self, name, {a: shape[a] for a in axes})
         for name, axes in (("trainer_rules", TRAINER_MESH_AXES), ("decode_rules", SLICE_MESH_AXES)):
             object.__setattr__(self, name, _normalise_rules(self._f(name), getattr(self, name), axes))
         if self.colocated and self.num_slices * self.slice_devices != self.trainer_devices:
-            _fail(self._f("num_slices"), f"colocated: {self.num_slices} slices x "
+            fail(self._f("num_slices"), f"colocated: {self.num_slices} slices x "
                   f"{self.slice_devices} devices must cover the trainer's {self.trainer_devices}")
 
 
@@ -250,7 +174,7 @@ def colocate(mesh: Mapping) -> dict:
         return dict(mesh)
     n, k = m.total_devices, m.slice_devices
     if n % m.trainer_devices or n % k:
-        _fail("mesh.trainer", f"colocated_sync spreads trainer ({m.trainer_devices} devices) "
+        fail("mesh.trainer", f"colocated_sync spreads trainer ({m.trainer_devices} devices) "
               f"and slices ({k} each) over all {n}: both must divide {n}")
     trainer = dict(m.trainer, data=m.trainer["data"] * n // m.trainer_devices)
     return dict(mesh, trainer=trainer, num_slices=n // k, colocated=True)
@@ -260,28 +184,28 @@ def _normalise_rules(field: str, rules, axes) -> tuple:
     out = []
     for entry in rules:
         if len(entry) != 2:
-            _fail(field, f"each rule is (logical_name, mesh_axes), got {entry!r}")
+            fail(field, f"each rule is (logical_name, mesh_axes), got {entry!r}")
         bad = [a for a in _axes_of(entry[1]) if a not in axes]
         if bad:
-            _fail(field, f"rule for {entry[0]!r} names mesh axis {bad[0]!r}, not one of {axes}")
+            fail(field, f"rule for {entry[0]!r} names mesh axis {bad[0]!r}, not one of {axes}")
         out.append((entry[0], _rule_target(_axes_of(entry[1]))))
     return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)
-class RolloutConfig(_Section):
+class RolloutConfig(Section):
     """Decode engine and slice settings."""
 
     PATH: ClassVar[str] = "rollout"
-    slots_per_slice: int = _field(4, min=1)
-    max_prefill_length: int = _field(32, min=1)
-    max_decode_len: int = _field(32, min=1)
+    slots_per_slice: int = field(4, min=1)
+    max_prefill_length: int = field(32, min=1)
+    max_decode_len: int = field(32, min=1)
     # Most tokens per slot per generate call (one dispatch, one host read); see Engine.
-    decode_steps: int = _field(16, min=1)
-    prefill_buckets: tuple = _field((16, 32), ascending=True)
-    temperature: float = _field(1.0, gt=0)
-    top_k: int = _field(0, min=0)  # 0: off
-    top_p: float = _field(1.0, gt=0, le=1)  # 1.0: off
+    decode_steps: int = field(16, min=1)
+    prefill_buckets: tuple = field((16, 32), ascending=True)
+    temperature: float = field(1.0, gt=0)
+    top_k: int = field(0, min=0)  # 0: off
+    top_p: float = field(1.0, gt=0, le=1)  # 1.0: off
     eos_id: int = 1
     pad_id: int = 0
 
@@ -292,95 +216,95 @@ class RolloutConfig(_Section):
     def __post_init__(self):
         super().__post_init__()
         if self.prefill_buckets[-1] < self.max_prefill_length:
-            _fail(self._f("prefill_buckets"), f"largest bucket {self.prefill_buckets[-1]} < "
+            fail(self._f("prefill_buckets"), f"largest bucket {self.prefill_buckets[-1]} < "
                                               f"rollout.max_prefill_length {self.max_prefill_length}")
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainerConfig(_Section):
+class TrainerConfig(Section):
     """Optimiser, RL objective and batching of the train step."""
 
     PATH: ClassVar[str] = "trainer"
-    learning_rate: float = _field(1e-3, gt=0)
-    warmup_steps: int = _field(0, min=0)
-    schedule: str = _field("constant", choices=SCHEDULES)
+    learning_rate: float = field(1e-3, gt=0)
+    warmup_steps: int = field(0, min=0)
+    schedule: str = field("constant", choices=SCHEDULES)
     decay_steps: int = 1000  # cosine horizon in optimizer updates
     weight_decay: float = 0.0
     b1: float = 0.9
     b2: float = 0.999
     grad_clip: float = 1.0
-    micro_batches: int = _field(1, min=1)  # gradient accumulation inside one update
-    num_minibatches: int = _field(1, min=1)  # optimizer updates per train step
-    advantage: str = _field("grpo", choices=ADVANTAGES)
-    loss_agg_mode: str = _field("token-mean", choices=LOSS_AGG_MODES)
-    clip_low: float = _field(0.2, ge=0, lt=1)
-    clip_high: float = _field(0.2, ge=0)
-    dual_clip: float | None = _field(None, gt=1)
-    kl_coef: float = _field(0.0, ge=0)
-    kl_kind: str = _field("k3", choices=KL_KINDS)
-    tis_cap: float | None = _field(None, gt=0)
+    micro_batches: int = field(1, min=1)  # gradient accumulation inside one update
+    num_minibatches: int = field(1, min=1)  # optimizer updates per train step
+    advantage: str = field("grpo", choices=ADVANTAGES)
+    loss_agg_mode: str = field("token-mean", choices=LOSS_AGG_MODES)
+    clip_low: float = field(0.2, ge=0, lt=1)
+    clip_high: float = field(0.2, ge=0)
+    dual_clip: float | None = field(None, gt=1)
+    kl_coef: float = field(0.0, ge=0)
+    kl_kind: str = field("k3", choices=KL_KINDS)
+    tis_cap: float | None = field(None, gt=0)
     # Padded prompt + response lengths of train batches (the largest: a whole one).
-    length_buckets: tuple = _field((32, 64), ascending=True)
+    length_buckets: tuple = field((32, 64), ascending=True)
 
 
 @dataclasses.dataclass(frozen=True)
-class CoordinatorConfig(_Section):
+class CoordinatorConfig(Section):
     """Scheduling: which mode, batch sizes in groups, staleness bound, run length."""
 
     PATH: ClassVar[str] = "coordinator"
-    mode: str = _field("dora", choices=MODES)
-    group_size: int = _field(4, min=1)  # G samples per prompt
-    train_batch_size: int = _field(4, min=1)  # TBS groups per train step
-    rollout_batch_size: int = _field(8, min=1)  # RBS admitted-but-unconsumed groups
-    max_staleness: int = _field(2, min=0)  # K
-    num_steps: int = _field(20, min=1)
-    checkpoint_every: int = _field(0, min=0)  # train steps; 0: only at the end
-    reward_threads: int = _field(4, min=1)
+    mode: str = field("dora", choices=MODES)
+    group_size: int = field(4, min=1)  # G samples per prompt
+    train_batch_size: int = field(4, min=1)  # TBS groups per train step
+    rollout_batch_size: int = field(8, min=1)  # RBS admitted-but-unconsumed groups
+    max_staleness: int = field(2, min=0)  # K
+    num_steps: int = field(20, min=1)
+    checkpoint_every: int = field(0, min=0)  # train steps; 0: only at the end
+    reward_threads: int = field(4, min=1)
 
     def __post_init__(self):
         super().__post_init__()
         if self.rollout_batch_size < self.train_batch_size:
-            _fail(self._f("rollout_batch_size"), f"must be >= coordinator.train_batch_size "
+            fail(self._f("rollout_batch_size"), f"must be >= coordinator.train_batch_size "
                   f"({self.train_batch_size}), got {self.rollout_batch_size}")
 
 
 def check_group_fits(group_size: int, num_slices: int, slots_per_slice: int):
     """A group's samples must fit in the slots at once (a group starts as a whole)."""
     if group_size > num_slices * slots_per_slice:
-        _fail("coordinator.group_size",
+        fail("coordinator.group_size",
               f"{group_size} samples per group do not fit in {num_slices * slots_per_slice} "
               f"slots (mesh.num_slices x rollout.slots_per_slice)")
 
 
 @dataclasses.dataclass(frozen=True)
-class DataConfig(_Section):
+class DataConfig(Section):
     """Where prompts come from and how they are scored."""
 
     PATH: ClassVar[str] = "data"
-    source: str = _field("residue", choices=DATA_SOURCES)  # tfds: see __post_init__
+    source: str = field("residue", choices=DATA_SOURCES)  # tfds: see __post_init__
     reward: str = "residue"
     path: str = ""  # jsonl file
-    num_prompts: int = _field(512, min=1)  # synthetic tasks
-    prompt_len: int = _field(6, min=2)  # residue
-    modulus: int = _field(4, min=2)  # residue
-    count_median: float = _field(12.0, gt=0)  # countdown: lognormal counts, clipped
-    count_sigma: float = _field(1.1, ge=0)  # to [1, max_count]
-    max_count: int = _field(255, min=1)
-    num_epochs: int | None = _field(None, min=1)  # None: repeat forever
+    num_prompts: int = field(512, min=1)  # synthetic tasks
+    prompt_len: int = field(6, min=2)  # residue
+    modulus: int = field(4, min=2)  # residue
+    count_median: float = field(12.0, gt=0)  # countdown: lognormal counts, clipped
+    count_sigma: float = field(1.1, ge=0)  # to [1, max_count]
+    max_count: int = field(255, min=1)
+    num_epochs: int | None = field(None, min=1)  # None: repeat forever
     shuffle: bool = True
 
     def __post_init__(self):
         super().__post_init__()
         if self.source == "jsonl" and not self.path:
-            _fail(self._f("path"), "data.source='jsonl' needs a path")
+            fail(self._f("path"), "data.source='jsonl' needs a path")
         if self.source == "tfds":  # which feature, which tokenizer: code, not config
-            _fail(self._f("source"), "'tfds' prompts need an example->record mapping: build "
+            fail(self._f("source"), "'tfds' prompts need an example->record mapping: build "
                                      "data.prompts.TfdsSource(name, split, to_record) and "
                                      "pass it to experiment.run(records=...)")
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(_Section):
+class Config(Section):
     model: ModelConfig
     mesh: MeshConfig
     rollout: RolloutConfig = RolloutConfig()
@@ -401,37 +325,37 @@ class Config(_Section):
                 (("slice", "expert"), ("model.moe.num_experts", m.moe.num_experts))]:
             size = getattr(mesh, name)[axis]
             if size > 1 and dim and dim % size:
-                _fail(f"mesh.{name}.{axis}", f"mesh axis size {size} must divide {what} ({dim})")
+                fail(f"mesh.{name}.{axis}", f"mesh axis size {size} must divide {what} ({dim})")
         if r.top_k > m.vocab_size:
-            _fail("rollout.top_k", f"must be in [0, vocab_size={m.vocab_size}], got {r.top_k}")
+            fail("rollout.top_k", f"must be in [0, vocab_size={m.vocab_size}], got {r.top_k}")
         for name in ("eos_id", "pad_id"):
             if not 0 <= getattr(r, name) < m.vocab_size:
-                _fail(f"rollout.{name}", f"must be a token id < vocab_size ({m.vocab_size})")
+                fail(f"rollout.{name}", f"must be a token id < vocab_size ({m.vocab_size})")
         if t.length_buckets[-1] < r.cache_length:
-            _fail("trainer.length_buckets",
+            fail("trainer.length_buckets",
                   f"largest bucket {t.length_buckets[-1]} must hold a whole trajectory "
                   f"(rollout.max_prefill_length + rollout.max_decode_len = {r.cache_length})")
         if mesh.colocated != (c.mode == "colocated_sync"):
-            _fail("mesh.colocated", "slices share the trainer's devices in mode colocated_sync "
+            fail("mesh.colocated", "slices share the trainer's devices in mode colocated_sync "
                   f"and only there (mode {c.mode!r}, colocated {mesh.colocated})")
         check_group_fits(c.group_size, mesh.num_slices, r.slots_per_slice)
         samples, split = c.train_batch_size * c.group_size, t.micro_batches * t.num_minibatches
         if samples % split:
-            _fail("coordinator.train_batch_size",
+            fail("coordinator.train_batch_size",
                   f"TBS x group_size = {samples} samples must divide evenly into "
                   f"trainer.num_minibatches x trainer.micro_batches = {split}")
         batch_axes = _axes_of(dict(mesh.trainer_rules).get("batch"))
         shards = math.prod(mesh.trainer[a] for a in batch_axes)
         if (samples // split) % shards:
-            _fail("coordinator.train_batch_size", f"TBS x group_size = {samples} samples in "
+            fail("coordinator.train_batch_size", f"TBS x group_size = {samples} samples in "
                   f"{split} micro-batches must divide by the trainer mesh's {shards} batch "
                   f"shards {batch_axes}")
         if d.source == "residue" and d.prompt_len > r.max_prefill_length:
-            _fail("data.prompt_len", f"must be <= rollout.max_prefill_length, got {d.prompt_len}")
+            fail("data.prompt_len", f"must be <= rollout.max_prefill_length, got {d.prompt_len}")
         if d.source == "residue" and d.modulus > m.vocab_size - 3:
-            _fail("data.modulus", f"must be in [2, vocab_size - 3], got {d.modulus}")
+            fail("data.modulus", f"must be in [2, vocab_size - 3], got {d.modulus}")
         if d.source == "countdown" and not d.max_count < min(r.max_decode_len, m.vocab_size - 3):
-            _fail("data.max_count", f"must be < rollout.max_decode_len and vocab_size - 3 (a "
+            fail("data.max_count", f"must be < rollout.max_decode_len and vocab_size - 3 (a "
                   f"countdown is max_count + 1 tokens of numbers 0..), got {d.max_count}")
 
 
@@ -443,34 +367,15 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     cfg = Config.from_dict(d)
     mesh, n = cfg.mesh, cfg.mesh.total_devices
     if num_devices is not None and n > num_devices:
-        _fail("mesh", f"trainer ({mesh.trainer_devices}) + {mesh.num_slices} slices x "
+        fail("mesh", f"trainer ({mesh.trainer_devices}) + {mesh.num_slices} slices x "
                       f"{mesh.slice_devices} devices = {n}, but only {num_devices} devices are "
                       f"available (on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count={n})")
     return cfg
 
 
-def _schema(cls) -> ml_collections.ConfigDict:
-    """A ConfigDict with every field of `cls`: defaults, or typed placeholders for
-    required and None-default fields (so `--config.trainer.dual_clip=3` parses)."""
-    hints = typing.get_type_hints(cls)
-    out = {}
-    for f in dataclasses.fields(cls):
-        sub = _section_type(hints[f.name])
-        if sub is not None:
-            out[f.name] = _schema(sub)
-        elif f.default_factory is not dataclasses.MISSING:
-            out[f.name] = ml_collections.ConfigDict(f.default_factory())
-        elif f.default is dataclasses.MISSING or f.default is None:
-            kind = [a for a in typing.get_args(hints[f.name]) if a is not type(None)]
-            out[f.name] = ml_collections.config_dict.placeholder(kind[0] if kind else hints[f.name])
-        else:
-            out[f.name] = f.default
-    return ml_collections.ConfigDict(out)
-
-
 def base() -> ml_collections.ConfigDict:
     """Every field with its default; configs/*.py start here and override."""
-    return _schema(Config)
+    return schema(Config)
 
 
 def load(spec: str) -> ml_collections.ConfigDict:

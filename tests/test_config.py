@@ -223,7 +223,7 @@ def test_colocated_sync_spreads_trainer_and_slices_over_the_same_devices(load_co
 
 @pytest.mark.parametrize("change, named", [
     (dict(num_slices=3), r"mesh\.trainer: colocated_sync .* must divide 7"),  # 4 + 3 devices
-    (dict(colocated=True), r"mesh\.num_slices: colocated: 4 slices x 1 devices must cover"),
+    (dict(colocated=True, num_slices=3), r"mesh\.num_slices: colocated: 3 slices x 1 devices"),
 ])
 def test_colocated_layout_errors_name_the_field(change, named, load_config):
     c = load_config("configs/tiny.py", validate=False)
