@@ -6,7 +6,9 @@ CPU: python -m dora_jax.main --config=configs/moe.py:tiny --workdir=/tmp/dora_mo
 Default (`--config=configs/moe.py`): 48 layers, d_model 2048, 32 query / 4 KV heads
 of dim 128 with QK-norm, every layer MoE with 128 experts, top-8, expert hidden 768,
 vocab 151,936, untied embeddings: 30,532,122,624 parameters (30.5B total; about 3.3B
-active per token). bf16 compute. Mesh: trainer fsdp=16 x expert=8 (128 chips) plus
+active per token). bf16 compute; layers scanned (one compiled layer), flash-style
+attention (`attention=auto`: splash on TPU) and full per-layer remat, so the train
+step's memory grows linearly with the 32K-token sequences. Mesh: trainer fsdp=16 x expert=8 (128 chips) plus
 8 decode slices of tensor=4 x expert=4 (16 chips each): 256 chips, e.g. a v5p-512.
 
 `--config=configs/moe.py:tiny`: the same architecture family at CPU size — 2 layers,
@@ -38,7 +40,11 @@ def get_config(arg=None):
     c.model.update(dict(vocab_size=151_936, d_model=2048, num_layers=48, num_heads=32,
                         num_kv_heads=4, head_dim=128, mlp_hidden=6144,
                         tie_embeddings=False, qk_norm=True, rope_theta=1_000_000.0,
-                        dtype="bfloat16", param_dtype="float32"))
+                        dtype="bfloat16", param_dtype="float32",
+                        # 32K-token train sequences: flash-style attention (splash on
+                        # TPU), each layer recomputed in the backward pass.
+                        attention="auto", attention_block=512, remat="full",
+                        scan_layers=True))
     c.model.moe.update(dict(num_experts=128, top_k=8, expert_hidden=768, moe_every=1,
                             normalize_topk=True, capacity_factor=1.25,
                             aux_loss_coef=1e-3, z_loss_coef=0.0))

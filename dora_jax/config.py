@@ -27,6 +27,8 @@ KL_KINDS = ("k1", "k2", "k3")
 SCHEDULES = ("constant", "cosine")
 DTYPES = ("float32", "bfloat16")
 DATA_SOURCES = ("residue", "countdown", "jsonl", "tfds")
+ATTENTION_IMPLS = ("auto", "dense", "blockwise", "cudnn", "splash")  # model/attention.py
+REMAT_POLICIES = ("none", "full", "dots", "offload_dots")  # model/transformer.py
 
 TRAINER_MESH_AXES = ("data", "fsdp", "tensor", "expert")
 SLICE_MESH_AXES = ("tensor", "expert")
@@ -36,6 +38,7 @@ TRAINER_RULES = (
     ("batch", ("data", "fsdp", "expert")), ("length", None), ("embed", "fsdp"),
     ("vocab", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor"), ("head_dim", None),
     ("mlp", "tensor"), ("expert", "expert"), ("expert_mlp", "tensor"), ("cache_length", None),
+    ("layers", None),
 )
 
 
@@ -106,11 +109,22 @@ class ModelConfig(Section):
     norm_eps: float = field(1e-6, gt=0)
     dtype: str = field("float32", choices=DTYPES)  # activations / compute
     param_dtype: str = field("float32", choices=DTYPES)
+    # Full-sequence attention (auto: splash on TPU, cudnn on GPU, blockwise otherwise)
+    # and its block size; what each layer saves for the backward pass.
+    attention: str = field("auto", choices=ATTENTION_IMPLS)
+    attention_block: int = field(512, min=1)
+    remat: str = field("none", choices=REMAT_POLICIES)
+    scan_layers: bool = True  # one compiled layer period, scanned over the depth
     moe: MoEConfig = MoEConfig()
 
     def is_moe_layer(self, layer: int) -> bool:
         m = self.moe
         return m.enabled and layer % m.moe_every == m.moe_every - 1
+
+    @property
+    def layer_period(self) -> int:
+        """Layers per repeating unit (dense/MoE interleave); the scan's step."""
+        return self.moe.moe_every if self.moe.enabled else 1
 
     def __post_init__(self):
         super().__post_init__()
@@ -125,6 +139,9 @@ class ModelConfig(Section):
         if self.moe.enabled and self.moe.moe_every > self.num_layers:
             fail("model.moe.moe_every", f"must be <= model.num_layers ({self.num_layers}) or "
                                          f"no layer is MoE, got {self.moe.moe_every}")
+        if self.scan_layers and self.num_layers % self.layer_period:
+            fail(self._f("scan_layers"), f"scanning needs num_layers ({self.num_layers}) to "
+                  f"be a multiple of the dense/MoE period ({self.layer_period})")
 
 
 def _mesh_shape(axes):

@@ -66,7 +66,7 @@ def test_round_trip_onto_another_mesh(tmp_path, cfg, trainer):
         assert arr.sharding.mesh.shape == other.mesh.shape
         assert arr.sharding.spec == spec
     wq = state.params["blocks"][0]["attn"]["wq"].value
-    assert wq.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
+    assert wq.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
     # Everything, Adam moments included, lands on the new trainer's shardings.
     for arr, want in zip(jax.tree.leaves(state), jax.tree.leaves(other.abstract_state())):
         assert arr.sharding.is_equivalent_to(want.sharding, arr.ndim)

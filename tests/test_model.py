@@ -29,8 +29,8 @@ def _decode_against_full(cfg, prompt_lens, total_len, cache_len=24):
     for b, n in enumerate(prompt_lens):
         _, _, kv = tf.apply(graphdef, params, tokens_BT[b:b + 1, :n], dropless=True,
                             return_kv=True)
-        cache = tf.KVCache(tuple(c.at[b, :n].set(k[0]) for c, k in zip(cache.k, kv.k)),
-                           tuple(c.at[b, :n].set(v[0]) for c, v in zip(cache.v, kv.v)))
+        cache = tf.KVCache(cache.k.at[:, b, :n].set(kv.k[:, 0]),
+                           cache.v.at[:, b, :n].set(kv.v[:, 0]))
     decode = jax.jit(lambda p, t, pos, c: tf.decode(graphdef, p, t, pos, c))
     pos_B = np.array(prompt_lens)
     worst = 0.0
@@ -107,3 +107,61 @@ def test_token_logprobs_alignment():
     # Temperature divides the logits: uniform logits stay uniform at any temperature.
     lp2 = tf.token_logprobs(jnp.zeros((1, 3, 4)), jnp.array([[0, 1, 2]]), temperature=0.7)
     np.testing.assert_allclose(np.asarray(lp2[0, 1:]), np.log(0.25), rtol=1e-6)
+
+
+@pytest.mark.parametrize("moe_every", [1, 2])
+def test_scanned_layers_equal_the_unrolled_model(moe_every, load_config):
+    """Scanning one layer period over the depth (dense/MoE interleave included)
+    gives the unrolled model's logits, MoE losses, prefill KV and decode steps."""
+    base = load_config("configs/moe.py:tiny").model
+    cfg = dataclasses.replace(base, num_layers=4,
+                              moe=dataclasses.replace(base.moe, moe_every=moe_every))
+    flat = dataclasses.replace(cfg, scan_layers=False)
+    graphdef, params = tf.create(cfg, seed=5)
+    flat_graphdef, flat_params = tf.create(flat, seed=5)
+    assert params["blocks"][0]["attn"]["wq"][...].shape[0] == 4 // moe_every
+    # Same init, layer for layer: stacked block r holds layers r, r + p, ...
+    for i in range(cfg.num_layers):
+        stacked = jax.tree.leaves(params["blocks"][i % moe_every])
+        for a, b in zip(stacked, jax.tree.leaves(flat_params["blocks"][i]), strict=True):
+            np.testing.assert_array_equal(a[i // moe_every], b)
+    tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, cfg.vocab_size)
+    logits, aux, kv = tf.apply(graphdef, params, tokens, dropless=True, return_kv=True)
+    ref, ref_aux, ref_kv = tf.apply(flat_graphdef, flat_params, tokens, dropless=True,
+                                    return_kv=True)
+    np.testing.assert_allclose(logits, ref, atol=1e-5)
+    np.testing.assert_allclose(kv.k, ref_kv.k, atol=1e-5)
+    for key in tf.AUX_KEYS:
+        np.testing.assert_allclose(aux[key], ref_aux[key], atol=1e-6)
+    cache = tf.init_cache(cfg, 2, 12)
+    pos = jnp.array([0, 5])
+    out, new = tf.decode(graphdef, params, tokens[:, 0], pos, cache)
+    ref_out, ref_new = tf.decode(flat_graphdef, flat_params, tokens[:, 0], pos, cache)
+    np.testing.assert_allclose(out, ref_out, atol=1e-5)
+    np.testing.assert_allclose(new.v, ref_new.v, atol=1e-5)
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_remat_keeps_gradients(remat, dense):
+    graphdef, params = tf.create(dense, seed=2)
+    re_graphdef, _ = tf.create(dataclasses.replace(dense, remat=remat), seed=2)
+    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, dense.vocab_size)
+
+    def loss(graphdef):
+        return lambda p: jnp.mean(tf.apply(graphdef, p, tokens)[0] ** 2)
+
+    want = jax.grad(loss(graphdef))(params)
+    got = jax.jit(jax.grad(loss(re_graphdef)))(params)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_blockwise_attention_model_equals_dense(dense):
+    """The model with blockwise attention (blocks smaller than the sequence) gives
+    the dense model's logits."""
+    graphdef, params = tf.create(dataclasses.replace(dense, attention="dense"), seed=4)
+    bw_graphdef, _ = tf.create(dataclasses.replace(dense, attention="blockwise",
+                                                   attention_block=4), seed=4)
+    tokens = jax.random.randint(jax.random.key(2), (2, 11), 0, dense.vocab_size)
+    np.testing.assert_allclose(tf.apply(bw_graphdef, params, tokens)[0],
+                               tf.apply(graphdef, params, tokens)[0], atol=1e-5)

@@ -40,11 +40,13 @@ def test_trainer_sharded_forward_equals_unsharded(tiny_cfg):
     # The params really are split across devices (so the test could fail).
     wq = sharded_params["blocks"][0]["attn"]["wq"][...]
     fsdp = shape[1]
-    assert wq.sharding.spec == (P("fsdp", "tensor", None) if fsdp > 1 else P(None, "tensor", None))
-    assert wq.addressable_shards[0].data.shape == (64 // fsdp, 2, 16)
+    # Layers are stacked: a leading, replicated "layers" axis.
+    assert wq.sharding.spec == (P(None, "fsdp", "tensor", None) if fsdp > 1
+                                else P(None, None, "tensor", None))
+    assert wq.addressable_shards[0].data.shape == (cfg.num_layers, 64 // fsdp, 2, 16)
     if cfg.moe.enabled:
         w = sharded_params["blocks"][0]["mlp"]["w_gate"][...]
-        assert w.sharding.spec == P("expert", None, "tensor")
+        assert w.sharding.spec == P(None, "expert", None, "tensor")
 
     batch_sharding = jax.sharding.NamedSharding(mesh, P(("data", "fsdp", "expert")))
     fwd = jax.jit(lambda p, t: tf.apply(graphdef, p, t)[:2],
@@ -71,7 +73,8 @@ def test_decode_rules_on_two_device_slice(tiny_cfg):
     rules = config_lib.DECODE_RULES
     shardings = sharding.param_shardings(params, mesh, rules)
     sp = jax.device_put(params, shardings)
-    assert sp["blocks"][0]["attn"]["wk"][...].sharding.spec == P(None, "tensor", None)
+    # Stacked layers: a leading, replicated "layers" axis.
+    assert sp["blocks"][0]["attn"]["wk"][...].sharding.spec == P(None, None, "tensor", None)
     assert axes["tensor"] == 2
     step = jax.jit(lambda p, t, q, c: tf.decode(graphdef, p, t, q, c))
     with sharding.activation_rules(mesh, rules):

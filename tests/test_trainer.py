@@ -155,10 +155,10 @@ def test_sharded_step_matches_unsharded(multi, sharded, multi_cfg):
     assert m_one["load_balance_loss"] > 0 and m_one["dropped_fraction"] > 0
     # The step keeps params on the trainer mesh with their rule-derived shardings.
     wq = sharded.params["blocks"][0]["attn"]["wq"].value
-    assert wq.sharding.spec == PartitionSpec("fsdp", "tensor", None)
+    assert wq.sharding.spec == PartitionSpec(None, "fsdp", "tensor", None)  # layers stacked
     assert len(wq.sharding.device_set) == 8
     w_up = sharded.params["blocks"][0]["mlp"]["w_up"].value  # stacked experts
-    assert w_up.sharding.spec[0] == "expert"
+    assert w_up.sharding.spec[1] == "expert"
 
 
 def _response_logp(graphdef, params, batch, temperature):

@@ -1,4 +1,5 @@
-"""Transformer building blocks: RMSNorm, rotary embeddings, GQA attention, SwiGLU.
+"""Transformer building blocks: RMSNorm, rotary embeddings, GQA attention (kernels in
+attention.py), SwiGLU.
 
 Every param carries `logical_axes` metadata (see `sharding.py`); every activation
 that crosses a layer boundary is constrained by logical names.
@@ -10,9 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dora_jax.model.attention import attend, causal_attention
 from dora_jax.model.sharding import constrain
-
-NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax, not NaN
 
 
 def param(rngs: nnx.Rngs, shape, axes, dtype, std: float | None = None,
@@ -52,19 +52,6 @@ def rope(x_BTHD: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
     return out.astype(x_BTHD.dtype)
 
 
-def attend(q_BTHD, k_BSKD, v_BSKD, mask_BTS):
-    """Grouped-query attention: H query heads share K key/value heads."""
-    B, T, H, D = q_BTHD.shape
-    K = k_BSKD.shape[2]
-    q_BTKGD = q_BTHD.reshape(B, T, K, H // K, D)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD,
-                        preferred_element_type=jnp.float32) * (D ** -0.5)
-    scores = jnp.where(mask_BTS[:, None, None], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKD.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BSKD)
-    return out.reshape(B, T, H, D)
-
-
 class Attention(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         pd = jnp.dtype(cfg.param_dtype)
@@ -81,6 +68,7 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
         self.theta = cfg.rope_theta
         self.dtype = jnp.dtype(cfg.dtype)
+        self.implementation, self.block = cfg.attention, cfg.attention_block
 
     def _qkv(self, x_BTD, positions_BT):
         dt = self.dtype
@@ -103,22 +91,24 @@ class Attention(nnx.Module):
     def __call__(self, x_BTD, positions_BT):
         """Causal self-attention over the sequence; also returns its (k, v)."""
         q, k, v = self._qkv(x_BTD, positions_BT)
-        T = x_BTD.shape[1]
-        causal_TT = jnp.tril(jnp.ones((T, T), bool))
-        o = attend(q, k, v, jnp.broadcast_to(causal_TT, (x_BTD.shape[0], T, T)))
+        o = causal_attention(q, k, v, self.implementation, self.block)
         return self._out(o), (k, v)
 
-    def decode(self, x_B1D, positions_B, k_cache_BSKD, v_cache_BSKD):
-        """One token per slot: writes its k/v at the slot's own position, attends to
-        every cached position up to and including it."""
+    def decode(self, x_B1D, positions_B, k_cache_LBSKD, v_cache_LBSKD, layer):
+        """One token per slot: writes its k/v into layer `layer` of the whole cache
+        (static or traced index; in place when the cache is donated) at the slot's
+        own position, then attends to every cached position up to and including it."""
         q, k, v = self._qkv(x_B1D, positions_B[:, None])
         rows = jnp.arange(x_B1D.shape[0])
-        k_cache_BSKD = k_cache_BSKD.at[rows, positions_B].set(k[:, 0].astype(k_cache_BSKD.dtype))
-        v_cache_BSKD = v_cache_BSKD.at[rows, positions_B].set(v[:, 0].astype(v_cache_BSKD.dtype))
-        S = k_cache_BSKD.shape[1]
+        k_cache_LBSKD = k_cache_LBSKD.at[layer, rows, positions_B].set(
+            k[:, 0].astype(k_cache_LBSKD.dtype))
+        v_cache_LBSKD = v_cache_LBSKD.at[layer, rows, positions_B].set(
+            v[:, 0].astype(v_cache_LBSKD.dtype))
+        S = k_cache_LBSKD.shape[2]
         mask_B1S = (jnp.arange(S)[None, :] <= positions_B[:, None])[:, None, :]
-        o = attend(q, k_cache_BSKD.astype(self.dtype), v_cache_BSKD.astype(self.dtype), mask_B1S)
-        return self._out(o), (k_cache_BSKD, v_cache_BSKD)
+        o = attend(q, k_cache_LBSKD[layer].astype(self.dtype),
+                   v_cache_LBSKD[layer].astype(self.dtype), mask_B1S)
+        return self._out(o), (k_cache_LBSKD, v_cache_LBSKD)
 
 
 class SwiGLU(nnx.Module):

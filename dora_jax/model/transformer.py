@@ -30,20 +30,31 @@ AUX_KEYS = ("load_balance_loss", "router_z_loss", "dropped_fraction")
 
 
 class KVCache(NamedTuple):
-    """Per-layer key and value caches, each [B, S, num_kv_heads, head_dim]."""
+    """Keys and values of every layer, each [layers, B, S, num_kv_heads, head_dim]."""
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[2]
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> KVCache:
+    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
     dtype = jnp.dtype(dtype or cfg.dtype)
-    shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
-    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
-    return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
-CACHE_AXES = ("batch", "cache_length", "kv_heads", "head_dim")
+CACHE_AXES = ("layers", "batch", "cache_length", "kv_heads", "head_dim")
+
+# What a layer keeps for the backward pass (`model.remat`); "none": everything.
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "offload_dots": jax.checkpoint_policies.offload_dot_with_no_batch_dims(
+        "device", "pinned_host"),
+}
 
 
 class Block(nnx.Module):
@@ -69,20 +80,44 @@ class Block(nnx.Module):
         h, aux = self._mlp(self.mlp_norm(x_BTD), dropless)
         return x_BTD + h, kv, aux
 
-    def decode(self, x_B1D, positions_B, k_cache, v_cache):
-        h, (k_cache, v_cache) = self.attn.decode(self.attn_norm(x_B1D), positions_B,
-                                                 k_cache, v_cache)
+    def decode(self, x_B1D, positions_B, cache: KVCache, layer):
+        h, cache = self.attn.decode(self.attn_norm(x_B1D), positions_B, *cache, layer)
         x_B1D = x_B1D + h
         h, _ = self._mlp(self.mlp_norm(x_B1D), True)  # decoding is always exact
-        return x_B1D + h, k_cache, v_cache
+        return x_B1D + h, KVCache(*cache)
+
+
+def stack_layers(blocks) -> "Block":
+    """One Block whose every param gains a leading "layers" axis: `blocks` stacked."""
+    graphdef, first = nnx.split(blocks[0])
+    states = [nnx.split(b)[1] for b in blocks]
+
+    def stack(*variables):
+        meta = dict(variables[0].get_metadata())
+        meta["logical_axes"] = ("layers",) + tuple(meta.get("logical_axes") or ())
+        return type(variables[0])(jnp.stack([v[...] for v in variables]), **meta)
+
+    return nnx.merge(graphdef, jax.tree.map(stack, *states, is_leaf=_is_var))
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
 
 
 class Transformer(nnx.Module):
+    """With `cfg.scan_layers`, `blocks[r]` holds layers r, r+p, r+2p, ... stacked
+    (p = `cfg.layer_period`, the dense/MoE interleave) and one period is compiled
+    once and scanned over the depth; otherwise `blocks[i]` is layer i."""
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         pd = jnp.dtype(cfg.param_dtype)
         self.cfg = cfg
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pd, std=1.0)
-        self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
+        blocks = [Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)]
+        if cfg.scan_layers:
+            p = cfg.layer_period
+            blocks = [stack_layers(blocks[r::p]) for r in range(p)]
+        self.blocks = nnx.List(blocks)
         self.final_norm = RMSNorm(cfg.d_model, "embed", cfg.norm_eps, pd, rngs=rngs)
         self.lm_head = (None if cfg.tie_embeddings else
                         param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pd))
@@ -100,6 +135,17 @@ class Transformer(nnx.Module):
         return jnp.einsum("btd,dv->btv", x, w.astype(x.dtype),
                           preferred_element_type=jnp.float32)
 
+    def _period(self, x, positions_BT, dropless, graphdefs, states):
+        """Layers of one period in order: (x, [k per layer], [v ...], [MoE aux ...])."""
+        ks, vs, auxes = [], [], []
+        for graphdef, state in zip(graphdefs, states):
+            x, (k, v), aux = nnx.merge(graphdef, state)(x, positions_BT, dropless)
+            ks.append(k)
+            vs.append(v)
+            if aux is not None:
+                auxes.append(aux)
+        return x, ks, vs, auxes
+
     def __call__(self, tokens_BT, positions_BT=None, *, dropless: bool | None = None,
                  return_kv: bool = False):
         """Full causal forward. Returns (logits_BTV f32, aux, kv or None).
@@ -111,28 +157,63 @@ class Transformer(nnx.Module):
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
         x = constrain(self._embed(tokens_BT), ("batch", "length", "embed"))
-        ks, vs, auxes = [], [], []
-        for block in self.blocks:
-            x, (k, v), aux = block(x, positions_BT, dropless)
-            ks.append(k)
-            vs.append(v)
-            if aux is not None:
-                auxes.append(aux)
+        split = [nnx.split(b) for b in self.blocks]
+
+        def layers(graphdefs):  # the blocks of `graphdefs` in order, rematerialised
+            def run(x, states):
+                return self._period(x, positions_BT, dropless, graphdefs, states)
+            if self.cfg.remat == "none":
+                return run
+            return jax.checkpoint(run, policy=REMAT_POLICIES[self.cfg.remat])
+
+        if self.cfg.scan_layers:
+            period = layers([g for g, _ in split])
+
+            def body(x, states):
+                x, ks, vs, auxes = period(x, states)
+                kv = (jnp.stack(ks), jnp.stack(vs)) if return_kv else None
+                return x, (kv, auxes)
+
+            x, (kv, auxes) = jax.lax.scan(body, x, tuple(s for _, s in split))
+            if return_kv:  # [n, p, ...] -> [layers, ...]: layer j*p + r
+                k, v = (a.reshape(-1, *a.shape[2:]) for a in kv)
+        else:
+            ks, vs, auxes = [], [], []
+            for graphdef, state in split:
+                x, k1, v1, aux1 = layers([graphdef])(x, (state,))
+                ks += k1
+                vs += v1
+                auxes += aux1
+            if return_kv:
+                k, v = jnp.stack(ks), jnp.stack(vs)
         logits = constrain(self._logits(x), ("batch", "length", "vocab"))
-        aux = {key: (jnp.mean(jnp.stack([a[key] for a in auxes])) if auxes
-                     else jnp.zeros((), jnp.float32)) for key in AUX_KEYS}
-        kv = KVCache(tuple(ks), tuple(vs)) if return_kv else None
-        return logits, aux, kv
+        aux = {key: (jnp.mean(jnp.concatenate([jnp.reshape(a[key], -1) for a in auxes]))
+                     if auxes else jnp.zeros((), jnp.float32)) for key in AUX_KEYS}
+        return logits, aux, (KVCache(k, v) if return_kv else None)
 
     def decode(self, tokens_B, positions_B, cache: KVCache):
         """One decode step for B slots. Returns (logits_BV f32, updated cache)."""
         x = self._embed(tokens_B[:, None])
-        ks, vs = [], []
-        for block, k, v in zip(self.blocks, cache.k, cache.v):
-            x, k, v = block.decode(x, positions_B, k, v)
-            ks.append(constrain(k, CACHE_AXES))
-            vs.append(constrain(v, CACHE_AXES))
-        return self._logits(x)[:, 0], KVCache(tuple(ks), tuple(vs))
+        p = len(self.blocks)
+        if self.cfg.scan_layers:
+            split = [nnx.split(b) for b in self.blocks]
+
+            def body(carry, xs):
+                x, cache = carry
+                j, states = xs
+                for r, ((graphdef, _), state) in enumerate(zip(split, states)):
+                    x, cache = nnx.merge(graphdef, state).decode(x, positions_B, cache,
+                                                                 j * p + r)
+                return (x, cache), None
+
+            n = self.cfg.num_layers // p
+            (x, cache), _ = jax.lax.scan(body, (x, cache),
+                                         (jnp.arange(n), tuple(s for _, s in split)))
+        else:
+            for layer, block in enumerate(self.blocks):
+                x, cache = block.decode(x, positions_B, cache, layer)
+        cache = KVCache(constrain(cache.k, CACHE_AXES), constrain(cache.v, CACHE_AXES))
+        return self._logits(x)[:, 0], cache
 
 
 def create(cfg: ModelConfig, seed: int = 0):

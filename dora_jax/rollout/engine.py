@@ -55,7 +55,7 @@ class EngineParams(NamedTuple):
 class DecodeState(NamedTuple):
     """Everything generate needs, for S slots. Donated to (consumed by) each call."""
 
-    cache: transformer.KVCache  # per layer [S, cache_length, kv_heads, head_dim]
+    cache: transformer.KVCache  # [layers, S, cache_length, kv_heads, head_dim] each
     tokens: jax.Array  # int32[S] next decode input: the slot's last sampled token
     positions: jax.Array  # int32[S] position of that token in prompt + response
     steps: jax.Array  # int32[S] response index of the next token to sample
@@ -66,7 +66,7 @@ class DecodeState(NamedTuple):
 class Prefix(NamedTuple):
     """One request's decode state, ready for `insert` (from prefill or extract)."""
 
-    cache: transformer.KVCache  # per layer [1, T, kv_heads, head_dim], T <= cache_length
+    cache: transformer.KVCache  # [layers, 1, T, kv_heads, head_dim], T <= cache_length
     token: jax.Array  # int32[] last sampled token (next decode input)
     position: jax.Array  # int32[] its position
     step: jax.Array  # int32[] response index of the next token to sample
@@ -168,8 +168,7 @@ class Engine:
             param_shardings(abstract, mesh, self.rules))))
         rep = NamedSharding(mesh, PartitionSpec())
         cache_sh = NamedSharding(mesh, logical_to_spec(transformer.CACHE_AXES, self.rules, mesh))
-        n = model_cfg.num_layers
-        kv_sh = transformer.KVCache((cache_sh,) * n, (cache_sh,) * n)
+        kv_sh = transformer.KVCache(cache_sh, cache_sh)
         self._state_sh = DecodeState(kv_sh, rep, rep, rep, rep, rep)
         self._prefix_sh = Prefix(kv_sh, rep, rep, rep, rep, rep)
         res_sh = ResultTokens(rep)
@@ -281,8 +280,8 @@ class Engine:
         if not 0 <= slot < self.max_concurrent_decodes:
             raise ValueError(f"insert: slot {slot} out of range [0, "
                              f"{self.max_concurrent_decodes})")
-        if prefix.cache.k[0].shape[1] > self.cache_length:
-            raise ValueError(f"insert: prefix of length {prefix.cache.k[0].shape[1]} exceeds "
+        if prefix.cache.length > self.cache_length:
+            raise ValueError(f"insert: prefix of length {prefix.cache.length} exceeds "
                              f"cache_length {self.cache_length}")
         return self._insert_jit(prefix, decode_state, np.int32(slot))
 
@@ -349,9 +348,9 @@ class Engine:
         return prefix, result
 
     def _insert_fn(self, prefix: Prefix, state: DecodeState, slot):
-        def put(cache_SLKD, new_1TKD):
-            return jax.lax.dynamic_update_slice(cache_SLKD, new_1TKD.astype(cache_SLKD.dtype),
-                                                (slot, 0, 0, 0))
+        def put(cache_LSCKD, new_L1TKD):
+            return jax.lax.dynamic_update_slice(
+                cache_LSCKD, new_L1TKD.astype(cache_LSCKD.dtype), (0, slot, 0, 0, 0))
 
         cache = jax.tree.map(put, state.cache, prefix.cache)
         return DecodeState(cache, state.tokens.at[slot].set(prefix.token),
@@ -361,7 +360,7 @@ class Engine:
                            state.active.at[slot].set(prefix.active))
 
     def _extract_fn(self, state: DecodeState, slot):
-        cache = jax.tree.map(lambda c: jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=0),
+        cache = jax.tree.map(lambda c: jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=1),
                              state.cache)
         return Prefix(cache, state.tokens[slot], state.positions[slot], state.steps[slot],
                       state.keys[slot], state.active[slot])

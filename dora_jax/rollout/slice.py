@@ -248,9 +248,9 @@ class DecodeSlice:
         self._check_accepts([f.request.request_id for f in inflights],
                             [f.version for f in inflights])
         for f in inflights:
-            if f.prefix is not None and f.prefix.cache.k[0].shape[1] != self.engine.cache_length:
+            if f.prefix is not None and f.prefix.cache.length != self.engine.cache_length:
                 raise RolloutError(f"slice {self.slice_id}: imported KV cache has length "
-                                   f"{f.prefix.cache.k[0].shape[1]}, this slice "
+                                   f"{f.prefix.cache.length}, this slice "
                                    f"{self.engine.cache_length}")
         dst = self.engine.get_prefix_destination_sharding()
         for f in inflights:
