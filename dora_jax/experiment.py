@@ -66,9 +66,12 @@ def warm_up(slices, trainer, cfg: Config) -> None:
             # Fill the bucket: a re-prefill bucket needs prompt + tokens so far.
             length = min(bucket, r.cache_length - 1)
             prompt_len = min(length, r.max_prefill_length)
-            prefix, _ = engine.prefill(params=sl.params, rng=0,
-                                       padded_tokens=np.full(bucket, tasks.BOS, np.int32),
+            padded = np.full(bucket, tasks.BOS, np.int32)
+            prefix, _ = engine.prefill(params=sl.params, rng=0, padded_tokens=padded,
                                        true_length=length, num_generated=length - prompt_len)
+            if length == prompt_len:  # a prompt: another sample of its group reuses it
+                prefix, _ = engine.prefill(params=sl.params, rng=1, padded_tokens=padded,
+                                           true_length=length, existing_prefix=prefix)
             state = engine.insert(prefix, state, 0)
         state, _ = engine.generate(sl.params, state)
         # A migrated request arrives as a whole-cache prefix: its insert compiles too.

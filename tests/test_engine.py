@@ -126,5 +126,9 @@ def test_api_surface_and_bad_calls():
     prefix, _ = eng.prefill(params=params, padded_tokens=np.ones(8, np.int32), true_length=2)
     with pytest.raises(ValueError, match="slot 4 out of range"):
         eng.insert(prefix, state, 4)
+    with pytest.raises(ValueError, match="extending a prefix is not supported"):
+        eng.prefill(params=params, padded_tokens=np.ones(16, np.int32), true_length=12,
+                    num_generated=4, existing_prefix=prefix)
+    assert eng.colocated_cpus is None
     with pytest.raises(ValueError, match="structure"):
         eng.load_params(rc.params("moe", 0))

@@ -289,3 +289,27 @@ def test_sharded_slice_decodes_and_takes_migrated_requests(model, shape):
     want = rc.greedy_reference(model, p0, rc.PROMPTS[:rc.SLOTS], rc.eos_id())
     assert [got[r.request_id].response_tokens for r in reqs] == want
     assert all(got[r.request_id].slice_ids == [0, 3] for r in reqs)
+
+
+def test_a_group_is_prefilled_once_and_samples_as_if_alone():
+    """Four samples of one prompt submitted together: one forward pass over the
+    prompt, the other three start from its prefix, and every sample's tokens and
+    log-probs equal those of the same request decoded alone (its own prefill)."""
+    sl = rc.make_slice(1, "dense", "sampled", 1)
+    group = [Request(group_id=5, prompt_id="p", sample_index=k, prompt_tokens=rc.PROMPTS[2],
+                     seed=200 + k, version=0) for k in range(4)]
+    for r in group:
+        sl.submit(r)
+    together = {t.request_id: t for t in sl.drain()}
+    assert (sl.stats.prefills, sl.stats.prefills_shared) == (1, 3)
+    assert len({tuple(t.response_tokens) for t in together.values()}) > 1  # distinct samples
+    for r in group:
+        alone = rc.make_slice(1, "dense", "sampled", 1)
+        alone.submit(r)
+        (t,) = alone.drain()
+        assert alone.stats.prefills == 1
+        assert together[r.request_id].response_tokens == t.response_tokens
+        np.testing.assert_allclose(together[r.request_id].behaviour_logprobs,
+                                   t.behaviour_logprobs, rtol=0, atol=1e-6)
+    # The prefix is forgotten once the group has left the slice.
+    assert not sl._prompt_prefixes

@@ -8,8 +8,11 @@
 - Compile time against depth: the train step's gradient at 4 and 32 layers, layers
   scanned, against the unrolled model (interleaved, repeated, median).
 
-Ends with `train peak memory T=4096 / T=512: X` (blockwise + remat) and
-`compile time 32 layers / 4 layers: Y` (scanned).
+- Prefills per group: two groups of four samples decoded on one slice of the tiny
+  config (configs/tiny.py); forward passes over prompts per group.
+
+Ends with `train peak memory T=4096 / T=512: X` (blockwise + remat),
+`compile time 32 layers / 4 layers: Y` (scanned) and `prefills per group: P`.
 """
 
 from __future__ import annotations
@@ -69,6 +72,29 @@ def compile_seconds(cfg, T: int = 128) -> float:
     return time.perf_counter() - start
 
 
+def prefills_per_group(groups: int = 2, group_size: int = 4) -> float:
+    import jax
+    from jax.sharding import Mesh
+    import numpy as np
+
+    from dora_jax import config as config_lib
+    from dora_jax.bench import CONFIGS
+    from dora_jax.model import transformer
+    from dora_jax.rollout import DecodeSlice, Request
+
+    cfg = config_lib.validate(config_lib.load(str(CONFIGS / "tiny.py")))
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), config_lib.SLICE_MESH_AXES)
+    sl = DecodeSlice.create(0, mesh, cfg.model, cfg.rollout, rules=cfg.mesh.decode_rules)
+    sl.load_version(0, transformer.create(cfg.model, 0)[1])
+    for g in range(groups):
+        for k in range(group_size):
+            sl.submit(Request(group_id=g, prompt_id=str(g), sample_index=k, version=0,
+                              prompt_tokens=[1, 5 + g, 7, 9], seed=100 * g + k))
+    finished = sl.drain()
+    assert len(finished) == groups * group_size
+    return sl.stats.prefills / groups
+
+
 def main(argv):
     del argv
     import jax
@@ -98,6 +124,7 @@ def main(argv):
         print(f"{'scanned' if scan else 'unrolled':16} compile 4 layers {med[(scan, 4)]:6.2f} s, "
               f"32 layers {med[(scan, 32)]:6.2f} s, ratio {med[(scan, 32)] / med[(scan, 4)]:.2f}")
     lines.append(f"compile time 32 layers / 4 layers: {med[(True, 32)] / med[(True, 4)]:.2f}")
+    lines.append(f"prefills per group: {prefills_per_group():g}")
     print("\n".join(lines))
 
 

@@ -72,6 +72,9 @@ class Prefix(NamedTuple):
     step: jax.Array  # int32[] response index of the next token to sample
     key: jax.Array  # uint32[2] request RNG key data
     active: jax.Array  # bool[] False if the request has already finished
+    # f32[V] logits that sampled `token`: another sample of the same prompt draws its
+    # first token from them (`prefill(existing_prefix=...)`); zeros once extracted.
+    logits: jax.Array
 
 
 class ResultTokens(NamedTuple):
@@ -170,7 +173,7 @@ class Engine:
         cache_sh = NamedSharding(mesh, logical_to_spec(transformer.CACHE_AXES, self.rules, mesh))
         kv_sh = transformer.KVCache(cache_sh, cache_sh)
         self._state_sh = DecodeState(kv_sh, rep, rep, rep, rep, rep)
-        self._prefix_sh = Prefix(kv_sh, rep, rep, rep, rep, rep)
+        self._prefix_sh = Prefix(kv_sh, rep, rep, rep, rep, rep, rep)
         res_sh = ResultTokens(rep)
         self._prefill_jit = jax.jit(
             self._prefill_fn, in_shardings=(self._param_sh, rep, rep, rep, rep),
@@ -185,6 +188,8 @@ class Engine:
         self._init_jit = jax.jit(self._init_fn, out_shardings=self._state_sh)
         self._extract_jit = jax.jit(self._extract_fn, in_shardings=(self._state_sh, rep),
                                     out_shardings=self._prefix_sh)
+        self._resample_jit = jax.jit(self._resample_fn, in_shardings=(self._prefix_sh, rep, rep),
+                                     out_shardings=(self._prefix_sh, res_sh))
 
     # ------------------------------------------------------------ Engine API
 
@@ -243,10 +248,20 @@ class Engine:
         """Empty decode state: S inactive slots, zero KV cache."""
         return self._init_jit()
 
+    @property
+    def colocated_cpus(self):
+        """Engine API: host CPUs colocated with the slice's devices; none are assigned."""
+        return None
+
     def prefill(self, *, params: EngineParams, padded_tokens, true_length: int, rng=None,
-                num_generated: int = 0):
+                num_generated: int = 0, existing_prefix: Prefix | None = None):
         """Runs the prompt (or prompt + tokens so far) through the model and samples
         the next token. Returns (Prefix, ResultTokens with B=1).
+
+        existing_prefix: a Prefix this engine prefilled from exactly these tokens (the
+          same prompt, another sample of its group): its KV and logits are reused and
+          only the first token is drawn, with this request's rng — no forward pass.
+          Extending a shorter prefix is not supported (prefill the whole sequence).
 
         padded_tokens: int[T] with T one of `self.buckets` (see `pad_tokens`); the
           first `true_length` are real.
@@ -271,6 +286,12 @@ class Engine:
         if rng is None and not self.sampling_params.greedy:
             raise ValueError("prefill: a per-request rng is required when sampling")
         key = sampling.key_data_from_seed(0 if rng is None else rng)
+        if existing_prefix is not None:
+            if existing_prefix.cache.length != tokens_T.shape[0]:
+                raise ValueError(f"prefill: existing_prefix holds {existing_prefix.cache.length}"
+                                 f" positions, padded_tokens {tokens_T.shape[0]}: extending "
+                                 f"a prefix is not supported")
+            return self._resample_jit(existing_prefix, key, np.int32(num_generated))
         return self._prefill_jit(params, tokens_T, np.int32(true_length), key,
                                  np.int32(num_generated))
 
@@ -342,7 +363,8 @@ class Engine:
         token_1, logprob_1 = sampling.sample(logits_1V, sampling.step_keys(key[None], step_1),
                                              self.sampling_params)
         finished_1 = self._finished(token_1, step_1)
-        prefix = Prefix(kv, token_1[0], true_length, num_generated + 1, key, ~finished_1[0])
+        prefix = Prefix(kv, token_1[0], true_length, num_generated + 1, key, ~finished_1[0],
+                        logits_1V[0].astype(jnp.float32))
         result = ResultTokens.pack(token_1, logprob_1, true_length[None], step_1,
                                    jnp.ones(1, bool), finished_1)
         return prefix, result
@@ -363,7 +385,20 @@ class Engine:
         cache = jax.tree.map(lambda c: jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=1),
                              state.cache)
         return Prefix(cache, state.tokens[slot], state.positions[slot], state.steps[slot],
-                      state.keys[slot], state.active[slot])
+                      state.keys[slot], state.active[slot],
+                      jnp.zeros(self.model_cfg.vocab_size, jnp.float32))
+
+    def _resample_fn(self, prefix: Prefix, key, num_generated):
+        """The first token of another sample of `prefix`'s prompt, from its logits."""
+        step_1 = num_generated[None]
+        token_1, logprob_1 = sampling.sample(prefix.logits[None],
+                                             sampling.step_keys(key[None], step_1),
+                                             self.sampling_params)
+        finished_1 = self._finished(token_1, step_1)
+        result = ResultTokens.pack(token_1, logprob_1, prefix.position[None], step_1,
+                                   jnp.ones(1, bool), finished_1)
+        return prefix._replace(token=token_1[0], step=num_generated + 1, key=key,
+                               active=~finished_1[0]), result
 
     def _generate_steps_fn(self, params: EngineParams, state: DecodeState, max_steps):
         n, S = self.decode_steps, self.max_concurrent_decodes

@@ -84,6 +84,9 @@ class DecodeSlice:
         self._pending: list = []  # (seq, prefill ResultTokens on device) not yet dispatched
         self._inflight = None  # (pending prefills, generate ResultTokens) not yet read
         self._done: list = []  # finished Trajectories not yet returned by step()
+        # Prompt prefixes of the groups held here, under the resident params: a
+        # group's later samples start from them without another forward pass.
+        self._prompt_prefixes: dict = {}  # (group_id, prompt) -> Prefix
 
     @classmethod
     def create(cls, slice_id, mesh, model_cfg, rollout_cfg, *, lookahead: bool = True,
@@ -162,6 +165,7 @@ class DecodeSlice:
         loaded = jax.block_until_ready(self.engine.load_params(params))
         seconds = time.perf_counter() - t0
         self.params, self.version = loaded, version
+        self._prompt_prefixes.clear()  # computed under the previous params
         self.stats.weight_loads += 1
         self.stats.weight_transfer_seconds += seconds
         self.load_log.append((version, seconds))
@@ -200,6 +204,10 @@ class DecodeSlice:
         if record is not None:
             self._read(*record)
         done, self._done = self._done, []
+        if self._prompt_prefixes:  # forget groups no longer held here
+            live = {rid[0] for rid in self._held}
+            for key in [k for k in self._prompt_prefixes if k[0] not in live]:
+                del self._prompt_prefixes[key]
         return done
 
     def drain(self, max_steps: int | None = None) -> list:
@@ -297,18 +305,28 @@ class DecodeSlice:
                              f"[0, {vocab})")
 
     def _start(self, seq: _Seq, slot: int):
-        """Prefills prompt + tokens so far into `slot`; the result is read at the
+        """Prefills prompt + tokens so far into `slot` (a fresh sample of a group
+        already prefilled here reuses its prompt's prefix); the result is read at the
         next sync."""
-        padded, n = self.engine.pad_tokens(list(seq.request.prompt_tokens) + seq.tokens)
+        r = seq.request
+        padded, n = self.engine.pad_tokens(list(r.prompt_tokens) + seq.tokens)
+        key = (r.group_id, tuple(r.prompt_tokens))
+        shared = None if seq.tokens else self._prompt_prefixes.get(key)
         prefix, result = self.engine.prefill(params=self.params, padded_tokens=padded,
-                                             true_length=n, rng=seq.request.key_data(),
-                                             num_generated=len(seq.tokens))
+                                             true_length=n, rng=r.key_data(),
+                                             num_generated=len(seq.tokens),
+                                             existing_prefix=shared)
+        if shared is not None:
+            self.stats.prefills_shared += 1
+        else:
+            self.stats.prefills += 1
+            if not seq.tokens:
+                self._prompt_prefixes[key] = prefix
         self.state = self.engine.insert(prefix, self.state, slot)
         if seq.t_start is None:
             seq.t_start = self.clock()
         self._place(seq, slot)
         self._pending.append((seq, result))
-        self.stats.prefills += 1
 
     def _place(self, seq: _Seq, slot: int):
         m = len(seq.tokens)

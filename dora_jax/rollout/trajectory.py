@@ -125,7 +125,8 @@ class SliceStats:
     generate_steps: int = 0  # decode steps run (read back), up to decode_steps per call
     busy_slot_steps: int = 0  # slots that produced a token, summed over steps read
     total_slot_steps: int = 0  # S per decode step run
-    prefills: int = 0
+    prefills: int = 0  # forward passes over a prompt (+ tokens so far)
+    prefills_shared: int = 0  # samples started from their group's prompt prefix
     finished: int = 0
     weight_loads: int = 0
     weight_transfer_seconds: float = 0.0

@@ -314,6 +314,9 @@ class Runtime:
         self._shutdown()
         summary = self.reporter.summary(self.slices, self.timeline)
         summary["max_resident_versions"] = self.max_resident_versions
+        # Forward passes over prompts (re-prefills included) per admitted group.
+        summary["prefills_per_group"] = round(sum(sl.stats.prefills for sl in self.slices)
+                                              / max(self.sched.next_group_id, 1), 3)
         return summary
 
     def _write_unconsumed(self):

@@ -51,9 +51,10 @@ def assign_pending(sched: "Scheduler", slice_ok: Callable[[SliceState], bool] = 
     serving slice accepted by `slice_ok` and, if `match_version` (C1), holding the
     group's version.
 
-    The slice with the most free slots wins (lowest id on ties): spreading requests
-    keeps per-slice batches small, which continuous-batching engines decode fastest.
-    Heaps keyed by version keep this O(pending * log slices) for large clusters."""
+    A group's samples go to the slice with the most free slots (lowest id on ties),
+    as many as fit there, so the slice prefills the group's prompt once; the rest
+    go to the next such slice. Heaps keyed by version keep this
+    O(pending * log slices) for large clusters."""
     if not sched.has_pending():
         return []
     heaps: dict = {}
@@ -64,15 +65,23 @@ def assign_pending(sched: "Scheduler", slice_ok: Callable[[SliceState], bool] = 
                 (-n, sl.slice_id))
     for h in heaps.values():
         heapq.heapify(h)
-    acts = []
+    acts, cur = [], None  # cur: [group_id, heap, -free slots left, slice id]
+
+    def put_back():
+        if cur is not None and cur[2] < 0:
+            heapq.heappush(cur[1], (cur[2], cur[3]))
+
     for g, k in list(sched.pending_samples()):
-        h = heaps.get(g.version if match_version else None)
-        if not h:
-            continue
-        neg_free, sid = heapq.heappop(h)
-        acts.append(sched.do_assign(g.group_id, k, sid))
-        if neg_free + 1 < 0:
-            heapq.heappush(h, (neg_free + 1, sid))
+        if cur is None or cur[0] != g.group_id or cur[2] == 0:
+            put_back()
+            cur = None
+            h = heaps.get(g.version if match_version else None)
+            if not h:
+                continue
+            cur = [g.group_id, h, *heapq.heappop(h)]
+        acts.append(sched.do_assign(g.group_id, k, cur[3]))
+        cur[2] += 1
+    put_back()
     return acts
 
 
