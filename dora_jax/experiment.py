@@ -74,8 +74,10 @@ def warm_up(slices, trainer, cfg: Config) -> None:
                                            true_length=length, existing_prefix=prefix)
             state = engine.insert(prefix, state, 0)
         state, _ = engine.generate(sl.params, state)
-        # A migrated request arrives as a whole-cache prefix: its insert compiles too.
-        state = engine.insert(engine.extract(state, 0), state, 1)
+        # A migrated request moves the bucket holding its positions: every length's
+        # extract and insert compile too.
+        for used in sorted(set(engine.buckets) | {r.cache_length}):
+            state = engine.insert(engine.extract(state, 0, used=used), state, 1)
         jax.block_until_ready(state)
 
 

@@ -153,6 +153,9 @@ def test_migration_mid_sequence_continues_identically():
     dst.load_version(1, rc.params("dense", 1))
     out = src.export_requests([r.request_id for r in moved])
     assert [len(f.response_tokens) for f in out] == [4, 4, 4]
+    # Only the bucket holding prompt + 4 tokens moves, not the whole cache (20).
+    assert [f.prefix.cache.length for f in out] == [
+        8 if len(f.request.prompt_tokens) + 4 <= 8 else 16 for f in out]
     assert src.num_requests == 1 and src.num_free_slots == rc.SLOTS - 1
     with pytest.raises(VersionMismatchError):
         dst.import_requests(out)  # versions differ: refused, nothing taken

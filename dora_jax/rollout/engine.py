@@ -186,7 +186,8 @@ class Engine:
             in_shardings=(self._param_sh, self._state_sh, rep),
             out_shardings=(self._state_sh, res_sh))
         self._init_jit = jax.jit(self._init_fn, out_shardings=self._state_sh)
-        self._extract_jit = jax.jit(self._extract_fn, in_shardings=(self._state_sh, rep),
+        self._extract_jit = jax.jit(self._extract_fn, static_argnums=(2,),
+                                    in_shardings=(self._state_sh, rep),
                                     out_shardings=self._prefix_sh)
         self._resample_jit = jax.jit(self._resample_fn, in_shardings=(self._prefix_sh, rep, rep),
                                      out_shardings=(self._prefix_sh, res_sh))
@@ -320,12 +321,16 @@ class Engine:
 
     # ----------------------------------------------------------- extensions
 
-    def extract(self, decode_state: DecodeState, slot: int) -> Prefix:
-        """A slot's whole decode state as a Prefix (KV cache of cache_length, next
-        input token, position, RNG key and step): what migration moves."""
+    def extract(self, decode_state: DecodeState, slot: int, used: int | None = None) -> Prefix:
+        """A slot's decode state as a Prefix (next input token, position, RNG key,
+        step, and its KV cache): what migration moves. With `used` (positions
+        written so far, prompt + response), only the smallest bucket holding them is
+        moved rather than the whole cache_length."""
         if not 0 <= slot < self.max_concurrent_decodes:
             raise ValueError(f"extract: slot {slot} out of range")
-        return self._extract_jit(decode_state, np.int32(slot))
+        length = self.cache_length if used is None else pick_bucket(
+            used, self.buckets + (self.cache_length,), "extract buckets")
+        return self._extract_jit(decode_state, np.int32(slot), length)
 
     def pad_tokens(self, tokens) -> tuple[np.ndarray, int]:
         """(tokens padded with pad_id to their bucket, true length)."""
@@ -381,9 +386,10 @@ class Engine:
                            state.keys.at[slot].set(prefix.key),
                            state.active.at[slot].set(prefix.active))
 
-    def _extract_fn(self, state: DecodeState, slot):
-        cache = jax.tree.map(lambda c: jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=1),
-                             state.cache)
+    def _extract_fn(self, state: DecodeState, slot, length: int):
+        cache = jax.tree.map(
+            lambda c: jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=1)[:, :, :length],
+            state.cache)
         return Prefix(cache, state.tokens[slot], state.positions[slot], state.steps[slot],
                       state.keys[slot], state.active[slot],
                       jnp.zeros(self.model_cfg.vocab_size, jnp.float32))

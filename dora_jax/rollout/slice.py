@@ -239,7 +239,8 @@ class DecodeSlice:
                 self._waiting.remove(seq)
             else:
                 self._flush(seq)
-                prefix = self.engine.extract(self.state, seq.slot)
+                prefix = self.engine.extract(  # only the positions written so far
+                    self.state, seq.slot, used=len(seq.request.prompt_tokens) + len(seq.tokens))
                 self._free(seq)
             out.append(InFlight(
                 request=seq.request, version=seq.version, response_tokens=seq.tokens,
@@ -256,9 +257,9 @@ class DecodeSlice:
         self._check_accepts([f.request.request_id for f in inflights],
                             [f.version for f in inflights])
         for f in inflights:
-            if f.prefix is not None and f.prefix.cache.length != self.engine.cache_length:
+            if f.prefix is not None and f.prefix.cache.length > self.engine.cache_length:
                 raise RolloutError(f"slice {self.slice_id}: imported KV cache has length "
-                                   f"{f.prefix.cache.length}, this slice "
+                                   f"{f.prefix.cache.length}, more than this slice's "
                                    f"{self.engine.cache_length}")
         dst = self.engine.get_prefix_destination_sharding()
         for f in inflights:
