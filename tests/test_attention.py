@@ -83,3 +83,21 @@ def test_blockwise_training_memory_is_linear_in_length():
     ratio_dense = peak(attention.dense_causal, 2048) / peak(attention.dense_causal, 256)
     assert ratio_block <= 10, ratio_block
     assert ratio_dense > 30, ratio_dense
+
+
+def test_splash_runs_per_shard_under_the_trainer_rules():
+    """Inside activation_rules the kernel runs under shard_map (batch over data x
+    fsdp, heads over tensor) and still equals the dense attention."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from dora_jax import config as config_lib
+    from dora_jax.model import sharding
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2, 1), config_lib.TRAINER_MESH_AXES)
+    q, k, v = _qkv(4, 128, 4, 2, 128, seed=4)
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp"), None, "tensor")))
+    fn = jax.jit(lambda q, k, v: attention.causal_attention(q, k, v, "splash", block=128,
+                                                            interpret=True))
+    with sharding.activation_rules(mesh, config_lib.TRAINER_RULES):
+        got = fn(put(q), put(k), put(v))
+    np.testing.assert_allclose(got, attention.dense_causal(q, k, v), atol=2e-4, rtol=2e-4)

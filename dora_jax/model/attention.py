@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from dora_jax.config import ATTENTION_IMPLS
+from dora_jax.model.sharding import active_rules, logical_to_spec
 
 NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax, not NaN
 
@@ -207,8 +208,12 @@ def resolve(implementation: str, backend: str | None = None) -> str:
 
 
 def causal_attention(q_BTHD, k_BTKD, v_BTKD, implementation: str = "auto",
-                     block: int = 512):
-    """Causal self-attention by `implementation` (see the module docstring)."""
+                     block: int = 512, interpret: bool = False):
+    """Causal self-attention by `implementation` (see the module docstring).
+
+    A Pallas kernel cannot be partitioned by XLA: inside `sharding.activation_rules`
+    splash runs per shard under `shard_map` (batch and heads split by the rules;
+    the sequence is never split). `interpret` runs it in Pallas' interpreter (CPU)."""
     impl = resolve(implementation)
     if impl == "dense":
         return dense_causal(q_BTHD, k_BTKD, v_BTKD)
@@ -217,6 +222,14 @@ def causal_attention(q_BTHD, k_BTKD, v_BTKD, implementation: str = "auto",
     if impl == "cudnn":
         return cudnn_causal(q_BTHD, k_BTKD, v_BTKD)
     if impl == "splash":
-        return splash_causal(q_BTHD, k_BTKD, v_BTKD, block)
+        kernel = functools.partial(splash_causal, block=block, interpret=interpret)
+        ctx = active_rules()
+        if ctx is None:
+            return kernel(q_BTHD, k_BTKD, v_BTKD)
+        mesh, rules = ctx
+        q_spec = logical_to_spec(("batch", "length", "heads", "head_dim"), rules, mesh)
+        kv_spec = logical_to_spec(("batch", "length", "kv_heads", "head_dim"), rules, mesh)
+        return jax.shard_map(kernel, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec),
+                             out_specs=q_spec, check_vma=False)(q_BTHD, k_BTKD, v_BTKD)
     raise ValueError(f"unknown attention implementation {implementation!r}; "
                      f"known: {ATTENTION_IMPLS}")

@@ -46,7 +46,8 @@ def logical_to_spec(names: Iterable[str | None], rules: Rules,
     return PartitionSpec(*spec)
 
 
-def _is_var(x) -> bool:
+def is_variable(x) -> bool:
+    """A leaf test for trees of nnx Variables (params with their metadata)."""
     return isinstance(x, nnx.Variable)
 
 
@@ -59,7 +60,7 @@ def param_specs(state: nnx.State, rules: Rules, mesh: Mesh | None = None):
             return PartitionSpec()
         return logical_to_spec(axes, rules, mesh)
 
-    return jax.tree.map(spec, state, is_leaf=_is_var)
+    return jax.tree.map(spec, state, is_leaf=is_variable)
 
 
 def param_shardings(state: nnx.State, mesh: Mesh, rules: Rules):
@@ -86,6 +87,11 @@ def activation_rules(mesh: Mesh | None, rules: Rules | None):
         yield
     finally:
         _local.ctx = prev
+
+
+def active_rules() -> tuple | None:
+    """The (mesh, rules) of the enclosing `activation_rules`, or None."""
+    return getattr(_local, "ctx", None)
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

@@ -24,7 +24,7 @@ from flax import nnx
 from dora_jax.config import ModelConfig
 from dora_jax.model.layers import Attention, RMSNorm, SwiGLU, param
 from dora_jax.model.moe import MoE
-from dora_jax.model.sharding import constrain
+from dora_jax.model.sharding import constrain, is_variable
 
 AUX_KEYS = ("load_balance_loss", "router_z_loss", "dropped_fraction")
 
@@ -49,7 +49,7 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> KVCache
 CACHE_AXES = ("layers", "batch", "cache_length", "kv_heads", "head_dim")
 
 # What a layer keeps for the backward pass (`model.remat`); "none": everything.
-REMAT_POLICIES = {
+_CHECKPOINT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "offload_dots": jax.checkpoint_policies.offload_dot_with_no_batch_dims(
@@ -89,7 +89,7 @@ class Block(nnx.Module):
 
 def stack_layers(blocks) -> "Block":
     """One Block whose every param gains a leading "layers" axis: `blocks` stacked."""
-    graphdef, first = nnx.split(blocks[0])
+    graphdef = nnx.graphdef(blocks[0])
     states = [nnx.split(b)[1] for b in blocks]
 
     def stack(*variables):
@@ -97,11 +97,7 @@ def stack_layers(blocks) -> "Block":
         meta["logical_axes"] = ("layers",) + tuple(meta.get("logical_axes") or ())
         return type(variables[0])(jnp.stack([v[...] for v in variables]), **meta)
 
-    return nnx.merge(graphdef, jax.tree.map(stack, *states, is_leaf=_is_var))
-
-
-def _is_var(x) -> bool:
-    return isinstance(x, nnx.Variable)
+    return nnx.merge(graphdef, jax.tree.map(stack, *states, is_leaf=is_variable))
 
 
 class Transformer(nnx.Module):
@@ -164,7 +160,7 @@ class Transformer(nnx.Module):
                 return self._period(x, positions_BT, dropless, graphdefs, states)
             if self.cfg.remat == "none":
                 return run
-            return jax.checkpoint(run, policy=REMAT_POLICIES[self.cfg.remat])
+            return jax.checkpoint(run, policy=_CHECKPOINT_POLICIES[self.cfg.remat])
 
         if self.cfg.scan_layers:
             period = layers([g for g, _ in split])
