@@ -20,6 +20,7 @@ import os
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 
@@ -72,6 +73,15 @@ class Checkpointer:
                                                extra=ocp.args.JsonRestore()))
         return out.state, dict(out.extra or {})
 
+    def restore_as_saved(self, step: int | None = None) -> Any:
+        """Checkpoint `step` (default: the latest) as it was saved: nested dicts of
+        host arrays, whatever the current model looks like."""
+        step = self.latest_step() if step is None else step
+        out = self._manager.restore(
+            int(step), args=ocp.args.Composite(state=ocp.args.StandardRestore(None),
+                                               extra=ocp.args.JsonRestore()))
+        return out.state
+
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
@@ -95,13 +105,56 @@ class Checkpointer:
 
 def load_params(directory: str, like: Any) -> Any:
     """The params saved last in `directory` (e.g. by `dora_jax.sft`), restored with the
-    structure, shapes, dtypes and shardings of `like`. FileNotFoundError, naming the
-    directory, if it holds no checkpoint (nothing is created there)."""
+    structure, shapes, dtypes and shardings of `like`. Params saved with the layers
+    unrolled load into a model that scans them, and the other way round
+    (`model.scan_layers`). FileNotFoundError, naming the directory, if it holds no
+    checkpoint (nothing is created there); ValueError if the params do not fit."""
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"no checkpoint directory at {directory!r}")
     with Checkpointer(directory, async_save=False) as checkpointer:
-        params, _ = checkpointer.restore(like)
+        try:
+            params, _ = checkpointer.restore(like)
+        except ValueError as mismatch:
+            raw = checkpointer.restore_as_saved()
+            try:
+                params = _relayout_blocks(raw, like)
+            except (KeyError, ValueError) as e:
+                raise ValueError(f"params in {directory!r} do not fit this model "
+                                 f"({e}); Orbax: {str(mismatch)[:300]}") from mismatch
     return params
+
+
+def _relayout_blocks(raw: dict, like: Any) -> Any:
+    """`raw` (a restored params tree, nested dicts) in `like`'s layout of blocks:
+    layer i unrolled is row i // p of stacked block i % p, where p is the number of
+    stacked blocks (the dense/MoE period)."""
+    have, want = raw["blocks"], like["blocks"]
+    if len(have) > len(want):  # unrolled -> stacked
+        p, n = len(want), len(have) // len(want)
+        if len(have) != p * n:
+            raise ValueError(f"{len(have)} saved layers do not stack into {p} blocks")
+        blocks = {str(r): jax.tree.map(lambda *xs: np.stack(xs),
+                                       *[have[str(j * p + r)] for j in range(n)])
+                  for r in range(p)}
+    elif len(have) < len(want):  # stacked -> unrolled
+        p = len(have)
+        blocks = {str(i): jax.tree.map(lambda x, i=i: np.asarray(x)[i // p], have[str(i % p)])
+                  for i in range(len(want))}
+    else:
+        raise ValueError("the saved blocks have this model's layout, yet do not match it")
+    raw = dict(raw, blocks=blocks)
+
+    def pick(path, target):
+        node = raw
+        for key in path:
+            node = node[str(getattr(key, "key", getattr(key, "name", key)))]
+        value = np.asarray(node)
+        if value.shape != target.shape:
+            raise ValueError(f"{jax.tree_util.keystr(path)}: saved shape {value.shape}, "
+                             f"model {target.shape}")
+        return jax.device_put(value.astype(target.dtype), getattr(target, "sharding", None))
+
+    return jax.tree_util.tree_map_with_path(pick, like)
 
 
 def _abstract(x):

@@ -109,3 +109,30 @@ def test_retention_and_missing(tmp_path):
         assert int(state["n"]) == 2
         with pytest.raises(FileNotFoundError, match="step 0"):
             ckpt.restore(tree, step=0)
+
+
+@pytest.mark.parametrize("saved_scanned", [False, True])
+def test_params_load_across_layer_layouts(tmp_path, load_config, saved_scanned):
+    """Params saved with layers unrolled load into a scanned model (and back), giving
+    the saving model's logits; params of another shape are refused by name."""
+    import dataclasses
+
+    from dora_jax.checkpointing import load_params
+    from dora_jax.model import transformer as tf
+
+    base = load_config("configs/moe.py:tiny").model
+    base = dataclasses.replace(base, num_layers=4,
+                               moe=dataclasses.replace(base.moe, moe_every=2))
+    saved_cfg = dataclasses.replace(base, scan_layers=saved_scanned)
+    load_cfg = dataclasses.replace(base, scan_layers=not saved_scanned)
+    graphdef, params = tf.create(saved_cfg, seed=3)
+    with Checkpointer(tmp_path / "ck", async_save=False) as ck:
+        ck.save(1, params, force=True)
+    load_graphdef, like = tf.create(load_cfg, seed=9)  # other values, other layout
+    loaded = load_params(str(tmp_path / "ck"), like)
+    tokens = jax.random.randint(jax.random.key(0), (2, 7), 0, base.vocab_size)
+    np.testing.assert_allclose(tf.apply(load_graphdef, loaded, tokens, dropless=True)[0],
+                               tf.apply(graphdef, params, tokens, dropless=True)[0], atol=1e-5)
+    _, wrong = tf.create(dataclasses.replace(load_cfg, mlp_hidden=8), seed=0)
+    with pytest.raises(ValueError, match="do not fit this model"):
+        load_params(str(tmp_path / "ck"), wrong)
