@@ -154,10 +154,10 @@ def test_sharded_step_matches_unsharded(multi, sharded, multi_cfg):
     assert m_one["tis_weight_max"] <= 1.5 + 1e-6 and m_one["clip_frac_low"] > 0
     assert m_one["load_balance_loss"] > 0 and m_one["dropped_fraction"] > 0
     # The step keeps params on the trainer mesh with their rule-derived shardings.
-    wq = sharded.params["blocks"][0]["attn"]["wq"].value
+    wq = sharded.params["blocks"][0]["attn"]["wq"][...]
     assert wq.sharding.spec == PartitionSpec(None, "fsdp", "tensor", None)  # layers stacked
     assert len(wq.sharding.device_set) == 8
-    w_up = sharded.params["blocks"][0]["mlp"]["w_up"].value  # stacked experts
+    w_up = sharded.params["blocks"][0]["mlp"]["w_up"][...]  # stacked experts
     assert w_up.sharding.spec[1] == "expert"
 
 

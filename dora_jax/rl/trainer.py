@@ -396,7 +396,7 @@ class Trainer:
             micro, adv_Ub, old_UbT, ntok_m, nseq_m = xs
             grads, stats = self._accumulate(params, ref_params, micro, adv_Ub, old_UbT,
                                             ntok_m, nseq_m)
-            stats["grad_norm"] = optax.global_norm(grads)
+            stats["grad_norm"] = optax.tree.norm(grads)
             stats["learning_rate"] = self._schedule(count)
             updates, opt_state = self._tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
