@@ -118,7 +118,6 @@ def bench_modes(base, root: str, specs: list[str], steps: int, reps: int) -> dic
         order = specs[rep % len(specs):] + specs[:rep % len(specs)]
         for spec in order:
             s = audited_run(run_config(base, spec, steps=steps), os.path.join(root, spec, str(rep)))
-            s["reward_mean"] = _reward_mean(os.path.join(root, spec, str(rep)))
             runs[spec].append(s)
             print(f"{spec} rep {rep}: {s['tokens_per_second']:.0f} tokens/s, "
                   f"audit {'clean' if s['audit_ok'] else 'FAILED: ' + s['audit']}", flush=True)
@@ -140,12 +139,6 @@ def bench_modes(base, root: str, specs: list[str], steps: int, reps: int) -> dic
     with open(os.path.join(root, "bench.json"), "w") as f:
         json.dump(out, f, indent=1)
     return out
-
-
-def _reward_mean(workdir: str) -> float:
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        rewards = [json.loads(line)["reward_mean"] for line in f]
-    return sum(rewards) / len(rewards)
 
 
 def main(argv):

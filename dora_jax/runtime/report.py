@@ -161,6 +161,7 @@ class StepReporter:
             "trained_tokens": sum(x["trained_tokens"] for x in r),
             "reward_first": round(r[0]["reward_mean"], 4),
             "reward_last": round(r[-1]["reward_mean"], 4),
+            "reward_mean": round(sum(x["reward_mean"] for x in r) / len(r), 4),
             "mean_slot_utilisation": round(busy / total, 4) if total else 0.0,
             "trainer_wait_fraction_all": round(sum(x["trainer_wait"] for x in r) / r[-1]["time"], 4),
             "migrations": _migrations(slices),
