@@ -29,6 +29,8 @@ DTYPES = ("float32", "bfloat16")
 DATA_SOURCES = ("residue", "countdown", "jsonl", "tfds")
 ATTENTION_IMPLS = ("auto", "dense", "blockwise", "cudnn", "splash")  # model/attention.py
 REMAT_POLICIES = ("none", "full", "dots", "offload_dots")  # model/transformer.py
+KV_CACHES = ("paged", "dense")  # rollout/engine.py
+PAGED_ATTENTION_IMPLS = ("auto", "ragged", "pallas")  # model/paged_attention.py
 
 TRAINER_MESH_AXES = ("data", "fsdp", "tensor", "expert")
 SLICE_MESH_AXES = ("tensor", "expert")
@@ -225,16 +227,37 @@ class RolloutConfig(Section):
     top_p: float = field(1.0, gt=0, le=1)  # 1.0: off
     eos_id: int = 1
     pad_id: int = 0
+    # KV memory: "paged" (a pool of pages shared by the slots, used as contexts grow)
+    # or "dense" (every slot reserves cache_length positions).
+    kv_cache: str = field("paged", choices=KV_CACHES)
+    page_size: int = field(16, min=1)
+    # Pages in a slice's pool; 0: as many as the dense cache would hold
+    # (slots_per_slice x pages_per_slot). Fewer bound memory, more slots use it.
+    kv_pages: int = field(0, min=0)
+    paged_attention: str = field("auto", choices=PAGED_ATTENTION_IMPLS)
 
     @property
     def cache_length(self) -> int:
         return self.max_prefill_length + self.max_decode_len
+
+    @property
+    def pages_per_slot(self) -> int:
+        return -(-self.cache_length // self.page_size)
+
+    @property
+    def pool_pages(self) -> int:
+        """Usable pages of a slice's paged pool."""
+        return self.kv_pages or self.slots_per_slice * self.pages_per_slot
 
     def __post_init__(self):
         super().__post_init__()
         if self.prefill_buckets[-1] < self.max_prefill_length:
             fail(self._f("prefill_buckets"), f"largest bucket {self.prefill_buckets[-1]} < "
                                               f"rollout.max_prefill_length {self.max_prefill_length}")
+        if self.kv_pages and self.kv_pages < self.pages_per_slot:
+            fail(self._f("kv_pages"), f"{self.kv_pages} pages cannot hold one request of "
+                                      f"cache_length {self.cache_length} ({self.pages_per_slot} "
+                                      f"pages of {self.page_size})")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dora_jax.model.attention import attend, causal_attention
+from dora_jax.model.paged_attention import paged_attention
 from dora_jax.model.sharding import constrain
 
 
@@ -109,6 +110,21 @@ class Attention(nnx.Module):
         o = attend(q, k_cache_LBSKD[layer].astype(self.dtype),
                    v_cache_LBSKD[layer].astype(self.dtype), mask_B1S)
         return self._out(o), (k_cache_LBSKD, v_cache_LBSKD)
+
+    def decode_paged(self, x_B1D, positions_B, k_pool, v_pool, layer, view, implementation):
+        """`decode` on a paged pool ([layers, kv_heads, pages, page_size, head_dim]):
+        the new k/v go to the slot's page for its position (idle slots' to the null
+        page 0); attention reads only the pages `view` maps (see paged_attention.py)."""
+        q, k, v = self._qkv(x_B1D, positions_B[:, None])
+        page_size = k_pool.shape[3]
+        rows = jnp.arange(x_B1D.shape[0])
+        page_B = jnp.where(view.owned, view.table[rows, positions_B // page_size], 0)
+        offset_B = positions_B % page_size
+        k_pool = k_pool.at[layer, :, page_B, offset_B].set(k[:, 0].astype(k_pool.dtype))
+        v_pool = v_pool.at[layer, :, page_B, offset_B].set(v[:, 0].astype(v_pool.dtype))
+        o = paged_attention(q[:, 0], k_pool[layer], v_pool[layer], positions_B + 1, view,
+                            implementation)
+        return self._out(o[:, None]), (k_pool, v_pool)
 
 
 class SwiGLU(nnx.Module):

@@ -24,6 +24,7 @@ from flax import nnx
 from dora_jax.config import ModelConfig
 from dora_jax.model.layers import Attention, RMSNorm, SwiGLU, param
 from dora_jax.model.moe import MoE
+from dora_jax.model.paged_attention import POOL_AXES
 from dora_jax.model.sharding import constrain, is_variable
 
 AUX_KEYS = ("load_balance_loss", "router_z_loss", "dropped_fraction")
@@ -47,6 +48,13 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> KVCache
 
 
 CACHE_AXES = ("layers", "batch", "cache_length", "kv_heads", "head_dim")
+
+
+def init_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None) -> KVCache:
+    """A paged KV pool: [layers, kv_heads, num_pages, page_size, head_dim] each."""
+    shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 # What a layer keeps for the backward pass (`model.remat`); "none": everything.
 _CHECKPOINT_POLICIES = {
@@ -80,8 +88,12 @@ class Block(nnx.Module):
         h, aux = self._mlp(self.mlp_norm(x_BTD), dropless)
         return x_BTD + h, kv, aux
 
-    def decode(self, x_B1D, positions_B, cache: KVCache, layer):
-        h, cache = self.attn.decode(self.attn_norm(x_B1D), positions_B, *cache, layer)
+    def decode(self, x_B1D, positions_B, cache: KVCache, layer, pages=None, paged_impl="auto"):
+        if pages is None:
+            h, cache = self.attn.decode(self.attn_norm(x_B1D), positions_B, *cache, layer)
+        else:
+            h, cache = self.attn.decode_paged(self.attn_norm(x_B1D), positions_B, *cache,
+                                              layer, pages, paged_impl)
         x_B1D = x_B1D + h
         h, _ = self._mlp(self.mlp_norm(x_B1D), True)  # decoding is always exact
         return x_B1D + h, KVCache(*cache)
@@ -187,8 +199,12 @@ class Transformer(nnx.Module):
                      if auxes else jnp.zeros((), jnp.float32)) for key in AUX_KEYS}
         return logits, aux, (KVCache(k, v) if return_kv else None)
 
-    def decode(self, tokens_B, positions_B, cache: KVCache):
-        """One decode step for B slots. Returns (logits_BV f32, updated cache)."""
+    def decode(self, tokens_B, positions_B, cache: KVCache, pages=None,
+               paged_impl: str = "auto"):
+        """One decode step for B slots. Returns (logits_BV f32, updated cache).
+
+        With `pages` (a `rollout.pages.PageView` of arrays) the cache is a paged pool,
+        [layers, kv_heads, pages, page_size, head_dim] (see paged_attention.py)."""
         x = self._embed(tokens_B[:, None])
         p = len(self.blocks)
         if self.cfg.scan_layers:
@@ -198,8 +214,8 @@ class Transformer(nnx.Module):
                 x, cache = carry
                 j, states = xs
                 for r, ((graphdef, _), state) in enumerate(zip(split, states)):
-                    x, cache = nnx.merge(graphdef, state).decode(x, positions_B, cache,
-                                                                 j * p + r)
+                    x, cache = nnx.merge(graphdef, state).decode(
+                        x, positions_B, cache, j * p + r, pages, paged_impl)
                 return (x, cache), None
 
             n = self.cfg.num_layers // p
@@ -207,8 +223,9 @@ class Transformer(nnx.Module):
                                          (jnp.arange(n), tuple(s for _, s in split)))
         else:
             for layer, block in enumerate(self.blocks):
-                x, cache = block.decode(x, positions_B, cache, layer)
-        cache = KVCache(constrain(cache.k, CACHE_AXES), constrain(cache.v, CACHE_AXES))
+                x, cache = block.decode(x, positions_B, cache, layer, pages, paged_impl)
+        axes = CACHE_AXES if pages is None else POOL_AXES
+        cache = KVCache(constrain(cache.k, axes), constrain(cache.v, axes))
         return self._logits(x)[:, 0], cache
 
 
@@ -229,9 +246,10 @@ def apply(graphdef, params, tokens_BT, positions_BT=None, **kwargs):
     return nnx.merge(graphdef, params)(tokens_BT, positions_BT, **kwargs)
 
 
-def decode(graphdef, params, tokens_B, positions_B, cache: KVCache):
+def decode(graphdef, params, tokens_B, positions_B, cache: KVCache, pages=None,
+           paged_impl: str = "auto"):
     """Functional decode step: `Transformer.decode` on explicit params."""
-    return nnx.merge(graphdef, params).decode(tokens_B, positions_B, cache)
+    return nnx.merge(graphdef, params).decode(tokens_B, positions_B, cache, pages, paged_impl)
 
 
 def count_params(params) -> int:

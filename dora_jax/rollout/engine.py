@@ -39,8 +39,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dora_jax.buckets import doubling_buckets, pick_bucket
 from dora_jax.config import DECODE_RULES, ModelConfig, RolloutConfig
 from dora_jax.model import transformer
+from dora_jax.model.paged_attention import POOL_AXES
 from dora_jax.model.sharding import activation_rules, logical_to_spec, param_shardings
 from dora_jax.rollout import sampling
+from dora_jax.rollout.pages import PagePool
 from dora_jax.rollout.sampling import SamplingParams
 
 
@@ -55,12 +57,15 @@ class EngineParams(NamedTuple):
 class DecodeState(NamedTuple):
     """Everything generate needs, for S slots. Donated to (consumed by) each call."""
 
-    cache: transformer.KVCache  # [layers, S, cache_length, kv_heads, head_dim] each
+    # dense: [layers, S, cache_length, kv_heads, head_dim] each; paged: the pool,
+    # [layers, kv_heads, pages + 1, page_size, head_dim] (page 0: the null page).
+    cache: transformer.KVCache
     tokens: jax.Array  # int32[S] next decode input: the slot's last sampled token
     positions: jax.Array  # int32[S] position of that token in prompt + response
     steps: jax.Array  # int32[S] response index of the next token to sample
     keys: jax.Array  # uint32[S, 2] request RNG key data
     active: jax.Array  # bool[S] slot holds an unfinished request
+    limits: jax.Array  # int32[S] the request's response-length limit
 
 
 class Prefix(NamedTuple):
@@ -72,6 +77,7 @@ class Prefix(NamedTuple):
     step: jax.Array  # int32[] response index of the next token to sample
     key: jax.Array  # uint32[2] request RNG key data
     active: jax.Array  # bool[] False if the request has already finished
+    limit: jax.Array  # int32[] the request's response-length limit
     # f32[V] logits that sampled `token`: another sample of the same prompt draws its
     # first token from them (`prefill(existing_prefix=...)`); zeros once extracted.
     logits: jax.Array
@@ -169,27 +175,40 @@ class Engine:
         self._leaf_shapes = [(x.shape, x.dtype) for x in leaves]
         self._param_sh = EngineParams(tuple(jax.tree.leaves(
             param_shardings(abstract, mesh, self.rules))))
+        # Paged KV: the host-side page tables of this engine's decode state.
+        self.pages = (PagePool(rollout_cfg.pool_pages, rollout_cfg.page_size,
+                               rollout_cfg.slots_per_slice, rollout_cfg.cache_length)
+                      if rollout_cfg.kv_cache == "paged" else None)
         rep = NamedSharding(mesh, PartitionSpec())
-        cache_sh = NamedSharding(mesh, logical_to_spec(transformer.CACHE_AXES, self.rules, mesh))
-        kv_sh = transformer.KVCache(cache_sh, cache_sh)
-        self._state_sh = DecodeState(kv_sh, rep, rep, rep, rep, rep)
-        self._prefix_sh = Prefix(kv_sh, rep, rep, rep, rep, rep, rep)
+
+        def kv_sharding(axes):
+            sh = NamedSharding(mesh, logical_to_spec(axes, self.rules, mesh))
+            return transformer.KVCache(sh, sh)
+
+        prefix_kv_sh = kv_sharding(transformer.CACHE_AXES)
+        state_kv_sh = prefix_kv_sh if self.pages is None else kv_sharding(POOL_AXES)
+        self._state_sh = DecodeState(state_kv_sh, *[rep] * 6)
+        self._prefix_sh = Prefix(prefix_kv_sh, *[rep] * 7)
         res_sh = ResultTokens(rep)
         self._prefill_jit = jax.jit(
-            self._prefill_fn, in_shardings=(self._param_sh, rep, rep, rep, rep),
+            self._prefill_fn, in_shardings=(self._param_sh, rep, rep, rep, rep, rep),
             out_shardings=(self._prefix_sh, res_sh))
+        # The paged variants take the slot's pages (insert, extract) and the page view
+        # (generate) as one more argument; for the dense cache it is None.
         self._insert_jit = jax.jit(
             self._insert_fn, donate_argnums=(1,),
-            in_shardings=(self._prefix_sh, self._state_sh, rep), out_shardings=self._state_sh)
+            in_shardings=(self._prefix_sh, self._state_sh, rep, rep),
+            out_shardings=self._state_sh)
         self._generate_jit = jax.jit(
             self._generate_steps_fn, donate_argnums=(1,),
-            in_shardings=(self._param_sh, self._state_sh, rep),
+            in_shardings=(self._param_sh, self._state_sh, rep, rep),
             out_shardings=(self._state_sh, res_sh))
         self._init_jit = jax.jit(self._init_fn, out_shardings=self._state_sh)
-        self._extract_jit = jax.jit(self._extract_fn, static_argnums=(2,),
-                                    in_shardings=(self._state_sh, rep),
+        self._extract_jit = jax.jit(self._extract_fn, static_argnums=(3,),
+                                    in_shardings=(self._state_sh, rep, rep),
                                     out_shardings=self._prefix_sh)
-        self._resample_jit = jax.jit(self._resample_fn, in_shardings=(self._prefix_sh, rep, rep),
+        self._resample_jit = jax.jit(self._resample_fn,
+                                     in_shardings=(self._prefix_sh, rep, rep, rep),
                                      out_shardings=(self._prefix_sh, res_sh))
 
     # ------------------------------------------------------------ Engine API
@@ -246,7 +265,10 @@ class Engine:
         return EngineParams(tuple(jax.device_put(leaves, list(self._param_sh.leaves))))
 
     def init_decode_state(self) -> DecodeState:
-        """Empty decode state: S inactive slots, zero KV cache."""
+        """Empty decode state: S inactive slots, zero KV cache (paged: every page
+        free — the engine's page tables describe one decode state at a time)."""
+        if self.pages is not None:
+            self.pages.reset()
         return self._init_jit()
 
     @property
@@ -254,8 +276,15 @@ class Engine:
         """Engine API: host CPUs colocated with the slice's devices; none are assigned."""
         return None
 
+    def free_resource(self, slot: int) -> None:
+        """Engine API: releases the slot's KV pages (paged cache; nothing to do for
+        the dense one). The slot stops decoding at the next generate call."""
+        if self.pages is not None:
+            self.pages.release(slot)
+
     def prefill(self, *, params: EngineParams, padded_tokens, true_length: int, rng=None,
-                num_generated: int = 0, existing_prefix: Prefix | None = None):
+                num_generated: int = 0, existing_prefix: Prefix | None = None,
+                max_new_tokens: int | None = None):
         """Runs the prompt (or prompt + tokens so far) through the model and samples
         the next token. Returns (Prefix, ResultTokens with B=1).
 
@@ -270,6 +299,8 @@ class Engine:
           in greedy mode.
         num_generated: response tokens already among the `true_length` (re-prefill);
           the sampled token is response token `num_generated`.
+        max_new_tokens: the request's response-length limit (at most, and by
+          default, `max_decode_len`).
         """
         tokens_T = np.asarray(padded_tokens, np.int32)
         if tokens_T.ndim != 1 or tokens_T.shape[0] not in self.buckets:
@@ -287,34 +318,59 @@ class Engine:
         if rng is None and not self.sampling_params.greedy:
             raise ValueError("prefill: a per-request rng is required when sampling")
         key = sampling.key_data_from_seed(0 if rng is None else rng)
+        limit = np.int32(min(max_new_tokens or self.max_decode_len, self.max_decode_len))
+        if limit <= num_generated:
+            raise ValueError(f"prefill: max_new_tokens ({max_new_tokens}) must exceed "
+                             f"num_generated ({num_generated})")
         if existing_prefix is not None:
             if existing_prefix.cache.length != tokens_T.shape[0]:
                 raise ValueError(f"prefill: existing_prefix holds {existing_prefix.cache.length}"
                                  f" positions, padded_tokens {tokens_T.shape[0]}: extending "
                                  f"a prefix is not supported")
-            return self._resample_jit(existing_prefix, key, np.int32(num_generated))
+            return self._resample_jit(existing_prefix, key, np.int32(num_generated), limit)
         return self._prefill_jit(params, tokens_T, np.int32(true_length), key,
-                                 np.int32(num_generated))
+                                 np.int32(num_generated), limit)
 
-    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
+    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, *,
+               length: int | None = None, shared_pages=()) -> DecodeState:
         """Places a prefix in `slot` (donates `decode_state`). The prefix must be on
-        this engine's mesh (`jax.device_put(prefix, get_prefix_destination_sharding())`)."""
+        this engine's mesh (`jax.device_put(prefix, get_prefix_destination_sharding())`).
+
+        Paged cache: the slot's previous pages are released and it gets pages for
+        `length` positions (the prefix's written positions; default its whole
+        length), the first of them `shared_pages` (`pages.share`: another slot's
+        prompt pages, mapped, not copied). Raises PagesExhausted if the pool is short.
+        """
         if not 0 <= slot < self.max_concurrent_decodes:
             raise ValueError(f"insert: slot {slot} out of range [0, "
                              f"{self.max_concurrent_decodes})")
         if prefix.cache.length > self.cache_length:
             raise ValueError(f"insert: prefix of length {prefix.cache.length} exceeds "
                              f"cache_length {self.cache_length}")
-        return self._insert_jit(prefix, decode_state, np.int32(slot))
+        write = None
+        if self.pages is not None:
+            length = prefix.cache.length if length is None else length
+            if not 0 < length <= prefix.cache.length:
+                raise ValueError(f"insert: length {length} outside the prefix's "
+                                 f"(1..{prefix.cache.length})")
+            write = np.zeros(self.pages.pages_for(prefix.cache.length), np.int32)
+            assigned = self.pages.assign(slot, length, shared_pages)
+            write[:len(assigned)] = assigned
+        return self._insert_jit(prefix, decode_state, np.int32(slot), write)
 
     def generate(self, params: EngineParams, decode_state: DecodeState,
                  max_steps: int | None = None):
         """Up to `decode_steps` (or `max_steps`, if fewer) decode steps for every slot
         in one dispatch, ending after the first step in which a slot finishes
-        (donates `decode_state`). Returns (new DecodeState, ResultTokens of
+        (donates `decode_state`). Paged cache: first maps the pages the call may
+        write (PagesExhausted if the pool is short: see `pages.shortfall`). Returns (new DecodeState, ResultTokens of
         [decode_steps, S, 6]; rows of steps not run are not valid)."""
         n = self.decode_steps if max_steps is None else min(max_steps, self.decode_steps)
-        return self._generate_jit(params, decode_state, np.int32(n))
+        view = None
+        if self.pages is not None:
+            self.pages.advance(n)  # pages for every position this call may write
+            view = self.pages.view()
+        return self._generate_jit(params, decode_state, np.int32(n), view)
 
     def get_prefix_destination_sharding(self) -> Prefix:
         return self._prefix_sh
@@ -330,7 +386,10 @@ class Engine:
             raise ValueError(f"extract: slot {slot} out of range")
         length = self.cache_length if used is None else pick_bucket(
             used, self.buckets + (self.cache_length,), "extract buckets")
-        return self._extract_jit(decode_state, np.int32(slot), length)
+        pages = None
+        if self.pages is not None:
+            pages = self.pages.table[slot, :self.pages.pages_for(length)].copy()
+        return self._extract_jit(decode_state, np.int32(slot), pages, length)
 
     def pad_tokens(self, tokens) -> tuple[np.ndarray, int]:
         """(tokens padded with pad_id to their bucket, true length)."""
@@ -345,18 +404,22 @@ class Engine:
     def _params(self, params: EngineParams):
         return jax.tree.unflatten(self._treedef, list(params.leaves))
 
-    def _finished(self, tokens_B, steps_B):
-        # steps_B is the index of the token just sampled: index D-1 is the last allowed.
-        return (tokens_B == self.rollout_cfg.eos_id) | (steps_B + 1 >= self.max_decode_len)
+    def _finished(self, tokens_B, steps_B, limits_B):
+        # steps_B is the index of the token just sampled: index limit-1 is the last.
+        return (tokens_B == self.rollout_cfg.eos_id) | (steps_B + 1 >= limits_B)
 
     def _init_fn(self):
         S = self.max_concurrent_decodes
-        return DecodeState(transformer.init_cache(self.model_cfg, S, self.cache_length),
-                           jnp.zeros(S, jnp.int32), jnp.zeros(S, jnp.int32),
+        if self.pages is None:
+            cache = transformer.init_cache(self.model_cfg, S, self.cache_length)
+        else:
+            cache = transformer.init_pool(self.model_cfg, self.pages.num_pages + 1,
+                                          self.pages.page_size)
+        return DecodeState(cache, jnp.zeros(S, jnp.int32), jnp.zeros(S, jnp.int32),
                            jnp.zeros(S, jnp.int32), jnp.zeros((S, 2), jnp.uint32),
-                           jnp.zeros(S, bool))
+                           jnp.zeros(S, bool), jnp.zeros(S, jnp.int32))
 
-    def _prefill_fn(self, params, tokens_T, true_length, key, num_generated):
+    def _prefill_fn(self, params, tokens_T, true_length, key, num_generated, limit):
         with activation_rules(self._mesh, self.rules):
             logits_1TV, _, kv = transformer.apply(
                 self.graphdef, self._params(params), tokens_T[None], dropless=True,
@@ -367,46 +430,63 @@ class Engine:
         step_1 = num_generated[None]
         token_1, logprob_1 = sampling.sample(logits_1V, sampling.step_keys(key[None], step_1),
                                              self.sampling_params)
-        finished_1 = self._finished(token_1, step_1)
+        finished_1 = self._finished(token_1, step_1, limit)
         prefix = Prefix(kv, token_1[0], true_length, num_generated + 1, key, ~finished_1[0],
-                        logits_1V[0].astype(jnp.float32))
+                        limit, logits_1V[0].astype(jnp.float32))
         result = ResultTokens.pack(token_1, logprob_1, true_length[None], step_1,
                                    jnp.ones(1, bool), finished_1)
         return prefix, result
 
-    def _insert_fn(self, prefix: Prefix, state: DecodeState, slot):
-        def put(cache_LSCKD, new_L1TKD):
+    def _insert_fn(self, prefix: Prefix, state: DecodeState, slot, write_pages):
+        def put_dense(cache_LSCKD, new_L1TKD):
             return jax.lax.dynamic_update_slice(
                 cache_LSCKD, new_L1TKD.astype(cache_LSCKD.dtype), (0, slot, 0, 0, 0))
 
+        def put_paged(pool_LKPpD, new_L1TKD):
+            # Chunk j of the prefix goes to page write_pages[j] (0: the null page, for
+            # shared and unused chunks).
+            L, _, T, K, D = new_L1TKD.shape
+            n, ps = write_pages.shape[0], pool_LKPpD.shape[3]
+            x = jnp.pad(new_L1TKD[:, 0], ((0, 0), (0, n * ps - T), (0, 0), (0, 0)))
+            x_LKnpD = x.reshape(L, n, ps, K, D).transpose(0, 3, 1, 2, 4)
+            return pool_LKPpD.at[:, :, write_pages].set(x_LKnpD.astype(pool_LKPpD.dtype))
+
+        put = put_dense if write_pages is None else put_paged
         cache = jax.tree.map(put, state.cache, prefix.cache)
         return DecodeState(cache, state.tokens.at[slot].set(prefix.token),
                            state.positions.at[slot].set(prefix.position),
                            state.steps.at[slot].set(prefix.step),
                            state.keys.at[slot].set(prefix.key),
-                           state.active.at[slot].set(prefix.active))
+                           state.active.at[slot].set(prefix.active),
+                           state.limits.at[slot].set(prefix.limit))
 
-    def _extract_fn(self, state: DecodeState, slot, length: int):
-        cache = jax.tree.map(
-            lambda c: jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=1)[:, :, :length],
-            state.cache)
+    def _extract_fn(self, state: DecodeState, slot, pages, length: int):
+        def take_dense(c):
+            return jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=1)[:, :, :length]
+
+        def take_paged(pool_LKPpD):
+            x_LKnpD = pool_LKPpD[:, :, pages]
+            L, K, n, ps, D = x_LKnpD.shape
+            return x_LKnpD.transpose(0, 2, 3, 1, 4).reshape(L, 1, n * ps, K, D)[:, :, :length]
+
+        cache = jax.tree.map(take_dense if pages is None else take_paged, state.cache)
         return Prefix(cache, state.tokens[slot], state.positions[slot], state.steps[slot],
-                      state.keys[slot], state.active[slot],
+                      state.keys[slot], state.active[slot], state.limits[slot],
                       jnp.zeros(self.model_cfg.vocab_size, jnp.float32))
 
-    def _resample_fn(self, prefix: Prefix, key, num_generated):
+    def _resample_fn(self, prefix: Prefix, key, num_generated, limit):
         """The first token of another sample of `prefix`'s prompt, from its logits."""
         step_1 = num_generated[None]
         token_1, logprob_1 = sampling.sample(prefix.logits[None],
                                              sampling.step_keys(key[None], step_1),
                                              self.sampling_params)
-        finished_1 = self._finished(token_1, step_1)
+        finished_1 = self._finished(token_1, step_1, limit)
         result = ResultTokens.pack(token_1, logprob_1, prefix.position[None], step_1,
                                    jnp.ones(1, bool), finished_1)
         return prefix._replace(token=token_1[0], step=num_generated + 1, key=key,
-                               active=~finished_1[0]), result
+                               active=~finished_1[0], limit=limit), result
 
-    def _generate_steps_fn(self, params: EngineParams, state: DecodeState, max_steps):
+    def _generate_steps_fn(self, params: EngineParams, state: DecodeState, max_steps, view):
         n, S = self.decode_steps, self.max_concurrent_decodes
 
         def cond(carry):
@@ -415,7 +495,7 @@ class Engine:
 
         def body(carry):
             state, i, data_NS6, _ = carry
-            state, result = self.generate_fn(params, state)
+            state, result = self.generate_fn(params, state, view)
             data_NS6 = jax.lax.dynamic_update_slice_in_dim(data_NS6, result.data[None], i, 0)
             return state, i + 1, data_NS6, jnp.any(result.finished)
 
@@ -424,22 +504,24 @@ class Engine:
         state, _, data_NS6, _ = jax.lax.while_loop(cond, body, init)
         return state, ResultTokens(data_NS6)
 
-    def generate_fn(self, params: EngineParams, state: DecodeState):
+    def generate_fn(self, params: EngineParams, state: DecodeState, view=None):
         """The pure decode step behind `generate` (for use inside other jitted code,
-        e.g. a while_loop sampler)."""
+        e.g. a while_loop sampler). Paged cache: `view` is `self.pages.view()`, with
+        pages for every position the step writes; slots without pages are idle."""
         with activation_rules(self._mesh, self.rules):
-            logits_SV, cache = transformer.decode(self.graphdef, self._params(params),
-                                                  state.tokens, state.positions, state.cache)
+            logits_SV, cache = transformer.decode(
+                self.graphdef, self._params(params), state.tokens, state.positions,
+                state.cache, view, self.rollout_cfg.paged_attention)
         tokens_S, logprobs_S = sampling.sample(
             logits_SV, sampling.step_keys(state.keys, state.steps), self.sampling_params)
-        active_S = state.active
-        finished_S = active_S & self._finished(tokens_S, state.steps)
+        active_S = state.active if view is None else state.active & view.owned
+        finished_S = active_S & self._finished(tokens_S, state.steps, state.limits)
         inc_S = active_S.astype(jnp.int32)
         # Inactive slots keep their token and position: their (ignored) decode just
-        # rewrites one cache entry of a slot that the next insert overwrites.
+        # rewrites one cache entry of their own (dense) or of the null page (paged).
         new_state = DecodeState(cache, jnp.where(active_S, tokens_S, state.tokens),
                                 state.positions + inc_S, state.steps + inc_S, state.keys,
-                                active_S & ~finished_S)
+                                active_S & ~finished_S, state.limits)
         result = ResultTokens.pack(tokens_S, logprobs_S, state.positions + 1, state.steps,
                                    active_S, finished_S)
         return new_state, result

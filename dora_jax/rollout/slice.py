@@ -17,6 +17,14 @@ the exact state (`load_version`, `export_requests`, `interrupt_and_reload`) firs
 read what is in flight; the counts (`num_free_slots`, ...) are the host's view, in
 which a request that finished in the last generate step is still held.
 
+Paged KV cache (`rollout.kv_cache="paged"`): a slot holds pages for the positions
+it has. A waiting request starts only when the pool has pages for it and for one
+more generate call of every running slot; before each call every running slot gets
+the pages that call may write, and when the pool is short the most recently started
+request is preempted: back to the head of the queue, its tokens kept, resumed later
+by re-prefilling prompt + tokens under the same version (C1 holds). The samples of a
+group share the prompt's whole pages.
+
 Constraint C1 is enforced here: `submit`, `import_requests` and `load_version` refuse
 anything that would make the slice serve a request under a version other than its
 own. `interrupt_and_reload` is the deliberate exception (the partial_rollout
@@ -74,19 +82,28 @@ class DecodeSlice:
         self.load_log: list = []  # (version, seconds) per weight load
         S, D = engine.max_concurrent_decodes, engine.max_decode_len
         self.state = engine.init_decode_state()
+        self._pool_epoch = None if engine.pages is None else engine.pages.epoch
         self._slots: list = [None] * S
         self._owned = np.zeros(S, bool)
         self._tok_buf = np.zeros((S, D), np.int32)
         self._lp_buf = np.zeros((S, D), np.float32)
         self._count = np.zeros(S, np.int64)
+        # Paged cache: positions written when placed, prompt lengths (to tighten the
+        # page pool's bounds at each read).
+        self._placed = np.zeros(S, np.int64)  # positions written when placed
+        self._prompt_len = np.zeros(S, np.int64)
+        self._order = np.zeros(S, np.int64)  # start order of each slot's request
+        self._starts = 0
         self._held: dict = {}  # request_id -> _Seq (waiting and running)
         self._waiting: collections.deque = collections.deque()
         self._pending: list = []  # (seq, prefill ResultTokens on device) not yet dispatched
-        self._inflight = None  # (pending prefills, generate ResultTokens) not yet read
+        # (pending prefills, generate ResultTokens, its step count) not yet read
+        self._inflight = None
         self._done: list = []  # finished Trajectories not yet returned by step()
         # Prompt prefixes of the groups held here, under the resident params: a
         # group's later samples start from them without another forward pass.
         self._prompt_prefixes: dict = {}  # (group_id, prompt) -> Prefix
+        self._prompt_pages: dict = {}  # (group_id, prompt) -> its whole prompt pages
 
     @classmethod
     def create(cls, slice_id, mesh, model_cfg, rollout_cfg, *, lookahead: bool = True,
@@ -165,7 +182,7 @@ class DecodeSlice:
         loaded = jax.block_until_ready(self.engine.load_params(params))
         seconds = time.perf_counter() - t0
         self.params, self.version = loaded, version
-        self._prompt_prefixes.clear()  # computed under the previous params
+        self._forget_prompts(list(self._prompt_prefixes))  # computed under the old params
         self.stats.weight_loads += 1
         self.stats.weight_transfer_seconds += seconds
         self.load_log.append((version, seconds))
@@ -187,27 +204,32 @@ class DecodeSlice:
     def step(self) -> list:
         """Prefills waiting requests into free slots, runs one generate call and
         returns the trajectories that finished (list of Trajectory)."""
-        while self._waiting and not self._owned.all():
+        if self._pool_epoch is not None and self.engine.pages.epoch != self._pool_epoch:
+            raise RolloutError(f"slice {self.slice_id}: its engine's KV page pool was reset "
+                               f"by another decode state; give each slice its own Engine")
+        while (self._waiting and not self._owned.all()
+               and self._has_pages_for(self._waiting[0])):
             slot = int(np.argmin(self._owned))  # lowest free slot
             self._start(self._waiting.popleft(), slot)
-        result = None
+        result, n = None, 0
         if self._owned.any():
             # With a free slot, new work may arrive at any moment: one token, then look
             # again. A full slice runs the whole call (it ends early when a slot frees).
-            max_steps = None if self._owned.all() else 1
-            self.state, result = self.engine.generate(self.params, self.state, max_steps)
+            n = self.engine.decode_steps if self._owned.all() else 1
+            if self.engine.pages is not None:
+                self._reserve_pages(n)
+            self.state, result = self.engine.generate(self.params, self.state, n)
+            if self.engine.pages is not None:
+                self.stats.peak_pages = max(self.stats.peak_pages, self.engine.pages.num_used)
             self.stats.generate_calls += 1
-        record = (self._pending, result) if self._pending or result is not None else None
+        record = (self._pending, result, n) if self._pending or result is not None else None
         self._pending = []
         if self.lookahead:
             record, self._inflight = self._inflight, record
         if record is not None:
             self._read(*record)
         done, self._done = self._done, []
-        if self._prompt_prefixes:  # forget groups no longer held here
-            live = {rid[0] for rid in self._held}
-            for key in [k for k in self._prompt_prefixes if k[0] not in live]:
-                del self._prompt_prefixes[key]
+        self._forget_gone_groups()
         return done
 
     def drain(self, max_steps: int | None = None) -> list:
@@ -247,6 +269,7 @@ class DecodeSlice:
                 behaviour_logprobs=seq.logprobs, versions=seq.runs, slice_ids=seq.slice_ids,
                 t_submit=seq.t_submit, t_start=seq.t_start, prefix=prefix))
         self.stats.migrated_out += len(out)
+        self._forget_gone_groups()
         return out
 
     def import_requests(self, inflights: Iterable[InFlight]) -> None:
@@ -271,8 +294,10 @@ class DecodeSlice:
                 self._waiting.append(seq)
                 continue
             slot = int(np.argmin(self._owned))
-            self.state = self.engine.insert(jax.device_put(f.prefix, dst), self.state, slot)
-            self._place(seq, slot)
+            used = len(f.request.prompt_tokens) + len(f.response_tokens)
+            self.state = self.engine.insert(jax.device_put(f.prefix, dst), self.state, slot,
+                                            length=used)
+            self._place(seq, slot, used)
         self.stats.migrated_in += len(inflights)
 
     # ------------------------------------------------------------ internals
@@ -316,28 +341,89 @@ class DecodeSlice:
         prefix, result = self.engine.prefill(params=self.params, padded_tokens=padded,
                                              true_length=n, rng=r.key_data(),
                                              num_generated=len(seq.tokens),
-                                             existing_prefix=shared)
+                                             existing_prefix=shared,
+                                             max_new_tokens=r.max_new_tokens)
+        self.state = self.engine.insert(prefix, self.state, slot, length=n,
+                                        shared_pages=self._prompt_pages.get(key, ()))
         if shared is not None:
             self.stats.prefills_shared += 1
         else:
             self.stats.prefills += 1
             if not seq.tokens:
                 self._prompt_prefixes[key] = prefix
-        self.state = self.engine.insert(prefix, self.state, slot)
+                if self.engine.pages is not None:
+                    self._prompt_pages[key] = self.engine.pages.share(slot, len(r.prompt_tokens))
         if seq.t_start is None:
             seq.t_start = self.clock()
-        self._place(seq, slot)
+        self._place(seq, slot, n)
         self._pending.append((seq, result))
 
-    def _place(self, seq: _Seq, slot: int):
+    def _place(self, seq: _Seq, slot: int, written: int):
         m = len(seq.tokens)
         self._tok_buf[slot, :m] = seq.tokens
         self._lp_buf[slot, :m] = seq.logprobs
         self._count[slot] = m
+        self._placed[slot] = written
+        self._prompt_len[slot] = len(seq.request.prompt_tokens)
+        self._starts += 1
+        self._order[slot] = self._starts
         self._slots[slot], self._owned[slot], seq.slot = seq, True, slot
+        if self.engine.pages is not None:
+            self.stats.peak_pages = max(self.stats.peak_pages, self.engine.pages.num_used)
 
     def _free(self, seq: _Seq):
+        self.engine.free_resource(seq.slot)
         self._slots[seq.slot], self._owned[seq.slot], seq.slot = None, False, None
+
+    # ------------------------------------------------------------ KV pages
+
+    def _forget_gone_groups(self):
+        """Drops the prompt prefixes (and pages) of groups no longer held here."""
+        if self._prompt_prefixes:
+            live = {rid[0] for rid in self._held}
+            self._forget_prompts([k for k in self._prompt_prefixes if k[0] not in live])
+
+    def _forget_prompts(self, keys):
+        for key in keys:
+            del self._prompt_prefixes[key]
+            pages = self._prompt_pages.pop(key, ())
+            if pages:
+                self.engine.pages.release_pages(pages)
+
+    def _has_pages_for(self, seq: _Seq) -> bool:
+        """Paged cache: the pool has pages for this request's first generate call and
+        for the next call of every running slot."""
+        pool = self.engine.pages
+        if pool is None:
+            return True
+        n = self.engine.decode_steps
+        r = seq.request
+        shared = 0 if seq.tokens else len(self._prompt_pages.get(
+            (r.group_id, tuple(r.prompt_tokens)), ()))
+        need = pool.pages_for(min(len(r.prompt_tokens) + len(seq.tokens) + n,
+                                  self.engine.cache_length)) - shared
+        return need + pool.shortfall(n) <= pool.num_free
+
+    def _reserve_pages(self, n: int):
+        """Makes room in the pool for a call of n steps of every running slot: drops
+        the shared-prompt references, then preempts, while it is short."""
+        pool = self.engine.pages
+        if pool.shortfall(n) > pool.num_free:
+            self._sync()  # finished requests give their pages back
+        while pool.shortfall(n) > pool.num_free:
+            if self._prompt_pages:
+                for key in list(self._prompt_pages):
+                    pool.release_pages(self._prompt_pages.pop(key))
+                continue
+            running = np.flatnonzero(self._owned)
+            if len(running) <= 1:
+                raise RolloutError(f"slice {self.slice_id}: KV pool of {pool.num_pages} "
+                                   f"pages cannot hold one request")
+            victim = self._slots[running[np.argmax(self._order[running])]]
+            self._flush(victim)
+            self._free(victim)
+            self._waiting.appendleft(victim)
+            self.stats.preempted += 1
 
     def _flush(self, seq: _Seq):
         """Copies the slot buffer's new tokens into the seq, tagged with its version."""
@@ -354,7 +440,7 @@ class DecodeSlice:
         if finished:
             self._finish(seq)
 
-    def _read(self, pending, result):
+    def _read(self, pending, result, n=0):
         """Records prefill results (first, they precede any generate result of the
         same slot) and one generate call's results; finishes what finished."""
         if pending:
@@ -378,6 +464,15 @@ class DecodeSlice:
         self.stats.busy_slot_steps += len(slots)
         for s in np.flatnonzero((host.finished & valid_NS).any(axis=0)):
             self._finish(self._slots[s])
+        if self.engine.pages is not None:
+            # Written so far: prompt + all but the last sampled token; plus what the
+            # call still in flight (if any) may write.
+            ahead = self._inflight[2] if self._inflight is not None else 0
+            # A slot whose prefill is not read yet has written what it was placed with.
+            owned = np.flatnonzero(self._owned)
+            written = np.maximum(self._prompt_len[owned] + self._count[owned] - 1,
+                                 self._placed[owned])
+            self.engine.pages.tighten(owned, written + ahead)
 
     def _sync(self):
         """Reads everything dispatched but not yet read: afterwards the host view

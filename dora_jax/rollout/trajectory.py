@@ -38,6 +38,8 @@ class Request:
     version: the policy version it must run under (the slice refuses any other).
     group_version: the version of its group, when the request runs under another
       (partial_rollout); None means `version`.
+    max_new_tokens: response-length limit of this request; None: the engine's
+      max_decode_len (the smaller of the two applies).
     """
 
     group_id: int
@@ -47,6 +49,7 @@ class Request:
     seed: object
     version: int
     group_version: Optional[int] = None
+    max_new_tokens: Optional[int] = None
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_tokens", tuple(int(t) for t in self.prompt_tokens))
@@ -133,6 +136,8 @@ class SliceStats:
     interrupts: int = 0
     migrated_in: int = 0
     migrated_out: int = 0
+    preempted: int = 0  # running requests sent back to waiting: the KV pool was full
+    peak_pages: int = 0  # most KV pages in use at once (paged cache)
 
     @property
     def utilisation(self) -> float:

@@ -1,0 +1,246 @@
+"""Paged KV cache: the page pool's bookkeeping, paged decode attention against a
+per-slot numpy reference and the TPU kernel (interpreted), and paged slices against
+dense ones (same tokens and log-probs), with shared prompts, preemption, migration
+between layouts and per-request length limits."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import _rollout_common as rc
+from dora_jax import config as config_lib
+from dora_jax.model import paged_attention as pa
+from dora_jax.rollout import DecodeSlice, Request
+from dora_jax.rollout.pages import PagePool, PagesExhausted
+
+
+# ------------------------------------------------------------------ page pool
+
+def test_pool_by_hand():
+    pool = PagePool(num_pages=6, page_size=4, slots=3, max_tokens=12)
+    assert pool.pages_per_slot == 3
+    assert list(pool.assign(0, 6)) == [1, 2]  # 6 positions: 2 pages, fresh
+    shared = pool.share(0, 6)  # only the page wholly inside the 6 prompt positions
+    assert shared == (1,)
+    assert list(pool.assign(1, 6, shared)) == [0, 3]  # page 1 mapped, page 3 its own
+    assert pool.num_free == 3 and list(pool.slot_pages(1)) == [1, 3]
+    pool.advance(3)  # 6 + 3 = 9 positions: a third page each
+    assert list(pool.slot_pages(0)) == [1, 2, 4] and list(pool.slot_pages(1)) == [1, 3, 5]
+    with pytest.raises(PagesExhausted):
+        pool.assign(2, 12)  # 3 pages, 1 free: refused, nothing changed
+    assert pool.num_free == 1 and pool.mapped[2] == 0
+    pool.release(0)
+    assert pool.num_free == 3  # page 1 is still mapped by slot 1 and held by `shared`
+    pool.release_pages(shared)
+    pool.release(1)
+    assert pool.num_free == 6
+    pool.check()
+    view = pool.view()
+    assert view.flat_pages.shape == (8,) and (view.flat_slots == 3).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["assign", "advance", "release", "share",
+                                           "unshare", "tighten"]),
+                          st.integers(0, 3), st.integers(1, 20)), max_size=40))
+def test_pool_invariants_under_any_operations(ops):
+    """Whatever the sequence: no page is lost or handed out twice, reference counts
+    cover every mapping, a refused request changes nothing, and the flat view lists
+    exactly each slot's mapped pages in order."""
+    pool = PagePool(num_pages=12, page_size=4, slots=4, max_tokens=20)
+    held = []
+    for op, slot, n in ops:
+        before = (pool.num_free, pool.table.copy())
+        try:
+            if op == "assign":
+                shared = held.pop() if held and n % 2 else ()
+                pool.assign(slot, n, shared[:pool.pages_for(n)])
+                if shared:
+                    pool.release_pages(shared)
+            elif op == "advance":
+                pool.advance(n % 6)
+            elif op == "release":
+                pool.release(slot)
+            elif op == "share":
+                held.append(pool.share(slot, n))
+            elif op == "unshare" and held:
+                pool.release_pages(held.pop())
+            elif op == "tighten":
+                pool.tighten([slot], n)
+        except PagesExhausted:
+            assert pool.num_free == before[0] and (pool.table == before[1]).all()
+        pool.check()
+        assert (pool.bound <= pool.mapped * pool.page_size).all()
+        view = pool.view()
+        real = view.flat_slots < pool.slots
+        assert real.sum() == pool.mapped.sum()
+        for s in range(pool.slots):
+            mine = view.flat_slots == s
+            assert list(view.flat_pages[mine]) == list(pool.slot_pages(s))
+            assert list(view.flat_starts[mine]) == [4 * j for j in range(pool.mapped[s])]
+    for pages in held:
+        pool.release_pages(pages)
+    for s in range(pool.slots):
+        pool.release(s)
+    assert pool.num_free == pool.num_pages
+
+
+# ------------------------------------------------------------------ attention
+
+def _reference(q_BHD, k_KPpD, v_KPpD, lengths, tables):
+    """Per slot: its pages concatenated, the first `length` positions, softmax."""
+    B, H, D = q_BHD.shape
+    K = k_KPpD.shape[0]
+    out = np.zeros((B, H, D))
+    for b in range(B):
+        if not lengths[b]:
+            continue
+        k = np.concatenate([k_KPpD[:, p] for p in tables[b]], axis=1)[:, :lengths[b]]
+        v = np.concatenate([v_KPpD[:, p] for p in tables[b]], axis=1)[:, :lengths[b]]
+        for h in range(H):
+            s = k[h // (H // K)] @ q_BHD[b, h] / np.sqrt(D)
+            p = np.exp(s - s.max())
+            out[b, h] = (p / p.sum()) @ v[h // (H // K)]
+    return out
+
+
+def _paged_problem(D, seed=0):
+    rng = np.random.default_rng(seed)
+    B, H, K, ps = 4, 4, 2, 4
+    pool = PagePool(num_pages=14, page_size=ps, slots=B, max_tokens=16)
+    lengths = [7, 16, 0, 3]
+    pool.assign(0, 7)
+    pool.assign(1, 16, pool.share(0, 7))  # slot 1 maps slot 0's first page
+    pool.assign(3, 3)
+    q = rng.normal(size=(B, H, D)).astype(np.float32)
+    k = rng.normal(size=(K, 15, ps, D)).astype(np.float32)
+    v = rng.normal(size=(K, 15, ps, D)).astype(np.float32)
+    tables = [list(pool.slot_pages(b)) for b in range(B)]
+    return q, k, v, np.array(lengths, np.int32), pool, tables
+
+
+def test_ragged_paged_attention_equals_per_slot_softmax():
+    q, k, v, lengths, pool, tables = _paged_problem(D=16)
+    view = jax.tree.map(jnp.asarray, pool.view())
+    got = jax.jit(pa.paged_attention, static_argnums=(5,))(q, k, v, lengths, view, "ragged")
+    want = _reference(q, k, v, lengths, tables)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+    assert not np.asarray(got)[2].any()  # a slot without pages attends to nothing
+
+
+def test_pallas_paged_kernel_in_interpret_mode_matches_reference():
+    q, k, v, lengths, pool, tables = _paged_problem(D=128, seed=1)
+    lengths[2] = 1  # the TPU kernel needs at least one position per slot
+    pool.assign(2, 1)
+    tables[2] = list(pool.slot_pages(2))
+    view = jax.tree.map(jnp.asarray, pool.view())
+    got = pa.paged_attention(q, k, v, lengths, view, "pallas", interpret=True)
+    want = _reference(q, k, v, lengths, tables)
+    np.testing.assert_allclose(np.asarray(got), want, atol=3e-2)  # the kernel's bf16 steps
+    assert pa.resolve("auto", "tpu") == "pallas" and pa.resolve("auto", "cpu") == "ragged"
+
+
+# ------------------------------------------------------------------ slices
+
+def _requests(prompts=rc.PROMPTS, group_size=1, **kw):
+    return [Request(group_id=i, prompt_id=i, sample_index=k, prompt_tokens=q,
+                    seed=1000 * i + k, version=0, **kw)
+            for i, q in enumerate(prompts) for k in range(group_size)]
+
+
+def _run(sl, reqs):
+    for r in reqs:
+        sl.submit(r)
+    return {t.request_id: t for t in sl.drain()}
+
+
+@pytest.mark.parametrize("kv_pages", [0, 8])
+def test_paged_slice_equals_dense_slice(kv_pages):
+    """Groups of 3 samples (shared prompt pages), more requests than slots; with a
+    pool of 8 pages (a full-length request needs 5) requests wait for pages and are
+    preempted. Tokens, log-probs and versions equal the dense cache's."""
+    reqs = _requests(rc.PROMPTS[:4], group_size=3)
+    dense = rc.make_slice(0, "dense", "sampled", 0, kv_cache="dense")
+    want = {}
+    for i in range(0, len(reqs), rc.SLOTS):
+        want.update(_run(dense, reqs[i:i + rc.SLOTS]))
+    paged = rc.make_slice(0, "dense", "sampled", 1, kv_pages=kv_pages)
+    got = {}
+    queue = list(reqs)
+    while queue or paged.num_requests:
+        while queue and paged.num_free_slots:
+            paged.submit(queue.pop(0))
+        got.update({t.request_id: t for t in paged.step()})
+    assert got.keys() == want.keys()
+    for rid, t in want.items():
+        assert got[rid].response_tokens == t.response_tokens, rid
+        np.testing.assert_allclose(got[rid].behaviour_logprobs, t.behaviour_logprobs,
+                                   atol=1e-5)
+        assert got[rid].versions == t.versions
+    pool = paged.engine.pages
+    pool.check()
+    assert pool.num_used == 0  # every page came back
+    assert paged.stats.prefills < len(reqs)  # groups shared their prompt
+    if kv_pages:
+        assert paged.stats.preempted > 0 and paged.stats.peak_pages <= kv_pages
+
+
+def test_group_maps_its_prompt_pages_once():
+    """Four samples of an 8-token prompt, pages of 4: the prompt's 2 pages are mapped
+    by all four; after the first call (5 steps: positions 8..12) each has 2 pages
+    of its own: 2 + 4 x 2 = 10 pages, where four separate copies would use 16."""
+    sl = rc.make_slice(0, "dense", "sampled", 2)
+    for r in _requests([rc.PROMPTS[2]], group_size=4):
+        sl.submit(r)
+    sl.step()
+    assert sl.engine.pages.num_used == 10
+    sl.drain()
+    assert sl.engine.pages.num_used == 0
+
+
+@pytest.mark.parametrize("src_layout,dst_layout", [("paged", "dense"), ("dense", "paged")])
+def test_migration_between_layouts_continues_identically(src_layout, dst_layout):
+    reqs = _requests(rc.PROMPTS[:rc.SLOTS])
+    want = _run(rc.make_slice(0, "dense", "greedy", 0, kv_cache="dense"), reqs)
+    src = rc.make_slice(1, "dense", "greedy", 1, decode_steps=1, kv_cache=src_layout)
+    for r in reqs:
+        src.submit(r)
+    got = {}
+    for _ in range(6):
+        got.update({t.request_id: t for t in src.step()})
+    moved = src.export_requests()
+    assert any(len(f.response_tokens) > 2 for f in moved)
+    dst = rc.make_slice(2, "dense", "greedy", 2, decode_steps=1, kv_cache=dst_layout)
+    dst.import_requests(moved)
+    got.update({t.request_id: t for t in dst.drain()})
+    for rid, t in want.items():
+        assert got[rid].response_tokens == t.response_tokens
+    if src_layout == "paged":
+        assert src.engine.pages.num_used == 0
+
+
+def test_max_new_tokens_ends_a_request_early():
+    reqs = _requests(rc.PROMPTS[:3])
+    want = _run(rc.make_slice(0, "dense", "greedy", 0), reqs)
+    sl = rc.make_slice(0, "dense", "greedy", 0)
+    got = _run(sl, _requests(rc.PROMPTS[:3], max_new_tokens=3))
+    for rid, t in want.items():
+        assert got[rid].response_tokens == t.response_tokens[:3]
+        assert got[rid].finish_reason == ("eos" if len(t.response_tokens) <= 3 else "length")
+
+
+def test_pool_smaller_than_one_request_is_refused_naming_the_field():
+    cfg = rc.config("dense")
+    with pytest.raises(config_lib.ConfigError, match="rollout.kv_pages"):
+        dataclasses.replace(cfg.rollout, kv_pages=1)
+    sl = rc.make_slice(3, "dense", "greedy", 3)
+    other = DecodeSlice(4, sl.engine)  # a second decode state on the same engine
+    other.load_version(0, rc.params("dense", 0))
+    with pytest.raises(RuntimeError, match="page"):
+        sl.submit(_requests(rc.PROMPTS[:1])[0])
+        sl.step()
