@@ -77,8 +77,18 @@ def warm_up(slices, trainer, cfg: Config) -> None:
         # A migrated request moves the bucket holding its positions: every length's
         # extract and insert compile too.
         for used in sorted(set(engine.buckets) | {r.cache_length}):
-            state = engine.insert(engine.extract(state, 0, used=used), state, 1)
+            state = engine.insert(engine.extract(state, 0, used=used), state, 0)
+        pool = engine.pages
+        if pool is not None:
+            # Paged decode compiles per bucket of mapped pages: map slot after slot
+            # (host tables only; the device contents do not matter here).
+            for slot in range(1, engine.max_concurrent_decodes):
+                if pool.num_free < pool.pages_per_slot:
+                    break
+                pool.assign(slot, r.cache_length)
+                state, _ = engine.generate(sl.params, state, 1)
         jax.block_until_ready(state)
+        sl.reset_decode_state()
 
 
 def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,

@@ -228,3 +228,31 @@ def test_partial_rollout_is_bounded_by_max_staleness(k):
     mixed = [s for r in run.ledger if r["event"] == "consume" for s in r["samples"]
              if len(s["versions"]) > 1]
     assert mixed and run.stats["interrupt_reloads"] > 0
+
+
+def test_kv_reports_bound_assignments_by_hand():
+    """A slice with a paged KV cache takes no more samples than its reported free
+    positions allow (admit_tokens each), reserving them as it assigns; a slice that
+    holds nothing is bounded by its slots only."""
+    sched = Scheduler(config(num_slices=1, group_size=2, train_batch_size=2,
+                             rollout_batch_size=4, max_staleness=1, admit_tokens=10))
+    first = [a for a in sched.decide() if isinstance(a, Assign)]
+    assert len(first) == 4 and sched.free_slots(sched.slices[0]) == 0  # slots full
+    g, k = first[0].group_id, first[0].sample
+    sched.sample_finished(g, k, 5)
+    sched.kv_reported(0, 12)  # room for one more (12 // 10)
+    assert sched.free_slots(sched.slices[0]) == 1
+    more = [a for a in sched.decide() if isinstance(a, Assign)]
+    assert len(more) == 1 and sched.slices[0].kv_free == 2  # 10 reserved
+    g, k = first[1].group_id, first[1].sample
+    sched.sample_finished(g, k, 5)
+    sched.kv_reported(0, 9)  # a slot is free, memory is not
+    assert sched.free_slots(sched.slices[0]) == 0
+    assert not [a for a in sched.decide() if isinstance(a, Assign)]
+    assert sched.has_pending()
+    for a in first[2:] + more:
+        sched.sample_finished(a.group_id, a.sample, 5)
+    sched.kv_reported(0, -40)  # reported by a slice that holds nothing: ignored
+    assert sched.slices[0].kv_free is None and sched.free_slots(sched.slices[0]) == 4
+    snap = json.loads(json.dumps(sched.snapshot()))
+    assert Scheduler.restore(snap).snapshot() == sched.snapshot()

@@ -21,7 +21,7 @@ def scenarios(draw, modes=MODES):
     cfg = SchedulerConfig(
         mode=mode, num_slices=S, slots_per_slice=slots, group_size=G,
         train_batch_size=tbs, rollout_batch_size=draw(st.integers(tbs, tbs + 4)),
-        max_staleness=draw(st.integers(0, 3)))
+        max_staleness=draw(st.integers(0, 3)), admit_tokens=draw(st.integers(0, 8)))
     if draw(st.booleans()):  # seeded distribution, incl. long-tailed
         max_len = draw(st.integers(1, 60))
         lengths = lengths_from_seed(draw(st.integers(0, 2**16)),
@@ -33,14 +33,18 @@ def scenarios(draw, modes=MODES):
         lengths = lambda g, k: table[(g * G + k) % len(table)]  # noqa: E731
     load, train = draw(st.integers(0, 3)), draw(st.integers(1, 6))
     steps = draw(st.integers(1, 6))
-    return cfg, lengths, max_len, load, train, steps
+    # Slices that report their KV memory (a paged cache), some of it often exhausted.
+    kv = draw(st.one_of(st.none(), st.integers(0, 80))) if cfg.admit_tokens else None
+    return cfg, lengths, max_len, load, train, steps, kv
 
 
-def tick_bound(cfg, max_len, load, train, steps):
+def tick_bound(cfg, max_len, load, train, steps, kv=None):
     # Very loose: every step's groups decoded serially on one slice, plus loads and
-    # training; a livelock exceeds any bound, a deadlock is detected directly.
+    # training; a livelock exceeds any bound, a deadlock is detected directly. A
+    # slice short of KV memory may run one request at a time.
+    slots = 1 if kv is not None else cfg.slots_per_slice
     per_step = (math.ceil(max(cfg.rollout_batch_size, 2 * cfg.train_batch_size)
-                          * cfg.group_size / cfg.slots_per_slice) + 1) * max_len
+                          * cfg.group_size / slots) + 1) * max_len
     return (steps + cfg.max_staleness + 2) * (per_step + 2 * load + train + 2)
 
 
@@ -67,9 +71,10 @@ def check_run(run: FakeRun, steps: int):
           suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_contract_all_modes(sc):
-    cfg, lengths, max_len, load, train, steps = sc
-    run = FakeRun(cfg, lengths, load_ticks=load, train_ticks=train, check=True)
-    run.run(steps, max_ticks=tick_bound(cfg, max_len, load, train, steps))
+    cfg, lengths, max_len, load, train, steps, kv = sc
+    run = FakeRun(cfg, lengths, load_ticks=load, train_ticks=train, check=True,
+                  kv_capacity=kv)
+    run.run(steps, max_ticks=tick_bound(cfg, max_len, load, train, steps, kv))
     check_run(run, steps)
 
 
@@ -79,10 +84,10 @@ def test_contract_all_modes(sc):
 def test_finite_dataset_everything_consumed(sc):
     """With max_groups = steps * TBS every admitted group is trained (nothing left
     in flight), in every mode."""
-    cfg, lengths, max_len, load, train, steps = sc
+    cfg, lengths, max_len, load, train, steps, kv = sc
     cfg = SchedulerConfig(**{**cfg.__dict__, "max_groups": steps * cfg.train_batch_size})
-    run = FakeRun(cfg, lengths, load_ticks=load, train_ticks=train)
-    run.run(steps, max_ticks=tick_bound(cfg, max_len, load, train, steps))
+    run = FakeRun(cfg, lengths, load_ticks=load, train_ticks=train, kv_capacity=kv)
+    run.run(steps, max_ticks=tick_bound(cfg, max_len, load, train, steps, kv))
     check_run(run, steps)
     assert not run.sched.groups
     assert run.summary()["admitted"] == run.summary()["consumed"] == steps * cfg.train_batch_size
@@ -94,7 +99,7 @@ def test_finite_dataset_everything_consumed(sc):
 def test_dora_k0_is_sync(sc):
     """dora with K=0 trains the same groups at the same steps as sync (the
     feasibility invariant admits exactly TBS groups per version)."""
-    cfg, lengths, max_len, load, train, steps = sc
+    cfg, lengths, max_len, load, train, steps, _ = sc
     runs = {}
     for mode in ("sync", "dora"):
         c = SchedulerConfig(**{**cfg.__dict__, "mode": mode, "max_staleness": 0})
@@ -110,15 +115,16 @@ def test_dora_k0_is_sync(sc):
 def test_restart_engines_loses_nothing(sc, restart_at):
     """After a runtime restart (in-flight requests lost and requeued) at a point drawn
     within the run's length, the contract still holds and the run completes."""
-    cfg, lengths, max_len, load, train, steps = sc
-    bound = 2 * tick_bound(cfg, max_len, load, train, steps)
-    full = FakeRun(cfg, lengths, load_ticks=load, train_ticks=train, check=False)
+    cfg, lengths, max_len, load, train, steps, kv = sc
+    bound = 2 * tick_bound(cfg, max_len, load, train, steps, kv)
+    full = FakeRun(cfg, lengths, load_ticks=load, train_ticks=train, check=False,
+                   kv_capacity=kv)
     full.start()
     events = 0
     while full.steps_done < steps:
         full.advance(bound)
         events += 1
-    run = FakeRun(cfg, lengths, load_ticks=load, train_ticks=train)
+    run = FakeRun(cfg, lengths, load_ticks=load, train_ticks=train, kv_capacity=kv)
     run.start()
     for _ in range(int(restart_at * events)):
         run.advance(bound)

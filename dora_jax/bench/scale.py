@@ -8,11 +8,23 @@
 - Compile time against depth: the train step's gradient at 4 and 32 layers, layers
   scanned, against the unrolled model (interleaved, repeated, median).
 
+- Decode throughput at long-tail contexts: S slots of a 4,096-token cache, each at
+  a context drawn from a long-tailed (log-normal) distribution with the paper's
+  mean/max proportions (mean 2.4K of 30K, here ~330 of 4,096), every slot busy;
+  generate calls on the paged cache against the dense one (interleaved, repeated,
+  median).
+- Concurrent samples at equal KV memory: a dense slice of `--dense_slots` slots of
+  4,096 positions against a paged slice whose pool holds the same number of
+  positions and has `--paged_slots` slots, both fed the same stream of requests
+  whose lengths follow that distribution (`Request.max_new_tokens`); mean running
+  requests per decode step once warm.
 - Prefills per group: two groups of four samples decoded on one slice of the tiny
   config (configs/tiny.py); forward passes over prompts per group.
 
 Ends with `train peak memory T=4096 / T=512: X` (blockwise + remat),
-`compile time 32 layers / 4 layers: Y` (scanned) and `prefills per group: P`.
+`compile time 32 layers / 4 layers: Y` (scanned), `decode tokens/s paged/dense at
+long-tail contexts: Z`, `concurrent samples per slice at equal KV memory,
+paged/dense: W` and `prefills per group: P`.
 """
 
 from __future__ import annotations
@@ -23,7 +35,24 @@ import time
 
 from absl import app, flags
 
-_REPS = flags.DEFINE_integer("reps", 3, "compilations per measurement (median)")
+_REPS = flags.DEFINE_integer("reps", 3, "repeats per measurement (median)")
+_SLOTS = flags.DEFINE_integer("decode_slots", 16, "slots in the decode-throughput run")
+_DENSE_SLOTS = flags.DEFINE_integer("dense_slots", 4, "slots of the dense slice")
+_PAGED_SLOTS = flags.DEFINE_integer("paged_slots", 64, "slots of the paged slice")
+_CONC_STEPS = flags.DEFINE_integer("concurrency_steps", 1500,
+                                   "decode steps per slice (the first third warms up)")
+_PARTS = flags.DEFINE_list("parts", ["memory", "compile", "decode", "concurrency", "prefill"],
+                           "which measurements to run")
+
+CACHE = 4096
+
+
+def longtail_lengths(n: int, rng, cap: int = CACHE):
+    """Lengths with the paper's shape (mean 2.4K, max 30K in a 30K budget) scaled to
+    a `cap`-token cache: log-normal, median 200, sigma 1 (mean ~330), clipped."""
+    import numpy as np
+
+    return np.clip(rng.lognormal(np.log(200), 1.0, n), 16, cap).astype(int)
 
 
 def _model_config(**overrides):
@@ -72,6 +101,102 @@ def compile_seconds(cfg, T: int = 128) -> float:
     return time.perf_counter() - start
 
 
+def _rollout(slots, kv_cache, max_prefill, max_decode, kv_pages=0, decode_steps=16):
+    from dora_jax.buckets import doubling_buckets
+    from dora_jax.config import RolloutConfig
+
+    return RolloutConfig(slots_per_slice=slots, max_prefill_length=max_prefill,
+                         max_decode_len=max_decode, decode_steps=decode_steps,
+                         prefill_buckets=doubling_buckets((16,), max_prefill), eos_id=-1,
+                         kv_cache=kv_cache, kv_pages=kv_pages)
+
+
+def _one_device_mesh():
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from dora_jax import config as config_lib
+
+    return Mesh(np.array(jax.devices()[:1]).reshape(1, 1), config_lib.SLICE_MESH_AXES)
+
+
+def decode_tokens_per_second(reps: int, slots: int, calls: int = 4) -> dict:
+    """{layout: median tokens/s} of generate calls with every slot at a long-tail
+    context (see the module docstring); both layouts decode the same slots."""
+    import jax
+    import numpy as np
+
+    from dora_jax.model import transformer
+    from dora_jax.rollout import Engine
+
+    cfg = _model_config(attention="blockwise")
+    params = transformer.create(cfg, 0)[1]
+    max_decode = 256
+    rng = np.random.default_rng(0)
+    contexts = longtail_lengths(slots, rng, CACHE - max_decode)
+    print(f"decode contexts: mean {contexts.mean():.0f}, max {contexts.max()}, "
+          f"{slots} slots, cache {CACHE}")
+    runs = {}
+    for layout in ("paged", "dense"):
+        eng = Engine(cfg, _rollout(slots, layout, CACHE - max_decode, max_decode),
+                     _one_device_mesh())
+        p = eng.load_params(params)
+        state = eng.init_decode_state()
+        for slot, c in enumerate(contexts):
+            tokens = np.random.default_rng(slot).integers(2, cfg.vocab_size, c)
+            padded, n = eng.pad_tokens(tokens)
+            prefix, _ = eng.prefill(params=p, padded_tokens=padded, true_length=n, rng=slot)
+            state = eng.insert(prefix, state, slot, length=n)
+        state, _ = eng.generate(p, state)  # compile
+        runs[layout] = [eng, p, jax.block_until_ready(state)]
+    times = {layout: [] for layout in runs}
+    for _ in range(reps):  # interleaved
+        for layout, run in runs.items():
+            eng, p, state = run
+            start = time.perf_counter()
+            for _ in range(calls):
+                state, result = eng.generate(p, state)
+            steps = int(np.asarray(result.valid).any(axis=1).sum())
+            assert steps == eng.decode_steps  # nothing finished: every slot busy
+            run[2] = jax.block_until_ready(state)
+            times[layout].append(slots * calls * steps / (time.perf_counter() - start))
+    return {layout: statistics.median(t) for layout, t in times.items()}
+
+
+def concurrent_samples(layout: str, slots: int, pool_tokens: int, steps: int) -> float:
+    """Mean running requests per decode step of one slice (after the first third of
+    `steps`), fed long-tail requests as fast as it takes them."""
+    import numpy as np
+
+    from dora_jax.model import transformer
+    from dora_jax.rollout import DecodeSlice, Request
+
+    cfg = _model_config(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                        mlp_hidden=128)
+    prompt = 16
+    rollout = _rollout(slots, layout, prompt, CACHE - prompt,
+                       kv_pages=pool_tokens // 16 if layout == "paged" else 0)
+    sl = DecodeSlice.create(0, _one_device_mesh(), cfg, rollout)
+    sl.load_version(0, transformer.create(cfg, 0)[1])
+    rng = np.random.default_rng(1)
+    lengths = iter(longtail_lengths(100_000, rng, CACHE - prompt))
+    n, warm = 0, None
+    while sl.stats.generate_steps < steps:
+        while sl.num_free_slots:
+            sl.submit(Request(group_id=n, prompt_id=n, sample_index=0, version=0,
+                              prompt_tokens=rng.integers(2, cfg.vocab_size, prompt),
+                              seed=n, max_new_tokens=int(next(lengths))))
+            n += 1
+        sl.step()
+        if warm is None and sl.stats.generate_steps >= steps // 3:
+            warm = (sl.stats.generate_steps, sl.stats.busy_slot_steps)
+    if layout == "paged":
+        print(f"paged slice: peak pages {sl.stats.peak_pages} of {rollout.pool_pages}, "
+              f"{sl.stats.preempted} preemptions, {sl.stats.finished} finished")
+    return (sl.stats.busy_slot_steps - warm[1]) / (sl.stats.generate_steps - warm[0])
+
+
 def prefills_per_group(groups: int = 2, group_size: int = 4) -> float:
     import jax
     from jax.sharding import Mesh
@@ -100,7 +225,30 @@ def main(argv):
     import jax
 
     jax.config.update("jax_enable_compilation_cache", False)  # measure compiles
-    lines = []
+    lines, parts = [], set(_PARTS.value)
+    if "memory" in parts:
+        lines.append(_memory_line())
+    if "compile" in parts:
+        lines.append(_compile_line())
+    if "decode" in parts:
+        tps = decode_tokens_per_second(_REPS.value, _SLOTS.value)
+        print(f"decode tokens/s: paged {tps['paged']:.0f}, dense {tps['dense']:.0f}")
+        lines.append(f"decode tokens/s paged/dense at long-tail contexts: "
+                     f"{tps['paged'] / tps['dense']:.2f}")
+    if "concurrency" in parts:
+        d = _DENSE_SLOTS.value
+        conc = {layout: concurrent_samples(layout, slots, d * CACHE, _CONC_STEPS.value)
+                for layout, slots in (("dense", d), ("paged", _PAGED_SLOTS.value))}
+        print(f"concurrent samples at {d * CACHE} KV positions: paged {conc['paged']:.1f} "
+              f"({_PAGED_SLOTS.value} slots), dense {conc['dense']:.1f} ({d} slots)")
+        lines.append(f"concurrent samples per slice at equal KV memory, paged/dense: "
+                     f"{conc['paged'] / conc['dense']:.2f}")
+    if "prefill" in parts:
+        lines.append(f"prefills per group: {prefills_per_group():g}")
+    print("\n".join(lines))
+
+
+def _memory_line() -> str:
     efficient = _model_config(attention="blockwise", remat="full")
     dense = _model_config(attention="dense", remat="none")
     mem = {(name, T): peak_bytes(cfg, T) for name, cfg in (("blockwise+remat", efficient),
@@ -110,9 +258,11 @@ def main(argv):
         a, b = mem[(name, 512)], mem[(name, 4096)]
         print(f"{name:16} train step memory T=512 {a / 2**20:8.1f} MiB, T=4096 "
               f"{b / 2**20:8.1f} MiB, ratio {b / a:.1f}")
-    lines.append(f"train peak memory T=4096 / T=512: "
-                 f"{mem[('blockwise+remat', 4096)] / mem[('blockwise+remat', 512)]:.2f}")
+    return (f"train peak memory T=4096 / T=512: "
+            f"{mem[('blockwise+remat', 4096)] / mem[('blockwise+remat', 512)]:.2f}")
 
+
+def _compile_line() -> str:
     times = {}
     for _ in range(_REPS.value):  # interleaved
         for scan in (True, False):
@@ -123,9 +273,7 @@ def main(argv):
     for scan in (True, False):
         print(f"{'scanned' if scan else 'unrolled':16} compile 4 layers {med[(scan, 4)]:6.2f} s, "
               f"32 layers {med[(scan, 32)]:6.2f} s, ratio {med[(scan, 32)] / med[(scan, 4)]:.2f}")
-    lines.append(f"compile time 32 layers / 4 layers: {med[(True, 32)] / med[(True, 4)]:.2f}")
-    lines.append(f"prefills per group: {prefills_per_group():g}")
-    print("\n".join(lines))
+    return f"compile time 32 layers / 4 layers: {med[(True, 32)] / med[(True, 4)]:.2f}"
 
 
 if __name__ == "__main__":

@@ -141,9 +141,32 @@ class DecodeSlice:
         return tuple(request_id) in self._held
 
     @property
+    def kv_free_tokens(self):
+        """Paged cache: KV positions free beyond what the running requests' next call
+        and the waiting requests' start need (may be negative); None if dense."""
+        pool = self.engine.pages
+        if pool is None:
+            return None
+        n, cap = self.engine.decode_steps, self.engine.cache_length
+        waiting = sum(pool.pages_for(min(len(s.request.prompt_tokens) + len(s.tokens) + n, cap))
+                      for s in self._waiting)
+        return (pool.num_free - pool.shortfall(n) - waiting) * pool.page_size
+
+    @property
     def held_versions(self) -> set:
         """Versions of the requests held: empty or {self.version} (C1)."""
         return {seq.version for seq in self._held.values()}
+
+    def reset_decode_state(self) -> None:
+        """A fresh decode state (the slice must hold nothing): after the engine served
+        another decode state, e.g. a warm-up's, whose use reset its page pool."""
+        if self._held or self._inflight is not None:
+            raise RolloutError(f"slice {self.slice_id}: reset_decode_state while holding "
+                               f"{self.num_requests} request(s)")
+        self.state = self.engine.init_decode_state()
+        self._pool_epoch = None if self.engine.pages is None else self.engine.pages.epoch
+        self._prompt_prefixes.clear()
+        self._prompt_pages.clear()  # pages of the pool just reset
 
     # ------------------------------------------------------------ versions
 

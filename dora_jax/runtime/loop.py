@@ -242,6 +242,8 @@ class Runtime:
                 g.trajectories[t.sample_index] = t
                 g.rewards[t.sample_index] = self.rewards.submit(g.record, t.response_tokens)
                 self.sched.sample_finished(t.group_id, t.sample_index, len(t.response_tokens))
+            if ev.kv_free is not None:
+                self.sched.kv_reported(ev.source, ev.kv_free)
         elif ev.kind == "loaded":
             self.sched.version_loaded(ev.source, ev.data)
         elif ev.kind == "step":

@@ -46,11 +46,13 @@ class Event:
     "failed" (data: the exception), "step" (the trainer: data is its step record).
     Migrations post nothing: the slices' own counters record them.
     source: the slice id, or "trainer".
+    kv_free: with "finished", the slice's free KV positions (paged cache) after them.
     """
 
     kind: str
     source: Any
     data: Any = None
+    kv_free: Any = None
 
 
 _STOP = object()
@@ -135,7 +137,8 @@ class SliceWorker:
                 self._timeline.add(self._row, "decode", start, self._clock(), version)
                 if finished:
                     self._awaiting_ack = True
-                    self._events.put(Event("finished", self.slice_id, finished))
+                    self._events.put(Event("finished", self.slice_id, finished,
+                                           sl.kv_free_tokens))
         except BaseException as e:  # noqa: BLE001 - reported, the coordinator decides
             self._events.put(Event("failed", self.slice_id, e))
 

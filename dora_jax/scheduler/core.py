@@ -80,7 +80,12 @@ class Scheduler:
         return len(self.groups)
 
     def free_slots(self, sl: SliceState) -> int:
-        return self.config.slots_per_slice - len(sl.running)
+        """Samples the slice can take now: its free slots, and with a paged KV cache
+        no more than its reported free positions hold (see `kv_reported`)."""
+        n = self.config.slots_per_slice - len(sl.running)
+        if self.config.admit_tokens and sl.kv_free is not None:
+            n = min(n, max(0, sl.kv_free // self.config.admit_tokens))
+        return n
 
     def unconsumed_by_version(self) -> Counter:
         """Unconsumed groups per version (a copy)."""
@@ -131,11 +136,19 @@ class Scheduler:
         smp = g.samples[sample]
         if smp.status != RUNNING:
             raise ValueError(f"sample_finished: ({group_id}, {sample}) is {smp.status}")
-        self.slices[smp.slice_id].running.discard((group_id, sample))
+        self._leave(self.slices[smp.slice_id], (group_id, sample))
         smp.status, smp.slice_id, smp.num_tokens = FINISHED, None, num_tokens
         g.n_running -= 1
         g.n_finished += 1
         self._unfinished_v[g.version] -= 1
+
+    def kv_reported(self, slice_id: int, free_tokens: int):
+        """A slice with a paged KV cache reports the positions it has free (beyond
+        what its running and queued requests need next). Ignored for a slice that
+        holds nothing here: its pool is free, and the bound takes effect between
+        decisions, never within one (each assignment lowers `free_slots` by one)."""
+        sl = self.slices[slice_id]
+        sl.kv_free = int(free_tokens) if sl.running else None
 
     def version_loaded(self, slice_id: int, version: int):
         """A LoadVersion / InterruptReload finished: the slice now holds `version`.
@@ -202,6 +215,7 @@ class Scheduler:
         smp.versions.append(sl.version)
         smp.slices.append(slice_id)
         sl.running.add((group_id, sample))
+        self._reserve_kv(sl)
         g.n_pending -= 1
         g.n_running += 1
         self._pending_v[g.version] -= 1
@@ -214,11 +228,22 @@ class Scheduler:
         assert smp.status == RUNNING and dst_sl.serving and dst_sl.version == src_sl.version
         assert self.free_slots(dst_sl) > 0 and src_sl.loading is None
         src = smp.slice_id
-        src_sl.running.discard((group_id, sample))
+        self._leave(src_sl, (group_id, sample))
         dst_sl.running.add((group_id, sample))
+        self._reserve_kv(dst_sl)
         smp.slice_id = dst
         smp.slices.append(dst)
         return Migrate(group_id, sample, src, dst)
+
+    @staticmethod
+    def _leave(sl: SliceState, request):
+        sl.running.discard(request)
+        if not sl.running:
+            sl.kv_free = None  # an empty slice's pool is free: its report is stale
+
+    def _reserve_kv(self, sl: SliceState):
+        if sl.kv_free is not None:
+            sl.kv_free -= self.config.admit_tokens
 
     def do_load(self, slice_id: int, version: int) -> LoadVersion:
         sl = self.slices[slice_id]
@@ -289,6 +314,7 @@ class Scheduler:
             "slices": [{
                 "id": sl.slice_id, "version": sl.version, "loading": sl.loading,
                 "interrupted": sl.interrupted, "running": sorted(map(list, sl.running)),
+                "kv_free": sl.kv_free,
             } for sl in self.slices],
         }
 
@@ -313,7 +339,8 @@ class Scheduler:
             g.n_finished = sum(smp.status == FINISHED for smp in samples)
             self.groups[g.group_id] = g
         self.slices = [SliceState(d["id"], d["version"], d["loading"], d["interrupted"],
-                                  {tuple(r) for r in d["running"]}) for d in snap["slices"]]
+                                  {tuple(r) for r in d["running"]}, d.get("kv_free"))
+                       for d in snap["slices"]]
         self._recount()
         return self
 

@@ -73,17 +73,23 @@ class FakeRun:
       load_ticks: ticks per LoadVersion / InterruptReload (>= 0).
       train_ticks: ticks per train step (>= 1).
       check: call `Scheduler.check_invariants()` after every event and decide().
+      kv_capacity: KV positions per slice, as a paged cache reports them: after each
+        finished sample the slice reports capacity minus, per running request,
+        `config.admit_tokens` + its tokens so far (`Scheduler.kv_reported`). None:
+        no reports.
     """
 
     def __init__(self, config: SchedulerConfig,
                  lengths: Union[Callable[[int, int], int], Sequence],
-                 load_ticks: int = 1, train_ticks: int = 1, check: bool = True):
+                 load_ticks: int = 1, train_ticks: int = 1, check: bool = True,
+                 kv_capacity: Optional[int] = None):
         if load_ticks < 0 or train_ticks < 1:
             raise ValueError("load_ticks must be >= 0 and train_ticks >= 1")
         self.config = config
         self.sched = Scheduler(config)
         self._length = lengths if callable(lengths) else (lambda g, k: lengths[g][k])
         self.load_ticks, self.train_ticks, self.check = load_ticks, train_ticks, check
+        self.kv_capacity = kv_capacity
         self.tick = 0
         self._started = False
         self.slices = [_Slice() for _ in range(config.num_slices)]
@@ -190,6 +196,10 @@ class FakeRun:
             r = self.slices[i].requests.pop((gid, k))
             self.done[(gid, k)] = r
             self.sched.sample_finished(gid, k, num_tokens=r.length)
+            if self.kv_capacity is not None:
+                used = sum(self.config.admit_tokens + q.produced
+                           for q in self.slices[i].requests.values())
+                self.sched.kv_reported(i, self.kv_capacity - used)
         else:
             self.trainer = None
             self.steps_done += 1

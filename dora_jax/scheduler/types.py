@@ -35,6 +35,10 @@ class SchedulerConfig:
         t - w <= K (each policy says which bound it guarantees: `staleness_bound`).
       max_groups: optional cap on the total number of groups ever admitted (dataset
         size or run budget). None = unbounded.
+      admit_tokens: KV positions a newly assigned sample is counted as taking on a
+        slice with a paged KV cache (its longest prompt plus one decode call): a
+        slice takes no more samples than its last reported free positions allow
+        (`Scheduler.kv_reported`). 0: capacity in slots only.
     """
 
     mode: str
@@ -45,6 +49,7 @@ class SchedulerConfig:
     rollout_batch_size: int
     max_staleness: int
     max_groups: Optional[int] = None
+    admit_tokens: int = 0
 
     def __post_init__(self):
         # The coordinator section owns these checks; building one runs them.
@@ -57,16 +62,20 @@ class SchedulerConfig:
         check_group_fits(self.group_size, self.num_slices, self.slots_per_slice)
         if self.max_groups is not None and self.max_groups < 0:
             raise ConfigError(f"max_groups must be >= 0 or None, got {self.max_groups}")
+        if self.admit_tokens < 0:
+            raise ConfigError(f"admit_tokens must be >= 0, got {self.admit_tokens}")
 
     @classmethod
     def from_config(cls, cfg: Config, max_groups: Optional[int] = None) -> "SchedulerConfig":
         """The scheduler's view of a validated run config."""
-        c = cfg.coordinator
+        c, r = cfg.coordinator, cfg.rollout
+        paged = r.kv_cache == "paged"
         return cls(mode=c.mode, num_slices=cfg.mesh.num_slices,
-                   slots_per_slice=cfg.rollout.slots_per_slice, group_size=c.group_size,
+                   slots_per_slice=r.slots_per_slice, group_size=c.group_size,
                    train_batch_size=c.train_batch_size,
                    rollout_batch_size=c.rollout_batch_size, max_staleness=c.max_staleness,
-                   max_groups=max_groups)
+                   max_groups=max_groups,
+                   admit_tokens=r.max_prefill_length + r.decode_steps if paged else 0)
 
     @property
     def total_slots(self) -> int:
@@ -186,6 +195,9 @@ class SliceState:
     loading: Optional[int] = None  # target version while a load is in progress
     interrupted: bool = False  # the load is an InterruptReload (requests kept, paused)
     running: set = field(default_factory=set)  # {(group_id, sample)}
+    # Paged KV: free positions as last reported, less admit_tokens per sample given
+    # to the slice since; None: never reported (capacity in slots only).
+    kv_free: Optional[int] = None
 
     @property
     def serving(self) -> bool:
