@@ -8,8 +8,13 @@ of dim 128 with QK-norm, every layer MoE with 128 experts, top-8, expert hidden 
 vocab 151,936, untied embeddings: 30,532,122,624 parameters (30.5B total; about 3.3B
 active per token). bf16 compute; layers scanned (one compiled layer), flash-style
 attention (`attention=auto`: splash on TPU) and full per-layer remat, so the train
-step's memory grows linearly with the 32K-token sequences. Mesh: trainer fsdp=16 x expert=8 (128 chips) plus
-8 decode slices of tensor=4 x expert=4 (16 chips each): 256 chips, e.g. a v5p-512.
+step's memory grows linearly with the 32K-token sequences. Mesh: trainer fsdp=16 x
+expert=8 (128 chips) plus 8 decode slices of tensor=4 x expert=4 (16 chips each):
+256 chips, e.g. a v5p-512. Decode: a paged KV cache of 64-position pages (the TPU
+Pallas paged-attention kernel); a slice's pool holds 32,768 pages, the memory a
+dense cache gives 64 full-length slots (2.1M positions, 98 KB each in bf16: about
+13 GB per chip), and serves 256 slots: at the paper's mean response (2.4K tokens)
+all of them fit, and a slice that runs short preempts its newest request.
 
 `--config=configs/moe.py:tiny`: the same architecture family at CPU size — 2 layers,
 d_model 64, 4 query / 2 KV heads of dim 16, 8 experts top-2 of hidden 32, one shared
@@ -51,9 +56,10 @@ def get_config(arg=None):
     c.mesh.trainer.update(dict(data=1, fsdp=16, tensor=1, expert=8))
     c.mesh.slice.update(dict(tensor=4, expert=4))
     c.mesh.num_slices = 8
-    c.rollout.update(dict(slots_per_slice=64, max_prefill_length=2048, max_decode_len=30_720,
+    c.rollout.update(dict(slots_per_slice=256, max_prefill_length=2048, max_decode_len=30_720,
                           prefill_buckets=(512, 1024, 2048), temperature=1.0,
-                          eos_id=151_645, pad_id=151_643))
+                          eos_id=151_645, pad_id=151_643, kv_cache="paged", page_size=64,
+                          kv_pages=64 * 512, paged_attention="auto"))
     c.trainer.update(dict(learning_rate=1e-6, warmup_steps=10, micro_batches=16,
                           length_buckets=(4096, 8192, 16384, 32768)))
     # The paper's workload shape: 512 prompts x 16 samples per step, K=3.

@@ -126,9 +126,45 @@ def test_api_surface_and_bad_calls():
     prefix, _ = eng.prefill(params=params, padded_tokens=np.ones(8, np.int32), true_length=2)
     with pytest.raises(ValueError, match="slot 4 out of range"):
         eng.insert(prefix, state, 4)
-    with pytest.raises(ValueError, match="extending a prefix is not supported"):
-        eng.prefill(params=params, padded_tokens=np.ones(16, np.int32), true_length=12,
-                    num_generated=4, existing_prefix=prefix)
+    with pytest.raises(ValueError, match="existing_prefix holds 2 positions"):
+        eng.prefill(params=params, padded_tokens=np.ones(8, np.int32), true_length=1,
+                    existing_prefix=prefix)
     assert eng.colocated_cpus is None
     with pytest.raises(ValueError, match="structure"):
         eng.load_params(rc.params("moe", 0))
+
+
+def test_prefill_extending_a_prefix_equals_a_full_forward():
+    """Chunked prefill: the prompt's prefix, then prompt + 6 tokens so far on top of
+    it. The next token's log-prob equals the full forward's, and decoding on from the
+    extended prefix gives the tokens that decoding on from a whole prefill gives."""
+    eng = rc.engine("dense", "sampled", 1)
+    p = rc.params("dense", 0)
+    params = eng.load_params(p)
+    prompt, so_far = rc.PROMPTS[1], [11, 12, 13, 14, 15, 16]
+    padded, n = eng.pad_tokens(prompt + so_far)
+    prompt_padded, P = eng.pad_tokens(prompt)
+    base, _ = eng.prefill(params=params, padded_tokens=prompt_padded, true_length=P, rng=3)
+    whole, first = eng.prefill(params=params, padded_tokens=padded, true_length=n, rng=9,
+                               num_generated=6)
+    ext, ext_first = eng.prefill(params=params, padded_tokens=padded, true_length=n, rng=9,
+                                 num_generated=6, existing_prefix=base)
+    _, ext_first2 = eng.prefill(params=params, padded_tokens=padded, true_length=n, rng=9,
+                                num_generated=6, existing_prefix=base, existing_length=P)
+    first, ext_first, ext_first2 = jax.device_get((first, ext_first, ext_first2))
+    assert int(ext_first.tokens[0]) == int(first.tokens[0]) == int(ext_first2.tokens[0])
+    ref = rc.logprob_reference("dense", p, prompt + so_far[:-1],
+                               [so_far[-1], int(ext_first.tokens[0])], rc.TEMPERATURE)
+    np.testing.assert_allclose(ext_first.logprobs[0], ref[-1], atol=1e-4)
+    assert ext.cache.length == whole.cache.length == 16
+    np.testing.assert_allclose(np.asarray(ext.cache.k)[:, :, :n], np.asarray(whole.cache.k)[:, :, :n],
+                               atol=1e-5)
+    state = eng.init_decode_state()
+    state = eng.insert(whole, state, 0, length=n)
+    state = eng.insert(ext, state, 1, length=n)
+    state, res = eng.generate(params, state)
+    res = jax.device_get(res)
+    rows = res.valid[:, 0]
+    assert rows.sum() >= 3 and (res.valid[:, 1] == rows).all()
+    assert res.tokens[rows, 0].tolist() == res.tokens[rows, 1].tolist()
+    np.testing.assert_allclose(res.logprobs[rows, 0], res.logprobs[rows, 1], atol=1e-5)

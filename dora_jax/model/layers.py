@@ -89,10 +89,23 @@ class Attention(nnx.Module):
         y = jnp.einsum("bthk,hkd->btd", o_BTHD, self.wo[...].astype(self.dtype))
         return constrain(y, ("batch", "length", "embed"))
 
-    def __call__(self, x_BTD, positions_BT):
-        """Causal self-attention over the sequence; also returns its (k, v)."""
+    def __call__(self, x_BTD, positions_BT, past=None):
+        """Causal self-attention over the sequence; also returns its (k, v).
+
+        past: (k_BPKD, v_BPKD, length) of positions before this sequence, of which
+        the first `length` are real: every token also attends to them (a prefix
+        extended, not recomputed)."""
         q, k, v = self._qkv(x_BTD, positions_BT)
-        o = causal_attention(q, k, v, self.implementation, self.block)
+        if past is None:
+            o = causal_attention(q, k, v, self.implementation, self.block)
+            return self._out(o), (k, v)
+        past_k, past_v, length = past
+        B, T, P = x_BTD.shape[0], x_BTD.shape[1], past_k.shape[1]
+        mask_TS = jnp.concatenate([jnp.broadcast_to(jnp.arange(P) < length, (T, P)),
+                                   jnp.tril(jnp.ones((T, T), bool))], axis=1)
+        o = attend(q, jnp.concatenate([past_k.astype(self.dtype), k], axis=1),
+                   jnp.concatenate([past_v.astype(self.dtype), v], axis=1),
+                   jnp.broadcast_to(mask_TS, (B, T, P + T)))
         return self._out(o), (k, v)
 
     def decode(self, x_B1D, positions_B, k_cache_LBSKD, v_cache_LBSKD, layer):

@@ -82,8 +82,8 @@ class Block(nnx.Module):
             return self.mlp(x, dropless=dropless)
         return self.mlp(x), None
 
-    def __call__(self, x_BTD, positions_BT, dropless):
-        h, kv = self.attn(self.attn_norm(x_BTD), positions_BT)
+    def __call__(self, x_BTD, positions_BT, dropless, past=None):
+        h, kv = self.attn(self.attn_norm(x_BTD), positions_BT, past)
         x_BTD = x_BTD + h
         h, aux = self._mlp(self.mlp_norm(x_BTD), dropless)
         return x_BTD + h, kv, aux
@@ -143,11 +143,14 @@ class Transformer(nnx.Module):
         return jnp.einsum("btd,dv->btv", x, w.astype(x.dtype),
                           preferred_element_type=jnp.float32)
 
-    def _period(self, x, positions_BT, dropless, graphdefs, states):
-        """Layers of one period in order: (x, [k per layer], [v ...], [MoE aux ...])."""
+    def _period(self, x, positions_BT, dropless, graphdefs, states, past=None):
+        """Layers of one period in order: (x, [k per layer], [v ...], [MoE aux ...]).
+        past: None or (k [period, B, P, K, D], v, length) for these layers."""
         ks, vs, auxes = [], [], []
-        for graphdef, state in zip(graphdefs, states):
-            x, (k, v), aux = nnx.merge(graphdef, state)(x, positions_BT, dropless)
+        for r, (graphdef, state) in enumerate(zip(graphdefs, states)):
+            layer_past = None if past is None else (past[0][r], past[1][r], past[2])
+            x, (k, v), aux = nnx.merge(graphdef, state)(x, positions_BT, dropless,
+                                                        layer_past)
             ks.append(k)
             vs.append(v)
             if aux is not None:
@@ -155,21 +158,27 @@ class Transformer(nnx.Module):
         return x, ks, vs, auxes
 
     def __call__(self, tokens_BT, positions_BT=None, *, dropless: bool | None = None,
-                 return_kv: bool = False):
+                 return_kv: bool = False, past: KVCache | None = None, past_length=None):
         """Full causal forward. Returns (logits_BTV f32, aux, kv or None).
 
         aux holds the MoE losses averaged over MoE layers (zeros for a dense model);
         kv is a `KVCache` of this sequence's keys/values (length T) for prefill.
+        past: the KV cache ([layers, B, P, ...]) of the `past_length` positions before
+        `tokens_BT`, which then continue them (positions from past_length on): a
+        prefix extended by a chunk.
         """
         B, T = tokens_BT.shape
         if positions_BT is None:
-            positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+            start = 0 if past is None else past_length
+            positions_BT = jnp.broadcast_to(start + jnp.arange(T), (B, T))
         x = constrain(self._embed(tokens_BT), ("batch", "length", "embed"))
         split = [nnx.split(b) for b in self.blocks]
+        p = len(split)
 
         def layers(graphdefs):  # the blocks of `graphdefs` in order, rematerialised
-            def run(x, states):
-                return self._period(x, positions_BT, dropless, graphdefs, states)
+            def run(x, states, past_kv=None):
+                layer_past = None if past_kv is None else (*past_kv, past_length)
+                return self._period(x, positions_BT, dropless, graphdefs, states, layer_past)
             if self.cfg.remat == "none":
                 return run
             return jax.checkpoint(run, policy=_CHECKPOINT_POLICIES[self.cfg.remat])
@@ -177,18 +186,22 @@ class Transformer(nnx.Module):
         if self.cfg.scan_layers:
             period = layers([g for g, _ in split])
 
-            def body(x, states):
-                x, ks, vs, auxes = period(x, states)
+            def body(x, xs):
+                x, ks, vs, auxes = period(x, *xs)
                 kv = (jnp.stack(ks), jnp.stack(vs)) if return_kv else None
                 return x, (kv, auxes)
 
-            x, (kv, auxes) = jax.lax.scan(body, x, tuple(s for _, s in split))
+            # past [layers, ...] -> [n, p, ...]: the scan's step j holds layers j*p + r.
+            past_xs = None if past is None else tuple(
+                a.reshape(-1, p, *a.shape[1:]) for a in past)
+            x, (kv, auxes) = jax.lax.scan(body, x, (tuple(s for _, s in split), past_xs))
             if return_kv:  # [n, p, ...] -> [layers, ...]: layer j*p + r
                 k, v = (a.reshape(-1, *a.shape[2:]) for a in kv)
         else:
             ks, vs, auxes = [], [], []
-            for graphdef, state in split:
-                x, k1, v1, aux1 = layers([graphdef])(x, (state,))
+            for i, (graphdef, state) in enumerate(split):
+                past_i = None if past is None else (past.k[i:i + 1], past.v[i:i + 1])
+                x, k1, v1, aux1 = layers([graphdef])(x, (state,), past_i)
                 ks += k1
                 vs += v1
                 auxes += aux1

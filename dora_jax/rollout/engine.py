@@ -21,10 +21,16 @@ can be refilled at once: the host never decodes a freed slot empty for the rest 
 call, and finish positions are token-exact. `max_steps` caps a call below
 `decode_steps` without recompiling (a slice with free slots asks for one token).
 
-Compiled functions: prefill and insert once per padded length bucket, generate and
-extract once. Prefill buckets cover prompts (`rollout.prefill_buckets`) and, for
-re-prefill of prompt + tokens so far (partial rollout), doubling buckets up to
-`rollout.cache_length` (`prefill_buckets`).
+Compiled functions: prefill, insert and extract once per padded length bucket,
+extension of a prefix once per (chunk, prefix, result) bucket, generate once (paged
+cache: once per bucket of mapped pages). Prefill buckets cover prompts
+(`rollout.prefill_buckets`) and, for re-prefill of prompt + tokens so far (partial
+rollout, preemption), doubling buckets up to `rollout.cache_length`
+(`prefill_buckets`).
+
+KV cache (`rollout.kv_cache`): "dense" gives every slot cache_length positions;
+"paged" keeps a pool of pages (`pages.PagePool`, host-side, one decode state per
+engine) and decode attention reads only each slot's pages (paged_attention.py).
 """
 
 from __future__ import annotations
@@ -116,6 +122,10 @@ class Engine:
         self._extract_jit = jax.jit(self._extract_fn, static_argnums=(3,),
                                     in_shardings=(self._state_sh, rep, rep),
                                     out_shardings=self._prefix_sh)
+        self._extend_jit = jax.jit(
+            self._extend_fn, static_argnums=(8,),
+            in_shardings=(self._param_sh, self._prefix_sh, rep, rep, rep, rep, rep, rep),
+            out_shardings=(self._prefix_sh, res_sh))
         self._resample_jit = jax.jit(self._resample_fn,
                                      in_shardings=(self._prefix_sh, rep, rep, rep),
                                      out_shardings=(self._prefix_sh, res_sh))
@@ -193,14 +203,18 @@ class Engine:
 
     def prefill(self, *, params: EngineParams, padded_tokens, true_length: int, rng=None,
                 num_generated: int = 0, existing_prefix: Prefix | None = None,
-                max_new_tokens: int | None = None):
+                existing_length: int | None = None, max_new_tokens: int | None = None):
         """Runs the prompt (or prompt + tokens so far) through the model and samples
         the next token. Returns (Prefix, ResultTokens with B=1).
 
-        existing_prefix: a Prefix this engine prefilled from exactly these tokens (the
-          same prompt, another sample of its group): its KV and logits are reused and
-          only the first token is drawn, with this request's rng — no forward pass.
-          Extending a shorter prefix is not supported (prefill the whole sequence).
+        existing_prefix: a Prefix this engine computed for the first tokens of this
+          sequence (the caller vouches for them), e.g. the prompt of the request's
+          group. Its KV is reused: if it covers the whole sequence (another sample of
+          the same prompt) only the first token is drawn, from its logits with this
+          request's rng — no forward pass; otherwise only the remaining tokens run,
+          attending to it (chunked prefill: a resumed request's tokens so far).
+        existing_length: positions `existing_prefix` holds, if the caller knows them
+          (otherwise they are read from the device: one scalar).
 
         padded_tokens: int[T] with T one of `self.buckets` (see `pad_tokens`); the
           first `true_length` are real.
@@ -231,14 +245,26 @@ class Engine:
         if limit <= num_generated:
             raise ValueError(f"prefill: max_new_tokens ({max_new_tokens}) must exceed "
                              f"num_generated ({num_generated})")
-        if existing_prefix is not None:
+        if existing_prefix is None:
+            return self._prefill_jit(params, tokens_T, np.int32(true_length), key,
+                                     np.int32(num_generated), limit)
+        held = (int(jax.device_get(existing_prefix.position)) if existing_length is None
+                else existing_length)
+        if not 1 <= held <= min(true_length, existing_prefix.cache.length):
+            raise ValueError(f"prefill: existing_prefix holds {held} positions; it must "
+                             f"hold 1..true_length ({true_length}) of them")
+        if held == true_length:
             if existing_prefix.cache.length != tokens_T.shape[0]:
-                raise ValueError(f"prefill: existing_prefix holds {existing_prefix.cache.length}"
-                                 f" positions, padded_tokens {tokens_T.shape[0]}: extending "
-                                 f"a prefix is not supported")
+                raise ValueError(f"prefill: existing_prefix has length "
+                                 f"{existing_prefix.cache.length}, padded_tokens "
+                                 f"{tokens_T.shape[0]}: pad both to one bucket")
             return self._resample_jit(existing_prefix, key, np.int32(num_generated), limit)
-        return self._prefill_jit(params, tokens_T, np.int32(true_length), key,
-                                 np.int32(num_generated), limit)
+        chunk = np.full(pick_bucket(true_length - held, self.buckets, "prefill buckets"),
+                        self.rollout_cfg.pad_id, np.int32)
+        chunk[:true_length - held] = tokens_T[held:true_length]
+        return self._extend_jit(params, existing_prefix, chunk, np.int32(held),
+                                np.int32(true_length), key, np.int32(num_generated), limit,
+                                tokens_T.shape[0])
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, *,
                length: int | None = None, shared_pages=()) -> DecodeState:
@@ -336,6 +362,31 @@ class Engine:
         dtype = jnp.dtype(self.model_cfg.dtype)
         kv = jax.tree.map(lambda x: x.astype(dtype), kv)
         logits_1V = jax.lax.dynamic_slice_in_dim(logits_1TV[0], true_length - 1, 1, axis=0)
+        return self._first_token(kv, logits_1V, true_length, key, num_generated, limit)
+
+    def _extend_fn(self, params, prefix: Prefix, chunk_C, held, true_length, key,
+                   num_generated, limit, length: int):
+        """Prefill of positions held..true_length-1 (chunk_C, padded) attending to
+        `prefix`'s first `held`; the result's KV has `length` positions."""
+        with activation_rules(self._mesh, self.rules):
+            logits_1CV, _, kv = transformer.apply(
+                self.graphdef, self._params(params), chunk_C[None], dropless=True,
+                return_kv=True, past=prefix.cache, past_length=held)
+        C, T0 = chunk_C.shape[0], prefix.cache.length
+
+        def assemble(old, new):  # room for the whole chunk wherever it starts, then cut
+            buf = jnp.zeros((*old.shape[:2], max(T0, length) + C, *old.shape[3:]), old.dtype)
+            buf = jax.lax.dynamic_update_slice_in_dim(buf, old, 0, axis=2)
+            buf = jax.lax.dynamic_update_slice_in_dim(buf, new.astype(old.dtype), held, axis=2)
+            return buf[:, :, :length]
+
+        kv = jax.tree.map(assemble, prefix.cache, kv)
+        logits_1V = jax.lax.dynamic_slice_in_dim(logits_1CV[0], true_length - 1 - held, 1,
+                                                 axis=0)
+        return self._first_token(kv, logits_1V, true_length, key, num_generated, limit)
+
+    def _first_token(self, kv, logits_1V, true_length, key, num_generated, limit):
+        """Samples the token after a prefill; (Prefix, ResultTokens)."""
         step_1 = num_generated[None]
         token_1, logprob_1 = sampling.sample(logits_1V, sampling.step_keys(key[None], step_1),
                                              self.sampling_params)

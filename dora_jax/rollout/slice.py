@@ -354,28 +354,36 @@ class DecodeSlice:
                              f"[0, {vocab})")
 
     def _start(self, seq: _Seq, slot: int):
-        """Prefills prompt + tokens so far into `slot` (a fresh sample of a group
-        already prefilled here reuses its prompt's prefix); the result is read at the
-        next sync."""
-        r = seq.request
-        padded, n = self.engine.pad_tokens(list(r.prompt_tokens) + seq.tokens)
+        """Prefills prompt + tokens so far into `slot`; the result is read at the next
+        sync. The group's prompt is run once under the resident params: a fresh
+        sample draws its first token from the prompt's prefix, a resumed one
+        (preempted, or re-prefilled under new params) runs only its own tokens on top
+        of it, and on a paged cache they all map the prompt's pages."""
+        r, engine = seq.request, self.engine
+        P = len(r.prompt_tokens)
         key = (r.group_id, tuple(r.prompt_tokens))
-        shared = None if seq.tokens else self._prompt_prefixes.get(key)
-        prefix, result = self.engine.prefill(params=self.params, padded_tokens=padded,
-                                             true_length=n, rng=r.key_data(),
-                                             num_generated=len(seq.tokens),
-                                             existing_prefix=shared,
-                                             max_new_tokens=r.max_new_tokens)
-        self.state = self.engine.insert(prefix, self.state, slot, length=n,
-                                        shared_pages=self._prompt_pages.get(key, ()))
-        if shared is not None:
+        base = self._prompt_prefixes.get(key)
+        if base is None and seq.tokens:  # the group's prompt, once
+            padded, _ = engine.pad_tokens(r.prompt_tokens)
+            base, _ = engine.prefill(params=self.params, padded_tokens=padded,
+                                     true_length=P, rng=r.key_data())
+            self._prompt_prefixes[key] = base
+            self.stats.prefills += 1
+        padded, n = engine.pad_tokens(list(r.prompt_tokens) + seq.tokens)
+        prefix, result = engine.prefill(params=self.params, padded_tokens=padded,
+                                        true_length=n, rng=r.key_data(),
+                                        num_generated=len(seq.tokens), existing_prefix=base,
+                                        existing_length=None if base is None else P,
+                                        max_new_tokens=r.max_new_tokens)
+        self.state = engine.insert(prefix, self.state, slot, length=n,
+                                   shared_pages=self._prompt_pages.get(key, ()))
+        if base is not None:
             self.stats.prefills_shared += 1
         else:
             self.stats.prefills += 1
-            if not seq.tokens:
-                self._prompt_prefixes[key] = prefix
-                if self.engine.pages is not None:
-                    self._prompt_pages[key] = self.engine.pages.share(slot, len(r.prompt_tokens))
+            self._prompt_prefixes[key] = prefix
+        if engine.pages is not None and key not in self._prompt_pages:
+            self._prompt_pages[key] = engine.pages.share(slot, P)
         if seq.t_start is None:
             seq.t_start = self.clock()
         self._place(seq, slot, n)
