@@ -11,8 +11,6 @@ import json
 import os
 from typing import Callable
 
-import jax
-import numpy as np
 
 from dora_jax.checkpointing import Checkpointer, load_params
 from dora_jax.config import Config
@@ -21,6 +19,7 @@ from dora_jax.data import tasks
 from dora_jax.model import sharding, transformer
 from dora_jax.rl.trainer import Trainer
 from dora_jax.rollout.slice import DecodeSlice
+from dora_jax.rollout.warmup import warm_engine
 from dora_jax.runtime.loop import Runtime
 from dora_jax.runtime.report import StepReporter
 from dora_jax.scheduler.core import Scheduler
@@ -52,42 +51,12 @@ def prompt_records(cfg: Config) -> list[dict]:
 
 def warm_up(slices, trainer, cfg: Config) -> None:
     """Compiles every jitted function a run will use before its clock starts, so
-    throughput and waits measure steady state (and partial_rollout's longer
-    re-prefill buckets do not compile mid-run)."""
+    throughput and waits measure steady state."""
     batch_size = cfg.coordinator.train_batch_size * cfg.coordinator.group_size
     trainer.warmup(batch_size, cfg.coordinator.group_size)
+    reprefills = not policy_for(cfg.coordinator.mode).keeps_c1
     for sl in slices:
-        engine = sl.engine
-        reprefills = not policy_for(cfg.coordinator.mode).keeps_c1
-        buckets = [b for b in engine.buckets if reprefills or b <= cfg.rollout.prefill_buckets[-1]]
-        state = engine.init_decode_state()
-        r = cfg.rollout
-        for bucket in buckets:
-            # Fill the bucket: a re-prefill bucket needs prompt + tokens so far.
-            length = min(bucket, r.cache_length - 1)
-            prompt_len = min(length, r.max_prefill_length)
-            padded = np.full(bucket, tasks.BOS, np.int32)
-            prefix, _ = engine.prefill(params=sl.params, rng=0, padded_tokens=padded,
-                                       true_length=length, num_generated=length - prompt_len)
-            if length == prompt_len:  # a prompt: another sample of its group reuses it
-                prefix, _ = engine.prefill(params=sl.params, rng=1, padded_tokens=padded,
-                                           true_length=length, existing_prefix=prefix)
-            state = engine.insert(prefix, state, 0)
-        state, _ = engine.generate(sl.params, state)
-        # A migrated request moves the bucket holding its positions: every length's
-        # extract and insert compile too.
-        for used in sorted(set(engine.buckets) | {r.cache_length}):
-            state = engine.insert(engine.extract(state, 0, used=used), state, 0)
-        pool = engine.pages
-        if pool is not None:
-            # Paged decode compiles per bucket of mapped pages: map slot after slot
-            # (host tables only; the device contents do not matter here).
-            for slot in range(1, engine.max_concurrent_decodes):
-                if pool.num_free < pool.pages_per_slot:
-                    break
-                pool.assign(slot, r.cache_length)
-                state, _ = engine.generate(sl.params, state, 1)
-        jax.block_until_ready(state)
+        warm_engine(sl.engine, sl.params, reprefills=reprefills)
         sl.reset_decode_state()
 
 

@@ -168,3 +168,27 @@ def test_prefill_extending_a_prefix_equals_a_full_forward():
     assert rows.sum() >= 3 and (res.valid[:, 1] == rows).all()
     assert res.tokens[rows, 0].tolist() == res.tokens[rows, 1].tolist()
     np.testing.assert_allclose(res.logprobs[rows, 0], res.logprobs[rows, 1], atol=1e-5)
+
+
+@pytest.mark.parametrize("config_name", ["tiny.py", "longtail.py"])
+def test_warm_up_covers_every_chunked_prefill_shape(config_name):
+    """The (prefix, result, chunk) buckets warmed equal those of every prompt length
+    and tokens-so-far count, enumerated one by one."""
+    import types
+
+    from conftest import load_repo_config
+    from dora_jax.buckets import pick_bucket
+    from dora_jax.rollout.warmup import extension_shapes
+
+    r = load_repo_config(f"configs/{config_name}", num_devices=8).rollout
+    eng = types.SimpleNamespace(buckets=prefill_buckets(r), cache_length=r.cache_length,
+                                max_prefill_length=r.max_prefill_length,
+                                max_decode_len=r.max_decode_len)
+
+    def key(held, n):
+        return tuple(pick_bucket(x, eng.buckets) for x in (held, n, n - held))
+
+    warmed = {key(h, n) for h, n in extension_shapes(eng)}
+    every = {key(h, n) for h in range(1, r.max_prefill_length + 1)
+             for n in range(h + 1, h + r.max_decode_len)}
+    assert warmed == every and len(warmed) > 1
