@@ -126,8 +126,8 @@ def test_api_surface_and_bad_calls():
     prefix, _ = eng.prefill(params=params, padded_tokens=np.ones(8, np.int32), true_length=2)
     with pytest.raises(ValueError, match="slot 4 out of range"):
         eng.insert(prefix, state, 4)
-    with pytest.raises(ValueError, match="existing_prefix holds 2 positions"):
-        eng.prefill(params=params, padded_tokens=np.ones(8, np.int32), true_length=1,
+    with pytest.raises(ValueError, match="true_length"):
+        eng.prefill(params=params, padded_tokens=np.ones(8, np.int32), true_length=9,
                     existing_prefix=prefix)
     assert eng.colocated_cpus is None
     with pytest.raises(ValueError, match="structure"):
@@ -147,12 +147,12 @@ def test_prefill_extending_a_prefix_equals_a_full_forward():
     base, _ = eng.prefill(params=params, padded_tokens=prompt_padded, true_length=P, rng=3)
     whole, first = eng.prefill(params=params, padded_tokens=padded, true_length=n, rng=9,
                                num_generated=6)
-    ext, ext_first = eng.prefill(params=params, padded_tokens=padded, true_length=n, rng=9,
+    chunk, t = eng.pad_tokens(so_far)  # appended to the prompt's prefix, as in JetStream
+    ext, ext_first = eng.prefill(params=params, padded_tokens=chunk, true_length=t, rng=9,
                                  num_generated=6, existing_prefix=base)
-    _, ext_first2 = eng.prefill(params=params, padded_tokens=padded, true_length=n, rng=9,
-                                num_generated=6, existing_prefix=base, existing_length=P)
-    first, ext_first, ext_first2 = jax.device_get((first, ext_first, ext_first2))
-    assert int(ext_first.tokens[0]) == int(first.tokens[0]) == int(ext_first2.tokens[0])
+    first, ext_first = jax.device_get((first, ext_first))
+    assert int(ext_first.tokens[0]) == int(first.tokens[0])
+    assert int(ext_first.positions[0]) == int(first.positions[0]) == n
     ref = rc.logprob_reference("dense", p, prompt + so_far[:-1],
                                [so_far[-1], int(ext_first.tokens[0])], rc.TEMPERATURE)
     np.testing.assert_allclose(ext_first.logprobs[0], ref[-1], atol=1e-4)
@@ -172,8 +172,8 @@ def test_prefill_extending_a_prefix_equals_a_full_forward():
 
 @pytest.mark.parametrize("config_name", ["tiny.py", "longtail.py"])
 def test_warm_up_covers_every_chunked_prefill_shape(config_name):
-    """The (prefix, result, chunk) buckets warmed equal those of every prompt length
-    and tokens-so-far count, enumerated one by one."""
+    """The (prefix, chunk) buckets warmed equal those of every prompt length and
+    tokens-so-far count, enumerated one by one."""
     import types
 
     from conftest import load_repo_config
@@ -185,10 +185,10 @@ def test_warm_up_covers_every_chunked_prefill_shape(config_name):
                                 max_prefill_length=r.max_prefill_length,
                                 max_decode_len=r.max_decode_len)
 
-    def key(held, n):
-        return tuple(pick_bucket(x, eng.buckets) for x in (held, n, n - held))
+    def key(prompt_len, so_far):
+        return tuple(pick_bucket(x, eng.buckets) for x in (prompt_len, so_far))
 
-    warmed = {key(h, n) for h, n in extension_shapes(eng)}
-    every = {key(h, n) for h in range(1, r.max_prefill_length + 1)
-             for n in range(h + 1, h + r.max_decode_len)}
+    warmed = {key(p, t) for p, t in extension_shapes(eng)}
+    every = {key(p, t) for p in range(1, r.max_prefill_length + 1)
+             for t in range(1, r.max_decode_len)}
     assert warmed == every and len(warmed) > 1

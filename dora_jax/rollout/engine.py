@@ -123,8 +123,8 @@ class Engine:
                                     in_shardings=(self._state_sh, rep, rep),
                                     out_shardings=self._prefix_sh)
         self._extend_jit = jax.jit(
-            self._extend_fn, static_argnums=(8,),
-            in_shardings=(self._param_sh, self._prefix_sh, rep, rep, rep, rep, rep, rep),
+            self._extend_fn, static_argnums=(7,),
+            in_shardings=(self._param_sh, self._prefix_sh, rep, rep, rep, rep, rep),
             out_shardings=(self._prefix_sh, res_sh))
         self._resample_jit = jax.jit(self._resample_fn,
                                      in_shardings=(self._prefix_sh, rep, rep, rep),
@@ -203,25 +203,24 @@ class Engine:
 
     def prefill(self, *, params: EngineParams, padded_tokens, true_length: int, rng=None,
                 num_generated: int = 0, existing_prefix: Prefix | None = None,
-                existing_length: int | None = None, max_new_tokens: int | None = None):
-        """Runs the prompt (or prompt + tokens so far) through the model and samples
-        the next token. Returns (Prefix, ResultTokens with B=1).
+                max_new_tokens: int | None = None):
+        """Runs tokens through the model and samples the next one. Returns (Prefix,
+        ResultTokens with B=1).
 
-        existing_prefix: a Prefix this engine computed for the first tokens of this
-          sequence (the caller vouches for them), e.g. the prompt of the request's
-          group. Its KV is reused: if it covers the whole sequence (another sample of
-          the same prompt) only the first token is drawn, from its logits with this
-          request's rng — no forward pass; otherwise only the remaining tokens run,
-          attending to it (chunked prefill: a resumed request's tokens so far).
-        existing_length: positions `existing_prefix` holds, if the caller knows them
-          (otherwise they are read from the device: one scalar).
+        Without `existing_prefix`: the prompt (or prompt + response tokens so far,
+        re-prefill) from position 0. With it (a Prefix this engine computed, e.g. the
+        prompt of the request's group), as in JetStream's API the tokens are appended
+        to the text it represents: they attend to its KV and only they run (chunked
+        prefill; the caller makes sure the whole fits `cache_length`). With no new
+        tokens (`true_length=0`: another sample of the same prompt) nothing runs and
+        the token is drawn from the prefix's logits with this request's rng.
 
         padded_tokens: int[T] with T one of `self.buckets` (see `pad_tokens`); the
           first `true_length` are real.
         rng: the request's RNG seed (int) or uint32[2] key data; may be omitted only
           in greedy mode.
-        num_generated: response tokens already among the `true_length` (re-prefill);
-          the sampled token is response token `num_generated`.
+        num_generated: response tokens before the one to sample (among the tokens
+          given, or the prefix's); the sampled token is response token `num_generated`.
         max_new_tokens: the request's response-length limit (at most, and by
           default, `max_decode_len`).
         """
@@ -232,12 +231,13 @@ class Engine:
         if not 0 <= num_generated < self.max_decode_len:
             raise ValueError(f"prefill: num_generated must be in [0, max_decode_len="
                              f"{self.max_decode_len}), got {num_generated}")
+        if not 0 <= true_length <= tokens_T.shape[0]:
+            raise ValueError(f"prefill: true_length ({true_length}) must be in [0, padded "
+                             f"length ({tokens_T.shape[0]})]")
         prompt_len = true_length - num_generated
-        if not 1 <= prompt_len <= self.max_prefill_length or true_length > tokens_T.shape[0]:
+        if existing_prefix is None and not 1 <= prompt_len <= self.max_prefill_length:
             raise ValueError(f"prefill: need 1 <= prompt length ({prompt_len}) <= "
-                             f"max_prefill_length ({self.max_prefill_length}) and "
-                             f"true_length ({true_length}) <= padded length "
-                             f"({tokens_T.shape[0]})")
+                             f"max_prefill_length ({self.max_prefill_length})")
         if rng is None and not self.sampling_params.greedy:
             raise ValueError("prefill: a per-request rng is required when sampling")
         key = sampling.key_data_from_seed(0 if rng is None else rng)
@@ -248,23 +248,14 @@ class Engine:
         if existing_prefix is None:
             return self._prefill_jit(params, tokens_T, np.int32(true_length), key,
                                      np.int32(num_generated), limit)
-        held = (int(jax.device_get(existing_prefix.position)) if existing_length is None
-                else existing_length)
-        if not 1 <= held <= min(true_length, existing_prefix.cache.length):
-            raise ValueError(f"prefill: existing_prefix holds {held} positions; it must "
-                             f"hold 1..true_length ({true_length}) of them")
-        if held == true_length:
-            if existing_prefix.cache.length != tokens_T.shape[0]:
-                raise ValueError(f"prefill: existing_prefix has length "
-                                 f"{existing_prefix.cache.length}, padded_tokens "
-                                 f"{tokens_T.shape[0]}: pad both to one bucket")
+        if true_length == 0:
             return self._resample_jit(existing_prefix, key, np.int32(num_generated), limit)
-        chunk = np.full(pick_bucket(true_length - held, self.buckets, "prefill buckets"),
-                        self.rollout_cfg.pad_id, np.int32)
-        chunk[:true_length - held] = tokens_T[held:true_length]
-        return self._extend_jit(params, existing_prefix, chunk, np.int32(held),
-                                np.int32(true_length), key, np.int32(num_generated), limit,
-                                tokens_T.shape[0])
+        # The result's bucket: room for the prefix's and the chunk's padded lengths.
+        room = existing_prefix.cache.length + tokens_T.shape[0]
+        length = (self.cache_length if room >= self.cache_length
+                  else pick_bucket(room, self.buckets, "prefill buckets"))
+        return self._extend_jit(params, existing_prefix, tokens_T, np.int32(true_length), key,
+                                np.int32(num_generated), limit, length)
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, *,
                length: int | None = None, shared_pages=()) -> DecodeState:
@@ -364,10 +355,11 @@ class Engine:
         logits_1V = jax.lax.dynamic_slice_in_dim(logits_1TV[0], true_length - 1, 1, axis=0)
         return self._first_token(kv, logits_1V, true_length, key, num_generated, limit)
 
-    def _extend_fn(self, params, prefix: Prefix, chunk_C, held, true_length, key,
-                   num_generated, limit, length: int):
-        """Prefill of positions held..true_length-1 (chunk_C, padded) attending to
-        `prefix`'s first `held`; the result's KV has `length` positions."""
+    def _extend_fn(self, params, prefix: Prefix, chunk_C, count, key, num_generated, limit,
+                   length: int):
+        """Prefill of `count` tokens (chunk_C, padded) after the prefix's positions,
+        attending to them; the result's KV has `length` positions."""
+        held = prefix.position
         with activation_rules(self._mesh, self.rules):
             logits_1CV, _, kv = transformer.apply(
                 self.graphdef, self._params(params), chunk_C[None], dropless=True,
@@ -381,9 +373,8 @@ class Engine:
             return buf[:, :, :length]
 
         kv = jax.tree.map(assemble, prefix.cache, kv)
-        logits_1V = jax.lax.dynamic_slice_in_dim(logits_1CV[0], true_length - 1 - held, 1,
-                                                 axis=0)
-        return self._first_token(kv, logits_1V, true_length, key, num_generated, limit)
+        logits_1V = jax.lax.dynamic_slice_in_dim(logits_1CV[0], count - 1, 1, axis=0)
+        return self._first_token(kv, logits_1V, held + count, key, num_generated, limit)
 
     def _first_token(self, kv, logits_1V, true_length, key, num_generated, limit):
         """Samples the token after a prefill; (Prefix, ResultTokens)."""

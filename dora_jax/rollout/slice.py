@@ -18,12 +18,8 @@ read what is in flight; the counts (`num_free_slots`, ...) are the host's view, 
 which a request that finished in the last generate step is still held.
 
 Paged KV cache (`rollout.kv_cache="paged"`): a slot holds pages for the positions
-it has. A waiting request starts only when the pool has pages for it and for one
-more generate call of every running slot; before each call every running slot gets
-the pages that call may write, and when the pool is short the most recently started
-request is preempted: back to the head of the queue, its tokens kept, resumed later
-by re-prefilling prompt + tokens under the same version (C1 holds). The samples of a
-group share the prompt's whole pages.
+it has; admission by free pages, preemption and the group prompt cache are in
+slice_memory.py.
 
 Constraint C1 is enforced here: `submit`, `import_requests` and `load_version` refuse
 anything that would make the slice serve a request under a version other than its
@@ -43,6 +39,7 @@ import jax
 import numpy as np
 
 from dora_jax.rollout.engine import Engine, ResultTokens
+from dora_jax.rollout.slice_memory import SliceMemory
 from dora_jax.rollout.trajectory import (InFlight, Request, RolloutError, SliceStats,
                                          SlotOverflowError, Trajectory, VersionMismatchError)
 from dora_jax.scheduler.ledger import rle_extend
@@ -62,7 +59,7 @@ class _Seq:
         self.slot = None
 
 
-class DecodeSlice:
+class DecodeSlice(SliceMemory):
     """S slots of continuous batching on one engine, serving one resident version.
 
     Args:
@@ -139,18 +136,6 @@ class DecodeSlice:
     def holds(self, request_id) -> bool:
         """The request is waiting or running here (not finished, not exported)."""
         return tuple(request_id) in self._held
-
-    @property
-    def kv_free_tokens(self):
-        """Paged cache: KV positions free beyond what the running requests' next call
-        and the waiting requests' start need (may be negative); None if dense."""
-        pool = self.engine.pages
-        if pool is None:
-            return None
-        n, cap = self.engine.decode_steps, self.engine.cache_length
-        waiting = sum(pool.pages_for(min(len(s.request.prompt_tokens) + len(s.tokens) + n, cap))
-                      for s in self._waiting)
-        return (pool.num_free - pool.shortfall(n) - waiting) * pool.page_size
 
     @property
     def held_versions(self) -> set:
@@ -369,12 +354,14 @@ class DecodeSlice:
                                      true_length=P, rng=r.key_data())
             self._prompt_prefixes[key] = base
             self.stats.prefills += 1
-        padded, n = engine.pad_tokens(list(r.prompt_tokens) + seq.tokens)
+        # Without a prefix the whole sequence runs; with it, only the response so far.
+        padded, t = engine.pad_tokens((list(r.prompt_tokens) if base is None else [])
+                                      + seq.tokens)
         prefix, result = engine.prefill(params=self.params, padded_tokens=padded,
-                                        true_length=n, rng=r.key_data(),
+                                        true_length=t, rng=r.key_data(),
                                         num_generated=len(seq.tokens), existing_prefix=base,
-                                        existing_length=None if base is None else P,
                                         max_new_tokens=r.max_new_tokens)
+        n = P + len(seq.tokens)
         self.state = engine.insert(prefix, self.state, slot, length=n,
                                    shared_pages=self._prompt_pages.get(key, ()))
         if base is not None:
@@ -405,56 +392,6 @@ class DecodeSlice:
     def _free(self, seq: _Seq):
         self.engine.free_resource(seq.slot)
         self._slots[seq.slot], self._owned[seq.slot], seq.slot = None, False, None
-
-    # ------------------------------------------------------------ KV pages
-
-    def _forget_gone_groups(self):
-        """Drops the prompt prefixes (and pages) of groups no longer held here."""
-        if self._prompt_prefixes:
-            live = {rid[0] for rid in self._held}
-            self._forget_prompts([k for k in self._prompt_prefixes if k[0] not in live])
-
-    def _forget_prompts(self, keys):
-        for key in keys:
-            del self._prompt_prefixes[key]
-            pages = self._prompt_pages.pop(key, ())
-            if pages:
-                self.engine.pages.release_pages(pages)
-
-    def _has_pages_for(self, seq: _Seq) -> bool:
-        """Paged cache: the pool has pages for this request's first generate call and
-        for the next call of every running slot."""
-        pool = self.engine.pages
-        if pool is None:
-            return True
-        n = self.engine.decode_steps
-        r = seq.request
-        shared = 0 if seq.tokens else len(self._prompt_pages.get(
-            (r.group_id, tuple(r.prompt_tokens)), ()))
-        need = pool.pages_for(min(len(r.prompt_tokens) + len(seq.tokens) + n,
-                                  self.engine.cache_length)) - shared
-        return need + pool.shortfall(n) <= pool.num_free
-
-    def _reserve_pages(self, n: int):
-        """Makes room in the pool for a call of n steps of every running slot: drops
-        the shared-prompt references, then preempts, while it is short."""
-        pool = self.engine.pages
-        if pool.shortfall(n) > pool.num_free:
-            self._sync()  # finished requests give their pages back
-        while pool.shortfall(n) > pool.num_free:
-            if self._prompt_pages:
-                for key in list(self._prompt_pages):
-                    pool.release_pages(self._prompt_pages.pop(key))
-                continue
-            running = np.flatnonzero(self._owned)
-            if len(running) <= 1:
-                raise RolloutError(f"slice {self.slice_id}: KV pool of {pool.num_pages} "
-                                   f"pages cannot hold one request")
-            victim = self._slots[running[np.argmax(self._order[running])]]
-            self._flush(victim)
-            self._free(victim)
-            self._waiting.appendleft(victim)
-            self.stats.preempted += 1
 
     def _flush(self, seq: _Seq):
         """Copies the slot buffer's new tokens into the seq, tagged with its version."""

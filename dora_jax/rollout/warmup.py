@@ -13,32 +13,16 @@ _FILL = 2  # any token id: contents do not matter here
 
 
 def extension_shapes(engine: Engine) -> list:
-    """(held, true_length) pairs, one per (prefix, result, chunk) bucket combination
-    that extending a group's prompt prefix (held = prompt length) by a resumed
-    request's tokens (true_length = prompt + tokens so far) can reach."""
-    buckets = engine.buckets
-    lows = dict(zip(buckets, (0,) + buckets[:-1]))  # bucket -> largest length below it
+    """(prompt length, tokens so far) pairs, one per (prefix bucket, chunk bucket)
+    that extending a group's prompt prefix by a resumed request's tokens can reach
+    (the result's bucket follows from the two)."""
+    lows = dict(zip(engine.buckets, (0,) + engine.buckets[:-1]))
 
-    def span(b, hi):  # lengths that pad to bucket b, at most hi
-        return lows[b] + 1, min(b, hi)
+    def reachable(limit):  # the largest length <= limit in each bucket that has one
+        return [min(b, limit) for b in engine.buckets if lows[b] < limit]
 
-    out = set()
-    for b0 in buckets:
-        lo_h, hi_h = span(b0, engine.max_prefill_length)
-        for b in buckets:
-            lo_n, hi_n = span(b, engine.cache_length - 1)
-            if lo_h > hi_h or lo_n > hi_n or hi_n <= lo_h:
-                continue
-            # Chunk lengths n - held: response tokens so far, below max_decode_len.
-            lo_x, hi_x = max(1, lo_n - hi_h), min(hi_n - lo_h, engine.max_decode_len - 1)
-            for c in buckets:
-                x = min(c, hi_x)
-                if x <= lows[c] or x < lo_x:
-                    continue  # no chunk length of this pair pads to c
-                held = max(lo_h, lo_n - x)
-                if held <= hi_h and held + x <= hi_n:
-                    out.add((held, held + x))
-    return sorted(out)
+    return [(p, t) for p in reachable(engine.max_prefill_length)
+            for t in reachable(engine.max_decode_len - 1)]
 
 
 def warm_engine(engine: Engine, params, *, reprefills: bool) -> None:
@@ -56,17 +40,16 @@ def warm_engine(engine: Engine, params, *, reprefills: bool) -> None:
         prefix, _ = engine.prefill(params=params, rng=0, padded_tokens=padded,
                                    true_length=length, num_generated=length - prompt_len)
         if length == prompt_len:  # a prompt: another sample of its group reuses it
-            prefix, _ = engine.prefill(params=params, rng=1, padded_tokens=padded,
-                                       true_length=length, existing_prefix=prefix)
+            prefix, _ = engine.prefill(params=params, rng=1, existing_prefix=prefix,
+                                       padded_tokens=engine.pad_tokens([])[0], true_length=0)
         state = engine.insert(prefix, state, 0)
     if reprefills:  # resumed requests extend their group's prompt prefix
-        for held, n in extension_shapes(engine):
-            base, _ = engine.prefill(params=params, rng=0, true_length=held,
-                                     padded_tokens=engine.pad_tokens([_FILL] * held)[0])
-            padded, _ = engine.pad_tokens([_FILL] * n)
-            engine.prefill(params=params, rng=0, padded_tokens=padded, true_length=n,
-                           num_generated=n - held, existing_prefix=base,
-                           existing_length=held)
+        for prompt_len, so_far in extension_shapes(engine):
+            base, _ = engine.prefill(params=params, rng=0, true_length=prompt_len,
+                                     padded_tokens=engine.pad_tokens([_FILL] * prompt_len)[0])
+            padded, _ = engine.pad_tokens([_FILL] * so_far)
+            engine.prefill(params=params, rng=0, padded_tokens=padded, true_length=so_far,
+                           num_generated=so_far, existing_prefix=base)
     state, _ = engine.generate(params, state)
     # A migrated request moves the bucket holding its positions: every length's
     # extract and insert compile too.
