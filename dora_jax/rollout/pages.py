@@ -120,15 +120,20 @@ class PagePool:
     def assign(self, slot: int, tokens: int, shared=()) -> np.ndarray:
         """Maps `slot` (released first, if it held pages) to hold `tokens` positions:
         its first pages are `shared` (one more reference each), the rest fresh.
-        Returns the fresh pages' positions as a write list: int32[pages for tokens],
+        Raises PagesExhausted, changing nothing, if the pool is short. Returns the fresh pages' positions as a write list: int32[pages for tokens],
         page id where the slot's content must be written, 0 where it is shared."""
         shared = [int(p) for p in shared]
         n = min(self.pages_for(tokens), self.pages_per_slot)
         if len(shared) > n:
             raise ValueError(f"{len(shared)} shared pages for {tokens} positions")
+        mine = self.table[slot, :self.mapped[slot]]
+        freed = sum(1 for p in mine.tolist() if self._refs[p] == 1 and p not in shared)
+        if n - len(shared) > len(self._free) + freed:  # refuse before changing anything
+            raise PagesExhausted(f"{n - len(shared)} page(s) asked for, "
+                                 f"{len(self._free) + freed} free of {self.num_pages}")
+        self._refs[shared] += 1  # first, so that releasing the slot keeps them
         self.release(slot)
         fresh = self._take(n - len(shared))
-        self._refs[shared] += 1
         self.table[slot, :n] = shared + fresh
         self.mapped[slot] = n
         self.bound[slot] = min(tokens, self.max_tokens)
