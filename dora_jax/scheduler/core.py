@@ -26,7 +26,7 @@ Choices the runtime must know:
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import asdict
 from typing import Iterator, Optional
 
@@ -103,18 +103,44 @@ class Scheduler:
         """True if some sample waits for a slot."""
         return any(n > 0 for n in self._pending_v.values())
 
+    def pending_versions(self) -> list:
+        """Versions with pending samples, oldest first."""
+        return sorted(v for v, n in self._pending_v.items() if n > 0)
+
+    def pending_of_version(self, version: int) -> Iterator[tuple[GroupState, int]]:
+        """(group, sample index) of the pending samples of `version`, oldest group
+        first (a FIFO kept in admission order: no scan of the other samples)."""
+        q = self._pending_q.get(version)
+        if not q:
+            return
+        while q and self._stale(q[0]):  # assigned since queued
+            q.popleft()
+        for i in range(len(q)):  # by index: the caller may assign while iterating
+            if i >= len(q):
+                return
+            gid, k = q[i]
+            if not self._stale(q[i]):
+                yield self.groups[gid], k
+
+    def _stale(self, entry) -> bool:
+        g = self.groups.get(entry[0])
+        return g is None or g.samples[entry[1]].status != PENDING
+
     def pending_samples(self) -> Iterator[tuple[GroupState, int]]:
         """(group, sample index) of every pending sample, oldest version then oldest
         group first: older work has the nearer staleness deadline."""
-        gs = sorted((g for g in self.groups.values() if g.n_pending),
-                    key=lambda g: (g.version, g.group_id))
-        for g in gs:
-            for k, smp in enumerate(g.samples):
-                if smp.status == PENDING:
-                    yield g, k
+        for v in self.pending_versions():
+            yield from self.pending_of_version(v)
+
+    @property
+    def num_finished_groups(self) -> int:
+        """Finished, unconsumed groups (a counter: no scan)."""
+        return self._n_finished
 
     def finished_groups(self) -> list[GroupState]:
         """Finished, unconsumed groups, oldest version then oldest group first."""
+        if not self._n_finished:
+            return []
         return sorted((g for g in self.groups.values() if g.finished),
                       key=lambda g: (g.version, g.group_id))
 
@@ -141,6 +167,8 @@ class Scheduler:
         g.n_running -= 1
         g.n_finished += 1
         self._unfinished_v[g.version] -= 1
+        if g.finished:
+            self._n_finished += 1
 
     def kv_reported(self, slice_id: int, free_tokens: int):
         """A slice with a paged KV cache reports the positions it has free (beyond
@@ -205,6 +233,7 @@ class Scheduler:
         self._unconsumed_v[version] += 1
         self._unfinished_v[version] += G
         self._pending_v[version] += G
+        self._pending_q.setdefault(version, deque()).extend((gid, k) for k in range(G))
         return Admit(gid, version)
 
     def do_assign(self, group_id: int, sample: int, slice_id: int) -> Assign:
@@ -265,6 +294,7 @@ class Scheduler:
             g = self.groups.pop(gid)
             assert g.finished, "C2: only complete groups are trained"
             self._unconsumed_v[g.version] -= 1
+            self._n_finished -= 1
         step = self.next_step
         self.trainer_step = step
         self.next_step += 1
@@ -290,6 +320,7 @@ class Scheduler:
             sl.running = set()
             if sl.loading is not None:
                 sl.version, sl.loading, sl.interrupted = None, None, False
+        self._recount()  # the pending FIFOs, back in group order
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -347,10 +378,16 @@ class Scheduler:
     def _recount(self):
         """Rebuild the per-version counters from the groups."""
         self._unconsumed_v, self._unfinished_v, self._pending_v = Counter(), Counter(), Counter()
-        for g in self.groups.values():
+        self._pending_q: dict = {}  # version -> deque of (group, sample), group order
+        self._n_finished = 0
+        for gid in sorted(self.groups):
+            g = self.groups[gid]
             self._unconsumed_v[g.version] += 1
             self._unfinished_v[g.version] += g.n_pending + g.n_running
             self._pending_v[g.version] += g.n_pending
+            self._n_finished += g.finished
+            q = self._pending_q.setdefault(g.version, deque())
+            q.extend((gid, k) for k, smp in enumerate(g.samples) if smp.status == PENDING)
 
     # ------------------------------------------------------------------ invariants
 

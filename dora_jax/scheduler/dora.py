@@ -55,7 +55,7 @@ def form_guarded_batch(sched: "Scheduler") -> list:
     (FEASIBILITY for step t+1), in which case the trainer waits."""
     cfg = sched.config
     tbs, k, t = cfg.train_batch_size, cfg.max_staleness, sched.next_step
-    if sched.trainer_busy:
+    if sched.trainer_busy or sched.num_finished_groups < tbs:
         return []
     batch = sched.finished_groups()[:tbs]  # oldest version first
     if len(batch) < tbs:

@@ -71,17 +71,21 @@ def assign_pending(sched: "Scheduler", slice_ok: Callable[[SliceState], bool] = 
         if cur is not None and cur[2] < 0:
             heapq.heappush(cur[1], (cur[2], cur[3]))
 
-    for g, k in list(sched.pending_samples()):
-        if cur is None or cur[0] != g.group_id or cur[2] == 0:
-            put_back()
-            cur = None
-            h = heaps.get(g.version if match_version else None)
-            if not h:
-                continue
-            cur = [g.group_id, h, *heapq.heappop(h)]
-        acts.append(sched.do_assign(g.group_id, k, cur[3]))
-        cur[2] += 1
-    put_back()
+    for v in sched.pending_versions():
+        h = heaps.get(v if match_version else None)
+        if not h:
+            continue  # no free slot for this version: its samples are not walked
+        for g, k in sched.pending_of_version(v):
+            if cur is None or cur[0] != g.group_id or cur[2] == 0:
+                put_back()
+                cur = None
+                if not h:
+                    break  # this version's slices are full
+                cur = [g.group_id, h, *heapq.heappop(h)]
+            acts.append(sched.do_assign(g.group_id, k, cur[3]))
+            cur[2] += 1
+        put_back()
+        cur = None
     return acts
 
 
