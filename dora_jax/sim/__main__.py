@@ -1,0 +1,85 @@
+"""Simulates every mode of a preset deployment and compares them with the paper.
+
+    python -m dora_jax.sim --preset=paper128 --workdir=/tmp/sim128 [--steps=20]
+
+Per mode (each in `<workdir>/<mode>/`, with a real run's outputs and its ledger
+audited): step time, rollout-only share, trainer wait, slot utilisation and
+throughput over steps 1..N-1, with the paper's figures beside them where it gives
+them. Ends with `dora/sync step-time speedup: X` (against the faster of sync and
+colocated sync, the strongest synchronous baseline), `dora/partial_rollout
+step-time speedup: Y` (partial rollout under the same staleness bound; the
+unbounded variant is listed apart) and `dora rollout-only share: Z`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import time
+
+from absl import app, flags
+
+from dora_jax.sim.presets import PRESETS
+from dora_jax.sim.run import SIM_MODES, simulate
+
+_PRESET = flags.DEFINE_enum("preset", "paper128", sorted(PRESETS), "deployment to simulate")
+_WORKDIR = flags.DEFINE_string("workdir", None, "where each mode's outputs go")
+_STEPS = flags.DEFINE_integer("steps", 20, "train steps per mode")
+_MODES = flags.DEFINE_list("modes", list(SIM_MODES), "modes to simulate")
+_JOBS = flags.DEFINE_integer("jobs", os.cpu_count() or 1, "modes simulated at once")
+
+
+def _simulate(preset_name, mode, steps, workdir):
+    start = time.perf_counter()
+    summary = simulate(PRESETS[preset_name], mode, steps, workdir)
+    return summary, time.perf_counter() - start
+
+
+def _fmt(x, pct=False):
+    if x is None:
+        return "-"
+    return f"{100 * x:.0f}%" if pct else f"{x:.2f}"
+
+
+def main(argv):
+    del argv
+    preset = PRESETS[_PRESET.value]
+    print(f"{preset.name}: {preset.description}; {preset.train_batch_size} prompts x "
+          f"{preset.group_size} samples per step, K={preset.max_staleness}, "
+          f"{_STEPS.value} steps per mode")
+    results = {}
+    header = (f"{'mode':26} {'step min':>8} {'(paper)':>8} {'roll-only':>9} {'(paper)':>8} "
+              f"{'trainer wait':>12} {'slot util':>9} {'tokens/s':>9} {'audit':>5} {'sim s':>6}")
+    print(header)
+    with concurrent.futures.ProcessPoolExecutor(max(1, _JOBS.value)) as pool:
+        futures = {mode: pool.submit(_simulate, preset.name, mode, _STEPS.value,
+                                     os.path.join(_WORKDIR.value, mode) if _WORKDIR.value
+                                     else None)
+                   for mode in _MODES.value}
+    for mode, future in futures.items():
+        s, seconds = future.result()
+        results[mode] = s
+        paper_min, paper_share = preset.paper.get(mode, (None, None))
+        print(f"{mode:26} {s['step_minutes']:8.2f} {_fmt(paper_min):>8} "
+              f"{_fmt(s['rollout_only_share'], True):>9} {_fmt(paper_share, True):>8} "
+              f"{_fmt(s['trainer_wait_fraction'], True):>12} "
+              f"{_fmt(s['slot_utilisation'], True):>9} {s['tokens_per_second']:9.0f} "
+              f"{'ok' if s['audit_ok'] else 'FAIL':>5} {seconds:6.1f}")
+    bad = [m for m, s in results.items() if not s["audit_ok"]]
+    if bad:
+        raise SystemExit(f"ledger audit failed for {bad}: {[results[m]['audit'] for m in bad]}")
+    if "dora" not in results:
+        return
+    dora = results["dora"]["step_minutes"]
+    syncs = {m: results[m]["step_minutes"] for m in ("sync", "colocated_sync") if m in results}
+    if syncs:
+        best = min(syncs, key=syncs.get)
+        print(f"dora/sync step-time speedup: {syncs[best] / dora:.2f}  (against {best})")
+    if "partial_rollout" in results:
+        print(f"dora/partial_rollout step-time speedup: "
+              f"{results['partial_rollout']['step_minutes'] / dora:.2f}")
+    print(f"dora rollout-only share: {results['dora']['rollout_only_share']:.2f}")
+
+
+if __name__ == "__main__":
+    app.run(main)

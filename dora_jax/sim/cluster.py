@@ -1,0 +1,359 @@
+"""A discrete-event simulation of the cluster around the real `Scheduler`.
+
+The scheduling core is the one the JAX runtime drives; only the slices and the
+trainer are simulated, on a float clock with the costs of `cost.CostModel`:
+
+- A slice decodes in chunks of steps. A chunk ends when the first few of its
+  requests finish (1/32 of them, at least one) or after `max_chunk` steps; its
+  length comes from the closed-form cost of k steps whose context grows. Commands
+  that reach a slice mid-chunk (a load, an export for migration) wait for the chunk
+  to end, as commands wait for a generate call in the runtime. Admitted requests pay
+  their group's prompt prefill once per slice; resumed or interrupted ones
+  re-prefill their tokens so far; migrated ones pay their KV transfer.
+- A slice holds at most `kv_tokens` positions (prompts counted once per group):
+  requests beyond that wait, and a chunk that would overflow is shortened, or its
+  newest request preempted (it resumes by re-prefilling).
+- Weight loads share the transfer bandwidth with the loads in progress.
+- The trainer trains a batch in `train_seconds(tokens)`; colocated sync pays its
+  reshard, and the slices cannot decode while it trains.
+
+Outputs are those of a real run: ledger.jsonl (audited by the same auditor),
+metrics.jsonl, summary.json and the timeline.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import Counter
+from typing import Callable, Optional
+
+import numpy as np
+
+from dora_jax.scheduler.core import Scheduler
+from dora_jax.scheduler.ledger import rle_extend
+from dora_jax.scheduler.types import (Admit, Assign, InterruptReload, LoadVersion, Migrate,
+                                      SchedulerConfig, TrainStep)
+from dora_jax.sim.cost import CostModel
+from dora_jax.timeline import Timeline
+
+
+class _Req:
+    __slots__ = ("gid", "k", "length", "produced", "segments", "slices", "reprefill",
+                 "ready_at")
+
+    def __init__(self, gid, k, length, version, slice_id):
+        self.gid, self.k, self.length, self.produced = gid, k, length, 0
+        self.segments = [(version, 0)]  # (version, tokens produced when it began)
+        self.slices = [slice_id]
+        self.reprefill = 0  # tokens so far to prefill again before decoding on
+        self.ready_at = 0.0  # a migrated request decodes once its KV has arrived
+
+    def runs(self) -> list:
+        """Per-token versions, run-length encoded."""
+        out = []
+        ends = [p for _, p in self.segments[1:]] + [self.length]
+        for (v, p), e in zip(self.segments, ends):
+            rle_extend(out, v, e - p)
+        return out
+
+
+class _Slice:
+    """A slice's requests: the decoding ones in fixed slots of numpy arrays (tokens
+    produced and left), so a chunk advances them all at once."""
+
+    def __init__(self, i, slots):
+        self.i, self.version = i, 0
+        self.loading: Optional[int] = None
+        self.reqs: list = [None] * slots
+        self.active = np.zeros(slots, bool)
+        self.produced = np.zeros(slots, np.int64)
+        self.left = np.zeros(slots, np.int64)
+        self.free = list(range(slots - 1, -1, -1))
+        self.where: dict = {}  # request key -> slot
+        self.groups: Counter = Counter()  # running requests per group (prompt KV shared)
+        self.waiting: list = []
+        self.prompts: set = set()  # groups whose prompt this slice has prefilled
+        self.fresh: list = []  # running requests owed a re-prefill or a KV arrival
+        self.chunk: Optional[tuple] = None  # (start, end, steps) of the chunk in flight
+        self.exports: list = []  # (request key, destination) once the chunk ends
+        self.pending: list = []  # load / reload commands once the chunk ends
+
+    @property
+    def num_running(self) -> int:
+        return len(self.where)
+
+    def add(self, r: _Req):
+        j = self.free.pop()
+        self.reqs[j], self.active[j] = r, True
+        self.produced[j], self.left[j] = r.produced, r.length - r.produced
+        self.where[(r.gid, r.k)] = j
+        self.groups[r.gid] += 1
+        if r.reprefill or r.ready_at:
+            self.fresh.append(r)
+
+    def remove(self, key) -> _Req:
+        j = self.where.pop(key)
+        r = self.reqs[j]
+        r.produced = int(self.produced[j])
+        self.reqs[j], self.active[j], self.left[j] = None, False, 0
+        self.free.append(j)
+        self.groups[r.gid] -= 1
+        if not self.groups[r.gid]:
+            del self.groups[r.gid]
+        return r
+
+    def newest(self):
+        return next(reversed(self.where))
+
+
+class ClusterSim:
+    """Drives `Scheduler(config)` with simulated slices and trainer.
+
+    Args:
+      config: the scheduler's config (mode, slices, slots, G, TBS, RBS, K).
+      cost: the cost model.
+      length: response length of (group_id, sample).
+      prompt_len: prompt tokens of every group.
+      colocated: slices and trainer share the devices (colocated sync).
+      max_chunk: most decode steps a slice runs before looking at its commands.
+    """
+
+    def __init__(self, config: SchedulerConfig, cost: CostModel,
+                 length: Callable[[int, int], int], *, prompt_len: int = 256,
+                 colocated: bool = False, max_chunk: int = 64):
+        self.config, self.cost, self.length = config, cost, length
+        self.prompt_len, self.colocated, self.max_chunk = prompt_len, colocated, max_chunk
+        self.sched = Scheduler(config)
+        self.slices = [_Slice(i, config.slots_per_slice) for i in range(config.num_slices)]
+        self.now = 0.0
+        self._events: list = []
+        self._seq = itertools.count()
+        self.timeline = Timeline()
+        self.ledger: list = []
+        self.metrics: list = []
+        self.group_version: dict = {}
+        self.done: dict = {}
+        self.trainer_busy_until: Optional[float] = None
+        self.stats = dict(busy_slot_seconds=0.0, migrations=0, loads=0, interrupts=0,
+                          preemptions=0, load_seconds=0.0)
+        self._loads_in_progress = 0
+        self._changed = True
+        self._open: dict = {}  # row -> [kind, start, end, version]: back-to-back spans merge
+
+    # ------------------------------------------------------------------ running
+
+    def run(self, num_steps: int, max_events: int = 50_000_000) -> None:
+        """Simulates until `num_steps` train steps finished."""
+        self._decide()
+        for _ in range(max_events):
+            if len(self.metrics) >= num_steps:
+                self._flush_spans()
+                return
+            if not self._events:
+                raise RuntimeError(f"simulation stalled at t={self.now:.1f}s with "
+                                   f"{len(self.metrics)} of {num_steps} steps")
+            self.now, _, kind, data = heapq.heappop(self._events)
+            getattr(self, "_on_" + kind)(*data)
+            if self._changed:  # the scheduler saw an event: it may act
+                self._decide()
+            else:  # only this slice's chunk ended: it goes on
+                self._start_chunk(self.slices[data[0]])
+        raise RuntimeError(f"more than {max_events} events")
+
+    def _span(self, row, kind, start, end, version):
+        """Timeline span; a decode span that continues the row's last one extends it."""
+        last = self._open.get(row)
+        if last and last[0] == kind == "decode" and last[3] == version and start <= last[2]:
+            last[2] = max(last[2], end)
+            return
+        if last:
+            self.timeline.add(row, *last)
+        self._open[row] = [kind, start, end, version]
+
+    def _flush_spans(self):
+        for row, last in self._open.items():
+            self.timeline.add(row, *last)
+        self._open = {}
+
+    def _at(self, t, kind, *data):
+        heapq.heappush(self._events, (t, next(self._seq), kind, data))
+
+    def _decide(self):
+        self._changed = False
+        for a in self.sched.decide():
+            self._execute(a)
+        for sl in self.slices:
+            if sl.chunk is None:
+                self._start_chunk(sl)
+
+    # ------------------------------------------------------------------ actions
+
+    def _execute(self, a):
+        if isinstance(a, Admit):
+            self.group_version[a.group_id] = a.version
+            self.ledger.append(dict(event="admit", group_id=a.group_id, prompt_id=a.group_id,
+                                    version=a.version, time=self.now))
+        elif isinstance(a, Assign):
+            sl = self.slices[a.slice_id]
+            sl.waiting.append(_Req(a.group_id, a.sample,
+                                   max(1, int(self.length(a.group_id, a.sample))),
+                                   sl.version, a.slice_id))
+        elif isinstance(a, Migrate):
+            src = self.slices[a.src_slice]
+            src.exports.append(((a.group_id, a.sample), a.dst_slice))
+            if src.chunk is None:
+                self._apply_commands(src)
+        elif isinstance(a, (LoadVersion, InterruptReload)):
+            sl = self.slices[a.slice_id]
+            sl.pending.append(a)
+            if sl.chunk is None:
+                self._apply_commands(sl)
+        elif isinstance(a, TrainStep):
+            tokens = 0
+            for gid in a.group_ids:
+                tokens += self._consume(gid, a.step)
+            seconds = self.cost.train_seconds(tokens) + (self.cost.reshard if self.colocated
+                                                         else 0.0)
+            self.trainer_busy_until = self.now + seconds
+            self._span("trainer", "train", self.now, self.now + seconds, a.step)
+            self._at(self.now + seconds, "trained", a.step, tokens)
+        else:  # pragma: no cover
+            raise TypeError(a)
+
+    def _consume(self, gid, step) -> int:
+        samples, tokens = [], 0
+        for k in range(self.config.group_size):
+            r = self.done.pop((gid, k))
+            samples.append(dict(sample=k, versions=r.runs(), slices=r.slices,
+                                response_len=r.length, finish="eos"))
+            tokens += r.length + self.prompt_len
+        self.ledger.append(dict(event="consume", group_id=gid, prompt_id=gid, step=step,
+                                version=self.group_version[gid], time=self.now,
+                                samples=samples))
+        return tokens
+
+    def _apply_commands(self, sl: _Slice):
+        """Exports and loads sent while a chunk ran (C1: a load finds no requests)."""
+        for key, dst in sl.exports:
+            r = sl.remove(key) if key in sl.where else None
+            if r is None:
+                r = next((w for w in sl.waiting if (w.gid, w.k) == key), None)
+                if r is None:
+                    continue  # finished first: its event already told the scheduler
+                sl.waiting.remove(r)
+            d = self.slices[dst]
+            r.slices.append(dst)
+            r.ready_at = self.now + self.cost.migrate_seconds(self.prompt_len + r.produced)
+            self._span(f"slice {sl.i}", "migrate", self.now, r.ready_at, sl.version)
+            d.waiting.append(r)
+            self.stats["migrations"] += 1
+            if d.chunk is None:
+                self._start_chunk(d)
+        sl.exports = []
+        for a in sl.pending:
+            sl.loading = a.version
+            self._loads_in_progress += 1
+            seconds = self.cost.load_seconds(self._loads_in_progress)
+            self.stats["loads"] += 1
+            self.stats["load_seconds"] += seconds
+            if isinstance(a, InterruptReload):
+                self.stats["interrupts"] += 1
+            self._span(f"slice {sl.i}", "load", self.now, self.now + seconds, a.version)
+            self._at(self.now + seconds, "loaded", sl.i, a.version,
+                     isinstance(a, InterruptReload))
+        sl.pending = []
+
+    # ------------------------------------------------------------------ events
+
+    def _on_loaded(self, i, version, interrupt):
+        sl = self.slices[i]
+        self._loads_in_progress -= 1
+        if sl.loading != version:
+            self._changed = True
+            return  # superseded (a later load was sent)
+        sl.version, sl.loading = version, None
+        sl.prompts = set()
+        if interrupt:  # partial rollout: everything held continues under the new params
+            for j in sl.where.values():
+                r = sl.reqs[j]
+                r.produced = int(sl.produced[j])
+                r.segments.append((version, r.produced))
+                r.reprefill = r.produced
+                sl.fresh.append(r)
+            for r in sl.waiting:
+                r.segments.append((version, r.produced))
+        self.sched.version_loaded(i, version)
+        self._changed = True
+
+    def _on_trained(self, step, tokens):
+        self.trainer_busy_until = None
+        self.metrics.append(dict(step=step, time=self.now, trained_tokens=tokens))
+        self.sched.step_finished(step)
+        self._changed = True
+
+    def _on_chunk(self, i):
+        sl = self.slices[i]
+        steps = sl.chunk[2]
+        sl.chunk = None
+        n = np.minimum(sl.left, steps)  # one that finishes mid-chunk idles to its end
+        sl.produced += n
+        sl.left -= n
+        for j in np.flatnonzero(sl.active & (sl.left == 0)).tolist():
+            r = sl.reqs[j]
+            sl.remove((r.gid, r.k))
+            self.done[(r.gid, r.k)] = r
+            self.sched.sample_finished(r.gid, r.k, r.length)
+            self._changed = True
+        self._apply_commands(sl)
+
+    # ------------------------------------------------------------------ decoding
+
+    def _start_chunk(self, sl: _Slice):
+        if sl.loading is not None or (self.colocated and self.trainer_busy_until):
+            return
+        cost, extra, P = self.cost, 0.0, self.prompt_len
+        used = P * len(sl.groups) + int(sl.produced[sl.active].sum())
+        while sl.waiting:  # admit what the KV memory holds
+            r = sl.waiting[0]
+            need = r.produced + (0 if r.gid in sl.groups else P)
+            if sl.where and used + need + sl.num_running + 1 > cost.kv_tokens:
+                break
+            sl.waiting.pop(0)
+            if r.gid not in sl.prompts:
+                sl.prompts.add(r.gid)
+                extra += cost.prefill_seconds(P)
+            if r.produced and not r.ready_at:  # resumed here: its tokens so far again
+                r.reprefill = r.produced
+            sl.add(r)
+            used += need
+        for r in sl.fresh:
+            extra += cost.prefill_seconds(r.reprefill)
+            r.reprefill = 0
+            extra = max(extra, r.ready_at - self.now)
+        sl.fresh = []
+        batch = sl.num_running
+        if not batch:
+            return
+        left = sl.left[sl.active]
+        m = max(batch // 32, 1)
+        steps = min(int(np.partition(left, m - 1)[m - 1]), self.max_chunk)
+        if used + batch * steps > cost.kv_tokens:
+            steps = max(1, (cost.kv_tokens - used) // batch)
+            if used + batch * steps > cost.kv_tokens and batch > 1:  # preempt the newest
+                r = sl.remove(sl.newest())
+                r.ready_at = 0.0
+                sl.waiting.insert(0, r)
+                self.stats["preemptions"] += 1
+                return self._start_chunk(sl)
+        seconds = extra + cost.steps_seconds(steps, batch, used)
+        sl.chunk = (self.now + extra, self.now + seconds, steps)
+        self.stats["busy_slot_seconds"] += batch * (seconds - extra)
+        self._span(f"slice {sl.i}", "decode", self.now, self.now + seconds, sl.version)
+        self._at(self.now + seconds, "chunk", sl.i)
+
+    # ------------------------------------------------------------------ results
+
+    def unconsumed_records(self) -> list:
+        return [dict(event="unconsumed", group_id=gid, version=g.version)
+                for gid, g in self.sched.groups.items()]

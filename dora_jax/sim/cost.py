@@ -1,0 +1,166 @@
+"""What things cost in the simulated cluster, and the workload it runs.
+
+`CostModel` holds per-slice and trainer costs in seconds:
+
+- a decode step of a slice with B running samples of total context C (prompt +
+  tokens so far, summed) takes `step_fixed + step_per_seq * B + step_per_ctx * C`:
+  a fixed part (weights read once per step, launch and collective latency), a part
+  per sequence (its matmuls) and a part per context token (its KV read by
+  attention, which a paged cache makes follow the real contexts);
+- a prefill costs `prefill_fixed + prefill_per_token` per token (a group's prompt
+  once per slice; a resumed request re-prefills its tokens so far);
+- a weight load moves `weight_bytes` over `transfer_bandwidth` shared by the loads
+  in progress (contention), after `transfer_latency`;
+- a migration moves the request's KV (`kv_bytes_per_token` per position) over
+  `migrate_bandwidth`, after `migrate_latency`;
+- a slice holds at most `kv_tokens` positions (long contexts limit its samples);
+- a train step takes `train_fixed + train_per_token` per trained token (prompt +
+  response); colocated sync adds `reshard` per step (trainer <-> decode layouts).
+
+`CostModel.from_hardware` derives these from a model's size and an accelerator's
+public figures with stated efficiency factors; `calibrate.py` fits them to a real
+run instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    step_fixed: float
+    step_per_seq: float
+    step_per_ctx: float
+    prefill_fixed: float
+    prefill_per_token: float
+    weight_bytes: float
+    transfer_bandwidth: float  # bytes/s, shared by concurrent loads
+    transfer_latency: float
+    kv_bytes_per_token: float
+    migrate_bandwidth: float
+    migrate_latency: float
+    kv_tokens: int  # KV positions one slice holds
+    train_fixed: float
+    train_per_token: float
+    reshard: float = 0.0
+
+    def step_seconds(self, batch: int, context: float) -> float:
+        return self.step_fixed + self.step_per_seq * batch + self.step_per_ctx * context
+
+    def steps_seconds(self, k: int, batch: int, context: float) -> float:
+        """k decode steps during which every one of `batch` samples grows by a token
+        per step (context grows by `batch` per step), in closed form."""
+        return k * self.step_seconds(batch, context) + self.step_per_ctx * batch * k * (k - 1) / 2
+
+    def steps_within(self, seconds: float, batch: int, context: float) -> int:
+        """Whole decode steps that fit in `seconds` (inverse of `steps_seconds`)."""
+        a = self.step_per_ctx * batch / 2
+        b = self.step_seconds(batch, context) - a
+        if a <= 0:
+            return int(seconds // b)
+        return int((-b + math.sqrt(b * b + 4 * a * seconds)) / (2 * a))
+
+    def prefill_seconds(self, tokens: int) -> float:
+        return self.prefill_fixed + self.prefill_per_token * tokens if tokens else 0.0
+
+    def load_seconds(self, concurrent: int) -> float:
+        return self.transfer_latency + self.weight_bytes * concurrent / self.transfer_bandwidth
+
+    def migrate_seconds(self, tokens: int) -> float:
+        return self.migrate_latency + tokens * self.kv_bytes_per_token / self.migrate_bandwidth
+
+    def train_seconds(self, tokens: int) -> float:
+        return self.train_fixed + self.train_per_token * tokens
+
+    def scaled_trainer(self, factor: float) -> "CostModel":
+        """The trainer on `factor` times the devices (colocated: all of them)."""
+        return dataclasses.replace(self, train_fixed=self.train_fixed / factor,
+                                   train_per_token=self.train_per_token / factor)
+
+    @classmethod
+    def from_hardware(cls, *, params: float, kv_bytes_per_token: float, slice_devices: int,
+                      trainer_devices: int, flops: float, hbm_bytes_per_s: float,
+                      hbm_bytes: float, link_bytes_per_s: float,
+                      active_params: float | None = None, param_bytes: int = 2,
+                      mfu_decode: float = 0.3, mfu_train: float = 0.35,
+                      hbm_efficiency: float = 0.3, step_overhead: float = 0.02,
+                      kv_memory_fraction: float = 0.8, recompute: float = 4 / 3) -> "CostModel":
+        """Roofline costs from public figures, scaled by achieved fractions.
+
+        params: model parameters (`active_params` per token for an MoE: FLOPs follow
+        them, the weights read per step and moved per load are all of them);
+        kv_bytes_per_token: layers x 2 x kv_heads x
+        head_dim x bytes; flops / hbm_bytes_per_s / hbm_bytes: one accelerator's
+        peak dense bf16 FLOP/s, HBM bandwidth and capacity; link_bytes_per_s: the
+        bandwidth weights and KV cross between slices and trainer. A decode step
+        reads the weights once (`step_fixed`, plus `step_overhead`), does 2 x params
+        FLOPs per sequence and reads each context token's KV; a train step does 6 x
+        params FLOPs per token (forward + backward) times `recompute` (the old
+        policy's log-probs and remat).
+        """
+        active = params if active_params is None else active_params
+        weight_bytes = params * param_bytes
+        slice_bw = slice_devices * hbm_bytes_per_s * hbm_efficiency
+        kv_room = slice_devices * hbm_bytes * kv_memory_fraction - weight_bytes
+        return cls(
+            step_fixed=weight_bytes / slice_bw + step_overhead,
+            step_per_seq=2 * active / (slice_devices * flops * mfu_decode),
+            step_per_ctx=kv_bytes_per_token / slice_bw,
+            prefill_fixed=step_overhead,
+            prefill_per_token=2 * active / (slice_devices * flops * mfu_train),
+            weight_bytes=weight_bytes, transfer_bandwidth=link_bytes_per_s,
+            transfer_latency=1.0, kv_bytes_per_token=kv_bytes_per_token,
+            migrate_bandwidth=link_bytes_per_s, migrate_latency=0.05,
+            kv_tokens=int(kv_room // kv_bytes_per_token),
+            train_fixed=10.0,
+            train_per_token=6 * active * recompute / (trainer_devices * flops * mfu_train))
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """Prompts and response lengths. Lengths are log-normal per sample around a
+    per-prompt factor (hard prompts give long answers to all their samples), with
+    the given mean and clipped at `max_len`, or replayed from a ledger."""
+
+    prompt_len: int = 256
+    mean_len: float = 2400.0
+    max_len: int = 30_720
+    sigma_prompt: float = 0.6
+    sigma_sample: float = 0.8
+    seed: int = 0
+    replay: tuple = ()  # response lengths to cycle through instead, group-major
+
+    def lengths(self, group_size: int) -> Callable[[int, int], int]:
+        """length(group_id, sample) for this workload, deterministic per seed."""
+        if self.replay:
+            data = self.replay
+            return lambda g, k: int(data[(g * group_size + k) % len(data)])
+        sigma2 = self.sigma_prompt ** 2 + self.sigma_sample ** 2
+        mu = math.log(self.mean_len) - sigma2 / 2
+        cache: dict = {}
+
+        def length(g: int, k: int) -> int:
+            if g not in cache:
+                rng = np.random.default_rng([self.seed, g])
+                z = rng.normal(mu, self.sigma_prompt) + rng.normal(0, self.sigma_sample,
+                                                                   group_size)
+                cache[g] = np.clip(np.exp(z), 1, self.max_len).astype(int)
+            return int(cache[g][k])
+
+        return length
+
+
+def replay_lengths(ledger_records) -> tuple:
+    """Response lengths of a real run's consumed samples, group by group."""
+    out = []
+    for rec in ledger_records:
+        if rec.get("event") == "consume":
+            out += [s["response_len"] for s in sorted(rec["samples"], key=lambda s: s["sample"])]
+    if not out:
+        raise ValueError("the ledger holds no consumed samples to replay")
+    return tuple(out)
