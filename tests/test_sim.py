@@ -1,0 +1,107 @@
+"""The cluster simulator: its cost model against hand-worked sums, its workload's
+statistics, hand-worked step times of tiny clusters, the contract (C1-C3) audited in
+every mode of a preset, and the command line."""
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dora_jax.scheduler.types import SchedulerConfig
+from dora_jax.sim import PRESETS, SIM_MODES, CostModel, Workload, simulate
+from dora_jax.sim.cluster import ClusterSim
+from dora_jax.sim.cost import replay_lengths
+
+ZERO = CostModel(step_fixed=0.0, step_per_seq=0.0, step_per_ctx=0.0, prefill_fixed=0.0,
+                 prefill_per_token=0.0, weight_bytes=0.0, transfer_bandwidth=1.0,
+                 transfer_latency=0.0, kv_bytes_per_token=0.0, migrate_bandwidth=1.0,
+                 migrate_latency=0.0, kv_tokens=10**9, train_fixed=0.0, train_per_token=0.0)
+
+
+def test_closed_form_decode_cost_equals_the_sum_of_its_steps():
+    cost = dataclasses.replace(ZERO, step_fixed=0.02, step_per_seq=1e-4, step_per_ctx=3e-7)
+    for k, batch, context in [(1, 1, 0), (7, 3, 100), (64, 256, 600_000)]:
+        by_hand = sum(cost.step_seconds(batch, context + batch * i) for i in range(k))
+        assert math.isclose(cost.steps_seconds(k, batch, context), by_hand, rel_tol=1e-12)
+        assert cost.steps_within(by_hand * (1 + 1e-9), batch, context) == k
+        assert cost.steps_within(by_hand * (1 - 1e-6), batch, context) == k - 1
+
+
+def test_workload_lengths_have_the_stated_mean_and_cap():
+    w = Workload(mean_len=2400, max_len=30_720, seed=3)
+    length = w.lengths(16)
+    x = np.array([length(g, k) for g in range(3000) for k in range(16)])
+    assert abs(x.mean() / 2400 - 1) < 0.05 and x.max() <= 30_720 and x.min() >= 1
+    assert x.max() / x.mean() > 8  # long-tailed
+    assert length(5, 3) == Workload(mean_len=2400, seed=3).lengths(16)(5, 3)
+    records = [dict(event="consume", samples=[dict(sample=1, response_len=7),
+                                              dict(sample=0, response_len=4)])]
+    assert Workload(replay=replay_lengths(records)).lengths(2)(0, 1) == 7
+
+
+def _one_group(cost, lengths, mode="sync", slots=2, prompt_len=2, steps=2):
+    cfg = SchedulerConfig(mode=mode, num_slices=1, slots_per_slice=slots,
+                          group_size=len(lengths), train_batch_size=1, rollout_batch_size=1,
+                          max_staleness=0)
+    sim = ClusterSim(cfg, cost, lambda g, k: lengths[k], prompt_len=prompt_len)
+    sim.run(steps)
+    return sim
+
+
+def test_step_time_by_hand():
+    """One slice, a group of two samples (4 and 10 tokens), 1 s per decode step and
+    5 s per train step: each sync step takes 10 + 5 s (the shorter sample's slot
+    idles); with a cost per context position instead (prompt 2 tokens, shared),
+    decoding costs sum over the steps of the positions then held."""
+    sim = _one_group(dataclasses.replace(ZERO, step_fixed=1.0, train_fixed=5.0), [4, 10])
+    assert [m["time"] for m in sim.metrics] == [15.0, 30.0]
+    # Per step: two busy slots for 4 s, then one for 6 s.
+    assert sim.stats["busy_slot_seconds"] == 2 * (2 * 4 + 1 * 6)
+    sim = _one_group(dataclasses.replace(ZERO, step_per_ctx=1.0), [3], slots=1)
+    assert sim.metrics[0]["time"] == 2 + 3 + 4  # positions 2, 3, 4 held at each step
+
+
+def test_load_contention_and_trained_tokens():
+    cost = dataclasses.replace(ZERO, weight_bytes=10.0, transfer_bandwidth=5.0,
+                               transfer_latency=1.0, train_per_token=0.5)
+    assert cost.load_seconds(1) == 3.0 and cost.load_seconds(2) == 5.0
+    sim = _one_group(cost, [4, 10])
+    assert sim.metrics[0]["trained_tokens"] == 4 + 10 + 2 * 2
+    # Step 0 trains (4 + 10 + 4) x 0.5 s = 9 s, then the slice loads v1 in 3 s.
+    assert sim.metrics[0]["time"] == 9.0 and sim.metrics[1]["time"] == 9.0 + 3.0 + 9.0
+
+
+@pytest.mark.parametrize("mode", SIM_MODES)
+def test_every_mode_of_a_preset_audits_clean(mode, tmp_path):
+    small = dataclasses.replace(PRESETS["paper64"], train_batch_size=16,
+                                rollout_batch_size=24, group_size=4, slots_per_slice=16,
+                                workload=Workload(mean_len=300, max_len=4000, seed=1))
+    s = simulate(small, mode, 4, str(tmp_path))
+    assert s["audit_ok"], s["audit"]
+    assert s["steps"] == 4 and 0 < s["slot_utilisation"] <= 1
+    ledger = [json.loads(line) for line in open(tmp_path / "ledger.jsonl")]
+    consumed = [r for r in ledger if r["event"] == "consume"]
+    assert len(consumed) == 4 * 16
+    lengths = small.workload.lengths(4)
+    assert all(smp["response_len"] == lengths(r["group_id"], smp["sample"])
+               for r in consumed for smp in r["samples"])
+    assert {r["step"] - r["version"] for r in consumed} <= set(range(small.max_staleness + 1)) \
+        or mode == "partial_rollout_unbounded"
+    for name in ("metrics.jsonl", "summary.json", "timeline.png", "timeline.json"):
+        assert (tmp_path / name).exists()
+
+
+def test_command_line_prints_the_comparison(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "dora_jax.sim", "--preset=paper64", "--steps=3",
+         "--modes=sync,partial_rollout,dora", "--jobs=1", f"--workdir={tmp_path}"],
+        capture_output=True, text=True, check=True, timeout=600).stdout
+    lines = out.strip().splitlines()
+    assert lines[-3].startswith("dora/sync step-time speedup: ")
+    assert lines[-2].startswith("dora/partial_rollout step-time speedup: ")
+    assert lines[-1].startswith("dora rollout-only share: ")
+    assert "FAIL" not in out and (tmp_path / "dora" / "ledger.jsonl").exists()
