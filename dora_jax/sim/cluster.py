@@ -161,6 +161,13 @@ class ClusterSim:
                 self._start_chunk(self.slices[data[0]])
         raise RuntimeError(f"more than {max_events} events")
 
+    def _busy(self) -> int:
+        """Slices decoding and the trainer training now (for `cost.cores`)."""
+        if not self.cost.cores:
+            return 0
+        return (sum(sl.chunk is not None for sl in self.slices)
+                + (self.trainer_busy_until is not None))
+
     def _span(self, row, kind, start, end, version):
         """Timeline span; a decode span that continues the row's last one extends it."""
         last = self._open.get(row)
@@ -213,8 +220,8 @@ class ClusterSim:
             tokens = 0
             for gid in a.group_ids:
                 tokens += self._consume(gid, a.step)
-            seconds = self.cost.train_seconds(tokens) + (self.cost.reshard if self.colocated
-                                                         else 0.0)
+            seconds = (self.cost.train_seconds(tokens) * self.cost.contention(self._busy() + 1)
+                       + (self.cost.reshard if self.colocated else 0.0))
             self.trainer_busy_until = self.now + seconds
             self._span("trainer", "train", self.now, self.now + seconds, a.step)
             self._at(self.now + seconds, "trained", a.step, tokens)
@@ -235,22 +242,7 @@ class ClusterSim:
 
     def _apply_commands(self, sl: _Slice):
         """Exports and loads sent while a chunk ran (C1: a load finds no requests)."""
-        for key, dst in sl.exports:
-            r = sl.remove(key) if key in sl.where else None
-            if r is None:
-                r = next((w for w in sl.waiting if (w.gid, w.k) == key), None)
-                if r is None:
-                    continue  # finished first: its event already told the scheduler
-                sl.waiting.remove(r)
-            d = self.slices[dst]
-            r.slices.append(dst)
-            r.ready_at = self.now + self.cost.migrate_seconds(self.prompt_len + r.produced)
-            self._span(f"slice {sl.i}", "migrate", self.now, r.ready_at, sl.version)
-            d.waiting.append(r)
-            self.stats["migrations"] += 1
-            if d.chunk is None:
-                self._start_chunk(d)
-        sl.exports = []
+        self._apply_exports(sl)
         for a in sl.pending:
             sl.loading = a.version
             self._loads_in_progress += 1
@@ -263,6 +255,31 @@ class ClusterSim:
             self._at(self.now + seconds, "loaded", sl.i, a.version,
                      isinstance(a, InterruptReload))
         sl.pending = []
+
+    def _apply_exports(self, sl: _Slice):
+        """Moves the requests the scheduler migrated away. One still on its way here
+        (migrated twice before it arrived) keeps its export until it arrives; one
+        that finished first is gone (its event already told the scheduler)."""
+        keep, exports, sl.exports = [], sl.exports, []  # re-entered via a destination
+        for key, dst in exports:
+            if key in sl.where:
+                r = sl.remove(key)
+            else:
+                r = next((w for w in sl.waiting if (w.gid, w.k) == key), None)
+                if r is None:
+                    if key not in self.done:
+                        keep.append((key, dst))
+                    continue
+                sl.waiting.remove(r)
+            d = self.slices[dst]
+            r.slices.append(dst)
+            r.ready_at = self.now + self.cost.migrate_seconds(self.prompt_len + r.produced)
+            self._span(f"slice {sl.i}", "migrate", self.now, r.ready_at, sl.version)
+            d.waiting.append(r)
+            self.stats["migrations"] += 1
+            if d.exports or d.chunk is None:
+                self._start_chunk(d)
+        sl.exports = keep + sl.exports
 
     # ------------------------------------------------------------------ events
 
@@ -312,6 +329,10 @@ class ClusterSim:
     def _start_chunk(self, sl: _Slice):
         if sl.loading is not None or (self.colocated and self.trainer_busy_until):
             return
+        if sl.exports and sl.chunk is None:
+            self._apply_exports(sl)
+        if sl.chunk is not None:
+            return
         cost, extra, P = self.cost, 0.0, self.prompt_len
         used = P * len(sl.groups) + int(sl.produced[sl.active].sum())
         while sl.waiting:  # admit what the KV memory holds
@@ -346,7 +367,10 @@ class ClusterSim:
                 sl.waiting.insert(0, r)
                 self.stats["preemptions"] += 1
                 return self._start_chunk(sl)
-        seconds = extra + cost.steps_seconds(steps, batch, used)
+        slow = cost.contention(self._busy() + 1)
+        extra *= slow
+        seconds = extra + slow * (cost.steps_seconds(steps, batch, used)
+                                  + cost.calls_seconds(steps, batch >= self.config.slots_per_slice))
         sl.chunk = (self.now + extra, self.now + seconds, steps)
         self.stats["busy_slot_seconds"] += batch * (seconds - extra)
         self._span(f"slice {sl.i}", "decode", self.now, self.now + seconds, sl.version)

@@ -15,7 +15,12 @@
   `migrate_bandwidth`, after `migrate_latency`;
 - a slice holds at most `kv_tokens` positions (long contexts limit its samples);
 - a train step takes `train_fixed + train_per_token` per trained token (prompt +
-  response); colocated sync adds `reshard` per step (trainer <-> decode layouts).
+  response); colocated sync adds `reshard` per step (trainer <-> decode layouts);
+- a generate call costs `call_overhead` on top of its steps (host work between
+  dispatches); a full slice runs `call_steps` steps per call, one with a free slot
+  (so that new work starts at once), as the runtime's slices do;
+- `cores` > 0 models components that share compute (a CPU host running every slice
+  and the trainer): each runs at min(1, cores / components busy at its start).
 
 `CostModel.from_hardware` derives these from a model's size and an accelerator's
 public figures with stated efficiency factors; `calibrate.py` fits them to a real
@@ -48,6 +53,20 @@ class CostModel:
     train_fixed: float
     train_per_token: float
     reshard: float = 0.0
+    cores: float = 0.0  # shared compute (0: every slice and the trainer has its own)
+    call_overhead: float = 0.0
+    call_steps: int = 16
+
+    def calls_seconds(self, k: int, full: bool) -> float:
+        """Per-call overhead of k decode steps: one call per step unless full."""
+        if not self.call_overhead:
+            return 0.0
+        return self.call_overhead * (-(-k // self.call_steps) if full else k)
+
+    def contention(self, busy: int) -> float:
+        """Slow-down of a component started while `busy` components (itself
+        included) share the compute."""
+        return max(1.0, busy / self.cores) if self.cores else 1.0
 
     def step_seconds(self, batch: int, context: float) -> float:
         return self.step_fixed + self.step_per_seq * batch + self.step_per_ctx * context
