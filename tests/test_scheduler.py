@@ -256,3 +256,26 @@ def test_kv_reports_bound_assignments_by_hand():
     assert sched.slices[0].kv_free is None and sched.free_slots(sched.slices[0]) == 4
     snap = json.loads(json.dumps(sched.snapshot()))
     assert Scheduler.restore(snap).snapshot() == sched.snapshot()
+
+
+def test_dora_admits_for_the_slices_loading_the_new_version():
+    """After step 1 is taken, two slices drain and load version 1; the two groups
+    the freed room admits go to version 1, for them, not to version 0 (whose two
+    remaining slices are full: its samples would queue while the new slices idle)."""
+    sched = Scheduler(config(num_slices=4, slots_per_slice=2, group_size=2,
+                             train_batch_size=2, rollout_batch_size=4))
+    sched.decide()
+    for g in (0, 1):
+        for k in (0, 1):
+            sched.sample_finished(g, k, 5)
+    sched.decide()
+    sched.step_finished(0)
+    sched.decide()
+    for g in (2, 3):
+        for k in (0, 1):
+            sched.sample_finished(g, k, 5)
+    acts = sched.decide()
+    assert [a for a in acts if isinstance(a, LoadVersion)] == [LoadVersion(2, 1),
+                                                               LoadVersion(3, 1)]
+    assert [a for a in acts if isinstance(a, Admit)] == [Admit(6, 1), Admit(7, 1)]
+    assert sched.pending_by_version()[0] == 0

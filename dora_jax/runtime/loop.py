@@ -136,7 +136,11 @@ class Runtime:
     def _on_step_done(self, item):
         step, batch, metrics, params, start, end = item
         self.sched.step_finished(step)
-        self.params_by_version = {step + 1: params}  # slices only ever load the newest
+        # Params of the new version, and of every version a slice holds or loads
+        # (dora may load an older one onto a freed slice).
+        held = {v for sl in self.sched.slices for v in (sl.version, sl.loading)}
+        self.params_by_version = {v: x for v, x in self.params_by_version.items() if v in held}
+        self.params_by_version[step + 1] = params
         self._trainer_idle_since = end
         self.waits.mark(end, self._wait_kind())
         group_ids, wait, wait_split = self._inflight_batches.pop(step)

@@ -13,10 +13,14 @@ would one day need more than TBS groups in one batch. With K = 0 it admits exact
 TBS groups per version, which makes `dora` with K = 0 behave like `sync`.
 
 Choices made where the design leaves room:
-* Slices only ever load the newest published version. Old versions therefore only
-  lose slices, and the runtime never needs params older than the ones it holds.
-  A version with unfinished samples always keeps at least one serving slice
-  (liveness: its work is never stranded).
+* A freed slice loads the newest published version P, unless P has nothing for it
+  (no pending samples beyond its slices' free slots and no admission room) while
+  an older version in the window has pending samples its slices cannot take: then
+  it loads that version, the one with the most such samples (without it, slices
+  sit idle at P while an old version's backlog queues on the few slices it kept).
+  The runtime keeps the params of every version a slice holds, for this. A version
+  with unfinished samples always keeps at least one serving slice (liveness: its
+  work is never stranded).
 * The staleness guard is applied in its general form: a batch (TBS oldest finished
   groups) is formed only if what stays unconsumed still satisfies FEASIBILITY for
   step t+1. For version t-K this is exactly the plain guard (every unconsumed
@@ -126,7 +130,8 @@ class DoraPolicy(Policy):
 
         Serving slices of an old version w beyond its target are drained: if their
         requests all fit in free slots of the kept w-slices they migrate there and
-        the slice loads P at once; otherwise the slice takes no new work and loads P
+        the slice loads at once (P, or an older version with an unserved backlog:
+        see the module docstring); otherwise the slice takes no new work and loads
         when its requests end."""
         cfg = sched.config
         p, slots = sched.published, cfg.slots_per_slice
@@ -137,7 +142,7 @@ class DoraPolicy(Policy):
         cap = {w: -(-n // slots) for w, n in demand.items() if w != p}
         target = apportion(cfg.num_slices, demand, p, cap)
 
-        acts, kept = [], set()
+        acts, kept, loads = [], set(), []
         by_version = defaultdict(list)
         for sl in sched.slices:
             if sl.loading is not None:
@@ -166,8 +171,36 @@ class DoraPolicy(Policy):
                     dst = max(free, key=lambda i: (free[i], -i))
                     acts.append(sched.do_migrate(gid, k, dst))
                     free[dst] -= 1
-                acts.append(sched.do_load(sl.slice_id, p))
+                loads.append(sl.slice_id)
+        unserved = self._unserved(sched, kept)
+        # Slices each version holds or is loading: an old version gets a freed slice
+        # only below its target, so that the next pass keeps it rather than drains it.
+        count = Counter(sched.slices[i].version for i in kept)
+        count.update(sl.loading for sl in sched.slices if sl.loading is not None)
+        for i in loads:
+            behind = [w for w, n in unserved.items()
+                      if w != p and n > 0 and count[w] < target.get(w, 0)]
+            w = p if unserved.get(p, 0) > 0 or not behind else max(
+                behind, key=lambda v: (unserved[v], v))
+            acts.append(sched.do_load(i, w))
+            unserved[w] = unserved.get(w, 0) - slots
+            count[w] += 1
         return acts, kept
+
+    @staticmethod
+    def _unserved(sched, kept) -> dict:
+        """Pending samples per version (P: with the groups it may still admit) beyond
+        the free slots of its kept slices and of the slices loading it."""
+        cfg = sched.config
+        p, t, k = sched.published, sched.next_step, cfg.max_staleness
+        need = Counter(sched.pending_by_version())
+        need[p] += sched.admission_room(cfg.rollout_batch_size) * cfg.group_size
+        for sl in sched.slices:
+            if sl.slice_id in kept:
+                need[sl.version] -= sched.free_slots(sl)
+            elif sl.loading is not None:
+                need[sl.loading] -= cfg.slots_per_slice
+        return {w: n for w, n in need.items() if w == p or w + k >= t}
 
     # -- (1)+(6) admission and staleness-aware top-up
     def _admit(self, sched, kept):
@@ -180,7 +213,11 @@ class DoraPolicy(Policy):
         free = Counter()
         for i in kept:
             free[sched.slices[i].version] += sched.free_slots(sched.slices[i])
-        versions = sorted({sched.slices[i].version for i in kept})
+        # Slices loading P are P's capacity already: admitting at an older resident
+        # version instead would leave them idle when they come up.
+        loading_p = sum(sl.loading == p for sl in sched.slices)
+        free[p] += loading_p * cfg.slots_per_slice
+        versions = sorted({sched.slices[i].version for i in kept} | ({p} if loading_p else set()))
         if not versions:
             return []
         counts, pend = sched.unconsumed_by_version(), sched.pending_by_version()
@@ -217,6 +254,9 @@ class DoraPolicy(Policy):
             v = sl.effective_version
             req(v is None or lo <= v <= p,
                 f"dora: slice {sl.slice_id} on v{v} outside window [{lo}, {p}]")
-        serving = {sl.version for sl in sched.slices if sl.serving}
+        # A slice loading a version will serve it (a load is re-targeted only when it
+        # falls out of the window, to P).
+        serving = {sl.version for sl in sched.slices if sl.serving} | {
+            sl.loading for sl in sched.slices if sl.loading is not None}
         for w, n in sched.unfinished_by_version().items():
             req(n <= 0 or w in serving, f"dora: version {w} has work but no slice")
