@@ -192,3 +192,33 @@ def test_warm_up_covers_every_chunked_prefill_shape(config_name):
     every = {key(p, t) for p in range(1, r.max_prefill_length + 1)
              for t in range(1, r.max_decode_len)}
     assert warmed == every and len(warmed) > 1
+
+
+def test_warm_up_compiles_every_paged_decode_bucket():
+    """Warm-up runs a decode call at every bucket of mapped pages the pool can
+    reach, so that no bucket compiles mid-run."""
+    from dora_jax.rollout.warmup import warm_engine
+
+    import dataclasses
+
+    from dora_jax.rollout import Engine
+
+    # Pages of 2 positions: 10 per slot, buckets 8, 16, 32 and 40 (every slot full).
+    eng = Engine(rc.config("dense").model,
+                 dataclasses.replace(rc.rollout(2), page_size=2), rc.meshes()[1][3],
+                 greedy=True)
+    assert eng.pages.flat_buckets() == (8, 16, 32, 40)
+    seen = []
+    view = eng.pages.view
+
+    def record():
+        v = view()
+        seen.append(len(v.flat_pages))
+        return v
+
+    eng.pages.view = record
+    try:
+        warm_engine(eng, eng.load_params(rc.params("dense", 0)), reprefills=False)
+    finally:
+        del eng.pages.view
+    assert set(seen) == {8, 16, 32, 40}

@@ -57,11 +57,18 @@ def warm_engine(engine: Engine, params, *, reprefills: bool) -> None:
         state = engine.insert(engine.extract(state, 0, used=used), state, 0)
     pool = engine.pages
     if pool is not None:
-        # Paged decode compiles per bucket of mapped pages: map slot after slot (host
-        # tables only; the device contents do not matter here).
-        for slot in range(1, engine.max_concurrent_decodes):
-            if pool.num_free < pool.pages_per_slot:
-                break
-            pool.assign(slot, r.cache_length)
+        # Paged decode compiles once per bucket of mapped pages: map exactly that
+        # many pages, slot after slot (host tables only; device contents do not
+        # matter here), for every bucket the pool can reach.
+        for bucket in pool.flat_buckets():
+            for slot in range(engine.max_concurrent_decodes):
+                pool.release(slot)
+            left, slot = min(bucket, pool.num_pages), 0
+            while left and slot < engine.max_concurrent_decodes:
+                n = min(left, pool.pages_per_slot)
+                pool.assign(slot, n * pool.page_size - 1)  # the step's token fits too
+                left, slot = left - n, slot + 1
             state, _ = engine.generate(params, state, 1)
+            if bucket >= pool.num_pages:
+                break
     jax.block_until_ready(state)
