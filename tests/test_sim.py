@@ -105,3 +105,14 @@ def test_command_line_prints_the_comparison(tmp_path):
     assert lines[-2].startswith("dora/partial_rollout step-time speedup: ")
     assert lines[-1].startswith("dora rollout-only share: ")
     assert "FAIL" not in out and (tmp_path / "dora" / "ledger.jsonl").exists()
+
+
+def test_command_line_refuses_bad_input_with_one_line():
+    for args, said in ((["--modes=sync,fast"], "--modes: unknown ['fast']"),
+                       (["--steps=1"], "--steps must be >= 2")):
+        out = subprocess.run([sys.executable, "-m", "dora_jax.sim", *args],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and said in out.stderr and "Traceback" not in out.stderr
+    out = subprocess.run([sys.executable, "-m", "dora_jax.sim.validate", "--workdir=/nonexistent"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "not a bench.modes output" in out.stderr

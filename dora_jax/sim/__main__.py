@@ -43,6 +43,11 @@ def _fmt(x, pct=False):
 
 def main(argv):
     del argv
+    unknown = sorted(set(_MODES.value) - set(SIM_MODES))
+    if unknown:
+        raise app.UsageError(f"--modes: unknown {unknown}; known: {', '.join(SIM_MODES)}")
+    if _STEPS.value < 2:
+        raise app.UsageError("--steps must be >= 2 (figures are over steps 1..N-1)")
     preset = PRESETS[_PRESET.value]
     print(f"{preset.name}: {preset.description}; {preset.train_batch_size} prompts x "
           f"{preset.group_size} samples per step, K={preset.max_staleness}, "

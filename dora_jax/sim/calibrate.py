@@ -41,7 +41,12 @@ def _read_jsonl(path) -> list:
 
 
 def load_run(workdir: str) -> dict:
-    """A run's timeline spans, metrics and ledger."""
+    """A run's timeline spans, metrics and ledger (FileNotFoundError naming what is
+    missing)."""
+    missing = [f for f in ("timeline.json", "metrics.jsonl", "ledger.jsonl")
+               if not os.path.exists(os.path.join(workdir, f))]
+    if missing:
+        raise FileNotFoundError(f"{workdir} is not a run's workdir: no {', '.join(missing)}")
     with open(os.path.join(workdir, "timeline.json")) as f:
         spans = json.load(f)
     return dict(spans=spans, metrics=_read_jsonl(os.path.join(workdir, "metrics.jsonl")),
@@ -153,7 +158,11 @@ def main(argv):
 
     f = flags.FLAGS
     slots = config_lib.load(f.config).rollout.slots_per_slice
-    cost = fit([load_run(w) for w in f.workdir], slots, f.cores)
+    try:
+        runs = [load_run(w) for w in f.workdir]
+    except FileNotFoundError as e:
+        raise app.UsageError(str(e)) from None
+    cost = fit(runs, slots, f.cores)
     print(json.dumps(dataclasses.asdict(cost), indent=1))
 
 

@@ -81,6 +81,12 @@ def main(argv):
     from dora_jax import config as config_lib
 
     cfg = config_lib.load(_CONFIG.value)
+    if not os.path.exists(os.path.join(_WORKDIR.value, "bench.json")):
+        raise app.UsageError(f"--workdir={_WORKDIR.value} is not a bench.modes output "
+                             f"directory (no bench.json)")
+    if not os.path.isdir(os.path.join(_WORKDIR.value, _CALIBRATE_ON.value)):
+        raise app.UsageError(f"--calibrate_on={_CALIBRATE_ON.value}: no such mode folder "
+                             f"in {_WORKDIR.value}")
     with open(os.path.join(_WORKDIR.value, "bench.json")) as f:
         measured = json.load(f)["rows"]
 
