@@ -27,8 +27,6 @@ def test_closed_form_decode_cost_equals_the_sum_of_its_steps():
     for k, batch, context in [(1, 1, 0), (7, 3, 100), (64, 256, 600_000)]:
         by_hand = sum(cost.step_seconds(batch, context + batch * i) for i in range(k))
         assert math.isclose(cost.steps_seconds(k, batch, context), by_hand, rel_tol=1e-12)
-        assert cost.steps_within(by_hand * (1 + 1e-9), batch, context) == k
-        assert cost.steps_within(by_hand * (1 - 1e-6), batch, context) == k - 1
 
 
 def test_workload_lengths_have_the_stated_mean_and_cap():

@@ -126,12 +126,6 @@ class Scheduler:
         g = self.groups.get(entry[0])
         return g is None or g.samples[entry[1]].status != PENDING
 
-    def pending_samples(self) -> Iterator[tuple[GroupState, int]]:
-        """(group, sample index) of every pending sample, oldest version then oldest
-        group first: older work has the nearer staleness deadline."""
-        for v in self.pending_versions():
-            yield from self.pending_of_version(v)
-
     @property
     def num_finished_groups(self) -> int:
         """Finished, unconsumed groups (a counter: no scan)."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
 from .core import Scheduler
-from .ledger import AuditReport, audit_run, rle_extend
+from .ledger import AuditReport, audit_run, rle_extend, unconsumed_records
 from .types import (Admit, Assign, InterruptReload, LoadVersion, Migrate,
                     SchedulerConfig, TrainStep)
 
@@ -277,8 +277,7 @@ class FakeRun:
 
     def unconsumed_records(self) -> list[dict]:
         """Ledger records for the groups still in flight (written at exit)."""
-        return [dict(event="unconsumed", group_id=gid, version=g.version)
-                for gid, g in self.sched.groups.items()]
+        return unconsumed_records(self.sched.groups)
 
     def consumed(self) -> dict:
         """step -> list of group ids consumed by that step, in batch order."""

@@ -57,6 +57,13 @@ def rle_expand(runs) -> list:
     return [v for v, n in runs for _ in range(n)]
 
 
+def unconsumed_records(groups: dict) -> list[dict]:
+    """`unconsumed` records for the groups still in flight (a scheduler's `groups`),
+    written at exit."""
+    return [dict(event="unconsumed", group_id=gid, version=g.version)
+            for gid, g in groups.items()]
+
+
 def read(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]

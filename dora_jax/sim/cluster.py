@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from dora_jax.scheduler.core import Scheduler
-from dora_jax.scheduler.ledger import rle_extend
+from dora_jax.scheduler.ledger import rle_extend, unconsumed_records
 from dora_jax.scheduler.types import (Admit, Assign, InterruptReload, LoadVersion, Migrate,
                                       SchedulerConfig, TrainStep)
 from dora_jax.sim.cost import CostModel
@@ -136,7 +136,7 @@ class ClusterSim:
         self.done: dict = {}
         self.trainer_busy_until: Optional[float] = None
         self.stats = dict(busy_slot_seconds=0.0, migrations=0, loads=0, interrupts=0,
-                          preemptions=0, load_seconds=0.0)
+                          preemptions=0)
         self._loads_in_progress = 0
         self._changed = True
         self._open: dict = {}  # row -> [kind, start, end, version]: back-to-back spans merge
@@ -248,7 +248,6 @@ class ClusterSim:
             self._loads_in_progress += 1
             seconds = self.cost.load_seconds(self._loads_in_progress)
             self.stats["loads"] += 1
-            self.stats["load_seconds"] += seconds
             if isinstance(a, InterruptReload):
                 self.stats["interrupts"] += 1
             self._span(f"slice {sl.i}", "load", self.now, self.now + seconds, a.version)
@@ -379,5 +378,4 @@ class ClusterSim:
     # ------------------------------------------------------------------ results
 
     def unconsumed_records(self) -> list:
-        return [dict(event="unconsumed", group_id=gid, version=g.version)
-                for gid, g in self.sched.groups.items()]
+        return unconsumed_records(self.sched.groups)

@@ -76,14 +76,6 @@ class CostModel:
         per step (context grows by `batch` per step), in closed form."""
         return k * self.step_seconds(batch, context) + self.step_per_ctx * batch * k * (k - 1) / 2
 
-    def steps_within(self, seconds: float, batch: int, context: float) -> int:
-        """Whole decode steps that fit in `seconds` (inverse of `steps_seconds`)."""
-        a = self.step_per_ctx * batch / 2
-        b = self.step_seconds(batch, context) - a
-        if a <= 0:
-            return int(seconds // b)
-        return int((-b + math.sqrt(b * b + 4 * a * seconds)) / (2 * a))
-
     def prefill_seconds(self, tokens: int) -> float:
         return self.prefill_fixed + self.prefill_per_token * tokens if tokens else 0.0
 
