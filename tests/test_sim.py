@@ -73,6 +73,24 @@ def test_load_contention_and_trained_tokens():
     assert sim.metrics[0]["time"] == 9.0 and sim.metrics[1]["time"] == 9.0 + 3.0 + 9.0
 
 
+def test_step_time_bound_by_hand_and_never_beaten():
+    """Every response 10 tokens after a 2-token prompt, G = 2, one slice of 2 slots:
+    a decode step of 1 s makes 2 tokens, so the 20 tokens of a batch need 10 s; the
+    trainer needs 5 s, and a sync step takes both, 15 s (above the 10 s bound). The
+    tokens' mean context is 2 + (E[L^2]/E[L] - 1)/2 = 6.5; at 0.1 s per position a
+    step takes 1 + 2 x 6.5 x 0.1 = 2.3 s."""
+    preset = dataclasses.replace(PRESETS["paper64"], total_devices=16, trainer_devices=8,
+                                 slice_devices=8, slots_per_slice=2, group_size=2,
+                                 train_batch_size=1, rollout_batch_size=1, max_staleness=0,
+                                 workload=Workload(prompt_len=2, replay=(10,)))
+    cost = dataclasses.replace(ZERO, step_fixed=1.0, train_fixed=5.0)
+    assert preset.step_time_bound(cost, groups=8) == dict(step=10.0, train=5.0, rollout=10.0)
+    with_ctx = preset.step_time_bound(dataclasses.replace(cost, step_per_ctx=0.1), groups=8)
+    assert math.isclose(with_ctx["rollout"], 10 * 2.3)
+    sim = _one_group(cost, [10, 10])
+    assert [m["time"] for m in sim.metrics] == [15.0, 30.0]
+
+
 @pytest.mark.parametrize("mode", SIM_MODES)
 def test_every_mode_of_a_preset_audits_clean(mode, tmp_path):
     small = dataclasses.replace(PRESETS["paper64"], train_batch_size=16,
@@ -99,6 +117,7 @@ def test_command_line_prints_the_comparison(tmp_path):
          "--modes=sync,partial_rollout,dora", "--jobs=1", f"--workdir={tmp_path}"],
         capture_output=True, text=True, check=True, timeout=600).stdout
     lines = out.strip().splitlines()
+    assert lines[-4].startswith("bound: no policy beats ")
     assert lines[-3].startswith("dora/sync step-time speedup: ")
     assert lines[-2].startswith("dora/partial_rollout step-time speedup: ")
     assert lines[-1].startswith("dora rollout-only share: ")
@@ -107,7 +126,9 @@ def test_command_line_prints_the_comparison(tmp_path):
 
 def test_command_line_refuses_bad_input_with_one_line():
     for args, said in ((["--modes=sync,fast"], "--modes: unknown ['fast']"),
-                       (["--steps=1"], "--steps must be >= 2")):
+                       (["--steps=1"], "--steps must be >= 2"),
+                       (["--preset=paper64", "--trainer_devices=30"], "--trainer_devices must"),
+                       (["--rollout_batch_size=100"], "--rollout_batch_size must be >= TBS")):
         out = subprocess.run([sys.executable, "-m", "dora_jax.sim", *args],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode != 0 and said in out.stderr and "Traceback" not in out.stderr

@@ -1,6 +1,7 @@
 """Simulates every mode of a preset deployment and compares them with the paper.
 
-    python -m dora_jax.sim --preset=paper128 --workdir=/tmp/sim128 [--steps=20]
+    python -m dora_jax.sim --preset=paper128 --workdir=/tmp/sim128 [--steps=20] \
+        [--trainer_devices=N] [--rollout_batch_size=N] [--max_staleness=K]
 
 Per mode (each in `<workdir>/<mode>/`, with a real run's outputs and its ledger
 audited): step time, rollout-only share, trainer wait, slot utilisation and
@@ -9,11 +10,17 @@ them. Ends with `dora/sync step-time speedup: X` (against the faster of sync and
 colocated sync, the strongest synchronous baseline), `dora/partial_rollout
 step-time speedup: Y` (partial rollout under the same staleness bound; the
 unbounded variant is listed apart) and `dora rollout-only share: Z`.
+
+Before the final lines, `bound:` gives the step time no policy can beat at this
+split (`Preset.step_time_bound`): the trainer's time per batch and the rollout's at
+full slots; a mode near it has little left to gain from scheduling. The overrides
+plan a deployment: the trainer / rollout split, RBS and K.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import os
 import time
 
@@ -27,11 +34,35 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "where each mode's outputs go")
 _STEPS = flags.DEFINE_integer("steps", 20, "train steps per mode")
 _MODES = flags.DEFINE_list("modes", list(SIM_MODES), "modes to simulate")
 _JOBS = flags.DEFINE_integer("jobs", os.cpu_count() or 1, "modes simulated at once")
+_TRAINER = flags.DEFINE_integer("trainer_devices", None,
+                                "accelerators of the trainer (the rest form rollout slices)")
+_RBS = flags.DEFINE_integer("rollout_batch_size", None, "groups admitted and not consumed")
+_K = flags.DEFINE_integer("max_staleness", None, "K")
 
 
-def _simulate(preset_name, mode, steps, workdir):
+def configured_preset():
+    """The --preset with the overrides given, or UsageError naming the bad flag."""
+    preset = PRESETS[_PRESET.value]
+    tr = preset.trainer_devices if _TRAINER.value is None else _TRAINER.value
+    rollout = preset.total_devices - tr
+    if not 0 < tr < preset.total_devices or rollout % preset.slice_devices:
+        raise app.UsageError(
+            f"--trainer_devices must leave a whole number of {preset.slice_devices}-device "
+            f"slices of the {preset.total_devices} devices, got {tr}")
+    rbs = preset.rollout_batch_size if _RBS.value is None else _RBS.value
+    if rbs < preset.train_batch_size:
+        raise app.UsageError(f"--rollout_batch_size must be >= TBS "
+                             f"({preset.train_batch_size}), got {rbs}")
+    k = preset.max_staleness if _K.value is None else _K.value
+    if k < 0:
+        raise app.UsageError(f"--max_staleness must be >= 0, got {k}")
+    return dataclasses.replace(preset, trainer_devices=tr, rollout_batch_size=rbs,
+                               max_staleness=k)
+
+
+def _simulate(preset, mode, steps, workdir):
     start = time.perf_counter()
-    summary = simulate(PRESETS[preset_name], mode, steps, workdir)
+    summary = simulate(preset, mode, steps, workdir)
     return summary, time.perf_counter() - start
 
 
@@ -48,16 +79,17 @@ def main(argv):
         raise app.UsageError(f"--modes: unknown {unknown}; known: {', '.join(SIM_MODES)}")
     if _STEPS.value < 2:
         raise app.UsageError("--steps must be >= 2 (figures are over steps 1..N-1)")
-    preset = PRESETS[_PRESET.value]
+    preset = configured_preset()
     print(f"{preset.name}: {preset.description}; {preset.train_batch_size} prompts x "
           f"{preset.group_size} samples per step, K={preset.max_staleness}, "
-          f"{_STEPS.value} steps per mode")
+          f"RBS={preset.rollout_batch_size}, trainer {preset.trainer_devices} + "
+          f"{preset.num_slices} slices of {preset.slice_devices}, {_STEPS.value} steps per mode")
     results = {}
     header = (f"{'mode':26} {'step min':>8} {'(paper)':>8} {'roll-only':>9} {'(paper)':>8} "
               f"{'trainer wait':>12} {'slot util':>9} {'tokens/s':>9} {'audit':>5} {'sim s':>6}")
     print(header)
     with concurrent.futures.ProcessPoolExecutor(max(1, _JOBS.value)) as pool:
-        futures = {mode: pool.submit(_simulate, preset.name, mode, _STEPS.value,
+        futures = {mode: pool.submit(_simulate, preset, mode, _STEPS.value,
                                      os.path.join(_WORKDIR.value, mode) if _WORKDIR.value
                                      else None)
                    for mode in _MODES.value}
@@ -73,6 +105,10 @@ def main(argv):
     bad = [m for m, s in results.items() if not s["audit_ok"]]
     if bad:
         raise SystemExit(f"ledger audit failed for {bad}: {[results[m]['audit'] for m in bad]}")
+    bound = preset.step_time_bound()
+    print(f"bound: no policy beats {bound['step'] / 60:.2f} min/step at this split "
+          f"(trainer {bound['train'] / 60:.2f}, rollout at full slots "
+          f"{bound['rollout'] / 60:.2f})")
     if "dora" not in results:
         return
     dora = results["dora"]["step_minutes"]

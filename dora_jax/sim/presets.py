@@ -75,19 +75,41 @@ class Preset:
             cost = dataclasses.replace(cost, reshard=cost.load_seconds(1))
         return cost
 
+    def step_time_bound(self, cost: CostModel | None = None, groups: int = 4096) -> dict:
+        """Seconds per train step that no policy can beat at this split: the larger of
+        the trainer's time for one batch and the rollout's at full slots.
+
+        Rollout decodes TBS x G responses per step; a full slice holds B sequences
+        whose context, averaged over the tokens it decodes, is P + (E[L^2]/E[L] - 1)/2
+        (a sample of length L spends one step at each of its positions), and B is
+        cut to what the KV memory holds. Prefill is left out: it is a lower bound.
+        Lengths are the workload's over `groups` groups; `cost` defaults to the
+        preset's."""
+        length = self.workload.lengths(self.group_size)
+        lengths = [length(g, k) for g in range(groups) for k in range(self.group_size)]
+        mean = sum(lengths) / len(lengths)
+        context = self.workload.prompt_len + (sum(x * x for x in lengths) / sum(lengths) - 1) / 2
+        cost = cost or self.cost()
+        batch = max(1, min(self.slots_per_slice, int(cost.kv_tokens // context)))
+        step = (cost.step_seconds(batch, batch * context)
+                + cost.calls_seconds(cost.call_steps, True) / cost.call_steps)
+        responses = self.train_batch_size * self.group_size
+        rollout = responses * mean / (self.num_slices * batch / step)
+        train = cost.train_seconds(round(responses * (mean + self.workload.prompt_len)))
+        return dict(step=max(train, rollout), train=train, rollout=rollout)
+
 
 PRESETS = {
     "paper64": Preset(
-        "paper64", "Qwen2.5-32B on 64 H800: trainer 32, 4 rollout slices of 8",
+        "paper64", "Qwen2.5-32B on 64 H800",
         total_devices=64, trainer_devices=32, slice_devices=8, slots_per_slice=256,
         hardware=H800, model=QWEN25_32B, paper=PAPER_64),
     "paper128": Preset(
-        "paper128", "Qwen2.5-32B on 128 H800: trainer 64, 8 rollout slices of 8",
+        "paper128", "Qwen2.5-32B on 128 H800",
         total_devices=128, trainer_devices=64, slice_devices=8, slots_per_slice=256,
         hardware=H800, model=QWEN25_32B, paper=PAPER_128),
     "v5p": Preset(
-        "v5p", "Qwen3-30B-A3B (configs/moe.py) on a v5p pod: trainer 128 chips, "
-               "8 slices of 16",
+        "v5p", "Qwen3-30B-A3B (configs/moe.py) on a v5p pod",
         total_devices=256, trainer_devices=128, slice_devices=16, slots_per_slice=256,
         hardware=V5P, model=QWEN3_30B_A3B),
 }
