@@ -36,7 +36,7 @@ def get_config(arg=None):
         c = config_lib.load(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny.py"))
         c.model.moe.update(dict(num_experts=8, top_k=2, expert_hidden=32,
                                 num_shared_experts=1, shared_expert_hidden=32,
-                                capacity_factor=2.0, aux_loss_coef=1e-3, z_loss_coef=1e-4))
+                                aux_loss_coef=1e-3, z_loss_coef=1e-4))
         c.mesh.trainer.update(dict(data=2, fsdp=1, tensor=1, expert=2))
         return c
     if arg:
@@ -50,8 +50,10 @@ def get_config(arg=None):
                         # TPU), each layer recomputed in the backward pass.
                         attention="auto", attention_block=512, remat="full",
                         scan_layers=True))
+    # Dropless in training too (ragged_dot, grouped matmuls on TPU): the trainer's
+    # log-probs are then those of the engine's dropless decoding.
     c.model.moe.update(dict(num_experts=128, top_k=8, expert_hidden=768, moe_every=1,
-                            normalize_topk=True, capacity_factor=1.25,
+                            normalize_topk=True, dispatch="dropless",
                             aux_loss_coef=1e-3, z_loss_coef=0.0))
     c.mesh.trainer.update(dict(data=1, fsdp=16, tensor=1, expert=8))
     c.mesh.slice.update(dict(tensor=4, expert=4))

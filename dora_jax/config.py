@@ -22,7 +22,10 @@ from dora_jax.schema import ConfigError  # noqa: F401 - callers catch config.Con
 MODES = ("colocated_sync", "sync", "one_step_off", "partial_rollout", "dora")
 ADVANTAGES = ("grpo", "drgrpo", "rloo")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                  "seq-mean-token-scale")
+                  "seq-mean-token-sum-norm", "seq-mean-token-sum-over-max-len")
+OBJECTIVES = ("behaviour_clip", "decoupled", "tis")  # rl/objective.py
+IS_MODES = ("truncate", "mask")
+MOE_DISPATCH = ("dropless", "capacity")
 KL_KINDS = ("k1", "k2", "k3")
 SCHEDULES = ("constant", "cosine")
 DTYPES = ("float32", "bfloat16")
@@ -70,7 +73,11 @@ class MoEConfig(Section):
     num_experts: int = field(0, min=0)  # 0: dense MLP everywhere
     top_k: int = 2
     expert_hidden: int = 0
-    # None: dropless. A float: an expert takes ceil(cf * tokens * top_k / E) at most.
+    # Training's dispatch (decoding is always dropless): "capacity" drops what an
+    # expert cannot take, ceil(capacity_factor * tokens * top_k / E); its log-probs
+    # then differ from the engine's, so it is only used when asked for (a
+    # capacity_factor alone changes nothing).
+    dispatch: str = field("dropless", choices=MOE_DISPATCH)
     capacity_factor: float | None = field(None, gt=0)
     num_shared_experts: int = field(0, min=0)
     shared_expert_hidden: int = 0
@@ -93,6 +100,9 @@ class MoEConfig(Section):
         if self.top_k > self.num_experts:
             fail(self._f("top_k"), f"must be <= model.moe.num_experts ({self.num_experts}), "
                                     f"got {self.top_k}")
+        if self.dispatch == "capacity" and self.capacity_factor is None:
+            fail(self._f("capacity_factor"), "model.moe.dispatch 'capacity' needs a capacity "
+                                              "factor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,15 +286,42 @@ class TrainerConfig(Section):
     micro_batches: int = field(1, min=1)  # gradient accumulation inside one update
     num_minibatches: int = field(1, min=1)  # optimizer updates per train step
     advantage: str = field("grpo", choices=ADVANTAGES)
+    # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
+    # (verl's: sum of every sequence's token sum / max_decode_len) |
+    # seq-mean-token-sum-over-max-len (Dr. GRPO: mean over sequences of token sum /
+    # max_decode_len). See rl/losses.py: aggregate_loss.
     loss_agg_mode: str = field("token-mean", choices=LOSS_AGG_MODES)
+    # behaviour_clip: ratio pi/mu clipped (mu: the sampling policy); decoupled: ratio
+    # pi/pi_prox clipped, weighted by pi_prox/mu (is_mode: truncate at is_cap or mask
+    # beyond it); tis: the same with truncation (verl's TIS). pi_prox: the policy at
+    # the start of the step. See rl/objective.py.
+    objective: str = field("behaviour_clip", choices=OBJECTIVES)
+    is_cap: float | None = field(None, gt=0)
+    is_mode: str = field("truncate", choices=IS_MODES)
     clip_low: float = field(0.2, ge=0, lt=1)
     clip_high: float = field(0.2, ge=0)
     dual_clip: float | None = field(None, gt=1)
     kl_coef: float = field(0.0, ge=0)
     kl_kind: str = field("k3", choices=KL_KINDS)
-    tis_cap: float | None = field(None, gt=0)
+    # DAPO: drop groups whose rewards are all equal (ledger `filter` events; the
+    # step still trains train_batch_size groups), the soft overlong punishment
+    # (0 up to max_decode_len - overlong_buffer tokens, then down to -overlong_penalty)
+    # and overlong filtering (no loss on responses cut at max_decode_len).
+    filter_zero_variance: bool = False
+    overlong_buffer: int = field(0, min=0)
+    overlong_penalty: float = field(1.0, ge=0)
+    mask_truncated: bool = False
     # Padded prompt + response lengths of train batches (the largest: a whole one).
     length_buckets: tuple = field((32, 64), ascending=True)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.objective == "behaviour_clip" and self.is_cap is not None:
+            fail(self._f("is_cap"), "applies to objective 'decoupled' or 'tis' (behaviour_clip "
+                                     "clips pi/mu itself), got objective 'behaviour_clip'")
+        if self.objective == "tis" and (self.is_cap is None or self.is_mode != "truncate"):
+            fail(self._f("is_cap"), "objective 'tis' truncates the weight: it needs is_cap and "
+                                     f"is_mode 'truncate' (got {self.is_cap}, {self.is_mode!r})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -371,6 +408,12 @@ class Config(Section):
         for name in ("eos_id", "pad_id"):
             if not 0 <= getattr(r, name) < m.vocab_size:
                 fail(f"rollout.{name}", f"must be a token id < vocab_size ({m.vocab_size})")
+        if t.filter_zero_variance and c.mode == "one_step_off":
+            fail("trainer.filter_zero_variance", "one_step_off trains fixed batches of group "
+                  "ids and cannot replace a filtered group; use sync, partial_rollout or dora")
+        if t.overlong_buffer >= r.max_decode_len:
+            fail("trainer.overlong_buffer", f"must be < rollout.max_decode_len "
+                  f"({r.max_decode_len}), got {t.overlong_buffer}")
         if t.length_buckets[-1] < r.cache_length:
             fail("trainer.length_buckets",
                   f"largest bucket {t.length_buckets[-1]} must hold a whole trajectory "

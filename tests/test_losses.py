@@ -13,12 +13,13 @@ import pytest
 
 from dora_jax.rl.losses import (
     aggregate_loss,
+    decoupled_ppo_loss,
     group_advantages,
     kl_divergence,
     masked_mean,
+    overlong_penalty,
     ppo_clip_loss,
     rloo_advantages,
-    truncated_importance_weights,
 )
 
 RTOL = 1e-6
@@ -236,10 +237,13 @@ AGG_MASK = [[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]]
         ("seq-mean-token-mean", {}, 3.75),
         # row sums 6, 11 -> 8.5
         ("seq-mean-token-sum", {}, 8.5),
-        # default max_len = T = 4: 6/4 = 1.5, 11/4 = 2.75 -> 2.125
-        ("seq-mean-token-scale", {}, 2.125),
+        # Dr. GRPO, default max_len = T = 4: 6/4 = 1.5, 11/4 = 2.75 -> mean 2.125
+        ("seq-mean-token-sum-over-max-len", {}, 2.125),
         # max_len 8: .75, 1.375 -> 1.0625
-        ("seq-mean-token-scale", {"max_len": 8}, 1.0625),
+        ("seq-mean-token-sum-over-max-len", {"max_len": 8}, 1.0625),
+        # verl's: (6 + 11) / 4, no mean over sequences
+        ("seq-mean-token-sum-norm", {}, 4.25),
+        ("seq-mean-token-sum-norm", {"max_len": 8}, 2.125),
     ],
 )
 def test_aggregate_modes(mode, kwargs, expected):
@@ -247,7 +251,8 @@ def test_aggregate_modes(mode, kwargs, expected):
 
 
 @pytest.mark.parametrize(
-    "mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-scale"]
+    "mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+             "seq-mean-token-sum-norm", "seq-mean-token-sum-over-max-len"]
 )
 def test_aggregate_all_masked_is_zero_with_finite_grad(mode):
     loss = f32([[1.0, jnp.inf], [jnp.nan, 2.0]])
@@ -303,17 +308,113 @@ def test_kl_unknown_kind():
         kl_divergence(jnp.zeros(2), jnp.zeros(2), "k4")
 
 
-# ------------------------------------------------------------------------ TIS
+def test_kl_k3_is_clamped_and_its_gradient_finite():
+    # ref - logp = 30: e^30 - 31 is far above the bound 10; ref - logp = 1000 would
+    # overflow without the log-ratio clamp.
+    value, grad = jax.value_and_grad(
+        lambda lp: jnp.sum(kl_divergence(lp, f32([30.0, 1000.0]), "k3")))(f32([0.0, 0.0]))
+    close(kl_divergence(f32([0.0, 0.0]), f32([30.0, 1000.0]), "k3"), [10.0, 10.0])
+    assert np.isfinite(float(value)) and np.all(np.isfinite(np.asarray(grad)))
 
 
-def test_truncated_importance_weights_cap_and_no_gradient():
-    # exp([0, .5, -1, 3]) = [1, 1.64872127, .36787944, 20.0855] -> capped at 2
-    train = f32([0.0, 0.5, -1.0, 3.0])
-    rollout = jnp.zeros(4, jnp.float32)
-    close(truncated_importance_weights(train, rollout, 2.0), [1.0, 1.64872127, 0.36787944, 2.0])
-    # rollout offset: exp(-1 - (-1 - ln 2)) = 2 -> capped at 1.5
-    close(truncated_importance_weights(f32([-1.0]), f32([-1.0 - math.log(2.0)]), 1.5), [1.5])
-    g_train = jax.grad(lambda t: jnp.sum(truncated_importance_weights(t, rollout, 2.0)))(train)
-    g_roll = jax.grad(lambda r: jnp.sum(truncated_importance_weights(train, r, 2.0)))(rollout)
-    close(g_train, [0, 0, 0, 0])
-    close(g_roll, [0, 0, 0, 0])
+# ----------------------------------------------------- off-policy objectives
+# One token whose log-prob under the current policy is the parameter theta. The
+# behaviour policy mu gave it probability 0.25, the proximal policy pi_prox 0.5:
+# pi_prox / mu = 2. Clip range [0.8, 1.2]. d ratio / d theta = ratio.
+
+MU, PROX = math.log(0.25), math.log(0.5)
+
+
+def _one_token(loss_fn, theta, adv=1.0):
+    def f(th):
+        loss, metrics = loss_fn(f32([[th]]), f32([[adv]]))
+        return loss[0, 0], metrics
+    (value, metrics), grad = jax.value_and_grad(f, has_aux=True)(f32(theta))
+    return float(value), float(grad), metrics
+
+
+def _behaviour(logp, adv):
+    return ppo_clip_loss(logp, f32([[MU]]), adv[:, 0], jnp.ones((1, 1)))
+
+
+def _decoupled(cap, mode="truncate", prox=PROX, mu=MU):
+    return lambda logp, adv: decoupled_ppo_loss(logp, f32([[prox]]), f32([[mu]]), adv[:, 0],
+                                                jnp.ones((1, 1)), is_cap=cap, is_mode=mode)
+
+
+def test_behaviour_clip_ratio_is_against_mu():
+    # theta = log .5: ratio .5/.25 = 2 > 1.2 with A > 0: clipped, loss -1.2, no gradient.
+    assert _one_token(_behaviour, PROX)[:2] == pytest.approx((-1.2, 0.0), abs=1e-6)
+    # theta = log .275: ratio 1.1 in range: loss -1.1, gradient -A * ratio = -1.1.
+    assert _one_token(_behaviour, math.log(0.275))[:2] == pytest.approx((-1.1, -1.1), abs=1e-6)
+
+
+def test_decoupled_ratio_is_against_the_proximal_policy():
+    # theta = pi_prox: ratio 1 (in range whatever the staleness), weight w = 2 (cap 3):
+    # loss -w * 1 = -2, gradient -A * w * ratio = -2.
+    assert _one_token(_decoupled(3.0), PROX)[:2] == pytest.approx((-2.0, -2.0), abs=1e-6)
+    # A = -1: loss w * 1 = 2, gradient +2.
+    assert _one_token(_decoupled(3.0), PROX, adv=-1.0)[:2] == pytest.approx((2.0, 2.0), abs=1e-6)
+    # theta = log .75: ratio 1.5 > 1.2 with A > 0: clipped, loss -2 * 1.2 = -2.4, no gradient.
+    assert _one_token(_decoupled(3.0), math.log(0.75))[:2] == pytest.approx((-2.4, 0.0),
+                                                                              abs=1e-6)
+    # No cap: the weight as is.
+    assert _one_token(_decoupled(None), PROX)[:2] == pytest.approx((-2.0, -2.0), abs=1e-6)
+
+
+def test_tis_weight_is_applied_once():
+    # pi_old / mu = .5 / (1/3) = 1.5 (cap 2): on the first update (theta = pi_old) the
+    # gradient is -A * 1.5 = -1.5. Multiplying a ratio already taken against mu by the
+    # weight again would give -(1.5 * 1.5) = -2.25.
+    value, grad, _ = _one_token(_decoupled(2.0, mu=math.log(1 / 3)), PROX)
+    assert (value, grad) == pytest.approx((-1.5, -1.5), abs=1e-6)
+    # Truncated at the cap: w = min(2, 1.5) = 1.5.
+    value, grad, m = _one_token(_decoupled(1.5), PROX)
+    assert (value, grad) == pytest.approx((-1.5, -1.5), abs=1e-6)
+    assert float(m["is_capped_frac"]) == 1.0 and float(m["is_weight_max"]) == pytest.approx(1.5)
+
+
+def test_decoupled_mask_mode_drops_tokens_beyond_the_cap():
+    # w = 2 > 1.5: the token is dropped (AReaL's cap): no loss, no gradient.
+    value, grad, m = _one_token(_decoupled(1.5, "mask"), PROX)
+    assert (value, grad) == (0.0, 0.0) and float(m["is_capped_frac"]) == 1.0
+    # Two tokens, w = 2 and w = .5 / .4 = 1.25 <= 1.5: only the first is dropped.
+    loss, m = decoupled_ppo_loss(f32([[PROX, PROX]]), f32([[PROX, PROX]]),
+                                 f32([[MU, math.log(0.4)]]), f32([1.0]), jnp.ones((1, 2)),
+                                 is_cap=1.5, is_mode="mask")
+    close(loss, [[0.0, -1.25]])
+    close(m["is_weight_mean"], 0.625)  # (0 + 1.25) / 2
+    close(m["is_capped_frac"], 0.5)
+
+
+def test_decoupled_gives_no_gradient_to_proximal_or_behaviour():
+    f = lambda prox, mu: jnp.sum(decoupled_ppo_loss(f32([[PROX]]), prox, mu, f32([1.0]),
+                                                    jnp.ones((1, 1)), is_cap=3.0)[0])
+    gp, gm = jax.grad(f, argnums=(0, 1))(f32([[math.log(0.4)]]), f32([[MU]]))
+    close(gp, [[0.0]])
+    close(gm, [[0.0]])
+
+
+def test_decoupled_rejects_bad_options():
+    args = (f32([[0.0]]),) * 3 + (f32([1.0]), jnp.ones((1, 1)))
+    with pytest.raises(ValueError, match="is_mode"):
+        decoupled_ppo_loss(*args, is_cap=2.0, is_mode="clip")
+    with pytest.raises(ValueError, match="is_cap must be > 0"):
+        decoupled_ppo_loss(*args, is_cap=0.0)
+
+
+def test_log_ratio_is_clamped_before_exp():
+    # logp - mu = 100 would overflow exp; clamped to 20: with A = -1 the loss is
+    # e^20 (finite) and the clamp stops the gradient.
+    value, grad, _ = _one_token(
+        lambda logp, adv: ppo_clip_loss(logp, f32([[-100.0]]), adv[:, 0], jnp.ones((1, 1))),
+        0.0, adv=-1.0)
+    assert value == pytest.approx(math.exp(20), rel=1e-6) and grad == 0.0
+
+
+def test_overlong_penalty():
+    # max 100, buffer 20: free up to 80 tokens, then linear down to -factor at 100.
+    np.testing.assert_allclose(overlong_penalty([50, 80, 90, 100], 100, 20),
+                               [0.0, 0.0, -0.5, -1.0])
+    np.testing.assert_allclose(overlong_penalty([95], 100, 20, factor=2.0), [-1.5])
+    np.testing.assert_allclose(overlong_penalty([100], 100, 0), [0.0])

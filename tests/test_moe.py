@@ -153,3 +153,43 @@ def test_shared_expert_adds_dense_path():
 def test_capacity_mode_requires_factor():
     with pytest.raises(ValueError, match="capacity_factor"):
         _layer(CFG)(jnp.ones((1, 2, 8)), dropless=False)
+
+
+def test_padding_is_never_routed_nor_counted():
+    """Two real tokens then two padding tokens: the real tokens' outputs and both aux
+    losses equal those of the real tokens alone, whatever the padding holds; in
+    capacity mode padding takes no slot (capacity 1 of 4 tokens x 1 choice / 4
+    experts: with padding routed, a padding token could take a real one's slot)."""
+    x = jax.random.normal(jax.random.key(3), (1, 4, 8))
+    garbage = x.at[:, 2:].set(jax.random.normal(jax.random.key(4), (1, 2, 8)) * 10)
+    valid = jnp.array([[True, True, False, False]])
+    layer = _layer(CFG)
+    alone, aux_alone = layer(x[:, :2], dropless=True)
+    for xp in (x, garbage):
+        y, aux = layer(xp, dropless=True, valid_BT=valid)
+        np.testing.assert_allclose(np.asarray(y[:, :2]), np.asarray(alone), rtol=1e-5, atol=1e-6)
+        for k in ("load_balance_loss", "router_z_loss"):
+            np.testing.assert_allclose(float(aux[k]), float(aux_alone[k]), rtol=1e-5)
+    # Load balance by hand for the real tokens: E * sum_i f_i P_i over 2 tokens.
+    experts, _, probs = moe.route(jnp.einsum("nd,de->ne", x[0, :2], layer.router[...]), 2,
+                                  True)
+    f = np.bincount(np.asarray(experts).reshape(-1), minlength=4) / 4
+    np.testing.assert_allclose(float(aux_alone["load_balance_loss"]),
+                               4 * np.sum(f * np.asarray(probs).mean(0)), rtol=1e-5)
+    # Capacity 1 per expert (4 tokens x top-1 / 4 experts). Row 0 is [a, padding],
+    # row 1 is [b, c]: in token order the padding comes before b. Padding that is a
+    # copy of b would, if routed, take b's expert slot and drop b.
+    tight = _layer(dataclasses.replace(CFG, moe=dataclasses.replace(
+        CFG.moe, top_k=1, dispatch="capacity", capacity_factor=1.0)))
+    a, b, c = x[0, 0], x[0, 1], x[0, 2]
+    first = lambda v: int(np.argmax(np.asarray(v @ tight.router[...])))
+    assert first(a) != first(b)  # so b keeps its slot unless padding takes it
+    rows = lambda pad: jnp.stack([jnp.stack([a, pad]), jnp.stack([b, c])])
+    two = jnp.array([[True, False], [True, True]])
+    y_copy, aux = tight(rows(b), valid_BT=two)
+    y_zero, _ = tight(rows(jnp.zeros(8)), valid_BT=two)
+    np.testing.assert_allclose(np.asarray(y_copy[1]), np.asarray(y_zero[1]), rtol=1e-6)
+    assert np.abs(np.asarray(y_copy[1, 0])).max() > 0  # b was served
+    unmasked, _ = tight(rows(b))
+    np.testing.assert_array_equal(np.asarray(unmasked[1, 0]), 0.0)  # routed padding drops b
+    assert 0 <= float(aux["dropped_fraction"]) <= 1 / 3  # of 3 real assignments

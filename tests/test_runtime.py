@@ -189,3 +189,57 @@ def test_rollout_only_share_and_wait_clock_by_hand():
     clock.mark(2.5, "guard")
     clock.mark(2.75, "starvation")
     assert clock.take(3.0) == {"fill": 0.0, "guard": 0.25, "starvation": 0.75}
+
+
+def test_dynamic_sampling_filters_and_replaces_groups(tmp_path, small_config):
+    """DAPO's dynamic sampling in a dora run with the decoupled objective: every
+    other prompt rewards any response alike (modulus 1), so its groups have zero
+    reward variance and leave through `filter` records; they are replaced (every step
+    still trains TBS groups, the audit is clean, no filtered group is consumed), and
+    the trainer reports the engine mismatch of the tokens its own version sampled."""
+    from dora_jax import config as config_lib
+    from dora_jax.experiment import prompt_records
+
+    c = small_config("dora", validate=False, num_steps=4)
+    c.trainer.update(dict(filter_zero_variance=True, objective="decoupled", is_cap=2.0))
+    cfg = config_lib.validate(c, num_devices=8)
+    records = [dict(r, modulus=1, target=0) if i % 2 == 0 else r
+               for i, r in enumerate(prompt_records(cfg))]
+    made = []
+    summary = experiment.run(cfg, str(tmp_path), records=records,
+                             make_trainer=lambda *a, **k: made.append(Trainer(*a, **k)) or made[0])
+    events, report = audit_workdir(cfg, tmp_path)
+    assert report.ok, report.summary()
+    filtered = [e for e in events if e["event"] == "filter"]
+    assert filtered and all(e["reason"] == "zero reward variance" for e in filtered)
+    assert summary["groups_filtered"] == len(filtered)
+    constant = {r["prompt_id"] for r in records if r["modulus"] == 1}
+    assert {e["prompt_id"] for e in filtered} & constant
+    for e in events:
+        if e["event"] == "consume":
+            assert len({s["reward"] for s in e["samples"]}) > 1
+    metrics = _metrics(tmp_path)
+    fresh = [m["trainer"] for m in metrics if m["trainer"]["logprob_mismatch_tokens"] > 0]
+    assert fresh and all(m["logprob_mismatch"] < 1e-3 for m in fresh)
+
+
+def test_overlong_punishment_shapes_the_trained_rewards(small_config):
+    """The rewards the trainer sees: the reward function's plus DAPO's punishment
+    (max_decode_len 8, buffer 4: free up to 4 tokens, then -1/4 per token)."""
+    import concurrent.futures
+    import types
+
+    from dora_jax import config as config_lib
+    from dora_jax.runtime.loop import Runtime, _Group
+
+    c = small_config("dora", validate=False)
+    c.trainer.update(dict(overlong_buffer=4, overlong_penalty=2.0))
+    cfg = config_lib.validate(c, num_devices=8)
+    g = _Group(record={}, version=0)
+    for k, n in enumerate([3, 5, 8]):
+        g.trajectories[k] = types.SimpleNamespace(response_tokens=[7] * n)
+        g.rewards[k] = concurrent.futures.Future()
+        g.rewards[k].set_result((1.0, None))
+    rt = types.SimpleNamespace(cfg=cfg)
+    rt._penalties = lambda g: Runtime._penalties(rt, g)
+    assert Runtime._shaped_rewards(rt, g) == pytest.approx([1.0, 0.5, -1.0])

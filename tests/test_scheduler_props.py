@@ -132,3 +132,26 @@ def test_restart_engines_loses_nothing(sc, restart_at):
     run.restart_engines()
     run.run(steps, max_ticks=bound)
     check_run(run, steps)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(modes=[m for m in MODES if m != "one_step_off"]), st.integers(2, 5),
+       st.integers(0, 4))
+def test_filtered_groups_are_replaced_and_accounted(sc, period, phase):
+    """Groups scored before training, every `period`-th one filtered out: each step
+    still trains exactly TBS kept groups, and every filtered group is in the ledger
+    as `filter` with a reason, never consumed (the auditor checks both)."""
+    import dataclasses
+
+    cfg, lengths, max_len, load, train, steps, kv = sc
+    cfg = dataclasses.replace(cfg, score_groups=True)
+    keep = lambda gid: gid % period != phase % period  # noqa: E731
+    run = FakeRun(cfg, lengths, load_ticks=load, train_ticks=train, check=True,
+                  kv_capacity=kv, keep=keep)
+    run.run(steps, max_ticks=2 * tick_bound(cfg, max_len, load, train, steps, kv))
+    check_run(run, steps)
+    filtered = {r["group_id"] for r in run.ledger if r["event"] == "filter"}
+    assert all(not keep(g) for g in filtered)
+    assert all(keep(g) for gids in run.consumed().values() for g in gids)
+    assert run.sched.filtered == len(filtered)

@@ -9,11 +9,16 @@ Two dispatch paths over the same weights:
   those past an expert's capacity are dropped (they contribute nothing; the
   residual connection carries the token on).
 
+Training uses dropless unless `model.moe.dispatch` is "capacity": decoding is always
+dropless, so only then do train and decode log-probs of the same tokens agree.
+
 The load-balancing loss is E * sum_i f_i * P_i with f_i the fraction of top-k
 assignments routed to expert i and P_i the mean router probability of expert i
 (Switch / GShard form; minimum 1 at perfectly uniform routing). The router z-loss is
 mean_tokens(logsumexp(router_logits)^2). Both are returned, not added: the trainer
-weighs them.
+weighs them. With a token mask (`valid_BT`: right padding of a train batch) padding
+is never routed: it takes no expert compute and no capacity, and it enters neither
+loss.
 """
 
 from __future__ import annotations
@@ -37,17 +42,27 @@ def route(router_logits_NE: jax.Array, top_k: int, normalize: bool):
     return experts_NK, weights_NK, probs_NE
 
 
-def load_balance_loss(experts_NK: jax.Array, probs_NE: jax.Array) -> jax.Array:
-    """E * sum_i f_i * P_i (see module docstring)."""
+def _token_weights(n: int, valid_N) -> jax.Array:
+    return jnp.ones(n, jnp.float32) if valid_N is None else valid_N.astype(jnp.float32)
+
+
+def load_balance_loss(experts_NK: jax.Array, probs_NE: jax.Array, valid_N=None) -> jax.Array:
+    """E * sum_i f_i * P_i (see module docstring), over the valid tokens."""
+    N, K = experts_NK.shape
     num_experts = probs_NE.shape[-1]
-    counts_E = jnp.zeros(num_experts, jnp.float32).at[experts_NK.reshape(-1)].add(1.0)
-    f_E = counts_E / experts_NK.size
-    p_E = jnp.mean(probs_NE, axis=0)
+    w_N = _token_weights(N, valid_N)
+    counts_E = jnp.zeros(num_experts, jnp.float32).at[experts_NK.reshape(-1)].add(
+        jnp.repeat(w_N, K))
+    n = jnp.maximum(jnp.sum(w_N), 1.0)
+    f_E = counts_E / (n * K)
+    p_E = jnp.sum(probs_NE * w_N[:, None], axis=0) / n
     return num_experts * jnp.sum(f_E * p_E)
 
 
-def router_z_loss(router_logits_NE: jax.Array) -> jax.Array:
-    return jnp.mean(jax.nn.logsumexp(router_logits_NE.astype(jnp.float32), axis=-1) ** 2)
+def router_z_loss(router_logits_NE: jax.Array, valid_N=None) -> jax.Array:
+    w_N = _token_weights(router_logits_NE.shape[0], valid_N)
+    z_N = jax.nn.logsumexp(router_logits_NE.astype(jnp.float32), axis=-1) ** 2
+    return jnp.sum(z_N * w_N) / jnp.maximum(jnp.sum(w_N), 1.0)
 
 
 def capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -55,19 +70,23 @@ def capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: flo
 
 
 def capacity_dispatch(experts_NK: jax.Array, weights_NK: jax.Array, num_experts: int,
-                      cap: int):
-    """Dispatch [N,E,C] and combine [N,E,C] tensors with priority-order dropping."""
+                      cap: int, valid_N=None):
+    """Dispatch [N,E,C] and combine [N,E,C] tensors with priority-order dropping;
+    invalid tokens take no slot. Also returns the fraction of valid assignments
+    dropped."""
     N, K = experts_NK.shape
     # Rank-major order: all first choices (by token) before any second choice.
     onehot_KNE = jax.nn.one_hot(experts_NK.T, num_experts, dtype=jnp.int32)
+    if valid_N is not None:
+        onehot_KNE = onehot_KNE * valid_N.astype(jnp.int32)[None, :, None]
     slot_KNE = jnp.cumsum(onehot_KNE.reshape(K * N, num_experts), axis=0).reshape(
         K, N, num_experts) - 1
     keep_KNE = (onehot_KNE > 0) & (slot_KNE < cap)
     slot_onehot_KNEC = jax.nn.one_hot(jnp.where(keep_KNE, slot_KNE, -1), cap, dtype=jnp.float32)
     dispatch_NEC = jnp.sum(slot_onehot_KNEC, axis=0)
     combine_NEC = jnp.einsum("knec,kn->nec", slot_onehot_KNEC, weights_NK.T.astype(jnp.float32))
-    kept_fraction = jnp.sum(keep_KNE) / (N * K)
-    return dispatch_NEC, combine_NEC, 1.0 - kept_fraction
+    assigned = jnp.maximum(jnp.sum(onehot_KNE), 1)
+    return dispatch_NEC, combine_NEC, 1.0 - jnp.sum(keep_KNE) / assigned
 
 
 class MoE(nnx.Module):
@@ -84,6 +103,7 @@ class MoE(nnx.Module):
         self.num_experts, self.top_k = E, m.top_k
         self.normalize = m.normalize_topk
         self.capacity_factor = m.capacity_factor
+        self.capacity_dispatch = m.dispatch == "capacity"
         self.dtype = dt
 
     def _experts(self, x_ECD):
@@ -93,13 +113,18 @@ class MoE(nnx.Module):
         h = constrain(jax.nn.silu(gate) * up, ("expert", None, "expert_mlp"))
         return jnp.einsum("ecf,efd->ecd", h, self.w_down[...].astype(dt))
 
-    def _dropless(self, x_ND, experts_NK, weights_NK):
+    def _dropless(self, x_ND, experts_NK, weights_NK, valid_N=None):
         dt = self.dtype
         N, K = experts_NK.shape
         flat_e = experts_NK.reshape(-1)
+        if valid_N is not None:
+            # Padding goes to a group past the last expert: sorted to the end and
+            # outside every group size, ragged_dot computes nothing for it (zeros).
+            flat_e = jnp.where(jnp.repeat(valid_N, K), flat_e, self.num_experts)
+            weights_NK = weights_NK * valid_N[:, None]
         order = jnp.argsort(flat_e, stable=True)
         x_sorted_MD = x_ND[order // K]
-        sizes_E = jnp.zeros(self.num_experts, jnp.int32).at[flat_e].add(1)
+        sizes_E = jnp.zeros(self.num_experts, jnp.int32).at[flat_e].add(1, mode="drop")
         gate = jax.lax.ragged_dot(x_sorted_MD, self.w_gate[...].astype(dt), sizes_E)
         up = jax.lax.ragged_dot(x_sorted_MD, self.w_up[...].astype(dt), sizes_E)
         y_sorted_MD = jax.lax.ragged_dot(jax.nn.silu(gate) * up,
@@ -108,28 +133,29 @@ class MoE(nnx.Module):
         y_NKD = y_MD.reshape(N, K, -1)
         return jnp.einsum("nkd,nk->nd", y_NKD, weights_NK.astype(dt))
 
-    def __call__(self, x_BTD, *, dropless: bool | None = None):
+    def __call__(self, x_BTD, *, dropless: bool | None = None, valid_BT=None):
         """Returns (y [B,T,D], aux) with aux = load_balance_loss, router_z_loss,
-        dropped_fraction. `dropless=None` uses capacity mode iff a capacity factor
-        is configured."""
+        dropped_fraction. `dropless=None` follows `model.moe.dispatch`; `valid_BT`
+        (bool) marks real tokens, the rest are padding (see module docstring)."""
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
+        valid_N = None if valid_BT is None else valid_BT.reshape(B * T)
         logits_NE = jnp.einsum("nd,de->ne", x_ND.astype(jnp.float32),
                                self.router[...].astype(jnp.float32))
         experts_NK, weights_NK, probs_NE = route(logits_NE, self.top_k, self.normalize)
-        aux = {"load_balance_loss": load_balance_loss(experts_NK, probs_NE),
-               "router_z_loss": router_z_loss(logits_NE)}
+        aux = {"load_balance_loss": load_balance_loss(experts_NK, probs_NE, valid_N),
+               "router_z_loss": router_z_loss(logits_NE, valid_N)}
         if dropless is None:
-            dropless = self.capacity_factor is None
+            dropless = not self.capacity_dispatch
         if dropless:
-            y_ND = self._dropless(x_ND, experts_NK, weights_NK)
+            y_ND = self._dropless(x_ND, experts_NK, weights_NK, valid_N)
             aux["dropped_fraction"] = jnp.zeros((), jnp.float32)
         else:
             if self.capacity_factor is None:
                 raise ValueError("capacity dispatch needs model.moe.capacity_factor")
             cap = capacity(B * T, self.top_k, self.num_experts, self.capacity_factor)
             dispatch, combine, dropped = capacity_dispatch(experts_NK, weights_NK,
-                                                           self.num_experts, cap)
+                                                           self.num_experts, cap, valid_N)
             x_ECD = jnp.einsum("nec,nd->ecd", dispatch.astype(self.dtype), x_ND)
             x_ECD = constrain(x_ECD, ("expert", None, "embed"))
             y_ECD = self._experts(x_ECD)

@@ -77,15 +77,15 @@ class Block(nnx.Module):
             self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden, pd, jnp.dtype(cfg.dtype), rngs=rngs)
         self.is_moe = cfg.is_moe_layer(layer)
 
-    def _mlp(self, x, dropless):
+    def _mlp(self, x, dropless, valid_BT=None):
         if self.is_moe:
-            return self.mlp(x, dropless=dropless)
+            return self.mlp(x, dropless=dropless, valid_BT=valid_BT)
         return self.mlp(x), None
 
-    def __call__(self, x_BTD, positions_BT, dropless, past=None):
+    def __call__(self, x_BTD, positions_BT, dropless, past=None, valid_BT=None):
         h, kv = self.attn(self.attn_norm(x_BTD), positions_BT, past)
         x_BTD = x_BTD + h
-        h, aux = self._mlp(self.mlp_norm(x_BTD), dropless)
+        h, aux = self._mlp(self.mlp_norm(x_BTD), dropless, valid_BT)
         return x_BTD + h, kv, aux
 
     def decode(self, x_B1D, positions_B, cache: KVCache, layer, pages=None, paged_impl="auto"):
@@ -143,14 +143,15 @@ class Transformer(nnx.Module):
         return jnp.einsum("btd,dv->btv", x, w.astype(x.dtype),
                           preferred_element_type=jnp.float32)
 
-    def _period(self, x, positions_BT, dropless, graphdefs, states, past=None):
+    def _period(self, x, positions_BT, dropless, graphdefs, states, past=None,
+                valid_BT=None):
         """Layers of one period in order: (x, [k per layer], [v ...], [MoE aux ...]).
         past: None or (k [period, B, P, K, D], v, length) for these layers."""
         ks, vs, auxes = [], [], []
         for r, (graphdef, state) in enumerate(zip(graphdefs, states)):
             layer_past = None if past is None else (past[0][r], past[1][r], past[2])
             x, (k, v), aux = nnx.merge(graphdef, state)(x, positions_BT, dropless,
-                                                        layer_past)
+                                                        layer_past, valid_BT)
             ks.append(k)
             vs.append(v)
             if aux is not None:
@@ -158,10 +159,14 @@ class Transformer(nnx.Module):
         return x, ks, vs, auxes
 
     def __call__(self, tokens_BT, positions_BT=None, *, dropless: bool | None = None,
-                 return_kv: bool = False, past: KVCache | None = None, past_length=None):
+                 return_kv: bool = False, past: KVCache | None = None, past_length=None,
+                 valid_BT=None):
         """Full causal forward. Returns (logits_BTV f32, aux, kv or None).
 
-        aux holds the MoE losses averaged over MoE layers (zeros for a dense model);
+        valid_BT: bool mask of real tokens (None: all); MoE layers route no padding
+        and leave it out of their losses (causal attention needs no mask for right
+        padding). aux holds the MoE losses averaged over MoE layers (zeros for a
+        dense model);
         kv is a `KVCache` of this sequence's keys/values (length T) for prefill.
         past: the KV cache ([layers, B, P, ...]) of the `past_length` positions before
         `tokens_BT`, which then continue them (positions from past_length on): a
@@ -178,7 +183,8 @@ class Transformer(nnx.Module):
         def layers(graphdefs):  # the blocks of `graphdefs` in order, rematerialised
             def run(x, states, past_kv=None):
                 layer_past = None if past_kv is None else (*past_kv, past_length)
-                return self._period(x, positions_BT, dropless, graphdefs, states, layer_past)
+                return self._period(x, positions_BT, dropless, graphdefs, states, layer_past,
+                                    valid_BT)
             if self.cfg.remat == "none":
                 return run
             return jax.checkpoint(run, policy=_CHECKPOINT_POLICIES[self.cfg.remat])

@@ -26,7 +26,8 @@ _LOGP_SLACK = 1e-4
 
 
 # Names of the arrays `TrainBatch.split` hands to the jitted step.
-BATCH_KEYS = ("tokens", "loss_mask", "behaviour_logp", "rewards", "versions", "seq_lens")
+BATCH_KEYS = ("tokens", "loss_mask", "behaviour_logp", "rewards", "versions", "seq_lens",
+              "token_versions", "truncated")
 
 
 class BatchError(ValueError):
@@ -35,20 +36,35 @@ class BatchError(ValueError):
 
 # What a batch reads of each finished sample (`rollout.Trajectory`, or a Mapping
 # with these keys). `version` is the group's version: all samples of a group share it.
+# Optional: `versions` (per-token versions, run-length encoded; default: every token
+# the group's version) and `finish_reason` ("length": cut at max_decode_len).
 _TRAJ_FIELDS = ("prompt_tokens", "response_tokens", "behaviour_logprobs", "reward",
                 "group_id", "version")
+_MISSING = object()
 
 
-def _get(traj: Any, name: str):
+def _get(traj: Any, name: str, default=_MISSING):
     """Reads a trajectory field from a Mapping or an object with attributes."""
     if isinstance(traj, Mapping):
-        if name not in traj:
-            raise BatchError(f"trajectory is missing field {name!r}; needs {_TRAJ_FIELDS}")
-        return traj[name]
-    if not hasattr(traj, name):
-        raise BatchError(f"trajectory {type(traj).__name__} has no attribute {name!r}; "
-                         f"needs {_TRAJ_FIELDS}")
-    return getattr(traj, name)
+        if name in traj:
+            return traj[name]
+    elif hasattr(traj, name):
+        return getattr(traj, name)
+    if default is not _MISSING:
+        return default
+    raise BatchError(f"trajectory {type(traj).__name__} has no field {name!r}; "
+                     f"needs {_TRAJ_FIELDS}")
+
+
+def _token_versions(runs, version: int, n: int) -> np.ndarray:
+    """Run-length encoded [[version, count], ...] -> one version per token."""
+    if runs is None:
+        return np.full(n, version, np.int32)
+    out = np.concatenate([np.full(int(c), int(v), np.int32) for v, c in runs] or [
+        np.zeros(0, np.int32)])
+    if out.size != n:
+        raise BatchError(f"per-token versions cover {out.size} tokens, the response has {n}")
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +75,12 @@ class TrainBatch:
     loss_mask_BT: float32, 1.0 on response tokens, 0.0 on prompt and padding.
     behaviour_logp_BT: float32, decode-engine log-prob of token t at column t (0 off-mask).
     rewards_B: float32 scalar reward per sample.
-    versions_B: int32 policy version that generated each sample.
+    versions_B: int32 policy version of each sample's group (its admission version).
     seq_lens_B: int32 prompt + response length (the unpadded row length).
+    token_versions_BT: int32 version that sampled token t at column t (the group's
+      version for every token under C1; several after a partial-rollout reload);
+      0 off the loss mask. None: every token the row's version.
+    truncated_B: bool, the response was cut at max_decode_len (no EOS). None: none.
     group_size: samples per group; rows [g*G, (g+1)*G) form group g.
     group_ids: one id per group, in row order (for the ledger; the step ignores it).
     """
@@ -73,8 +93,16 @@ class TrainBatch:
     seq_lens_B: np.ndarray
     group_size: int
     group_ids: tuple = ()
+    token_versions_BT: Any = None
+    truncated_B: Any = None
 
     def __post_init__(self):
+        if self.token_versions_BT is None:
+            object.__setattr__(self, "token_versions_BT", (
+                np.asarray(self.versions_B, np.int32)[:, None]
+                * (np.asarray(self.loss_mask_BT) != 0)).astype(np.int32))
+        if self.truncated_B is None:
+            object.__setattr__(self, "truncated_B", np.zeros(len(self.rewards_B), bool))
         self.validate()
 
     @property
@@ -102,7 +130,9 @@ class TrainBatch:
                              f"num_minibatches * micro_batches = {M} * {U}")
         arrays = dict(tokens=self.tokens_BT.astype(np.int32), loss_mask=self.loss_mask_BT,
                       behaviour_logp=self.behaviour_logp_BT, rewards=self.rewards_B,
-                      versions=self.versions_B, seq_lens=self.seq_lens_B)
+                      versions=self.versions_B, seq_lens=self.seq_lens_B,
+                      token_versions=np.asarray(self.token_versions_BT, np.int32),
+                      truncated=np.asarray(self.truncated_B, bool))
         b = self.batch_size // (M * U)
         return {k: v.reshape((M, U, b) + v.shape[1:]) for k, v in arrays.items()}
 
@@ -113,11 +143,11 @@ class TrainBatch:
         B, T = self.tokens_BT.shape
         if B == 0:
             raise BatchError("empty batch")
-        for name in ("loss_mask_BT", "behaviour_logp_BT"):
+        for name in ("loss_mask_BT", "behaviour_logp_BT", "token_versions_BT"):
             if getattr(self, name).shape != (B, T):
                 raise BatchError(f"{name} must have shape {(B, T)} like tokens_BT, "
                                  f"got {getattr(self, name).shape}")
-        for name in ("rewards_B", "versions_B", "seq_lens_B"):
+        for name in ("rewards_B", "versions_B", "seq_lens_B", "truncated_B"):
             if getattr(self, name).shape != (B,):
                 raise BatchError(f"{name} must have shape {(B,)}, got {getattr(self, name).shape}")
         if not np.issubdtype(self.tokens_BT.dtype, np.integer):
@@ -148,6 +178,9 @@ class TrainBatch:
                              f"max on response tokens is {logp.max():.4g}")
         if not np.all(np.isfinite(self.rewards_B)):
             raise BatchError("rewards_B must be finite")
+        if np.any(self.token_versions_BT[mask != 0]
+                  < np.broadcast_to(self.versions_B[:, None], (B, T))[mask != 0]):
+            raise BatchError("token_versions_BT holds a token older than its group's version")
         versions_GK = self.versions_B.reshape(-1, self.group_size)
         mixed = np.nonzero(np.any(versions_GK != versions_GK[:, :1], axis=1))[0]
         if mixed.size:
@@ -188,7 +221,13 @@ class TrainBatch:
                 raise BatchError(f"trajectory {i} (group {_get(t, 'group_id')!r}) has "
                                  f"{response.size} response tokens but {logp.size} behaviour "
                                  "log-probs")
-            rows.append((prompt, response, logp, float(_get(t, "reward")), int(_get(t, "version"))))
+            version = int(_get(t, "version"))
+            try:
+                tv = _token_versions(_get(t, "versions", None), version, response.size)
+            except BatchError as e:
+                raise BatchError(f"trajectory {i} (group {_get(t, 'group_id')!r}): {e}") from None
+            rows.append((prompt, response, logp, float(_get(t, "reward")), version, tv,
+                         _get(t, "finish_reason", "eos") == "length"))
         B = len(rows)
         longest = max(p.size + r.size for p, r, *_ in rows)
         try:
@@ -199,14 +238,18 @@ class TrainBatch:
         mask = np.zeros((B, T), np.float32)
         logp_BT = np.zeros((B, T), np.float32)
         seq_lens = np.zeros((B,), np.int32)
-        for i, (prompt, response, logp, _, _) in enumerate(rows):
+        token_versions = np.zeros((B, T), np.int32)
+        for i, (prompt, response, logp, _, _, tv, _) in enumerate(rows):
             P, R = prompt.size, response.size
             tokens[i, :P] = prompt
             tokens[i, P:P + R] = response
             mask[i, P:P + R] = 1.0
             logp_BT[i, P:P + R] = logp
+            token_versions[i, P:P + R] = tv
             seq_lens[i] = P + R
         return cls(tokens_BT=tokens, loss_mask_BT=mask, behaviour_logp_BT=logp_BT,
                    rewards_B=np.array([r[3] for r in rows], np.float32),
                    versions_B=np.array([r[4] for r in rows], np.int32),
-                   seq_lens_B=seq_lens, group_size=group_size, group_ids=tuple(groups))
+                   seq_lens_B=seq_lens, group_size=group_size, group_ids=tuple(groups),
+                   token_versions_BT=token_versions,
+                   truncated_B=np.array([r[6] for r in rows], bool))

@@ -1,4 +1,6 @@
-"""Policy-gradient objectives for RL post-training: advantages, PPO clip, KL, TIS.
+"""Policy-gradient objectives for RL post-training: advantages, PPO clip (against the
+behaviour policy, or decoupled against a proximal policy with an importance weight),
+KL, loss aggregation and DAPO's overlong shaping.
 
 Everything here is a pure JAX function of arrays, safe to call under ``jit``
 (string options such as ``mode`` / ``kind`` and ``group_size`` must be static).
@@ -16,9 +18,20 @@ import operator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from dora_jax.config import KL_KINDS, LOSS_AGG_MODES
+from dora_jax.config import IS_MODES, KL_KINDS, LOSS_AGG_MODES
 
+# Log-ratios are clamped before exp (as verl does): a log-ratio above 88.7 overflows
+# float32, and inf * 0 advantages or gradients would turn the step into NaN.
+LOG_RATIO_CLAMP = 20.0
+# The k3 KL estimate per token is clamped to [-KL_CLAMP, KL_CLAMP] (verl's bound).
+KL_CLAMP = 10.0
+
+
+def clamped_log_ratio(num, den, valid):
+    """Clamped num - den on valid positions, 0 elsewhere (padding may hold anything)."""
+    return jnp.clip(jnp.where(valid, _float(num) - den, 0.0), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
 def _safe_div(num, den):
@@ -138,7 +151,8 @@ def ppo_clip_loss(
 
     Returns:
       ``(loss_BT, metrics)``. ``loss_BT = -min(ratio*A, clip(ratio)*A)`` (then
-      dual-clipped), zero on masked positions. ``metrics`` holds scalar
+      dual-clipped), zero on masked positions; the log-ratio is clamped to
+      ``[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]`` first. ``metrics`` holds scalar
       masked means over valid tokens: ``clip_frac_low`` / ``clip_frac_high``
       (ratio outside the range on that side AND the clipped branch won the
       min, i.e. the token gets no gradient), ``dual_clip_frac``,
@@ -170,10 +184,7 @@ def _ppo_clip_loss(logp, behaviour_logp, advantages, mask, clip_low, clip_high, 
     adv_BT = adv[:, None] if adv.ndim == logp_BT.ndim - 1 else adv
     adv_BT = jnp.broadcast_to(adv_BT, logp_BT.shape)
 
-    # Zero the log-ratio on padding before exp: padding log-probs can be
-    # arbitrary, and an inf there would turn into NaN values/gradients.
-    log_ratio_BT = jnp.where(valid_BT, logp_BT - behaviour_logp, 0.0)
-    ratio_BT = jnp.exp(log_ratio_BT)
+    ratio_BT = jnp.exp(clamped_log_ratio(logp_BT, behaviour_logp, valid_BT))
     clipped_ratio_BT = jnp.clip(ratio_BT, 1.0 - clip_low, 1.0 + clip_high)
     surr_BT = ratio_BT * adv_BT
     clipped_surr_BT = clipped_ratio_BT * adv_BT
@@ -205,6 +216,65 @@ def _ppo_clip_loss(logp, behaviour_logp, advantages, mask, clip_low, clip_high, 
     return loss_BT, metrics
 
 
+def decoupled_ppo_loss(logp, proximal_logp, behaviour_logp, advantages, mask, *,
+                       clip_low=0.2, clip_high=0.2, is_cap=None, dual_clip=None,
+                       is_mode="truncate"):
+    """Per-token decoupled PPO loss (AReaL's decoupled objective; verl's TIS).
+
+    The PPO ratio is taken against the proximal policy ``pi_prox`` (the trainer's
+    policy at the start of the step), so a stale token starts inside the clip range
+    whatever its age; the staleness is corrected by a per-token importance weight
+    ``w = pi_prox / mu`` (``mu``: the behaviour policy that sampled the token):
+
+        loss = w * ppo_clip(pi_theta / pi_prox, A)
+
+    ``is_mode="truncate"`` uses ``min(w, is_cap)`` (truncated IS, verl's TIS);
+    ``is_mode="mask"`` drops tokens with ``w > is_cap`` (AReaL's cap); with
+    ``is_cap=None`` the weight is used as is. ``w`` is a constant for the optimiser
+    (stop-gradient), and so is ``proximal_logp``.
+
+    Args:
+      logp: [B, T] log-probs of the sampled tokens under the current policy.
+      proximal_logp: [B, T] under the proximal policy (no gradient flows into it).
+      behaviour_logp: [B, T] under the policy that sampled them.
+      advantages, mask, clip_low, clip_high, dual_clip: as in :func:`ppo_clip_loss`.
+
+    Returns:
+      ``(loss_BT, metrics)``: the metrics of :func:`ppo_clip_loss` (for the ratio
+      against ``pi_prox``) and ``is_weight_mean`` / ``is_weight_max`` (the weight
+      applied) and ``is_capped_frac`` (tokens whose ``w`` exceeded the cap),
+      masked means over valid tokens.
+    """
+    if is_mode not in IS_MODES:
+        raise ValueError(f"is_mode must be one of {IS_MODES}, got {is_mode!r}")
+    if isinstance(is_cap, (int, float)) and not is_cap > 0:
+        raise ValueError(f"is_cap must be > 0 (or None), got {is_cap}")
+    proximal_logp = jax.lax.stop_gradient(_float(proximal_logp))
+    loss_BT, metrics = ppo_clip_loss(logp, proximal_logp, advantages, mask, clip_low=clip_low,
+                                     clip_high=clip_high, dual_clip=dual_clip)
+    return _importance_weighted(loss_BT, metrics, proximal_logp, behaviour_logp, mask,
+                                0.0 if is_cap is None else is_cap,
+                                use_cap=is_cap is not None, mask_mode=is_mode == "mask")
+
+
+@functools.partial(jax.jit, static_argnames=("use_cap", "mask_mode"))
+def _importance_weighted(loss_BT, metrics, proximal_logp, behaviour_logp, mask, is_cap, *,
+                         use_cap, mask_mode):
+    valid_BT = jnp.asarray(mask) != 0
+    w_BT = jnp.exp(clamped_log_ratio(proximal_logp, behaviour_logp, valid_BT))
+    capped_BT = (w_BT > is_cap) if use_cap else jnp.zeros_like(valid_BT)
+    if use_cap:
+        w_BT = jnp.where(capped_BT, 0.0, w_BT) if mask_mode else jnp.minimum(w_BT, is_cap)
+    w_BT = jax.lax.stop_gradient(jnp.where(valid_BT, w_BT, 0.0))
+    any_valid = jnp.any(valid_BT)
+    metrics = dict(metrics,
+                   is_weight_mean=masked_mean(w_BT, valid_BT),
+                   is_weight_max=jnp.where(any_valid, jnp.max(jnp.where(valid_BT, w_BT, 0.0)),
+                                           0.0),
+                   is_capped_frac=masked_mean(capped_BT, valid_BT))
+    return loss_BT * w_BT, metrics
+
+
 def aggregate_loss(loss, mask, mode, *, num_tokens=None, max_len=None):
     """Reduce a per-token loss [B, T] to a scalar.
 
@@ -217,15 +287,18 @@ def aggregate_loss(loss, mask, mode, *, num_tokens=None, max_len=None):
         sequences.
       * ``seq-mean-token-sum``: masked sum per sequence, then mean over
         sequences.
-      * ``seq-mean-token-scale``: masked sum per sequence divided by the
-        constant ``max_len`` (default T), then mean over sequences (Dr. GRPO:
-        the normaliser does not depend on response length).
+      * ``seq-mean-token-sum-norm`` (verl's): the masked sums of all sequences
+        added up and divided by the constant ``max_len`` (default T), with no
+        mean over sequences: configs ported from verl mean the same thing.
+      * ``seq-mean-token-sum-over-max-len`` (Dr. GRPO): masked sum per sequence
+        divided by the constant ``max_len``, then mean over sequences (the
+        normaliser depends neither on response length nor on batch size).
 
     All-masked rows (sequences with no valid token, e.g. batch padding) are
     excluded from the "mean over sequences" in every ``seq-mean-*`` mode, so
     padding rows neither produce NaN nor dilute the loss. Any reduction with
     nothing valid returns 0. ``num_tokens`` is only read by ``token-mean`` and
-    ``max_len`` only by ``seq-mean-token-scale``; other modes ignore them.
+    ``max_len`` only by the two ``max_len`` modes; other modes ignore them.
 
     Raises ValueError for an unknown ``mode``.
     """
@@ -257,12 +330,14 @@ def _aggregate_loss(loss, mask, num_tokens, max_len, *, mode, use_num_tokens, us
 
     count_B = jnp.sum(w_BT, axis=-1)
     sum_B = jnp.sum(weighted_BT, axis=-1)
+    scale = max_len if use_max_len else loss_BT.shape[-1]
+    if mode == "seq-mean-token-sum-norm":
+        return jnp.sum(sum_B) / scale
     if mode == "seq-mean-token-mean":
         per_seq_B = _safe_div(sum_B, count_B)
     elif mode == "seq-mean-token-sum":
         per_seq_B = sum_B
-    else:  # seq-mean-token-scale
-        scale = max_len if use_max_len else loss_BT.shape[-1]
+    else:  # seq-mean-token-sum-over-max-len
         per_seq_B = sum_B / scale
     return masked_mean(per_seq_B, count_B != 0)
 
@@ -272,7 +347,10 @@ def kl_divergence(logp, ref_logp, kind):
 
     ``k1 = logp - ref`` (unbiased, can be negative), ``k2 = (logp - ref)**2 / 2``,
     ``k3 = exp(ref - logp) - (ref - logp) - 1`` (unbiased and non-negative;
-    Schulman's low-variance estimator). Raises ValueError for an unknown kind.
+    Schulman's low-variance estimator), computed from a log-ratio clamped to
+    ``[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]`` and then clamped to ``[0, KL_CLAMP]``
+    (verl's bound: one token far off the reference must not dominate). Raises
+    ValueError for an unknown kind.
     """
     if kind not in KL_KINDS:
         raise ValueError(f"unknown KL kind {kind!r}; valid kinds: {', '.join(KL_KINDS)}")
@@ -282,17 +360,18 @@ def kl_divergence(logp, ref_logp, kind):
     if kind == "k2":
         return 0.5 * diff**2
     # Written via -diff = log(ref/pi) so that it is the exact k3 formula.
-    return jnp.exp(-diff) + diff - 1.0
+    diff = jnp.clip(diff, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return jnp.clip(jnp.exp(-diff) + diff - 1.0, 0.0, KL_CLAMP)
 
 
-def truncated_importance_weights(train_logp, rollout_logp, cap):
-    """Truncated importance-sampling weights ``min(exp(train - rollout), cap)``.
+def overlong_penalty(response_lens, max_len: int, buffer: int, factor: float = 1.0):
+    """DAPO's soft overlong punishment, added to a sample's reward.
 
-    The decode engine and the trainer compute slightly different log-probs
-    for the same policy (kernels, precision, batching). Multiplying the loss
-    by these weights corrects for sampling from the engine's distribution;
-    capping bounds the variance. The weights are constants for the optimiser,
-    so they are wrapped in ``stop_gradient``.
-    """
-    weights = jnp.minimum(jnp.exp(_float(train_logp) - rollout_logp), cap)
-    return jax.lax.stop_gradient(weights)
+    0 up to ``max_len - buffer`` tokens, then falling linearly to ``-factor`` at
+    ``max_len`` (``factor * ((max_len - buffer) - L) / buffer``); ``buffer = 0``
+    switches it off. numpy in, numpy out (host-side reward shaping)."""
+    lens = np.asarray(response_lens, np.float64)
+    if not buffer:
+        return np.zeros_like(lens, np.float32)
+    over = np.clip(lens - (max_len - buffer), 0, buffer)
+    return (-factor * over / buffer).astype(np.float32)

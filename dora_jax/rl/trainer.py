@@ -5,41 +5,31 @@ made of `num_minibatches` optimizer updates, each accumulating gradients over
 `micro_batches` micro-batches. Everything runs in one jitted call with explicit in/out
 shardings on the trainer mesh and the train state donated.
 
-Objective, per response token t of sample i (masked means over response tokens):
-
-  ratio_t   = pi_theta(t) / pi_behaviour(t)
-  pg_t      = -min(ratio_t * A_i, clip(ratio_t, 1 - clip_low, 1 + clip_high) * A_i)
-              (dual-clipped at dual_clip * |A_i| for A_i < 0 when dual_clip is set)
-  pg_t     *= w_t = min(pi_old(t) / pi_behaviour(t), tis_cap)   only if tis_cap is set
-  loss      = agg(pg) + kl_coef * agg(KL_kind(pi_theta || pi_ref))
-              + aux_loss_coef * load_balance + z_loss_coef * router_z   (MoE only)
-
-The PPO ratio is *behaviour-version-aware*: pi_behaviour is the decode engine's
-log-prob from the policy version that generated the sample (`behaviour_logp_BT`, all
-tokens of a trajectory from one version), not the trainer's params at the start of the
-step. A stale sample (version w < t) is therefore importance-weighted and clipped
-against the policy that actually produced it. pi_old is the trainer's own log-prob with
-the params at the start of this train step (computed in a pre-pass when
-num_minibatches > 1; equal to stop_gradient(pi_theta) when there is a single update);
-the TIS weight w_t is a stop-gradient constant. Because the ratio already divides by
-pi_behaviour, w_t is not the importance weight itself (unlike verl's TIS, whose PPO
-ratio is pi_theta / pi_old); it is an extra, capped per-token weight that scales
-tokens by how much the trainer's current policy pi_old favours them over the sampler
-(engine mismatch + staleness); leave tis_cap None for the plain behaviour-ratio
-objective. All log-probs use the sampling temperature (rollout.temperature).
+The objective (`trainer.objective`: behaviour_clip, decoupled or tis) is written out
+in objective.py. The policy at the start of the step (pi_prox / pi_old) is computed
+once per step: a pre-pass over every minibatch with the starting params when the
+step makes several updates, stop_gradient(pi_theta) of the one update otherwise.
 
 Advantages are computed *inside* the step from `rewards_B`, per group over the whole
 batch (before minibatch splitting, so a group may straddle minibatches):
-grpo = (r - mean)/(std + eps), drgrpo = r - mean, rloo = leave-one-out.
+grpo = (r - mean)/(std + eps), drgrpo = r - mean, rloo = leave-one-out. With
+`trainer.mask_truncated` the responses cut at max_decode_len get no loss (they still
+count in their group's advantages).
 
 Aggregation across micro-batches is exact: token-mean divides by the token count of
 the whole minibatch; seq-mean-* modes divide by its number of non-empty sequences
-(seq-mean-token-scale's constant is rollout.max_decode_len, not the bucket). MoE
-aux losses are the mean over micro-batches of each micro-batch's (nonlinear) value.
+(their max_len constant is rollout.max_decode_len, not the bucket), and
+seq-mean-token-sum-norm is a sum. MoE aux losses are the mean over micro-batches of
+each micro-batch's (nonlinear) value; right padding is never routed.
+
+An update whose loss or gradient is not finite is skipped: params and optimizer
+state stay as they were (the learning-rate schedule does not advance), and the step
+reports it in `skipped_updates`.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -52,15 +42,10 @@ from dora_jax.config import Config
 from dora_jax.model import transformer
 from dora_jax.model.sharding import (activation_rules, copy_tree, logical_to_spec,
                                      make_meshes, param_shardings)
-from dora_jax.rl import losses
+from dora_jax.rl import losses, objective
 from dora_jax.rl.batch import BATCH_KEYS, BatchError, TrainBatch
+from dora_jax.rl.objective import MAX_KEYS, MIN_KEYS, SUM_KEYS, TOKEN_KEYS
 from dora_jax.rl.optimizer import learning_rate_schedule, make_optimizer, opt_state_shardings
-
-_MAX_KEYS = ("ratio_max", "tis_weight_max")
-_MIN_KEYS = ("ratio_min",)
-# Token-weighted sums, divided by the response-token count at the end.
-_TOKEN_KEYS = ("clip_frac_low", "clip_frac_high", "dual_clip_frac", "ratio_mean",
-               "approx_kl", "entropy", "tis_weight_mean", "tis_capped_frac")
 
 
 class TrainState(NamedTuple):
@@ -91,11 +76,11 @@ def _combine(stats: dict, over_updates: bool):
     """Reduces stacked per-micro-batch (or per-update) stats along axis 0."""
     out = {}
     for k, v in stats.items():
-        if k in _MAX_KEYS:
+        if k in MAX_KEYS:
             out[k] = jnp.max(v, axis=0)
-        elif k in _MIN_KEYS:
+        elif k in MIN_KEYS:
             out[k] = jnp.min(v, axis=0)
-        elif over_updates and k not in _TOKEN_KEYS and k != "tokens":
+        elif over_updates and k not in TOKEN_KEYS and k not in SUM_KEYS:
             out[k] = jnp.mean(v, axis=0)  # per-update losses: mean over updates
         else:
             out[k] = jnp.sum(v, axis=0)
@@ -212,12 +197,15 @@ class Trainer:
         Returns metrics as device scalars (read them at the logging boundary):
         loss, pg_loss, kl_ref (with a reference), load_balance_loss / router_z_loss /
         dropped_fraction (MoE), clip_frac_low/high, dual_clip_frac, ratio_mean/max/min
-        (pi_theta/pi_behaviour before each update), approx_kl (k3 KL(behaviour||pi)),
-        entropy, grad_norm (pre-clip, mean over updates), grad_norm_max,
-        tis_weight_mean/max, tis_capped_frac (with tis_cap), response_tokens,
+        (the PPO ratio of the objective before each update), is_weight_mean/max and
+        is_capped_frac (decoupled / tis), approx_kl (k3 KL(behaviour||pi)), entropy,
+        logprob_mismatch (mean |pi_prox - mu| over the tokens the trainer's own
+        version sampled) and logprob_mismatch_tokens, grad_norm (pre-clip, mean over
+        updates), grad_norm_max, skipped_updates (non-finite), response_tokens,
         sequence_tokens, samples, reward_mean, advantage_abs_mean, staleness_mean/max
-        (version - behaviour version), learning_rate (last update), updates_this_step,
-        opt_updates (total), version (after the step).
+        (version - the version that sampled each response token), truncated_fraction,
+        learning_rate (last update), updates_this_step, opt_updates (total), version
+        (after the step).
         """
         M, U = self.cfg.trainer.num_minibatches, self.cfg.trainer.micro_batches
         arrays = self._device_batch(batch, M, U)
@@ -282,76 +270,25 @@ class Trainer:
         return arrays
 
     # ---------------------------------------------------------------- objective
-    def _logp(self, params, tokens_BT):
-        logits, aux, _ = transformer.apply(self.graphdef, params, tokens_BT)
-        return logits, aux, transformer.token_logprobs(logits, tokens_BT,
-                                                       self.cfg.rollout.temperature)
+    def _forward(self, params, tokens_BT, valid_BT):
+        logits, aux, _ = transformer.apply(self.graphdef, params, tokens_BT, valid_BT=valid_BT)
+        return logits, aux
 
-    def _micro_loss(self, params, ref_params, micro, adv_b, old_logp_bT, ntok, nseq, U):
-        """Loss of one micro-batch, normalised so that summing over the minibatch's
-        micro-batches gives the minibatch objective. Returns (loss, stats)."""
-        t, moe = self.cfg.trainer, self.cfg.model.moe
-        tokens, mask, behav = micro["tokens"], micro["loss_mask"], micro["behaviour_logp"]
-        logits, aux, logp = self._logp(params, tokens)
-        loss_BT, ppo = losses.ppo_clip_loss(logp, behav, adv_b, mask, clip_low=t.clip_low,
-                                            clip_high=t.clip_high, dual_clip=t.dual_clip)
-        valid = mask != 0
-        n = jnp.sum(mask)
-        nseq_micro = jnp.sum(jnp.any(valid, axis=-1))
+    def _logp(self, params, tokens_BT, seq_lens_B):
+        valid = jnp.arange(tokens_BT.shape[-1])[None, :] < seq_lens_B[:, None]
+        return objective.sampled_logprobs(self._forward(params, tokens_BT, valid)[0],
+                                          tokens_BT, self.cfg)
 
-        def agg(x_BT):
-            if t.loss_agg_mode == "token-mean":
-                return losses.aggregate_loss(x_BT, mask, "token-mean", num_tokens=ntok)
-            per_micro = losses.aggregate_loss(x_BT, mask, t.loss_agg_mode,
-                                              max_len=self.cfg.rollout.max_decode_len)
-            return per_micro * jnp.where(nseq > 0, nseq_micro / jnp.maximum(nseq, 1), 0.0)
-
-        log_ratio = jax.lax.stop_gradient(jnp.where(valid, logp - behav, 0.0))
-        stats = {"tokens": n,
-                 "clip_frac_low": ppo["clip_frac_low"] * n,
-                 "clip_frac_high": ppo["clip_frac_high"] * n,
-                 "dual_clip_frac": ppo["dual_clip_frac"] * n,
-                 "ratio_mean": ppo["ratio_mean"] * n,
-                 "ratio_max": jnp.max(jnp.where(valid, jnp.exp(log_ratio), -jnp.inf)),
-                 "ratio_min": jnp.min(jnp.where(valid, jnp.exp(log_ratio), jnp.inf)),
-                 # k3 estimate of KL(behaviour || pi): samples come from behaviour.
-                 "approx_kl": jnp.sum(jnp.where(valid, jnp.expm1(log_ratio) - log_ratio, 0.0))}
-        lp_BTV = jax.nn.log_softmax(
-            jax.lax.stop_gradient(logits[:, :-1]) / self.cfg.rollout.temperature, axis=-1)
-        ent_BT = jnp.pad(-jnp.sum(jnp.exp(lp_BTV) * lp_BTV, axis=-1), ((0, 0), (1, 0)))
-        stats["entropy"] = jnp.sum(jnp.where(valid, ent_BT, 0.0))
-
-        if t.tis_cap is not None:
-            old = jax.lax.stop_gradient(logp) if old_logp_bT is None else old_logp_bT
-            w_BT = losses.truncated_importance_weights(old, behav, t.tis_cap)
-            loss_BT = loss_BT * w_BT
-            stats["tis_weight_mean"] = jnp.sum(jnp.where(valid, w_BT, 0.0))
-            stats["tis_weight_max"] = jnp.max(jnp.where(valid, w_BT, -jnp.inf))
-            capped = jnp.exp(jnp.where(valid, old - behav, 0.0)) > t.tis_cap
-            stats["tis_capped_frac"] = jnp.sum(valid & capped).astype(jnp.float32)
-        pg = agg(loss_BT)
-        total = pg
-        stats["pg_loss"] = pg
-        if ref_params is not None:
-            _, _, ref_logp = self._logp(ref_params, tokens)
-            kl = agg(losses.kl_divergence(logp, jax.lax.stop_gradient(ref_logp), t.kl_kind))
-            total = total + t.kl_coef * kl
-            stats["kl_ref"] = kl
-        if moe.enabled:
-            total = total + (moe.aux_loss_coef * aux["load_balance_loss"]
-                             + moe.z_loss_coef * aux["router_z_loss"]) / U
-            stats.update({k: aux[k] / U for k in transformer.AUX_KEYS})
-        stats["loss"] = total
-        return total, stats
-
-    def _accumulate(self, params, ref_params, micro, adv_Ub, old_UbT, ntok, nseq):
+    def _accumulate(self, params, ref_params, micro, adv_Ub, old_UbT, ntok, nseq, version):
         """Gradients of one minibatch ([U, b, ...] micro-batches), summed over U."""
         U = adv_Ub.shape[0]
-        grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
+        grad_fn = jax.value_and_grad(functools.partial(objective.micro_loss, self.cfg,
+                                                       self._forward), has_aux=True)
 
         def body(g_acc, xs):
             mb, adv_b, old_bT = xs
-            (_, stats), g = grad_fn(params, ref_params, mb, adv_b, old_bT, ntok, nseq, U)
+            (_, stats), g = grad_fn(params, ref_params, mb, adv_b, old_bT, ntok, nseq, U,
+                                    version)
             if g_acc is None:
                 return g, stats
             return jax.tree.map(lambda a, x: a + x.astype(a.dtype), g_acc, g), stats
@@ -366,64 +303,82 @@ class Trainer:
         return grads, _combine(stats_U, over_updates=False)
 
     def _prepare(self, params, batch, group_size):
+        """(batch with the loss mask in effect, advantages, tokens and sequences per
+        minibatch, the starting policy's log-probs or None)."""
         M, U, b = batch["rewards"].shape
         adv = compute_advantages(batch["rewards"].reshape(-1), group_size,
                                  self.cfg.trainer.advantage).reshape(M, U, b)
+        if self.cfg.trainer.mask_truncated:  # DAPO's overlong filtering
+            batch = dict(batch, loss_mask=batch["loss_mask"]
+                         * (~batch["truncated"])[..., None].astype(batch["loss_mask"].dtype))
         mask = batch["loss_mask"]
         ntok_M = jnp.sum(mask, axis=(1, 2, 3))
         nseq_M = jnp.sum(jnp.any(mask != 0, axis=-1), axis=(1, 2))
         old = None
-        if self.cfg.trainer.tis_cap is not None and M > 1:
-            # pi_old for TIS: the params at the start of the step, for every minibatch.
+        if M > 1:  # pi_prox: the step's starting params, for every minibatch
             T = batch["tokens"].shape[-1]
-            flat = batch["tokens"].reshape(M * U, b, T)
-            old = jax.lax.map(lambda tok: self._logp(params, tok)[2], flat).reshape(M, U, b, T)
-        return adv, ntok_M, nseq_M, old
+            flat = (batch["tokens"].reshape(M * U, b, T), batch["seq_lens"].reshape(M * U, b))
+            old = jax.lax.map(lambda x: self._logp(params, *x), flat).reshape(M, U, b, T)
+        return batch, adv, ntok_M, nseq_M, old
 
     def _loss_and_grads(self, params, batch, ref_params, group_size):
-        adv, ntok, nseq, _ = self._prepare(params, batch, group_size)
+        batch, adv, ntok, nseq, _ = self._prepare(params, batch, group_size)
         micro = {k: batch[k][0] for k in BATCH_KEYS}
-        grads, stats = self._accumulate(params, ref_params, micro, adv[0], None, ntok[0], nseq[0])
+        grads, stats = self._accumulate(params, ref_params, micro, adv[0], None, ntok[0],
+                                        nseq[0], jnp.zeros((), jnp.int32))
         return stats["loss"], grads
 
     def _step(self, state: TrainState, batch, ref_params, group_size):
         M = batch["rewards"].shape[0]
-        adv, ntok, nseq, old = self._prepare(state.params, batch, group_size)
+        batch, adv, ntok, nseq, old = self._prepare(state.params, batch, group_size)
         micro_all = {k: batch[k] for k in BATCH_KEYS}
 
         def update(carry, xs):
             params, opt_state, count = carry
             micro, adv_Ub, old_UbT, ntok_m, nseq_m = xs
             grads, stats = self._accumulate(params, ref_params, micro, adv_Ub, old_UbT,
-                                            ntok_m, nseq_m)
+                                            ntok_m, nseq_m, state.version)
             stats["grad_norm"] = optax.tree.norm(grads)
             stats["learning_rate"] = self._schedule(count)
-            updates, opt_state = self._tx.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
-            return (params, opt_state, count + 1), stats
+            updates, new_opt_state = self._tx.update(grads, opt_state, params)
+            # A non-finite update is skipped: params and optimizer state unchanged.
+            finite = jnp.isfinite(stats["grad_norm"]) & jnp.isfinite(stats["loss"])
+            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+            params = keep(optax.apply_updates(params, updates), params)
+            opt_state = keep(new_opt_state, opt_state)
+            stats["skipped_updates"] = (~finite).astype(jnp.int32)
+            return (params, opt_state, count + finite.astype(count.dtype)), stats
 
         carry = (state.params, state.opt_state, state.opt_updates)
         (params, opt_state, count), stats_M = _scan_or_call(
             update, carry, (micro_all, adv, old, ntok, nseq))
 
         metrics = _combine({k: v for k, v in stats_M.items()
-                            if k not in ("grad_norm", "learning_rate")}, over_updates=True)
+                            if k not in ("grad_norm", "learning_rate", "skipped_updates")},
+                           over_updates=True)
         ntok_all = jnp.maximum(metrics.pop("tokens"), 1.0)
-        for k in _TOKEN_KEYS:
+        for k in TOKEN_KEYS:
             if k in metrics:
                 metrics[k] = metrics[k] / ntok_all
-        for k in ("ratio_max", "ratio_min", "tis_weight_max"):
+        for k in MAX_KEYS + MIN_KEYS:
             if k in metrics:
                 metrics[k] = jnp.where(jnp.isfinite(metrics[k]), metrics[k], 0.0)
-        staleness = (state.version - batch["versions"]).astype(jnp.float32)
+        fresh = metrics.pop("mismatch_tokens")
+        metrics["logprob_mismatch"] = metrics.pop("mismatch_abs") / jnp.maximum(fresh, 1.0)
+        metrics["logprob_mismatch_tokens"] = fresh
+        mask = batch["loss_mask"] != 0
+        staleness = (state.version - batch["token_versions"]).astype(jnp.float32)
         metrics.update(
+            staleness_mean=losses.masked_mean(staleness, mask),
+            staleness_max=jnp.max(jnp.where(mask, staleness, 0.0)),
+            truncated_fraction=jnp.mean(batch["truncated"].astype(jnp.float32)),
+            skipped_updates=jnp.sum(stats_M["skipped_updates"]),
             grad_norm=jnp.mean(stats_M["grad_norm"]), grad_norm_max=jnp.max(stats_M["grad_norm"]),
             learning_rate=stats_M["learning_rate"][-1],
             response_tokens=jnp.sum(batch["loss_mask"]),
             sequence_tokens=jnp.sum(batch["seq_lens"]).astype(jnp.float32),
             samples=jnp.asarray(batch["rewards"].size, jnp.float32),
             reward_mean=jnp.mean(batch["rewards"]), advantage_abs_mean=jnp.mean(jnp.abs(adv)),
-            staleness_mean=jnp.mean(staleness), staleness_max=jnp.max(staleness),
             updates_this_step=jnp.asarray(M, jnp.int32), opt_updates=count,
             version=state.version + 1)
         new_state = TrainState(params, opt_state, state.step + 1, state.version + 1, count)

@@ -37,6 +37,7 @@ import numpy as np
 from dora_jax.data.prompts import PromptStream
 from dora_jax.data.tasks import RewardPool
 from dora_jax.model.sharding import copy_tree
+from dora_jax.rl.losses import overlong_penalty
 from dora_jax.rollout.trajectory import Request
 from dora_jax.runtime.report import StepReporter, WaitClock
 from dora_jax.runtime.stream import GroupQueue, train_batches
@@ -105,6 +106,7 @@ class Runtime:
         self._stream = GroupQueue()
         self._inflight_batches: dict[int, tuple] = {}
         self._to_ack: set = set()  # slices whose finished samples await an answer
+        self._scoring: set = set()  # finished groups whose rewards are not all in
         self.max_resident_versions = 1
         self._trainer_idle_since = 0.0
         self.waits = WaitClock()
@@ -173,16 +175,31 @@ class Runtime:
                        for gid, g in self.groups.items()},
         }, force=True)
 
-    @staticmethod
-    def _sample_entry(g: _Group, k: int) -> dict:
+    def _sample_entry(self, g: _Group, k: int) -> dict:
         t = g.trajectories[k]
         reward, error = g.rewards[k].result()
         entry = {"sample": k, "versions": t.versions, "slices": t.slice_ids,
                  "response_len": len(t.response_tokens), "finish": t.finish_reason,
                  "reward": reward}
+        penalty = self._penalties(g)[k]
+        if penalty:
+            entry["overlong_penalty"] = penalty
         if error:
             entry["reward_error"] = error
         return entry
+
+    def _penalties(self, g: _Group) -> list:
+        """DAPO's overlong punishment per sample (0 unless trainer.overlong_buffer)."""
+        t, ks = self.cfg.trainer, sorted(g.trajectories)
+        return [float(p) for p in overlong_penalty(
+            [len(g.trajectories[k].response_tokens) for k in ks],
+            self.cfg.rollout.max_decode_len, t.overlong_buffer, t.overlong_penalty)]
+
+    def _shaped_rewards(self, g: _Group) -> list:
+        """The rewards the trainer sees: the reward function's plus the overlong
+        punishment, per sample in order."""
+        return [g.rewards[k].result()[0] + p for k, p in zip(sorted(g.trajectories),
+                                                              self._penalties(g))]
 
     # ------------------------------------------------------------------ actions
     def _execute(self, actions):
@@ -227,10 +244,9 @@ class Runtime:
         trajectories = []
         for gid in a.group_ids:
             g = self.groups[gid]
-            for k in sorted(g.trajectories):
-                t = g.trajectories[k]
-                t.reward, _ = g.rewards[k].result()
-                trajectories.append(t)
+            for k, reward in zip(sorted(g.trajectories), self._shaped_rewards(g)):
+                g.trajectories[k].reward = reward
+                trajectories.append(g.trajectories[k])
         now = self.clock()
         self._inflight_batches[a.step] = (a.group_ids, now - self._trainer_idle_since,
                                           self.waits.take(now))
@@ -246,8 +262,12 @@ class Runtime:
                 g.trajectories[t.sample_index] = t
                 g.rewards[t.sample_index] = self.rewards.submit(g.record, t.response_tokens)
                 self.sched.sample_finished(t.group_id, t.sample_index, len(t.response_tokens))
+                if self.sched.config.score_groups and self.sched.groups[t.group_id].finished:
+                    self._score_when_ready(t.group_id)
             if ev.kv_free is not None:
                 self.sched.kv_reported(ev.source, ev.kv_free)
+        elif ev.kind == "scored":
+            self._scored(ev.data)
         elif ev.kind == "loaded":
             self.sched.version_loaded(ev.source, ev.data)
         elif ev.kind == "step":
@@ -261,19 +281,51 @@ class Runtime:
                            f"step {step}: {type(ev.data).__name__}: {ev.data}") from ev.data
         return 0
 
+    def _score_when_ready(self, gid: int):
+        """Posts a "scored" event once every reward of the finished group is in (a
+        reward pool thread runs the last callback; the coordinator never waits)."""
+        futures = list(self.groups[gid].rewards.values())
+        left, lock = [len(futures)], threading.Lock()
+        self._scoring.add(gid)
+
+        def done(_):
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                self._events.put(Event("scored", "rewards", gid))
+
+        for f in futures:
+            f.add_done_callback(done)
+
+    def _scored(self, gid: int):
+        """DAPO's dynamic sampling: a group whose rewards are all equal carries no
+        learning signal (every advantage is 0); it leaves with a `filter` record and
+        the scheduler admits another in its place."""
+        self._scoring.discard(gid)
+        g = self.groups[gid]
+        rewards = self._shaped_rewards(g)
+        keep = max(rewards) != min(rewards)
+        self.sched.group_scored(gid, keep)
+        if not keep:
+            del self.groups[gid]
+            self.ledger.write("filter", group_id=gid, prompt_id=g.record["prompt_id"],
+                              version=g.version, time=self.clock(),
+                              reason="zero reward variance", reward=rewards[0])
+
     def _wait_kind(self) -> str | None:
         """Why the trainer is idle now (`report.WaitClock`), or None if it is busy."""
         if self.sched.trainer_busy:
             return None
         if self.sched.next_step == 0:
             return "fill"
-        finished = sum(g.finished for g in self.sched.groups.values())
+        finished = self.sched.num_finished_groups
         return "guard" if finished >= self.cfg.coordinator.train_batch_size else "starvation"
 
     def _work_in_flight(self) -> bool:
         """Something will post an event: a sample running, a load, or a train step."""
-        return self.sched.trainer_busy or any(sl.running or sl.loading is not None
-                                              for sl in self.sched.slices)
+        return (self.sched.trainer_busy or bool(self._scoring)
+                or any(sl.running or sl.loading is not None for sl in self.sched.slices))
 
     # ------------------------------------------------------------------ loop
     def run(self, num_steps: int) -> dict:
@@ -320,6 +372,7 @@ class Runtime:
         self._shutdown()
         summary = self.reporter.summary(self.slices, self.timeline)
         summary["max_resident_versions"] = self.max_resident_versions
+        summary["groups_filtered"] = self.sched.filtered
         # Forward passes over prompts (re-prefills included) per admitted group.
         summary["prefills_per_group"] = round(sum(sl.stats.prefills for sl in self.slices)
                                               / max(self.sched.next_group_id, 1), 3)

@@ -43,9 +43,10 @@ class Event:
     """What a worker (or the trainer) tells the coordinator.
 
     kind: "finished" (data: list of Trajectory), "loaded" (data: version),
-    "failed" (data: the exception), "step" (the trainer: data is its step record).
+    "failed" (data: the exception), "step" (the trainer: data is its step record),
+    "scored" (the reward pool: data is a group id whose every sample is scored).
     Migrations post nothing: the slices' own counters record them.
-    source: the slice id, or "trainer".
+    source: the slice id, "trainer" or "rewards".
     kv_free: with "finished", the slice's free KV positions (paged cache) after them.
     """
 

@@ -63,6 +63,7 @@ class Scheduler:
         self.trainer_step: Optional[int] = None
         self.next_group_id = 0
         self.groups: dict[int, GroupState] = {}
+        self.filtered = 0  # groups that left without training (group_scored)
         self.slices = [SliceState(i, 0) for i in range(config.num_slices)]
         # False between a step_finished event and the next decide(): slices may still
         # hold a version that just left the staleness window.
@@ -128,14 +129,15 @@ class Scheduler:
 
     @property
     def num_finished_groups(self) -> int:
-        """Finished, unconsumed groups (a counter: no scan)."""
+        """Trainable (finished, and scored if the run scores), unconsumed groups (a
+        counter: no scan)."""
         return self._n_finished
 
     def finished_groups(self) -> list[GroupState]:
-        """Finished, unconsumed groups, oldest version then oldest group first."""
+        """Trainable unconsumed groups, oldest version then oldest group first."""
         if not self._n_finished:
             return []
-        return sorted((g for g in self.groups.values() if g.finished),
+        return sorted((g for g in self.groups.values() if g.trainable),
                       key=lambda g: (g.version, g.group_id))
 
     def admission_room(self, target: int) -> int:
@@ -161,8 +163,23 @@ class Scheduler:
         g.n_running -= 1
         g.n_finished += 1
         self._unfinished_v[g.version] -= 1
-        if g.finished:
+        if g.trainable:
             self._n_finished += 1
+
+    def group_scored(self, group_id: int, keep: bool):
+        """The driver scored a finished group (`config.score_groups`): it becomes
+        trainable, or (keep=False) it leaves without training, filtered: the driver
+        records why (a ledger `filter` event), and its room goes to a new group."""
+        g = self.groups.get(group_id)
+        if g is None or not g.finished or g.scored:
+            raise ValueError(f"group_scored: group {group_id} is not finished and unscored")
+        g.scored = True
+        if keep:
+            self._n_finished += 1
+        else:
+            del self.groups[group_id]
+            self._unconsumed_v[g.version] -= 1
+            self.filtered += 1
 
     def kv_reported(self, slice_id: int, free_tokens: int):
         """A slice with a paged KV cache reports the positions it has free (beyond
@@ -223,7 +240,7 @@ class Scheduler:
         self.next_group_id += 1
         G = self.config.group_size
         self.groups[gid] = GroupState(gid, version, [SampleState() for _ in range(G)],
-                                      n_pending=G)
+                                      n_pending=G, scored=not self.config.score_groups)
         self._unconsumed_v[version] += 1
         self._unfinished_v[version] += G
         self._pending_v[version] += G
@@ -286,7 +303,7 @@ class Scheduler:
         assert not self.trainer_busy and len(group_ids) == self.config.train_batch_size
         for gid in group_ids:
             g = self.groups.pop(gid)
-            assert g.finished, "C2: only complete groups are trained"
+            assert g.trainable, "C2: only complete (and scored) groups are trained"
             self._unconsumed_v[g.version] -= 1
             self._n_finished -= 1
         step = self.next_step
@@ -331,8 +348,9 @@ class Scheduler:
             "trainer_step": self.trainer_step,
             "next_group_id": self.next_group_id,
             "settled": self.settled,
+            "filtered": self.filtered,
             "groups": [{
-                "id": g.group_id, "version": g.version,
+                "id": g.group_id, "version": g.version, "scored": g.scored,
                 "samples": [[smp.status, smp.slice_id, list(smp.versions), list(smp.slices),
                              smp.num_tokens] for smp in g.samples],
             } for g in self.groups.values()],
@@ -354,11 +372,12 @@ class Scheduler:
         self.trainer_step = snap["trainer_step"]
         self.next_group_id = snap["next_group_id"]
         self.settled = snap["settled"]
+        self.filtered = snap.get("filtered", 0)
         self.groups = {}
         for gd in snap["groups"]:
             samples = [SampleState(st, sid, list(vs), list(ss), nt)
                        for st, sid, vs, ss, nt in gd["samples"]]
-            g = GroupState(gd["id"], gd["version"], samples)
+            g = GroupState(gd["id"], gd["version"], samples, scored=gd.get("scored", True))
             g.n_pending = sum(smp.status == PENDING for smp in samples)
             g.n_running = sum(smp.status == RUNNING for smp in samples)
             g.n_finished = sum(smp.status == FINISHED for smp in samples)
@@ -379,7 +398,7 @@ class Scheduler:
             self._unconsumed_v[g.version] += 1
             self._unfinished_v[g.version] += g.n_pending + g.n_running
             self._pending_v[g.version] += g.n_pending
-            self._n_finished += g.finished
+            self._n_finished += g.trainable
             q = self._pending_q.setdefault(g.version, deque())
             q.extend((gid, k) for k, smp in enumerate(g.samples) if smp.status == PENDING)
 

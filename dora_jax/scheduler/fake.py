@@ -77,19 +77,23 @@ class FakeRun:
         finished sample the slice reports capacity minus, per running request,
         `config.admit_tokens` + its tokens so far (`Scheduler.kv_reported`). None:
         no reports.
+      keep: with `config.score_groups`, whether a finished group is kept (else it
+        is filtered, with a ledger `filter` event), as `keep(group_id)`; scoring is
+        instant. Default: keep every group.
     """
 
     def __init__(self, config: SchedulerConfig,
                  lengths: Union[Callable[[int, int], int], Sequence],
                  load_ticks: int = 1, train_ticks: int = 1, check: bool = True,
-                 kv_capacity: Optional[int] = None):
+                 kv_capacity: Optional[int] = None,
+                 keep: Callable[[int], bool] = lambda gid: True):
         if load_ticks < 0 or train_ticks < 1:
             raise ValueError("load_ticks must be >= 0 and train_ticks >= 1")
         self.config = config
         self.sched = Scheduler(config)
         self._length = lengths if callable(lengths) else (lambda g, k: lengths[g][k])
         self.load_ticks, self.train_ticks, self.check = load_ticks, train_ticks, check
-        self.kv_capacity = kv_capacity
+        self.kv_capacity, self.keep = kv_capacity, keep
         self.tick = 0
         self._started = False
         self.slices = [_Slice() for _ in range(config.num_slices)]
@@ -196,6 +200,12 @@ class FakeRun:
             r = self.slices[i].requests.pop((gid, k))
             self.done[(gid, k)] = r
             self.sched.sample_finished(gid, k, num_tokens=r.length)
+            if self.config.score_groups and self.sched.groups[gid].finished:
+                kept = bool(self.keep(gid))
+                self.sched.group_scored(gid, kept)
+                if not kept:
+                    self.ledger.append(dict(event="filter", group_id=gid, time=self.tick,
+                                            reason="zero reward variance"))
             if self.kv_capacity is not None:
                 used = sum(self.config.admit_tokens + q.produced
                            for q in self.slices[i].requests.values())

@@ -90,11 +90,11 @@ def assign_pending(sched: "Scheduler", slice_ok: Callable[[SliceState], bool] = 
 
 
 def train_when_finished(sched: "Scheduler", group_ids) -> list:
-    """A TrainStep on exactly these groups once every one is admitted and finished
+    """A TrainStep on exactly these groups once every one is admitted and trainable
     and the trainer is idle (the batch-synchronous modes)."""
     group_ids = list(group_ids)
     if (not sched.trainer_busy and len(group_ids) == sched.config.train_batch_size
-            and all(gid in sched.groups and sched.groups[gid].finished for gid in group_ids)):
+            and all(gid in sched.groups and sched.groups[gid].trainable for gid in group_ids)):
         return [sched.do_train(group_ids)]
     return []
 
@@ -117,7 +117,8 @@ def check_uniform_slices(sched: "Scheduler", req) -> None:
 
 class SyncPolicy(Policy):
     """Synchronous on-policy RL: admit TBS groups at the published version t, all
-    slices on t, train when all are finished, then every slice loads t+1."""
+    slices on t, train when all are finished, then every slice loads t+1. A group
+    filtered out (config.score_groups) is replaced by a new one at t."""
 
     name = "sync"
     bound = 0
@@ -126,9 +127,11 @@ class SyncPolicy(Policy):
         tbs = sched.config.train_batch_size
         acts = train_when_finished(sched, sorted(sched.groups))
         acts += converge_slices(sched, sched.published)
-        # A new batch only once the previous one is trained and its version published.
-        if not sched.trainer_busy and not sched.groups and sched.admission_room(tbs) == tbs:
-            acts += [sched.do_admit(sched.published) for _ in range(tbs)]
+        # A new batch (or a filtered group's replacement) only while the trainer is
+        # idle: its version is then published.
+        room = sched.admission_room(tbs)
+        if not sched.trainer_busy and (room == tbs or (sched.groups and room)):
+            acts += [sched.do_admit(sched.published) for _ in range(room)]
         acts += assign_pending(sched)
         return acts
 

@@ -39,6 +39,9 @@ class SchedulerConfig:
         slice with a paged KV cache (its longest prompt plus one decode call): a
         slice takes no more samples than its last reported free positions allow
         (`Scheduler.kv_reported`). 0: capacity in slots only.
+      score_groups: a finished group is trained only once the driver has scored it
+        (`Scheduler.group_scored`), which may filter it out instead (DAPO's dynamic
+        sampling); its admission room then goes to a new group.
     """
 
     mode: str
@@ -50,6 +53,7 @@ class SchedulerConfig:
     max_staleness: int
     max_groups: Optional[int] = None
     admit_tokens: int = 0
+    score_groups: bool = False
 
     def __post_init__(self):
         # The coordinator section owns these checks; building one runs them.
@@ -75,7 +79,8 @@ class SchedulerConfig:
                    train_batch_size=c.train_batch_size,
                    rollout_batch_size=c.rollout_batch_size, max_staleness=c.max_staleness,
                    max_groups=max_groups,
-                   admit_tokens=r.max_prefill_length + r.decode_steps if paged else 0)
+                   admit_tokens=r.max_prefill_length + r.decode_steps if paged else 0,
+                   score_groups=cfg.trainer.filter_zero_variance)
 
     @property
     def total_slots(self) -> int:
@@ -180,10 +185,16 @@ class GroupState:
     n_pending: int = 0
     n_running: int = 0
     n_finished: int = 0
+    scored: bool = True  # False until `Scheduler.group_scored` (config.score_groups)
 
     @property
     def finished(self) -> bool:
         return self.n_finished == len(self.samples)
+
+    @property
+    def trainable(self) -> bool:
+        """Finished and, if the run scores groups before training, scored."""
+        return self.finished and self.scored
 
 
 @dataclass
