@@ -335,7 +335,9 @@ class CoordinatorConfig(Section):
     rollout_batch_size: int = field(8, min=1)  # RBS admitted-but-unconsumed groups
     max_staleness: int = field(2, min=0)  # K
     num_steps: int = field(20, min=1)
-    checkpoint_every: int = field(0, min=0)  # train steps; 0: only at the end
+    # Train steps between checkpoints (0: only at the end). A crash loses at most
+    # this many steps; saves are asynchronous, so steps hardly wait for them.
+    checkpoint_every: int = field(5, min=0)
     reward_threads: int = field(4, min=1)
 
     def __post_init__(self):

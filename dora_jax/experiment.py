@@ -20,8 +20,11 @@ from dora_jax.model import sharding, transformer
 from dora_jax.rl.trainer import Trainer
 from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.rollout.warmup import warm_engine
+from dora_jax.model.sharding import copy_tree
+from dora_jax.runtime import restart
 from dora_jax.runtime.loop import Runtime
 from dora_jax.runtime.report import StepReporter
+from dora_jax.scheduler import resume
 from dora_jax.scheduler.core import Scheduler
 from dora_jax.scheduler.ledger import LedgerWriter
 from dora_jax.scheduler.modes import policy_for
@@ -62,13 +65,22 @@ def warm_up(slices, trainer, cfg: Config) -> None:
 
 def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
         on_step: Callable[[dict], None] = lambda record: None,
-        make_trainer: Callable[..., Trainer] = Trainer) -> dict:
+        make_trainer: Callable[..., Trainer] = Trainer, fresh: bool = False) -> dict:
     """Runs `cfg.coordinator.num_steps` train steps end to end; returns the summary.
 
+    A workdir holding a run of this config continues it (runtime/restart.py); one
+    holding another config is refused unless `fresh`, which starts over there.
     `make_trainer(cfg, mesh, params=, graphdef=)` builds the trainer (a subclass can
     instrument it). Raises `runtime.loop.RunError` if any part fails; the ledger
     then still accounts for every admitted group."""
-    os.makedirs(workdir, exist_ok=True)
+    restart.prepare(workdir, cfg, fresh)
+    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"))
+    trained = checkpointer.latest_step()
+    if trained is not None and trained >= cfg.coordinator.num_steps:
+        checkpointer.close()  # nothing left to train: the run is complete
+        path = os.path.join(workdir, "summary.json")
+        summary = json.load(open(path)) if os.path.exists(path) else {}
+        return dict(summary, already_trained=trained, mode=cfg.coordinator.mode)
     records = prompt_records(cfg) if records is None else records
     reward_fn = tasks.reward_fn(cfg.data.reward)  # an unknown name fails before compute
     if cfg.init_checkpoint and not os.path.isdir(cfg.init_checkpoint):
@@ -87,21 +99,34 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     for sl in slices:  # every slice starts on version 0, as the scheduler assumes
         sl.load_version(0, params)
     trainer = make_trainer(cfg, trainer_mesh, params=params, graphdef=graphdef)
+    resumed = restart.load(workdir, cfg, checkpointer, trainer, records)
+    if trainer.version:  # every slice holds the version resumed from
+        for sl in slices:
+            sl.load_version(trainer.version, copy_tree(trainer.params))
     warm_up(slices, trainer, cfg)
 
     stream = prompts_lib.PromptStream(prompts_lib.prompt_dataset(
         records, seed=cfg.seed, shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs))
+    max_groups = None if cfg.data.num_epochs is None else len(records) * cfg.data.num_epochs
+    sched_cfg = SchedulerConfig.from_config(cfg, max_groups)
+    if resumed is None:
+        scheduler = Scheduler(sched_cfg)
+    else:
+        if resumed.stream_state is not None:
+            stream.set_state(resumed.stream_state)
+        for _ in range(resumed.plan.admitted_since_checkpoint):  # prompts given out since
+            stream.next()
+        scheduler = resume.scheduler_for(sched_cfg, resumed.plan,
+                                         {g: d["version"] for g, d in resumed.kept.items()})
+        restart.truncate_metrics(workdir, trainer.version)
     rewards = tasks.RewardPool(reward_fn, cfg.coordinator.reward_threads)
     ledger = LedgerWriter(os.path.join(workdir, "ledger.jsonl"))
     reporter = StepReporter(os.path.join(workdir, "metrics.jsonl"))
     timeline = Timeline()
-    max_groups = None if cfg.data.num_epochs is None else len(records) * cfg.data.num_epochs
-    scheduler = Scheduler(SchedulerConfig.from_config(cfg, max_groups))
-    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"))
     runtime = Runtime(cfg, scheduler, slices, trainer, stream, rewards, ledger, reporter,
-                      timeline, on_step=on_step, checkpointer=checkpointer)
+                      timeline, on_step=on_step, checkpointer=checkpointer, resumed=resumed)
     try:
-        summary = runtime.run(cfg.coordinator.num_steps)
+        summary = runtime.run(cfg.coordinator.num_steps - trainer.version)
         runtime.save_checkpoint()
     finally:
         rewards.close()
@@ -109,6 +134,8 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
         reporter.close()
         checkpointer.close()
     summary["mode"] = cfg.coordinator.mode
+    if resumed is not None:
+        summary["resumed_from_step"] = resumed.plan.step
     timeline.save_json(os.path.join(workdir, "timeline.json"))
     timeline.plot(os.path.join(workdir, "timeline.png"),
                   title=f"{cfg.coordinator.mode}: slices coloured by policy version; "

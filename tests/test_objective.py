@@ -187,3 +187,61 @@ def test_staleness_is_counted_per_token(one_layer):
     assert float(m["staleness_mean"]) == pytest.approx(2 * (sum(n) - 4) / sum(n))
     assert float(m["staleness_max"]) == 2.0
     assert math.isfinite(float(m["logprob_mismatch"])) and m["logprob_mismatch_tokens"] == 4
+
+
+def test_two_updates_take_the_proximal_policy_from_the_start_of_the_step(one_layer):
+    """num_minibatches = 2, decoupled: the second update's ratio and weight are
+    against the params the step started from, not those after the first update.
+    Reference: the two updates written out with the model and optax."""
+    from dora_jax.rl.optimizer import make_optimizer
+
+    cfg = one_layer(num_minibatches=2, objective="decoupled", is_cap=CAP, is_mode="truncate",
+                    learning_rate=0.05)
+    tr = Trainer(cfg, trainer_mesh())
+    batch = batch_of(trajectories(80, 2, 4), 4)
+    start = jax.device_get(tr.state)
+    t = cfg.trainer
+    tokens, mask = jnp.asarray(batch.tokens_BT), jnp.asarray(batch.loss_mask_BT)
+    mu = jnp.asarray(batch.behaviour_logp_BT)
+    r_GK = jnp.asarray(batch.rewards_B).reshape(-1, 4)
+    adv = ((r_GK - r_GK.mean(1, keepdims=True))
+           / (r_GK.std(1, ddof=1, keepdims=True) + 1e-6)).reshape(-1)[:, None]
+
+    def logp_of(p, rows):
+        logits = transformer.apply(tr.graphdef, p, tokens[rows])[0]
+        lp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+        x = jnp.take_along_axis(lp, tokens[rows, 1:, None], -1)[..., 0]
+        return jnp.pad(x, ((0, 0), (1, 0)))
+
+    def loss(p, rows, prox):
+        r = jnp.exp(logp_of(p, rows) - prox)
+        w = jnp.minimum(jnp.exp(prox - mu[rows]), CAP)
+        a = adv[rows]
+        surr = -jnp.minimum(r * a, jnp.clip(r, 1 - t.clip_low, 1 + t.clip_high) * a)
+        return jnp.sum(w * surr * mask[rows]) / jnp.sum(mask[rows])
+
+    tx = make_optimizer(t)
+    params, opt = start.params, tx.init(start.params)
+    ratios, weights = [], []
+    for rows in (slice(0, 4), slice(4, 8)):
+        prox = logp_of(start.params, rows)  # the step's starting policy, both times
+        valid = np.asarray(mask[rows]) > 0
+        ratios.append(np.exp(np.asarray(logp_of(params, rows) - prox))[valid])
+        weights.append(np.minimum(np.exp(np.asarray(prox - mu[rows])), CAP)[valid])
+        grads = jax.grad(loss)(params, rows, prox)
+        updates, opt = tx.update(grads, opt, params)
+        params = jax.tree.map(lambda p, u: p + u, params, updates)
+    m = jax.device_get(tr.train_step(batch))
+    # The metrics before each update: weights from the start of the step only, and
+    # the second update's ratio against it (not 1, as a per-update pi_prox gives).
+    assert float(m["is_weight_mean"]) == pytest.approx(np.concatenate(weights).mean(), rel=1e-5)
+    assert float(m["ratio_mean"]) == pytest.approx(np.concatenate(ratios).mean(), rel=1e-5)
+    assert abs(ratios[1].mean() - 1) > 1e-3
+    # Adam turns rounding noise on near-zero gradients into steps of up to lr: a loose
+    # bound on the worst element, a tight one on practically all of them.
+    for a, b in zip(leaves(tr.params), leaves(params)):
+        diff = np.abs(a - b)
+        assert diff.max() < 0.1 * t.learning_rate
+        assert np.mean(diff > 1e-6 + 1e-4 * np.abs(b)) < 1e-3
+    moved = max(np.abs(a - b).max() for a, b in zip(leaves(params), leaves(start.params)))
+    assert moved > 1e-3

@@ -243,3 +243,35 @@ def test_overlong_punishment_shapes_the_trained_rewards(small_config):
     rt = types.SimpleNamespace(cfg=cfg)
     rt._penalties = lambda g: Runtime._penalties(rt, g)
     assert Runtime._shaped_rewards(rt, g) == pytest.approx([1.0, 0.5, -1.0])
+
+
+def test_a_failed_run_resumes_and_the_whole_ledger_audits(tmp_path, small_config):
+    """A trainer that fails at step 3 stops the run; the same config on the same
+    workdir (its step count raised) resumes from the newest checkpoint: finished
+    groups kept, lost ones admitted again, voided training redone. Then the complete
+    run is not trained again, and another config is refused there."""
+    from dora_jax import config as config_lib
+
+    def cfg_with(steps, mode="dora"):
+        c = small_config(mode, validate=False, num_steps=steps, checkpoint_every=2)
+        return config_lib.validate(c, num_devices=8)
+
+    class FailAt3(RecordingTrainer):
+        fail_at_step = 3
+
+    with pytest.raises(RunError):
+        _run(cfg_with(6), tmp_path, FailAt3)
+    summary, trainer = _run(cfg_with(6), tmp_path)
+    assert summary["resumed_from_step"] == 2 and trainer.version == 6
+    events, report = audit_workdir(cfg_with(6), tmp_path)
+    assert report.ok, report.summary() + str(report.c2[:3])
+    assert report.steps == 6 and sum(e["event"] == "resume" for e in events) == 1
+    assert [m["step"] for m in _metrics(tmp_path)] == list(range(6))
+    again = experiment.run(cfg_with(6), str(tmp_path))
+    assert again["already_trained"] == 6
+    from dora_jax.config import ConfigError
+    with pytest.raises(ConfigError, match="coordinator.mode: 'dora' -> 'sync'"):
+        experiment.run(cfg_with(6, "sync"), str(tmp_path))
+    fresh = experiment.run(cfg_with(2, "sync"), str(tmp_path), fresh=True)
+    assert "resumed_from_step" not in fresh
+    assert audit_workdir(cfg_with(2, "sync"), tmp_path)[1].ok

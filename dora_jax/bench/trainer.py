@@ -92,7 +92,8 @@ def main(argv):
     cfg = config_lib.validate(_CONFIG.value, len(jax.devices()))
     # One optimizer update per step on both sides; no optional terms the plain loop lacks.
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(
-        cfg.trainer, micro_batches=1, num_minibatches=1, kl_coef=0.0, tis_cap=None))
+        cfg.trainer, micro_batches=1, num_minibatches=1, kl_coef=0.0,
+        objective="behaviour_clip", is_cap=None))
     batch = synthetic_batch(cfg, _GROUPS.value, _GROUP_SIZE.value)
     tokens_per_step = int(batch.seq_lens_B.sum())
     print(f"backend={jax.default_backend()} devices={len(jax.devices())} "

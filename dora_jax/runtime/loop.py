@@ -25,6 +25,7 @@ line for every admitted group not consumed.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import queue
 import threading
@@ -39,6 +40,7 @@ from dora_jax.data.tasks import RewardPool
 from dora_jax.model.sharding import copy_tree
 from dora_jax.rl.losses import overlong_penalty
 from dora_jax.rollout.trajectory import Request
+from dora_jax.runtime import restart
 from dora_jax.runtime.report import StepReporter, WaitClock
 from dora_jax.runtime.stream import GroupQueue, train_batches
 from dora_jax.runtime.worker import Event, SliceWorker
@@ -84,12 +86,15 @@ class Runtime:
       on_step: called with each step's metrics record (progress bar).
       checkpointer: if given, `save_checkpoint` is called every
         `coordinator.checkpoint_every` steps.
+      resumed: the run this one continues (`restart.load`): its finished groups are
+        restored, its lost ones admitted again, and the ledger says so.
     """
 
     def __init__(self, cfg, scheduler: Scheduler, slices, trainer, prompts: PromptStream,
                  rewards: RewardPool, ledger: LedgerWriter, reporter: StepReporter,
                  timeline: Timeline, on_step: Callable[[dict], None] = lambda m: None,
-                 checkpointer=None, clock: Callable[[], float] = time.perf_counter):
+                 checkpointer=None, clock: Callable[[], float] = time.perf_counter,
+                 resumed=None):
         self.cfg, self.sched, self.slices, self.trainer = cfg, scheduler, slices, trainer
         self.prompts, self.rewards, self.ledger = prompts, rewards, ledger
         self.reporter, self.timeline, self.on_step = reporter, timeline, on_step
@@ -98,9 +103,12 @@ class Runtime:
         self._t0 = clock()
         self.clock = lambda: clock() - self._t0
         self.groups: dict[int, _Group] = {}
-        # Params of the newest published version. A copy: step 0 donates the
+        # Params of the newest published version. A copy: the first step donates the
         # trainer's own buffers.
-        self.params_by_version = {0: copy_tree(trainer.params)}
+        self.params_by_version = {trainer.version: copy_tree(trainer.params)}
+        self._readmit: dict = {}
+        if resumed is not None:
+            self._restore(resumed)
         self._events: queue.Queue = queue.Queue()
         self.workers = [SliceWorker(sl, self._events, timeline, self.clock) for sl in slices]
         self._stream = GroupQueue()
@@ -159,6 +167,20 @@ class Runtime:
             self.save_checkpoint()
         self.on_step(record)
 
+    def _restore(self, resumed):
+        """Takes over a resumed run's finished groups and lost prompts, and writes
+        the ledger's `resume` line (scheduler/ledger.py says what it voids)."""
+        for gid, saved in resumed.kept.items():
+            g = self.groups[gid] = _Group(saved["record"], saved["version"])
+            for t, (reward, error) in zip(restart.trajectories(saved), saved["rewards"]):
+                g.trajectories[t.sample_index] = t
+                g.rewards[t.sample_index] = done = concurrent.futures.Future()
+                done.set_result((reward, error))
+        self._readmit = dict(resumed.readmit_records)
+        self._saved_version = self.trainer.version
+        self.ledger.write("resume", step=self.trainer.version, time=self.clock(),
+                          kept=len(resumed.kept), readmitted=len(self._readmit))
+
     def save_checkpoint(self) -> None:
         """Saves the train state with everything the coordinator knows (scheduler
         snapshot, prompt-stream state, the prompt of every unconsumed group).
@@ -168,11 +190,13 @@ class Runtime:
         if self.trainer.version == self._saved_version:
             return
         self._saved_version = self.trainer.version
+        finished = {str(gid): restart.finished_group(g, [list(g.rewards[k].result())
+                                                         for k in sorted(g.trajectories)])
+                    for gid, g in self.groups.items() if self.sched.groups[gid].trainable}
         self.checkpointer.save(self.trainer.version, self.trainer.state, {
             "scheduler": self.sched.snapshot(),
             "prompt_stream": self.prompts.get_state(),
-            "groups": {str(gid): {"prompt_id": g.record["prompt_id"], "version": g.version}
-                       for gid, g in self.groups.items()},
+            "finished_groups": finished,
         }, force=True)
 
     def _sample_entry(self, g: _Group, k: int) -> dict:
@@ -232,12 +256,13 @@ class Runtime:
                 raise TypeError(f"unknown action {a!r}")
 
     def _admit(self, a: Admit):
-        record = self.prompts.next()
+        record = self._readmit.pop(a.group_id) if a.readmit else self.prompts.next()
         if record is None:
             raise RuntimeError(f"prompt source exhausted at group {a.group_id}")
         self.groups[a.group_id] = _Group(record, a.version)
         self.ledger.write("admit", group_id=a.group_id, prompt_id=record["prompt_id"],
-                          version=a.version, time=self.clock())
+                          version=a.version, time=self.clock(),
+                          **({"readmit": True} if a.readmit else {}))
 
     def _train(self, a: TrainStep):
         """Form the batch: the step's groups, scored, go into the trajectory stream."""
@@ -381,6 +406,8 @@ class Runtime:
     def _write_unconsumed(self):
         for gid, g in sorted(self.groups.items()):
             self.ledger.write("unconsumed", group_id=gid, version=g.version)
+        for gid in self.sched.readmit_queue:  # lost in a crash, not admitted again yet
+            self.ledger.write("unconsumed", group_id=gid, version=None)
 
     def _shutdown(self):
         self._stream.close()

@@ -62,6 +62,8 @@ class Scheduler:
         self.next_step = 0
         self.trainer_step: Optional[int] = None
         self.next_group_id = 0
+        # Ids of groups lost in a crash, admitted again (in order) before new ones.
+        self.readmit_queue: deque = deque()
         self.groups: dict[int, GroupState] = {}
         self.filtered = 0  # groups that left without training (group_scored)
         self.slices = [SliceState(i, 0) for i in range(config.num_slices)]
@@ -145,7 +147,8 @@ class Scheduler:
         also respecting `config.max_groups`."""
         room = target - len(self.groups)
         if self.config.max_groups is not None:
-            room = min(room, self.config.max_groups - self.next_group_id)
+            room = min(room, self.config.max_groups - self.next_group_id
+                       + len(self.readmit_queue))
         return max(room, 0)
 
     # ------------------------------------------------------------------ events
@@ -236,8 +239,12 @@ class Scheduler:
     # ---------------------------------------------- mutators used by policies only
 
     def do_admit(self, version: int) -> Admit:
-        gid = self.next_group_id
-        self.next_group_id += 1
+        readmit = bool(self.readmit_queue)
+        if readmit:
+            gid = self.readmit_queue.popleft()
+        else:
+            gid = self.next_group_id
+            self.next_group_id += 1
         G = self.config.group_size
         self.groups[gid] = GroupState(gid, version, [SampleState() for _ in range(G)],
                                       n_pending=G, scored=not self.config.score_groups)
@@ -245,7 +252,7 @@ class Scheduler:
         self._unfinished_v[version] += G
         self._pending_v[version] += G
         self._pending_q.setdefault(version, deque()).extend((gid, k) for k in range(G))
-        return Admit(gid, version)
+        return Admit(gid, version, readmit)
 
     def do_assign(self, group_id: int, sample: int, slice_id: int) -> Assign:
         g, sl = self.groups[group_id], self.slices[slice_id]
@@ -347,6 +354,7 @@ class Scheduler:
             "next_step": self.next_step,
             "trainer_step": self.trainer_step,
             "next_group_id": self.next_group_id,
+            "readmit_queue": list(self.readmit_queue),
             "settled": self.settled,
             "filtered": self.filtered,
             "groups": [{
@@ -371,6 +379,7 @@ class Scheduler:
         self.next_step = snap["next_step"]
         self.trainer_step = snap["trainer_step"]
         self.next_group_id = snap["next_group_id"]
+        self.readmit_queue = deque(snap.get("readmit_queue", ()))
         self.settled = snap["settled"]
         self.filtered = snap.get("filtered", 0)
         self.groups = {}

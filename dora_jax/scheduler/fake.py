@@ -225,7 +225,8 @@ class FakeRun:
         if isinstance(a, Admit):
             self.group_version[a.group_id] = a.version
             self.ledger.append(dict(event="admit", group_id=a.group_id, prompt_id=a.group_id,
-                                    version=a.version, time=self.tick))
+                                    version=a.version, time=self.tick,
+                                    **({"readmit": True} if a.readmit else {})))
         elif isinstance(a, Assign):
             sl = self.slices[a.slice_id]
             assert sl.loading is None and len(sl.requests) < self.config.slots_per_slice
@@ -287,7 +288,7 @@ class FakeRun:
 
     def unconsumed_records(self) -> list[dict]:
         """Ledger records for the groups still in flight (written at exit)."""
-        return unconsumed_records(self.sched.groups)
+        return unconsumed_records(self.sched.groups, self.sched.readmit_queue)
 
     def consumed(self) -> dict:
         """step -> list of group ids consumed by that step, in batch order."""

@@ -1,13 +1,18 @@
 """The ledger (`<workdir>/ledger.jsonl`) and an auditor of constraints C1-C3 over it.
 
 One JSON object per line:
-  {"event": "admit", "group_id", "prompt_id", "version", "time"}
+  {"event": "admit", "group_id", "prompt_id", "version", "time"}  (+ "readmit": true)
   {"event": "consume", "group_id", "prompt_id", "version", "step", "time",
    "samples": [{"sample", "versions": [[v, n_tokens], ...], "slices": [...],
                 "response_len", "finish": "eos"|"length", "reward", ...}]}
   {"event": "filter", "group_id", "reason"}
   {"event": "unconsumed", "group_id", "version"}     (written at exit)
+  {"event": "resume", "step", "time"}                (a run resumed from a checkpoint)
 `step` is the params version the trainer used for the batch (it publishes step+1).
+A `resume` at step s voids every earlier `consume` of step s or later (that training
+was lost with the crash) and every earlier `unconsumed`; a group admitted again after
+it has another `admit` with "readmit": true, and its latest admission is the one
+that counts (`standing`).
 `versions` is run-length encoded (`rle_extend` builds it). The runtime and the fake
 driver (fake.py) write the same format, so one auditor serves both.
 """
@@ -57,16 +62,41 @@ def rle_expand(runs) -> list:
     return [v for v, n in runs for _ in range(n)]
 
 
-def unconsumed_records(groups: dict) -> list[dict]:
-    """`unconsumed` records for the groups still in flight (a scheduler's `groups`),
-    written at exit."""
-    return [dict(event="unconsumed", group_id=gid, version=g.version)
-            for gid, g in groups.items()]
+def unconsumed_records(groups: dict, queued=()) -> list[dict]:
+    """`unconsumed` records for the groups still in flight (a scheduler's `groups`)
+    and those still waiting to be admitted again (its `readmit_queue`), written at
+    exit."""
+    return ([dict(event="unconsumed", group_id=gid, version=g.version)
+             for gid, g in groups.items()]
+            + [dict(event="unconsumed", group_id=gid, version=None) for gid in queued])
 
 
 def read(path: str) -> list[dict]:
+    """The ledger's events. A last line cut short (a kill mid-write) is left out."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [line for line in f if line.strip()]
+    events = []
+    for i, line in enumerate(lines):
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise
+    return events
+
+
+def standing(events: Iterable[dict]) -> list[dict]:
+    """The events that stand once every `resume` has voided what it voids (see the
+    module docstring); the `resume` events themselves are dropped."""
+    out: list[dict] = []
+    for e in events:
+        if e["event"] == "resume":
+            s = e["step"]
+            out = [x for x in out if x["event"] != "unconsumed"
+                   and not (x["event"] == "consume" and x["step"] >= s)]
+        else:
+            out.append(e)
+    return out
 
 
 @dataclasses.dataclass
@@ -97,8 +127,10 @@ def audit(events: Iterable[dict], *, train_batch_size: int, group_size: int,
     mode that breaks it by design), C2 (every admitted group consumed exactly once,
     complete; or filtered with a reason; or listed as unconsumed at exit), C3
     (step - version <= max_staleness; None skips) and that every step consumed
-    exactly `train_batch_size` groups."""
+    exactly `train_batch_size` groups, over the events that stand after any resumes
+    (`standing`): C1 and C3 against a group's latest admission."""
     c1, c2, c3, bad_batch = [], [], [], []
+    events = standing(events)
     admitted: dict = {}
     consumed = collections.Counter()
     per_step = collections.Counter()
@@ -107,9 +139,11 @@ def audit(events: Iterable[dict], *, train_batch_size: int, group_size: int,
     for e in events:
         kind, gid = e["event"], e.get("group_id")
         if kind == "admit":
-            if gid in admitted:
+            if gid in admitted and not e.get("readmit"):
                 c2.append(f"group {gid} admitted twice")
-            admitted[gid] = e["version"]
+            if e.get("readmit") and (gid in consumed or gid in accounted):
+                c2.append(f"group {gid} admitted again after it was accounted for")
+            admitted[gid] = e["version"]  # the latest admission counts
         elif kind == "consume":
             consumed[gid] += 1
             per_step[e["step"]] += 1

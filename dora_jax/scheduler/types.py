@@ -93,10 +93,13 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class Admit:
-    """Admit a new group (next prompt from the data source) tagged with `version`."""
+    """Admit a new group (next prompt from the data source) tagged with `version`;
+    with `readmit`, a group lost in a crash is admitted again under its own id (and
+    its own prompt), whole (scheduler/resume.py)."""
 
     group_id: int
     version: int
+    readmit: bool = False
 
 
 @dataclass(frozen=True)

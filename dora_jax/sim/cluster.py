@@ -378,4 +378,4 @@ class ClusterSim:
     # ------------------------------------------------------------------ results
 
     def unconsumed_records(self) -> list:
-        return unconsumed_records(self.sched.groups)
+        return unconsumed_records(self.sched.groups, self.sched.readmit_queue)
