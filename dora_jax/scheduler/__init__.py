@@ -8,7 +8,8 @@ The real runtime (`dora_jax.runtime`) drives the same `Scheduler`.
 
 from dora_jax.config import MODES
 
-from .core import InvariantError, Scheduler
+from .core import Scheduler
+from .invariants import InvariantError
 from .fake import FakeRun, LivenessError, lengths_from_seed
 from .modes import POLICIES, policy_for
 from .types import (Action, Admit, Assign, InterruptReload, LoadVersion, Migrate,

@@ -30,16 +30,13 @@ from collections import Counter, deque
 from dataclasses import asdict
 from typing import Iterator, Optional
 
+from . import invariants
 from .modes import policy_for
 from .types import (FINISHED, PENDING, RUNNING, Admit, Assign, GroupState,
                     InterruptReload, LoadVersion, Migrate, SampleState,
                     SchedulerConfig, SliceState, TrainStep)
 
 SNAPSHOT_FORMAT = 1
-
-
-class InvariantError(AssertionError):
-    """Raised by `Scheduler.check_invariants()` when the state breaks a rule."""
 
 
 class Scheduler:
@@ -414,55 +411,7 @@ class Scheduler:
     # ------------------------------------------------------------------ invariants
 
     def check_invariants(self):
-        """Raise InvariantError if the state breaks a rule of the core or the mode.
-
-        Cheap enough (linear in in-flight samples) to call after every event."""
-        def req(cond, msg):
-            if not cond:
-                raise InvariantError(msg)
-
-        cfg = self.config
-        c1 = self.policy.keeps_c1
-        uncons, unfin, pend = Counter(), Counter(), Counter()
-        for gid, g in self.groups.items():
-            req(0 <= gid < self.next_group_id, f"group id {gid} never admitted")
-            req(g.version <= self.published, f"group {gid} from the future")
-            req(len(g.samples) == cfg.group_size, f"group {gid} has wrong size")
-            counts = Counter(smp.status for smp in g.samples)
-            req((counts[PENDING], counts[RUNNING], counts[FINISHED])
-                == (g.n_pending, g.n_running, g.n_finished), f"group {gid} counts")
-            uncons[g.version] += 1
-            unfin[g.version] += g.n_pending + g.n_running
-            pend[g.version] += g.n_pending
-            for k, smp in enumerate(g.samples):
-                if smp.status == RUNNING:
-                    req((gid, k) in self.slices[smp.slice_id].running, f"({gid},{k}) lost")
-                else:
-                    req(smp.slice_id is None, f"({gid},{k}) not running but on a slice")
-                req((smp.status == PENDING) == (not smp.versions), f"({gid},{k}) versions")
-                if c1:  # C1: one version per trajectory and per group
-                    req(set(smp.versions) <= {g.version}, f"C1: ({gid},{k}) ran {smp.versions}")
-        req(_nonzero(uncons) == _nonzero(self._unconsumed_v)
-            and _nonzero(unfin) == _nonzero(self._unfinished_v)
-            and _nonzero(pend) == _nonzero(self._pending_v), "per-version counters drifted")
-        for sl in self.slices:
-            req(len(sl.running) <= cfg.slots_per_slice, f"slice {sl.slice_id} overfull")
-            req(not sl.interrupted or sl.loading is not None, "interrupted but not loading")
-            if sl.loading is not None and not sl.interrupted:
-                req(not sl.running, f"C1: slice {sl.slice_id} loads while holding requests")
-            for gid, k in sl.running:
-                g = self.groups.get(gid)
-                req(g is not None and g.samples[k].slice_id == sl.slice_id,
-                    f"slice {sl.slice_id} holds a stray request ({gid},{k})")
-                if c1:
-                    req(sl.version == g.version and sl.loading is None,
-                        f"C1: slice {sl.slice_id} v{sl.version} runs group v{g.version}")
-        busy = self.trainer_step is not None
-        req(self.next_step == self.published + busy, "trainer step accounting")
-        req(not busy or self.trainer_step == self.next_step - 1, "trainer step index")
-        self.policy.check(self, req)
-
-
-def _nonzero(c: Counter) -> dict:
-    # Counter's unary + would also drop negative counts and so hide a drift.
-    return {k: v for k, v in c.items() if v != 0}
+        """Raise InvariantError if the state breaks a rule of the core or the mode
+        (invariants.py). Cheap enough (linear in in-flight samples) to call after
+        every event."""
+        invariants.check(self)
