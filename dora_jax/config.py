@@ -338,6 +338,13 @@ class CoordinatorConfig(Section):
     # Train steps between checkpoints (0: only at the end). A crash loses at most
     # this many steps; saves are asynchronous, so steps hardly wait for them.
     checkpoint_every: int = field(5, min=0)
+    # A slice that raises is restarted empty (its requests regenerated) up to this
+    # many times in a run; one more failure stops the run.
+    max_slice_restarts: int = field(3, min=0)
+    # Fault injection, for tests: slice `fail_slice` raises once it holds version
+    # `fail_slice_at` (-1: never).
+    fail_slice: int = field(-1, min=-1)
+    fail_slice_at: int = field(1, min=0)
     reward_threads: int = field(4, min=1)
 
     def __post_init__(self):
@@ -424,6 +431,9 @@ class Config(Section):
             fail("mesh.colocated", "slices share the trainer's devices in mode colocated_sync "
                   f"and only there (mode {c.mode!r}, colocated {mesh.colocated})")
         check_group_fits(c.group_size, mesh.num_slices, r.slots_per_slice)
+        if c.fail_slice >= mesh.num_slices:
+            fail("coordinator.fail_slice", f"must name a slice < mesh.num_slices "
+                  f"({mesh.num_slices}) or be -1, got {c.fail_slice}")
         samples, split = c.train_batch_size * c.group_size, t.micro_batches * t.num_minibatches
         if samples % split:
             fail("coordinator.train_batch_size",

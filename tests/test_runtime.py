@@ -275,3 +275,19 @@ def test_a_failed_run_resumes_and_the_whole_ledger_audits(tmp_path, small_config
     fresh = experiment.run(cfg_with(2, "sync"), str(tmp_path), fresh=True)
     assert "resumed_from_step" not in fresh
     assert audit_workdir(cfg_with(2, "sync"), tmp_path)[1].ok
+
+
+@pytest.mark.parametrize("mode", ["dora", "sync"])
+def test_a_failing_slice_is_restarted_and_nothing_is_lost(mode, tmp_path, small_config):
+    """Slice 1 raises once it holds version 1 (coordinator.fail_slice): the run goes
+    on, the slice's samples are regenerated, the ledger and metrics.jsonl record the
+    failure, and the whole ledger audits clean."""
+    cfg = small_config(mode, num_steps=5, fail_slice=1, fail_slice_at=1)
+    summary, _ = _run(cfg, tmp_path)
+    events, report = audit_workdir(cfg, tmp_path)
+    assert report.ok, report.summary() + str(report.c2[:3])
+    assert report.steps == 5 and summary["slice_failures"] == 1
+    (failed,) = [e for e in events if e["event"] == "slice_failed"]
+    assert failed["slice"] == 1 and "injected failure" in failed["error"]
+    assert failed["regenerated"] > 0  # it held samples when it failed
+    assert sum(m["slice_failures"] for m in _metrics(tmp_path)) == 1

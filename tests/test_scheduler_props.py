@@ -155,3 +155,27 @@ def test_filtered_groups_are_replaced_and_accounted(sc, period, phase):
     assert all(not keep(g) for g in filtered)
     assert all(keep(g) for gids in run.consumed().values() for g in gids)
     assert run.sched.filtered == len(filtered)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.lists(st.tuples(st.integers(1, 30), st.integers(0, 5)), min_size=1,
+                             max_size=4))
+def test_failed_slices_lose_nothing(sc, failures):
+    """Slices fail at random points (after some events, slice i mod S): their running
+    samples are regenerated under their group's version, the slices reload, and the
+    contract holds in every mode."""
+    cfg, lengths, max_len, load, train, steps, kv = sc
+    run = FakeRun(cfg, lengths, load_ticks=load, train_ticks=train, check=True,
+                  kv_capacity=kv)
+    run.start()
+    bound = 2 * tick_bound(cfg, max_len, load, train, steps, kv)
+    for after, i in failures:
+        for _ in range(after):
+            if run.steps_done >= steps:
+                break
+            run.advance(bound)
+        run.fail_slice(i % cfg.num_slices)
+    while run.steps_done < steps:
+        run.advance(bound)
+    check_run(run, steps)

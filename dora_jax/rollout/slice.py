@@ -142,6 +142,18 @@ class DecodeSlice(SliceMemory):
         """Versions of the requests held: empty or {self.version} (C1)."""
         return {seq.version for seq in self._held.values()}
 
+    def abandon(self) -> None:
+        """Drops every request and the resident params: after a failure the slice
+        starts again empty, to be told which version to load."""
+        self._held.clear()
+        self._waiting.clear()
+        self._pending, self._inflight, self._done = [], None, []
+        self._slots = [None] * self.num_slots
+        for buf in (self._owned, self._count, self._placed, self._prompt_len, self._order):
+            buf[:] = 0
+        self.params = self.version = None
+        self.reset_decode_state()
+
     def reset_decode_state(self) -> None:
         """A fresh decode state (the slice must hold nothing): after the engine served
         another decode state, e.g. a warm-up's, whose use reset its page pool."""

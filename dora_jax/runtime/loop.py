@@ -110,7 +110,12 @@ class Runtime:
         if resumed is not None:
             self._restore(resumed)
         self._events: queue.Queue = queue.Queue()
-        self.workers = [SliceWorker(sl, self._events, timeline, self.clock) for sl in slices]
+        c = cfg.coordinator
+        self.workers = [SliceWorker(sl, self._events, timeline, self.clock,
+                                    fail_at_version=c.fail_slice_at if sl.slice_id == c.fail_slice
+                                    else None) for sl in slices]
+        self.slice_failures: list = []  # (slice id, step) of each failure survived
+        self._reported = 0  # of them, in metrics.jsonl so far
         self._stream = GroupQueue()
         self._inflight_batches: dict[int, tuple] = {}
         self._to_ack: set = set()  # slices whose finished samples await an answer
@@ -149,6 +154,8 @@ class Runtime:
         # Params of the new version, and of every version a slice holds or loads
         # (dora may load an older one onto a freed slice).
         held = {v for sl in self.sched.slices for v in (sl.version, sl.loading)}
+        # and of every version with samples to (re)generate (a failed slice's).
+        held |= {g.version for g in self.sched.groups.values() if g.n_pending}
         self.params_by_version = {v: x for v, x in self.params_by_version.items() if v in held}
         self.params_by_version[step + 1] = params
         self._trainer_idle_since = end
@@ -161,7 +168,9 @@ class Runtime:
                               samples=[self._sample_entry(g, k) for k in sorted(g.trajectories)])
         record = self.reporter.step(step, batch, metrics, wait=wait, wait_split=wait_split,
                                     train_time=end - start, now=end, slices=self.slices,
-                                    scheduler=self.sched)
+                                    scheduler=self.sched,
+                                    slice_failures=len(self.slice_failures) - self._reported)
+        self._reported = len(self.slice_failures)
         every = self.cfg.coordinator.checkpoint_every
         if self.checkpointer is not None and every and (step + 1) % every == 0:
             self.save_checkpoint()
@@ -298,6 +307,9 @@ class Runtime:
         elif ev.kind == "step":
             self._on_step_done(ev.data)
             return 1
+        elif ev.kind == "failed" and ev.source != "trainer" and (
+                len(self.slice_failures) < self.cfg.coordinator.max_slice_restarts):
+            self._restart_slice(ev.source, ev.data)
         elif ev.kind == "failed":
             trainer = ev.source == "trainer"
             step = self.sched.trainer_step if trainer and self.sched.trainer_busy \
@@ -305,6 +317,33 @@ class Runtime:
             raise RunError(f"{'the trainer' if trainer else f'slice {ev.source}'} failed at "
                            f"step {step}: {type(ev.data).__name__}: {ev.data}") from ev.data
         return 0
+
+    def _restart_slice(self, i: int, error: BaseException):
+        """A slice raised: what it held is lost. Its running samples are regenerated
+        under their groups' versions (C1), migrations out of it that never left are
+        regenerated too, and a fresh loop starts on the emptied slice, which the
+        scheduler then tells which version to load. The ledger and metrics.jsonl
+        record it."""
+        dead = self.workers[i]
+        lost = 0
+        for box, request_ids, dst in list(dead.unfilled.values()):
+            box.put([])  # its destination waits for the hand-over: nothing comes
+            for gid, k in request_ids:
+                g = self.sched.groups.get(gid)
+                smp = None if g is None else g.samples[k]
+                if smp is not None and smp.status == "running" and smp.slice_id == dst.slice_id:
+                    self.sched.sample_lost(gid, k)
+                    lost += 1
+        lost += len(self.sched.slices[i].running)
+        self.sched.slice_failed(i)
+        self.slices[i].abandon()
+        self._to_ack.discard(i)
+        self.slice_failures.append((i, self.sched.next_step))
+        self.ledger.write("slice_failed", slice=i, step=self.sched.next_step,
+                          time=self.clock(), error=f"{type(error).__name__}: {error}",
+                          regenerated=lost)
+        self.workers[i] = SliceWorker(self.slices[i], self._events, self.timeline, self.clock)
+        self.workers[i].start()
 
     def _score_when_ready(self, gid: int):
         """Posts a "scored" event once every reward of the finished group is in (a
@@ -398,6 +437,7 @@ class Runtime:
         summary = self.reporter.summary(self.slices, self.timeline)
         summary["max_resident_versions"] = self.max_resident_versions
         summary["groups_filtered"] = self.sched.filtered
+        summary["slice_failures"] = len(self.slice_failures)
         # Forward passes over prompts (re-prefills included) per admitted group.
         summary["prefills_per_group"] = round(sum(sl.stats.prefills for sl in self.slices)
                                               / max(self.sched.next_group_id, 1), 3)

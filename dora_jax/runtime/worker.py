@@ -59,6 +59,10 @@ class Event:
 _STOP = object()
 
 
+class InjectedFault(RuntimeError):
+    """The failure `coordinator.fail_slice` asks for."""
+
+
 class SliceWorker:
     """Runs one `DecodeSlice` in its own thread; see the module docstring.
 
@@ -70,8 +74,14 @@ class SliceWorker:
     """
 
     def __init__(self, slice_: DecodeSlice, events: queue.Queue, timeline: Timeline,
-                 clock: Callable[[], float] = time.perf_counter, refill_wait: float = 0.05):
+                 clock: Callable[[], float] = time.perf_counter, refill_wait: float = 0.05,
+                 fail_at_version: int | None = None):
         self.slice = slice_
+        # Fault injection (coordinator.fail_slice): raise once this version is resident.
+        self._fail_at = fail_at_version
+        # Hand-over boxes of migrations out of this slice not yet filled:
+        # box -> (request ids, destination worker).
+        self.unfilled: dict = {}
         self._events, self._timeline, self._clock = events, timeline, clock
         self._refill_wait = refill_wait
         self._awaiting_ack = False
@@ -105,6 +115,7 @@ class SliceWorker:
         """Export these requests (those still held) and import them into `dst`, in
         the order of the commands each worker receives (see the module docstring)."""
         box: queue.Queue = queue.Queue(maxsize=1)
+        self.unfilled[id(box)] = (box, request_ids, dst)
         self._commands.put(("export", (request_ids, box)))
         dst._commands.put(("import", box))
 
@@ -134,6 +145,10 @@ class SliceWorker:
                         return
                     self._apply(kind, arg)
                 start, version = self._clock(), sl.version
+                if self._fail_at is not None and version is not None and version >= self._fail_at:
+                    self._fail_at = None
+                    raise InjectedFault(f"slice {self.slice_id}: injected failure at "
+                                        f"version {version}")
                 finished = sl.step()
                 self._timeline.add(self._row, "decode", start, self._clock(), version)
                 if finished:
@@ -166,6 +181,7 @@ class SliceWorker:
                 moving = sl.export_requests([r for r in request_ids if sl.holds(r)])
             finally:
                 box.put(moving)  # the destination waits for this, even on failure
+                self.unfilled.pop(id(box), None)
             if moving:
                 self._timeline.add(self._row, "migrate", start, self._clock(), sl.version)
         elif kind == "import":

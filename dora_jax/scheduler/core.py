@@ -337,6 +337,31 @@ class Scheduler:
                 sl.version, sl.loading, sl.interrupted = None, None, False
         self._recount()  # the pending FIFOs, back in group order
 
+    def slice_failed(self, slice_id: int):
+        """A slice failed and lost everything it held: its running samples are
+        pending again, regenerated from scratch under their group's version (C1), and
+        the slice holds no params until it is told to load some."""
+        sl = self.slices[slice_id]
+        for gid, k in sorted(sl.running):
+            self.sample_lost(gid, k)
+        sl.version, sl.loading, sl.interrupted, sl.kv_free = None, None, False, None
+        self.settled = False  # until decide() gives its versions a slice again
+
+    def sample_lost(self, group_id: int, sample: int):
+        """A running sample's progress is gone (its slice failed, or a migration
+        never arrived): it is pending again, to be regenerated from scratch."""
+        g = self.groups[group_id]
+        smp = g.samples[sample]
+        if smp.status != RUNNING:
+            raise ValueError(f"sample_lost: ({group_id}, {sample}) is {smp.status}")
+        self._leave(self.slices[smp.slice_id], (group_id, sample))
+        smp.status, smp.slice_id, smp.versions, smp.slices = PENDING, None, [], []
+        g.n_running -= 1
+        g.n_pending += 1
+        self._pending_v[g.version] += 1
+        q = self._pending_q.setdefault(g.version, deque())
+        q.appendleft((group_id, sample))  # regenerated first: it is the oldest work
+
     # ------------------------------------------------------------------ checkpoint
 
     def snapshot(self) -> dict:

@@ -20,7 +20,8 @@ Choices made where the design leaves room:
   sit idle at P while an old version's backlog queues on the few slices it kept).
   The runtime keeps the params of every version a slice holds, for this. A version
   with unfinished samples always keeps at least one serving slice (liveness: its
-  work is never stranded).
+  work is never stranded); one that lost its last slice (a slice failed) gets the
+  next freed slice.
 * The staleness guard is applied in its general form: a batch (TBS oldest finished
   groups) is formed only if what stays unconsumed still satisfies FEASIBILITY for
   step t+1. For version t-K this is exactly the plain guard (every unconsumed
@@ -177,11 +178,17 @@ class DoraPolicy(Policy):
         # only below its target, so that the next pass keeps it rather than drains it.
         count = Counter(sched.slices[i].version for i in kept)
         count.update(sl.loading for sl in sched.slices if sl.loading is not None)
+        pending = sched.pending_by_version()
         for i in loads:
+            # A version whose work lost its last slice (a slice failed) comes first.
+            orphans = [w for w in unserved if w != p and pending[w] > 0 and not count[w]]
             behind = [w for w, n in unserved.items()
                       if w != p and n > 0 and count[w] < target.get(w, 0)]
-            w = p if unserved.get(p, 0) > 0 or not behind else max(
-                behind, key=lambda v: (unserved[v], v))
+            if orphans:
+                w = min(orphans)
+            else:
+                w = p if unserved.get(p, 0) > 0 or not behind else max(
+                    behind, key=lambda v: (unserved[v], v))
             acts.append(sched.do_load(i, w))
             unserved[w] = unserved.get(w, 0) - slots
             count[w] += 1
@@ -259,4 +266,5 @@ class DoraPolicy(Policy):
         serving = {sl.version for sl in sched.slices if sl.serving} | {
             sl.loading for sl in sched.slices if sl.loading is not None}
         for w, n in sched.unfinished_by_version().items():
-            req(n <= 0 or w in serving, f"dora: version {w} has work but no slice")
+            req(n <= 0 or w in serving or not sched.settled,
+                f"dora: version {w} has work but no slice")

@@ -170,6 +170,16 @@ class FakeRun:
         self._started = True
         self._settle([])
 
+    def fail_slice(self, i: int):
+        """Model a slice failure: it loses its requests and its params
+        (`Scheduler.slice_failed`), and the run goes on."""
+        sl = self.slices[i]
+        sl.requests.clear()
+        sl.version, sl.loading, sl.load_left = None, None, 0
+        self.sched.slice_failed(i)
+        self.stats["slice_failures"] = self.stats.get("slice_failures", 0) + 1
+        self._settle([])
+
     def _settle(self, events: list):
         """Deliver events, then decide and execute until nothing more happens now
         (zero-tick loads complete immediately)."""
