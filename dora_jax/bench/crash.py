@@ -2,15 +2,17 @@
 the same command, again and again, then audit the whole ledger.
 
     python -m dora_jax.bench.crash --config=configs/tiny.py --kills=20 \\
-        [--workdir=/tmp/dora_crash] [--startup_kills=0.25] [--max_delay=8] [--seed=0] \\
-        [--config.coordinator.num_steps=100 ...]
+        --config.coordinator.num_steps=400 [--workdir=/tmp/dora_crash] \\
+        [--startup_kills=0.25] [--max_delay=2] [--seed=0]
 
 Each round starts `python -m dora_jax.main --config=... --workdir=...` (the same
 command every time; the first round with --fresh) and kills it with SIGKILL: in a
 `startup_kills` fraction of the rounds during start-up (compilation, restore) at a
 time drawn from [1, 10] s, in the others once the ledger has grown, after a further
 delay drawn from [0, max_delay] s: while decoding, in a train step or in a checkpoint
-save, wherever it falls. After the kills the command runs to the end. The ledger is audited by the project's auditor (after
+save, wherever it falls. After the kills the command runs to the end. The run must
+be long enough to take every kill (a run that finishes first stops the benchmark
+with a message saying so). The ledger is audited by the project's auditor (after
 every resume's voiding) and the last line is
 
     kills: N, lost groups: L, duplicated groups: D, steps: S/S
@@ -37,7 +39,7 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "the run'
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/dora_crash", "the run's workdir")
 _KILLS = flags.DEFINE_integer("kills", 20, "SIGKILLs before the run is let finish")
 _STARTUP = flags.DEFINE_float("startup_kills", 0.25, "fraction of kills during start-up")
-_MAX = flags.DEFINE_float("max_delay", 8.0, "longest time a run goes on once it has "
+_MAX = flags.DEFINE_float("max_delay", 2.0, "longest time a run goes on once it has "
                           "written to the ledger before it is killed (s)")
 _SEED = flags.DEFINE_integer("seed", 0, "draws the kill times")
 
@@ -79,11 +81,13 @@ def main(argv):
     log = os.path.join(_WORKDIR.value, "crash_round.log")
     ledger_path = os.path.join(_WORKDIR.value, "ledger.jsonl")
     size = lambda: os.path.getsize(ledger_path) if os.path.exists(ledger_path) else 0  # noqa
-    for i in range(_KILLS.value):
-        before = 0 if i == 0 else size()
+    kills = rounds = 0
+    while kills < _KILLS.value:
+        before = size()
         with open(log, "w") as err:
-            proc = subprocess.Popen(cmd + (["--fresh"] if i == 0 else []), env=env,
+            proc = subprocess.Popen(cmd + (["--fresh"] if rounds == 0 else []), env=env,
                                     stdout=subprocess.DEVNULL, stderr=err)
+        rounds += 1
         start = time.perf_counter()
         startup = rng.random() < _STARTUP.value
         delay = rng.uniform(1.0, 10.0) if startup else rng.uniform(0.0, _MAX.value)
@@ -95,10 +99,13 @@ def main(argv):
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
-        else:  # it finished (or failed) before the kill
+        else:
             if proc.returncode:
-                raise SystemExit(f"round {i}: main failed:\n{open(log).read()[-3000:]}")
-        print(f"kill {i + 1}: {'start-up' if startup else 'running'}, after "
+                raise SystemExit(f"round {rounds}: main failed:\n{open(log).read()[-3000:]}")
+            raise SystemExit(f"the run finished after {kills} kills: raise "
+                             "--config.coordinator.num_steps for more")
+        kills += 1
+        print(f"kill {kills}: {'start-up' if startup else 'running'}, after "
               f"{time.perf_counter() - start:.1f}s", flush=True)
     start = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
