@@ -346,6 +346,9 @@ class CoordinatorConfig(Section):
     fail_slice: int = field(-1, min=-1)
     fail_slice_at: int = field(1, min=0)
     reward_threads: int = field(4, min=1)
+    # Seconds a reward call may take from its sample's end (0: no limit); a call
+    # past it scores 0 with the reason in the ledger, and the run goes on.
+    reward_timeout: float = field(60.0, ge=0)
 
     def __post_init__(self):
         super().__post_init__()
@@ -377,6 +380,9 @@ class DataConfig(Section):
     count_sigma: float = field(1.1, ge=0)  # to [1, max_count]
     max_count: int = field(255, min=1)
     num_epochs: int | None = field(None, min=1)  # None: repeat forever
+    # JSONL prompts longer than rollout.max_prefill_length: an error, or (True)
+    # left out, each with a ledger `filter` line naming it.
+    skip_long_prompts: bool = False
     shuffle: bool = True
 
     def __post_init__(self):

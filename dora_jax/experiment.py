@@ -45,11 +45,22 @@ def prompt_records(cfg: Config) -> list[dict]:
         return prompts_lib.in_memory(records, vocab)
     records = prompts_lib.read_jsonl(d.path, vocab_size=vocab)  # validate() allows no other
     too_long = [r["prompt_id"] for r in records if len(r["tokens"]) > cfg.rollout.max_prefill_length]
-    if too_long:
+    if too_long and not d.skip_long_prompts:
         raise prompts_lib.DataError(
             f"{len(too_long)} prompt(s) longer than rollout.max_prefill_length="
-            f"{cfg.rollout.max_prefill_length}, e.g. {too_long[:3]}")
-    return records
+            f"{cfg.rollout.max_prefill_length}, e.g. {too_long[:3]} (data.skip_long_prompts "
+            "skips them, each with a ledger `filter` line)")
+    return [r for r in records if r["prompt_id"] not in set(too_long)]
+
+
+def skipped_prompts(cfg: Config, records: list[dict]) -> list:
+    """Prompt ids `prompt_records` left out for their length (data.skip_long_prompts)."""
+    if cfg.data.source != "jsonl" or not cfg.data.skip_long_prompts:
+        return []
+    kept = {r["prompt_id"] for r in records}
+    return [r["prompt_id"] for r in prompts_lib.read_jsonl(cfg.data.path,
+                                                           vocab_size=cfg.model.vocab_size)
+            if r["prompt_id"] not in kept]
 
 
 def warm_up(slices, trainer, cfg: Config) -> None:
@@ -119,8 +130,14 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
         scheduler = resume.scheduler_for(sched_cfg, resumed.plan,
                                          {g: d["version"] for g, d in resumed.kept.items()})
         restart.truncate_metrics(workdir, trainer.version)
-    rewards = tasks.RewardPool(reward_fn, cfg.coordinator.reward_threads)
+    rewards = tasks.RewardPool(reward_fn, cfg.coordinator.reward_threads,
+                              cfg.coordinator.reward_timeout)
     ledger = LedgerWriter(os.path.join(workdir, "ledger.jsonl"))
+    if resumed is None:
+        for prompt_id in skipped_prompts(cfg, records):
+            ledger.write("filter", prompt_id=prompt_id, time=0.0,
+                         reason=f"prompt over rollout.max_prefill_length "
+                                f"({cfg.rollout.max_prefill_length})")
     reporter = StepReporter(os.path.join(workdir, "metrics.jsonl"))
     timeline = Timeline()
     runtime = Runtime(cfg, scheduler, slices, trainer, stream, rewards, ledger, reporter,

@@ -104,6 +104,28 @@ def test_reward_pool_records_failures_and_goes_on():
     pool.close()
 
 
+def test_reward_pool_times_out_a_hung_reward_and_goes_on():
+    import threading
+    import time
+
+    release = threading.Event()
+
+    def fn(record, response):
+        if record.get("hang"):
+            release.wait(10)  # a verifier stuck far past the limit
+        return 1.0
+
+    pool = tasks.RewardPool(fn, num_threads=2, timeout=0.2)
+    start = time.perf_counter()
+    hung = pool.submit({"hang": True}, [1])
+    ok = pool.submit({}, [1, 2])
+    assert hung.result(timeout=5) == (0.0, "reward timed out after 0.2 s")
+    assert time.perf_counter() - start < 2
+    assert ok.result(timeout=5) == (1.0, None)  # the pool's other thread goes on
+    release.set()
+    pool.close()
+
+
 def test_unknown_reward_name():
     with pytest.raises(ValueError, match="unknown reward"):
         tasks.reward_fn("nope")
@@ -134,3 +156,27 @@ def test_countdown_lengths_are_long_tailed_and_fit_the_decode_limit():
     prompts.in_memory(records, vocab_size=260)
     with pytest.raises(ValueError, match="vocab_size 200 too small"):
         tasks.countdown_prompts(4, 200)
+
+
+def test_long_prompts_are_an_error_or_skipped_with_a_filter_line(tmp_path, load_config):
+    """A JSONL prompt past rollout.max_prefill_length (16 in configs/tiny.py) stops
+    the run before any compute by default; with data.skip_long_prompts it is left
+    out, and the ledger's prompt-level `filter` line for it passes the audit."""
+    from dora_jax import experiment
+    from dora_jax.scheduler import ledger
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt_id": "short", "tokens": [2, 5, 6]}\n'
+                    '{"prompt_id": "long", "tokens": ' + str([5] * 20) + '}\n')
+    strict = load_config("configs/tiny.py", data__source="jsonl", data__path=str(path))
+    with pytest.raises(prompts.DataError, match=r"1 prompt\(s\) longer .* \['long'\]"):
+        experiment.prompt_records(strict)
+    lenient = load_config("configs/tiny.py", data__source="jsonl", data__path=str(path),
+                          data__skip_long_prompts=True)
+    records = experiment.prompt_records(lenient)
+    assert [r["prompt_id"] for r in records] == ["short"]
+    assert experiment.skipped_prompts(lenient, records) == ["long"]
+    events = [dict(event="filter", prompt_id="long", reason="prompt over max"),
+              dict(event="admit", group_id=0, prompt_id="short", version=0),
+              dict(event="unconsumed", group_id=0, version=0)]
+    assert ledger.audit(events, train_batch_size=1, group_size=1, max_staleness=0).ok

@@ -291,3 +291,12 @@ def test_a_failing_slice_is_restarted_and_nothing_is_lost(mode, tmp_path, small_
     assert failed["slice"] == 1 and "injected failure" in failed["error"]
     assert failed["regenerated"] > 0  # it held samples when it failed
     assert sum(m["slice_failures"] for m in _metrics(tmp_path)) == 1
+
+
+def test_a_slice_failing_past_the_restart_limit_stops_the_run(tmp_path, small_config):
+    cfg = small_config("dora", num_steps=4, fail_slice=0, fail_slice_at=1,
+                       max_slice_restarts=0)
+    with pytest.raises(RunError, match="slice 0 failed .*InjectedFault"):
+        _run(cfg, tmp_path)
+    events, report = audit_workdir(cfg, tmp_path)
+    assert report.ok, report.summary()  # every admitted group is still accounted for

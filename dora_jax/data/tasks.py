@@ -13,6 +13,7 @@ must read the cue.
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import traceback
 from typing import Callable, Sequence
 
@@ -111,12 +112,15 @@ def reward_fn(name: str) -> RewardFn:
 class RewardPool:
     """Scores finished samples on host threads while decoding goes on.
 
-    A reward function that raises is recorded as a failure of that sample (reward
-    0.0 and the exception text); the run goes on.
+    A reward function that raises, or does not return within `timeout` seconds of
+    the sample's submission (0: no limit), is recorded as a failure of that sample
+    (reward 0.0 and the reason); the run goes on. A hung call keeps its thread: the
+    pool has `num_threads`, and once they all hang every later sample times out too,
+    which the ledger then shows.
     """
 
-    def __init__(self, fn: RewardFn, num_threads: int = 4):
-        self._fn = fn
+    def __init__(self, fn: RewardFn, num_threads: int = 4, timeout: float = 0.0):
+        self._fn, self._timeout = fn, timeout
         self._pool = concurrent.futures.ThreadPoolExecutor(num_threads, "reward")
 
     def _score(self, record, response):
@@ -127,7 +131,24 @@ class RewardPool:
 
     def submit(self, record: dict, response: Sequence[int]) -> concurrent.futures.Future:
         """Future of (reward, error text or None)."""
-        return self._pool.submit(self._score, record, list(response))
+        inner = self._pool.submit(self._score, record, list(response))
+        if not self._timeout:
+            return inner
+        outer: concurrent.futures.Future = concurrent.futures.Future()
+
+        def settle(result):
+            try:
+                outer.set_result(result)
+            except concurrent.futures.InvalidStateError:  # the other one came first
+                pass
+
+        timer = threading.Timer(self._timeout, settle,
+                                [(0.0, f"reward timed out after {self._timeout:g} s")])
+        timer.daemon = True
+        inner.add_done_callback(lambda f: (timer.cancel(), settle(f.result())))
+        timer.start()
+        return outer
 
     def close(self):
-        self._pool.shutdown(wait=True)
+        # A hung reward call is abandoned, not waited for.
+        self._pool.shutdown(wait=not self._timeout, cancel_futures=bool(self._timeout))

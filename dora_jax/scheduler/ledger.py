@@ -5,7 +5,8 @@ One JSON object per line:
   {"event": "consume", "group_id", "prompt_id", "version", "step", "time",
    "samples": [{"sample", "versions": [[v, n_tokens], ...], "slices": [...],
                 "response_len", "finish": "eos"|"length", "reward", ...}]}
-  {"event": "filter", "group_id", "reason"}
+  {"event": "filter", "group_id", "reason"}  (or "prompt_id" instead of "group_id":
+                                             a prompt left out before admission)
   {"event": "unconsumed", "group_id", "version"}     (written at exit)
   {"event": "resume", "step", "time"}                (a run resumed from a checkpoint)
 `step` is the params version the trainer used for the batch (it publishes step+1).
@@ -174,6 +175,8 @@ def audit(events: Iterable[dict], *, train_batch_size: int, group_size: int,
                       and s["response_len"] != max_decode_len):
                     c2.append(f"group {gid} sample {s['sample']} truncated at "
                               f"{s['response_len']} < max_decode_len {max_decode_len}")
+        elif kind == "filter" and gid is None:
+            pass  # a prompt left out before any group was made of it
         elif kind in ("filter", "unconsumed"):
             if kind == "filter" and not e.get("reason"):
                 c2.append(f"group {gid} filtered without a reason")
