@@ -230,7 +230,8 @@ def test_overlong_punishment_shapes_the_trained_rewards(small_config):
     import types
 
     from dora_jax import config as config_lib
-    from dora_jax.runtime.loop import Runtime, _Group
+    from dora_jax.runtime import scoring
+    from dora_jax.runtime.loop import _Group
 
     c = small_config("dora", validate=False)
     c.trainer.update(dict(overlong_buffer=4, overlong_penalty=2.0))
@@ -240,9 +241,7 @@ def test_overlong_punishment_shapes_the_trained_rewards(small_config):
         g.trajectories[k] = types.SimpleNamespace(response_tokens=[7] * n)
         g.rewards[k] = concurrent.futures.Future()
         g.rewards[k].set_result((1.0, None))
-    rt = types.SimpleNamespace(cfg=cfg)
-    rt._penalties = lambda g: Runtime._penalties(rt, g)
-    assert Runtime._shaped_rewards(rt, g) == pytest.approx([1.0, 0.5, -1.0])
+    assert scoring.shaped_rewards(cfg, g) == pytest.approx([1.0, 0.5, -1.0])
 
 
 def test_a_failed_run_resumes_and_the_whole_ledger_audits(tmp_path, small_config):

@@ -38,9 +38,8 @@ import numpy as np
 from dora_jax.data.prompts import PromptStream
 from dora_jax.data.tasks import RewardPool
 from dora_jax.model.sharding import copy_tree
-from dora_jax.rl.losses import overlong_penalty
 from dora_jax.rollout.trajectory import Request
-from dora_jax.runtime import restart
+from dora_jax.runtime import restart, scoring
 from dora_jax.runtime.report import StepReporter, WaitClock
 from dora_jax.runtime.stream import GroupQueue, train_batches
 from dora_jax.runtime.worker import Event, SliceWorker
@@ -214,25 +213,12 @@ class Runtime:
         entry = {"sample": k, "versions": t.versions, "slices": t.slice_ids,
                  "response_len": len(t.response_tokens), "finish": t.finish_reason,
                  "reward": reward}
-        penalty = self._penalties(g)[k]
+        penalty = scoring.penalties(self.cfg, g)[k]
         if penalty:
             entry["overlong_penalty"] = penalty
         if error:
             entry["reward_error"] = error
         return entry
-
-    def _penalties(self, g: _Group) -> list:
-        """DAPO's overlong punishment per sample (0 unless trainer.overlong_buffer)."""
-        t, ks = self.cfg.trainer, sorted(g.trajectories)
-        return [float(p) for p in overlong_penalty(
-            [len(g.trajectories[k].response_tokens) for k in ks],
-            self.cfg.rollout.max_decode_len, t.overlong_buffer, t.overlong_penalty)]
-
-    def _shaped_rewards(self, g: _Group) -> list:
-        """The rewards the trainer sees: the reward function's plus the overlong
-        punishment, per sample in order."""
-        return [g.rewards[k].result()[0] + p for k, p in zip(sorted(g.trajectories),
-                                                              self._penalties(g))]
 
     # ------------------------------------------------------------------ actions
     def _execute(self, actions):
@@ -278,7 +264,7 @@ class Runtime:
         trajectories = []
         for gid in a.group_ids:
             g = self.groups[gid]
-            for k, reward in zip(sorted(g.trajectories), self._shaped_rewards(g)):
+            for k, reward in zip(sorted(g.trajectories), scoring.shaped_rewards(self.cfg, g)):
                 g.trajectories[k].reward = reward
                 trajectories.append(g.trajectories[k])
         now = self.clock()
@@ -348,19 +334,9 @@ class Runtime:
     def _score_when_ready(self, gid: int):
         """Posts a "scored" event once every reward of the finished group is in (a
         reward pool thread runs the last callback; the coordinator never waits)."""
-        futures = list(self.groups[gid].rewards.values())
-        left, lock = [len(futures)], threading.Lock()
         self._scoring.add(gid)
-
-        def done(_):
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                self._events.put(Event("scored", "rewards", gid))
-
-        for f in futures:
-            f.add_done_callback(done)
+        scoring.when_all_done(list(self.groups[gid].rewards.values()),
+                              lambda: self._events.put(Event("scored", "rewards", gid)))
 
     def _scored(self, gid: int):
         """DAPO's dynamic sampling: a group whose rewards are all equal carries no
@@ -368,7 +344,7 @@ class Runtime:
         the scheduler admits another in its place."""
         self._scoring.discard(gid)
         g = self.groups[gid]
-        rewards = self._shaped_rewards(g)
+        rewards = scoring.shaped_rewards(self.cfg, g)
         keep = max(rewards) != min(rewards)
         self.sched.group_scored(gid, keep)
         if not keep:
