@@ -7,8 +7,8 @@ the same command, again and again, then audit the whole ledger.
 
 Each round starts `python -m dora_jax.main --config=... --workdir=...` (the same
 command every time; the first round with --fresh) and kills it with SIGKILL: in a
-`startup_kills` fraction of the rounds during start-up (compilation, restore) at a
-time drawn from [1, 10] s, in the others once the ledger has grown, after a further
+`startup_kills` share of the rounds (chosen at random) during start-up (compilation,
+restore) at a time drawn from [1, 10] s, in the others once the ledger has grown, after a further
 delay drawn from [0, max_delay] s: while decoding, in a train step or in a checkpoint
 save, wherever it falls. After the kills the command runs to the end. The run must
 be long enough to take every kill (a run that finishes first stops the benchmark
@@ -81,6 +81,8 @@ def main(argv):
     log = os.path.join(_WORKDIR.value, "crash_round.log")
     ledger_path = os.path.join(_WORKDIR.value, "ledger.jsonl")
     size = lambda: os.path.getsize(ledger_path) if os.path.exists(ledger_path) else 0  # noqa
+    # Which kills fall in start-up: a fixed share, at random rounds.
+    startups = set(rng.sample(range(_KILLS.value), round(_STARTUP.value * _KILLS.value)))
     kills = rounds = 0
     while kills < _KILLS.value:
         before = size()
@@ -89,7 +91,7 @@ def main(argv):
                                     stdout=subprocess.DEVNULL, stderr=err)
         rounds += 1
         start = time.perf_counter()
-        startup = rng.random() < _STARTUP.value
+        startup = kills in startups
         delay = rng.uniform(1.0, 10.0) if startup else rng.uniform(0.0, _MAX.value)
         if not startup:  # wait for the run to write to its ledger
             while proc.poll() is None and size() <= before:
