@@ -34,7 +34,13 @@ def main(argv):
                         tok_s=f"{tokens_per_s:.0f}", versions=r["resident_versions"])
         bar.update(1)
 
-    summary = experiment.run(cfg, _WORKDIR.value, on_step=on_step, fresh=_FRESH.value)
+    from dora_jax.data.prompts import DataError
+
+    try:
+        summary = experiment.run(cfg, _WORKDIR.value, on_step=on_step, fresh=_FRESH.value)
+    except (config_lib.ConfigError, DataError) as e:  # one line, no traceback
+        bar.close()
+        raise SystemExit(f"error: {e}") from None
     bar.close()
     if "already_trained" in summary:
         print(f"{_WORKDIR.value} already holds all {summary['already_trained']} steps "

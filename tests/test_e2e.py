@@ -106,3 +106,25 @@ def test_colab_quickstart_runs(tmp_path, monkeypatch):
     namespace = {}
     exec(compile(source, "quickstart.ipynb", "exec"), namespace)
     assert namespace["report"].ok and namespace["summary"]["steps"] == 3
+
+
+def test_main_refuses_a_workdir_of_another_config_with_one_line(tmp_path):
+    """A workdir remembers its config: main on it with another one stops before any
+    compute, with one line naming the differing field and no traceback."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO, load_repo_config
+    from dora_jax.runtime import restart
+
+    (tmp_path / "config.json").write_text(json.dumps(restart.config_json(
+        load_repo_config("configs/tiny.py", num_devices=8))))
+    out = subprocess.run(
+        [sys.executable, "-m", "dora_jax.main", "--config=configs/tiny.py",
+         f"--workdir={tmp_path}", "--config.coordinator.mode=sync"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "coordinator.mode: 'dora' -> 'sync'" in out.stderr and "--fresh" in out.stderr
