@@ -50,7 +50,8 @@ def prompt_records(cfg: Config) -> list[dict]:
             f"{len(too_long)} prompt(s) longer than rollout.max_prefill_length="
             f"{cfg.rollout.max_prefill_length}, e.g. {too_long[:3]} (data.skip_long_prompts "
             "skips them, each with a ledger `filter` line)")
-    return [r for r in records if r["prompt_id"] not in set(too_long)]
+    skipped = set(too_long)
+    return [r for r in records if r["prompt_id"] not in skipped]
 
 
 def skipped_prompts(cfg: Config, records: list[dict]) -> list:

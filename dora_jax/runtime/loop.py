@@ -164,7 +164,7 @@ class Runtime:
             g = self.groups.pop(gid)
             self.ledger.write("consume", group_id=gid, prompt_id=g.record["prompt_id"],
                               version=g.version, step=step, time=end,
-                              samples=[self._sample_entry(g, k) for k in sorted(g.trajectories)])
+                              samples=self._sample_entries(g))
         record = self.reporter.step(step, batch, metrics, wait=wait, wait_split=wait_split,
                                     train_time=end - start, now=end, slices=self.slices,
                                     scheduler=self.sched,
@@ -207,18 +207,21 @@ class Runtime:
             "finished_groups": finished,
         }, force=True)
 
-    def _sample_entry(self, g: _Group, k: int) -> dict:
-        t = g.trajectories[k]
-        reward, error = g.rewards[k].result()
-        entry = {"sample": k, "versions": t.versions, "slices": t.slice_ids,
-                 "response_len": len(t.response_tokens), "finish": t.finish_reason,
-                 "reward": reward}
-        penalty = scoring.penalties(self.cfg, g)[k]
-        if penalty:
-            entry["overlong_penalty"] = penalty
-        if error:
-            entry["reward_error"] = error
-        return entry
+    def _sample_entries(self, g: _Group) -> list:
+        """The `samples` of a group's `consume` line, in sample order."""
+        entries = []
+        for k, penalty in zip(sorted(g.trajectories), scoring.penalties(self.cfg, g)):
+            t = g.trajectories[k]
+            reward, error = g.rewards[k].result()
+            entry = {"sample": k, "versions": t.versions, "slices": t.slice_ids,
+                     "response_len": len(t.response_tokens), "finish": t.finish_reason,
+                     "reward": reward}
+            if penalty:
+                entry["overlong_penalty"] = penalty
+            if error:
+                entry["reward_error"] = error
+            entries.append(entry)
+        return entries
 
     # ------------------------------------------------------------------ actions
     def _execute(self, actions):
