@@ -29,6 +29,7 @@ MOE_DISPATCH = ("dropless", "capacity")
 KL_KINDS = ("k1", "k2", "k3")
 SCHEDULES = ("constant", "cosine")
 DTYPES = ("float32", "bfloat16")
+ROPE_SCALINGS = ("none", "llama3")  # model/layers.py: rope_frequencies
 DATA_SOURCES = ("residue", "countdown", "jsonl", "tfds")
 ATTENTION_IMPLS = ("auto", "dense", "blockwise", "cudnn", "splash")  # model/attention.py
 REMAT_POLICIES = ("none", "full", "dots", "offload_dots")  # model/transformer.py
@@ -115,9 +116,22 @@ class ModelConfig(Section):
     num_kv_heads: int = field(min=1)
     head_dim: int = field(min=1)
     mlp_hidden: int = field(min=1)
+    # Tied: logits = hidden . embed^T, as the Qwen / Llama families compute them.
     tie_embeddings: bool = False
     qk_norm: bool = True
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2 / Qwen2.5)
     rope_theta: float = field(10_000.0, gt=0)
+    # "llama3": Llama 3.1's frequency scaling of RoPE (low frequencies divided by
+    # rope_factor, a smooth blend between the two wavelength bounds).
+    rope_scaling: str = field("none", choices=ROPE_SCALINGS)
+    rope_factor: float = field(8.0, gt=0)
+    rope_low_freq_factor: float = field(1.0, gt=0)
+    rope_high_freq_factor: float = field(4.0, gt=0)
+    rope_original_max_len: int = field(8192, min=1)
+    # A Hugging Face checkpoint directory (config.json + safetensors): the
+    # architecture fields above come from it (a field set otherwise is an error),
+    # and training starts from its weights. See model/hf.py.
+    checkpoint: str = ""
     norm_eps: float = field(1e-6, gt=0)
     dtype: str = field("float32", choices=DTYPES)  # activations / compute
     param_dtype: str = field("float32", choices=DTYPES)
@@ -146,6 +160,10 @@ class ModelConfig(Section):
         if self.num_heads % self.num_kv_heads:
             fail(self._f("num_kv_heads"),
                   f"must divide model.num_heads ({self.num_heads}), got {self.num_kv_heads}")
+        if self.rope_scaling == "llama3" and not (
+                self.rope_high_freq_factor > self.rope_low_freq_factor):
+            fail(self._f("rope_high_freq_factor"), f"must be > model.rope_low_freq_factor "
+                  f"({self.rope_low_freq_factor}), got {self.rope_high_freq_factor}")
         if self.head_dim % 2:
             fail(self._f("head_dim"), f"must be even for rotary embeddings, got {self.head_dim}")
         if self.moe.enabled and self.moe.moe_every > self.num_layers:

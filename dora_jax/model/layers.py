@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dora_jax.model.attention import attend, causal_attention
@@ -39,12 +40,27 @@ class RMSNorm(nnx.Module):
         return (x32 * inv * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x_BTHD: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(cfg) -> np.ndarray:
+    """Inverse frequencies [head_dim / 2] of the rotary embedding (f32), with the
+    config's scaling. `llama3` (Llama 3.1): wavelengths above
+    original_max_len / low_freq_factor are stretched by `rope_factor`, those below
+    original_max_len / high_freq_factor kept, and the band between blended linearly
+    in original_max_len / wavelength."""
+    half = cfg.head_dim // 2
+    inv_freq = 1.0 / cfg.rope_theta ** (np.arange(half, dtype=np.float64) * 2.0 / cfg.head_dim)
+    if cfg.rope_scaling == "llama3":
+        wavelength = 2 * np.pi / inv_freq
+        old, low, high = (cfg.rope_original_max_len, cfg.rope_low_freq_factor,
+                          cfg.rope_high_freq_factor)
+        blend = np.clip((old / wavelength - low) / (high - low), 0.0, 1.0)
+        inv_freq = (1 - blend) * inv_freq / cfg.rope_factor + blend * inv_freq
+    return inv_freq.astype(np.float32)
+
+
+def rope(x_BTHD: jax.Array, positions_BT: jax.Array, inv_freq_F) -> jax.Array:
     """Rotary embedding, half-split convention (Llama / Qwen), computed in f32."""
-    head_dim = x_BTHD.shape[-1]
-    half = head_dim // 2
-    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / head_dim)
-    angles_BTF = positions_BT[..., None].astype(jnp.float32) * inv_freq
+    half = x_BTHD.shape[-1] // 2
+    angles_BTF = positions_BT[..., None].astype(jnp.float32) * jnp.asarray(inv_freq_F)
     sin = jnp.sin(angles_BTF)[:, :, None, :]
     cos = jnp.cos(angles_BTF)[:, :, None, :]
     x = x_BTHD.astype(jnp.float32)
@@ -62,12 +78,19 @@ class Attention(nnx.Module):
         self.wv = param(rngs, (D, K, Dh), ("embed", "kv_heads", "head_dim"), pd)
         self.wo = param(rngs, (H, Dh, D), ("heads", "head_dim", "embed"), pd,
                         std=(H * Dh) ** -0.5)
+        if cfg.qkv_bias:
+            self.bq = param(rngs, (H, Dh), ("heads", "head_dim"), pd, std=0.0)
+            self.bk = param(rngs, (K, Dh), ("kv_heads", "head_dim"), pd, std=0.0)
+            self.bv = param(rngs, (K, Dh), ("kv_heads", "head_dim"), pd, std=0.0)
+        else:
+            self.bq = self.bk = self.bv = None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(Dh, "head_dim", cfg.norm_eps, pd, rngs=rngs)
             self.k_norm = RMSNorm(Dh, "head_dim", cfg.norm_eps, pd, rngs=rngs)
         else:
             self.q_norm = self.k_norm = None
-        self.theta = cfg.rope_theta
+        # Static: a tuple of floats, so the module holds no array outside its params.
+        self.inv_freq = tuple(float(f) for f in rope_frequencies(cfg))
         self.dtype = jnp.dtype(cfg.dtype)
         self.implementation, self.block = cfg.attention, cfg.attention_block
 
@@ -76,10 +99,13 @@ class Attention(nnx.Module):
         q = jnp.einsum("btd,dhk->bthk", x_BTD, self.wq[...].astype(dt))
         k = jnp.einsum("btd,dhk->bthk", x_BTD, self.wk[...].astype(dt))
         v = jnp.einsum("btd,dhk->bthk", x_BTD, self.wv[...].astype(dt))
+        if self.bq is not None:
+            q, k, v = (y + b[...].astype(dt) for y, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = rope(q, positions_BT, self.theta)
-        k = rope(k, positions_BT, self.theta)
+        inv_freq = np.asarray(self.inv_freq, np.float32)
+        q = rope(q, positions_BT, inv_freq)
+        k = rope(k, positions_BT, inv_freq)
         q = constrain(q, ("batch", "length", "heads", "head_dim"))
         k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))

@@ -120,7 +120,9 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         pd = jnp.dtype(cfg.param_dtype)
         self.cfg = cfg
-        self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pd, std=1.0)
+        # A tied table is also the output projection: init it for unit-variance logits.
+        self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pd,
+                           std=cfg.d_model ** -0.5 if cfg.tie_embeddings else 1.0)
         blocks = [Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)]
         if cfg.scan_layers:
             p = cfg.layer_period
@@ -137,7 +139,7 @@ class Transformer(nnx.Module):
     def _logits(self, x):
         x = self.final_norm(x)
         if self.lm_head is None:
-            w = self.embed[...].T * (self.cfg.d_model ** -0.5)  # unit-variance logits
+            w = self.embed[...].T
         else:
             w = self.lm_head[...]
         return jnp.einsum("btd,dv->btv", x, w.astype(x.dtype),

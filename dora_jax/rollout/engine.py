@@ -35,6 +35,8 @@ engine) and decode attention reads only each slot's pages (paged_attention.py).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,6 +51,9 @@ from dora_jax.rollout import sampling
 from dora_jax.rollout.pages import PagePool
 from dora_jax.rollout.state import DecodeState, EngineParams, Prefix, ResultTokens
 from dora_jax.rollout.sampling import SamplingParams
+
+if TYPE_CHECKING:  # the tokenizer's libraries load only when a tokenizer is asked for
+    from dora_jax.data.tokenizer import Tokenizer, TokenizerParameters
 
 
 def _leaf_paths(params) -> list:
@@ -77,8 +82,9 @@ class Engine:
 
     def __init__(self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, mesh: Mesh, *,
                  rules=DECODE_RULES, sampling_params: SamplingParams | None = None,
-                 greedy: bool = False):
+                 greedy: bool = False, tokenizer_path: str | None = None):
         self.model_cfg, self.rollout_cfg, self._mesh = model_cfg, rollout_cfg, mesh
+        self.tokenizer_path = tokenizer_path
         self.rules = tuple(rules)
         sp = sampling_params or SamplingParams.from_rollout(rollout_cfg)
         self.sampling_params = SamplingParams(sp.temperature, sp.top_k, sp.top_p,
@@ -162,6 +168,18 @@ class Engine:
     @property
     def cache_length(self) -> int:
         return self.rollout_cfg.cache_length
+
+    def get_tokenizer(self) -> TokenizerParameters:
+        """Engine API: where this engine's tokenizer lives (its checkpoint directory)."""
+        if self.tokenizer_path is None:
+            raise ValueError("this engine was built without a tokenizer_path")
+        from dora_jax.data.tokenizer import TokenizerParameters
+        return TokenizerParameters(self.tokenizer_path)
+
+    def build_tokenizer(self, metadata: TokenizerParameters) -> Tokenizer:
+        """Engine API: the tokenizer that `metadata` (from `get_tokenizer`) describes."""
+        from dora_jax.data.tokenizer import Tokenizer
+        return Tokenizer.from_pretrained(metadata.path)
 
     def load_params(self, params) -> EngineParams:
         """Reshards `params` (the model's param nnx.State, or its pure dict, on any
