@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import os
 from typing import ClassVar, Mapping
 
 import ml_collections
@@ -30,7 +31,16 @@ KL_KINDS = ("k1", "k2", "k3")
 SCHEDULES = ("constant", "cosine")
 DTYPES = ("float32", "bfloat16")
 ROPE_SCALINGS = ("none", "llama3")  # model/layers.py: rope_frequencies
-DATA_SOURCES = ("residue", "countdown", "jsonl", "tfds")
+DATA_SOURCES = ("residue", "countdown", "jsonl", "gsm8k", "math", "reasoning_gym", "tfds")
+TEXT_SOURCES = ("gsm8k", "math", "reasoning_gym", "tfds")  # prompts built by a tokenizer
+# Rewards by name: of response tokens (data/tasks.py) and of decoded text
+# (data/verifiers.py; "by_record": the verifier each record names); "auto": the
+# source's own (AUTO_REWARDS).
+TOKEN_REWARDS = ("residue", "exact_match", "countdown")
+TEXT_REWARDS = ("gsm8k", "math", "countdown_expr", "reasoning_gym", "by_record")
+AUTO_REWARDS = {"residue": "residue", "countdown": "countdown", "jsonl": "exact_match",
+                "gsm8k": "gsm8k", "math": "math", "reasoning_gym": "by_record",
+                "tfds": "by_record"}
 ATTENTION_IMPLS = ("auto", "dense", "blockwise", "cudnn", "splash")  # model/attention.py
 REMAT_POLICIES = ("none", "full", "dots", "offload_dots")  # model/transformer.py
 KV_CACHES = ("paged", "dense")  # rollout/engine.py
@@ -388,29 +398,54 @@ class DataConfig(Section):
     """Where prompts come from and how they are scored."""
 
     PATH: ClassVar[str] = "data"
-    source: str = field("residue", choices=DATA_SOURCES)  # tfds: see __post_init__
-    reward: str = "residue"
-    path: str = ""  # jsonl file
-    num_prompts: int = field(512, min=1)  # synthetic tasks
+    source: str = field("residue", choices=DATA_SOURCES)
+    reward: str = field("auto", choices=("auto",) + TOKEN_REWARDS + TEXT_REWARDS)
+    path: str = ""  # jsonl, gsm8k, math: the JSONL file
+    # A Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json);
+    # default: model.checkpoint's. Its EOS / pad ids become rollout.eos_id / pad_id.
+    tokenizer: str = ""
+    # Text prompts: a chat turn of the question plus `instruction` (None: the
+    # answer format's own, e.g. "... after ####"), after an optional system prompt;
+    # chat_template_args go to the template (e.g. enable_thinking=False for Qwen3).
+    instruction: str | None = None
+    system_prompt: str = ""
+    chat_template_args: Mapping = dataclasses.field(default_factory=dict)
+    task: str = ""  # reasoning_gym: the task, e.g. basic_arithmetic, countdown
+    task_args: Mapping = dataclasses.field(default_factory=dict)  # its dataset's config
+    # tfds: a prepared dataset (python -m dora_jax.data.tfds_local builds one from
+    # JSONL), read with tfds.data_source; nothing is downloaded.
+    tfds_name: str = ""
+    tfds_split: str = "train"
+    tfds_dir: str = ""
+    num_prompts: int = field(512, min=1)  # synthetic and reasoning_gym tasks
     prompt_len: int = field(6, min=2)  # residue
     modulus: int = field(4, min=2)  # residue
     count_median: float = field(12.0, gt=0)  # countdown: lognormal counts, clipped
     count_sigma: float = field(1.1, ge=0)  # to [1, max_count]
     max_count: int = field(255, min=1)
     num_epochs: int | None = field(None, min=1)  # None: repeat forever
-    # JSONL prompts longer than rollout.max_prefill_length: an error, or (True)
-    # left out, each with a ledger `filter` line naming it.
+    # Prompts longer than rollout.max_prefill_length (files and datasets): an
+    # error, or (True) left out, each with a ledger `filter` line naming it.
     skip_long_prompts: bool = False
     shuffle: bool = True
 
+    @property
+    def reward_name(self) -> str:
+        return AUTO_REWARDS[self.source] if self.reward == "auto" else self.reward
+
     def __post_init__(self):
         super().__post_init__()
-        if self.source == "jsonl" and not self.path:
-            fail(self._f("path"), "data.source='jsonl' needs a path")
-        if self.source == "tfds":  # which feature, which tokenizer: code, not config
-            fail(self._f("source"), "'tfds' prompts need an example->record mapping: build "
-                                     "data.prompts.TfdsSource(name, split, to_record) and "
-                                     "pass it to experiment.run(records=...)")
+        for sources, name in ((("jsonl", "gsm8k", "math"), "path"),
+                              (("tfds",), "tfds_name"), (("reasoning_gym",), "task")):
+            if self.source in sources and not getattr(self, name):
+                fail(self._f(name), f"data.source={self.source!r} needs data.{name}")
+        if self.source in TEXT_SOURCES and not self.tokenizer:
+            fail(self._f("tokenizer"), f"data.source={self.source!r} builds prompts with a "
+                  "tokenizer: set data.tokenizer or model.checkpoint (a directory with "
+                  "tokenizer.json)")
+        if self.reward_name in TEXT_REWARDS and not self.tokenizer:
+            fail(self._f("tokenizer"), f"reward {self.reward_name!r} reads decoded text: set "
+                  "data.tokenizer or model.checkpoint")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -478,9 +513,49 @@ class Config(Section):
                   f"countdown is max_count + 1 tokens of numbers 0..), got {d.max_count}")
 
 
+def _with_pretrained(d: dict) -> dict:
+    """Fills what a Hugging Face checkpoint or tokenizer determines: the model's
+    architecture from model.checkpoint, data.tokenizer (default: the checkpoint's),
+    rollout.eos_id / pad_id from the tokenizer. Set values must agree."""
+    model, data = d.setdefault("model", {}), d.setdefault("data", {})
+    checkpoint = model.get("checkpoint")
+    if checkpoint:
+        from dora_jax.model import hf_config  # no JAX
+
+        d["model"] = hf_config.resolve(model, schema(ModelConfig).to_dict(), checkpoint)
+        if not data.get("tokenizer") and os.path.exists(os.path.join(checkpoint,
+                                                                     "tokenizer.json")):
+            data["tokenizer"] = checkpoint
+    if not data.get("tokenizer"):
+        return d
+    from dora_jax.data.tokenizer import Tokenizer  # no JAX
+
+    try:
+        tokenizer = Tokenizer.from_pretrained(data["tokenizer"])
+    except ValueError as e:
+        fail("data.tokenizer", str(e))
+    vocab = d["model"].get("vocab_size")
+    if vocab is not None and tokenizer.vocab_size > vocab:
+        fail("data.tokenizer", f"{tokenizer.vocab_size} tokens do not fit model.vocab_size "
+              f"({vocab})")
+    rollout = d.setdefault("rollout", {})
+    for name, value in (("eos_id", tokenizer.eos_id), ("pad_id", tokenizer.pad_id)):
+        default = getattr(RolloutConfig, name)
+        if rollout.get(name, default) not in (default, value):
+            fail(f"rollout.{name}", f"{rollout[name]}, but tokenizer {data['tokenizer']} has "
+                  f"{value} (leave it unset: the tokenizer sets it)")
+        rollout[name] = value
+    return d
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> Config:
-    """Validates a whole ConfigDict into a `Config`; `num_devices` is checked when given."""
-    d = config.to_dict()
+    """Validates a whole ConfigDict into a `Config`; `num_devices` is checked when
+    given. A model.checkpoint / data.tokenizer is read (config files only) to fill
+    what it determines."""
+    d = _with_pretrained(config.to_dict())
+    if d["model"].get("vocab_size") is None and not d["model"].get("checkpoint"):
+        fail("model.checkpoint", "this config takes the model's architecture from a Hugging "
+              "Face checkpoint: set --config.model.checkpoint=DIR")
     if d.get("coordinator", {}).get("mode") == "colocated_sync":
         d["mesh"] = colocate(d.get("mesh", {}))
     cfg = Config.from_dict(d)

@@ -15,7 +15,7 @@ from typing import Callable
 from dora_jax.checkpointing import Checkpointer, load_params
 from dora_jax.config import Config
 from dora_jax.data import prompts as prompts_lib
-from dora_jax.data import tasks
+from dora_jax.data import sources, tasks
 from dora_jax.model import sharding, transformer
 from dora_jax.rl.trainer import Trainer
 from dora_jax.rollout.slice import DecodeSlice
@@ -32,36 +32,24 @@ from dora_jax.scheduler.types import SchedulerConfig
 from dora_jax.timeline import Timeline
 
 
-def prompt_records(cfg: Config) -> list[dict]:
-    """The prompt source named by `cfg.data`, validated."""
-    d, vocab = cfg.data, cfg.model.vocab_size
-    if d.source in ("residue", "countdown"):  # generated
-        records = (tasks.residue_prompts(d.num_prompts, vocab, prompt_len=d.prompt_len,
-                                         modulus=d.modulus, seed=cfg.seed)
-                   if d.source == "residue" else
-                   tasks.countdown_prompts(d.num_prompts, vocab, median=d.count_median,
-                                           sigma=d.count_sigma, max_count=d.max_count,
-                                           seed=cfg.seed))
-        return prompts_lib.in_memory(records, vocab)
-    records = prompts_lib.read_jsonl(d.path, vocab_size=vocab)  # validate() allows no other
-    too_long = [r["prompt_id"] for r in records if len(r["tokens"]) > cfg.rollout.max_prefill_length]
-    if too_long and not d.skip_long_prompts:
-        raise prompts_lib.DataError(
-            f"{len(too_long)} prompt(s) longer than rollout.max_prefill_length="
-            f"{cfg.rollout.max_prefill_length}, e.g. {too_long[:3]} (data.skip_long_prompts "
-            "skips them, each with a ledger `filter` line)")
-    skipped = set(too_long)
-    return [r for r in records if r["prompt_id"] not in skipped]
+def initial_params(cfg: Config, mesh=None):
+    """(graphdef, params) a run starts from: model.checkpoint's weights (placed shard
+    by shard on `mesh` under the trainer's rules), else random ones from the seed;
+    then init_checkpoint's params (an Orbax checkpoint, e.g. dora_jax.sft's) if set."""
+    if cfg.init_checkpoint and not os.path.isdir(cfg.init_checkpoint):
+        raise FileNotFoundError(f"config.init_checkpoint: no checkpoint directory at "
+                                f"{cfg.init_checkpoint!r}")
+    if cfg.model.checkpoint:
+        from dora_jax.model import hf
 
-
-def skipped_prompts(cfg: Config, records: list[dict]) -> list:
-    """Prompt ids `prompt_records` left out for their length (data.skip_long_prompts)."""
-    if cfg.data.source != "jsonl" or not cfg.data.skip_long_prompts:
-        return []
-    kept = {r["prompt_id"] for r in records}
-    return [r["prompt_id"] for r in prompts_lib.read_jsonl(cfg.data.path,
-                                                           vocab_size=cfg.model.vocab_size)
-            if r["prompt_id"] not in kept]
+        graphdef, _ = transformer.abstract_params(cfg.model)
+        _, params = hf.load_pretrained(cfg.model.checkpoint, cfg=cfg.model, mesh=mesh,
+                                       rules=cfg.mesh.trainer_rules)
+    else:
+        graphdef, params = transformer.create(cfg.model, cfg.seed)
+    if cfg.init_checkpoint:
+        params = load_params(cfg.init_checkpoint, params)
+    return graphdef, params
 
 
 def warm_up(slices, trainer, cfg: Config) -> None:
@@ -93,15 +81,13 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
         path = os.path.join(workdir, "summary.json")
         summary = json.load(open(path)) if os.path.exists(path) else {}
         return dict(summary, already_trained=trained, mode=cfg.coordinator.mode)
-    records = prompt_records(cfg) if records is None else records
-    reward_fn = tasks.reward_fn(cfg.data.reward)  # an unknown name fails before compute
-    if cfg.init_checkpoint and not os.path.isdir(cfg.init_checkpoint):
-        raise FileNotFoundError(f"config.init_checkpoint: no checkpoint directory at "
-                                f"{cfg.init_checkpoint!r}")
+    tokenizer = sources.tokenizer_for(cfg)
+    skipped = []
+    if records is None:
+        records, skipped = sources.prompt_records(cfg, tokenizer)
+    reward_fn = sources.reward_for(cfg, tokenizer)  # an unknown name fails before compute
     trainer_mesh, slice_meshes = sharding.make_meshes(cfg.mesh)
-    graphdef, params = transformer.create(cfg.model, cfg.seed)
-    if cfg.init_checkpoint:
-        params = load_params(cfg.init_checkpoint, params)
+    graphdef, params = initial_params(cfg, trainer_mesh)
     # Without lookahead a slice reports a finished sample in the step that ends it,
     # so the scheduler never migrates or reloads around a request that has in fact
     # already finished on the device.
@@ -135,7 +121,7 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
                               cfg.coordinator.reward_timeout)
     ledger = LedgerWriter(os.path.join(workdir, "ledger.jsonl"))
     if resumed is None:
-        for prompt_id in skipped_prompts(cfg, records):
+        for prompt_id in skipped:
             ledger.write("filter", prompt_id=prompt_id, time=0.0,
                          reason=f"prompt over rollout.max_prefill_length "
                                 f"({cfg.rollout.max_prefill_length})")

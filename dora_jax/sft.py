@@ -22,7 +22,7 @@ import optax
 
 from dora_jax.checkpointing import Checkpointer
 from dora_jax.config import Config
-from dora_jax.data import tasks
+from dora_jax.data import sources
 from dora_jax.model import transformer
 from dora_jax.rl.batch import TrainBatch
 
@@ -44,12 +44,13 @@ def demonstration_batch(cfg: Config, records: list, demonstrate, rows: np.ndarra
 def train(cfg: Config, workdir: str, *, steps: int, batch_size: int, learning_rate: float,
           log_every: int = 10) -> dict:
     """Runs `steps` teacher-forced updates; returns {loss_first, loss_last, checkpoint}."""
-    from dora_jax.experiment import prompt_records
+    from dora_jax.experiment import initial_params
 
-    demonstrate = tasks.demonstration_fn(cfg.data.reward)  # fails before compute
-    records = prompt_records(cfg)
+    tokenizer = sources.tokenizer_for(cfg)
+    demonstrate = sources.demonstration_for(cfg, tokenizer)  # fails before compute
+    records, _ = sources.prompt_records(cfg, tokenizer)
     os.makedirs(workdir, exist_ok=True)
-    graphdef, params = transformer.create(cfg.model, cfg.seed)
+    graphdef, params = initial_params(cfg)
     tx = optax.chain(optax.clip_by_global_norm(cfg.trainer.grad_clip),
                      optax.adamw(learning_rate, weight_decay=cfg.trainer.weight_decay))
     opt_state = tx.init(params)

@@ -77,3 +77,20 @@ def audit_workdir(cfg, workdir):
     events = ledger.read(os.path.join(workdir, "ledger.jsonl"))
     return events, ledger.audit_run(events, SchedulerConfig.from_config(cfg),
                                     cfg.rollout.max_decode_len)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_checkpoint(tmp_path_factory):
+    """A Hugging Face checkpoint directory of configs/qwen3_gsm8k.py:tiny's model
+    (random weights, seed 0) with the shipped tokenizer: what a user would pass as
+    --config.model.checkpoint."""
+    from dora_jax.data.tokenizer import Tokenizer
+    from dora_jax.data.word_problems import TOKENIZER_DIR
+    from dora_jax.model import hf, transformer
+
+    cfg = load_repo_config("configs/qwen3_gsm8k.py:tiny")
+    path = tmp_path_factory.mktemp("hf") / "tiny_qwen3"
+    _, params = transformer.create(cfg.model, seed=0)
+    hf.save_pretrained(cfg.model, params, str(path),
+                       tokenizer=Tokenizer.from_pretrained(TOKENIZER_DIR))
+    return str(path)

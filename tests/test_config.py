@@ -22,8 +22,12 @@ def _specs():
 
 
 @pytest.mark.parametrize("spec", list(_specs()))
-def test_shipped_config_validates(spec, load_config):
-    cfg = load_config(spec)
+def test_shipped_config_validates(spec, load_config, request):
+    # A config that takes its architecture from a checkpoint gets a tiny one.
+    needs_checkpoint = spec == "configs/qwen3_gsm8k.py"
+    overrides = ({"model__checkpoint": request.getfixturevalue("tiny_hf_checkpoint"),
+                  "data__path": "train.jsonl"} if needs_checkpoint else {})
+    cfg = load_config(spec, **overrides)
     assert cfg.model.vocab_size > 0
     doc = (REPO / spec.split(":")[0]).read_text()
     docstring = doc.split('"""')[1]
@@ -113,7 +117,13 @@ INVALID = [
     (_tiny, "coordinator.num_steps", 0, "coordinator.num_steps"),
     (_tiny, "trainer.micro_batches", 3, "coordinator.train_batch_size"),  # 16 samples / 3
     (_tiny, "data.source", "hub", "data.source"),
-    (_tiny, "data.source", "tfds", "data.source"),  # the mapping is code: TfdsSource
+    (_tiny, "data.source", "tfds", "data.tfds_name"),
+    (_tiny, "data.source", "gsm8k", "data.path"),
+    (_tiny, "data.source", "reasoning_gym", "data.task"),
+    (_tiny, "data.reward", "gsm8k", "data.tokenizer"),  # decoded text needs a tokenizer
+    (_tiny, "data.reward", "bleu", "data.reward"),
+    (_tiny, "model.checkpoint", "/nonexistent/ckpt", "model.checkpoint"),
+    (_tiny, "data.tokenizer", "/nonexistent/tok", "data.tokenizer"),
     (_tiny, "data.prompt_len", 17, "data.prompt_len"),  # > max_prefill_length 16
     (_tiny, "data.modulus", 1, "data.modulus"),
     (_tiny, "data.count_sigma", -0.5, "data.count_sigma"),

@@ -162,7 +162,7 @@ def test_long_prompts_are_an_error_or_skipped_with_a_filter_line(tmp_path, load_
     """A JSONL prompt past rollout.max_prefill_length (16 in configs/tiny.py) stops
     the run before any compute by default; with data.skip_long_prompts it is left
     out, and the ledger's prompt-level `filter` line for it passes the audit."""
-    from dora_jax import experiment
+    from dora_jax.data import sources
     from dora_jax.scheduler import ledger
 
     path = tmp_path / "p.jsonl"
@@ -170,12 +170,12 @@ def test_long_prompts_are_an_error_or_skipped_with_a_filter_line(tmp_path, load_
                     '{"prompt_id": "long", "tokens": ' + str([5] * 20) + '}\n')
     strict = load_config("configs/tiny.py", data__source="jsonl", data__path=str(path))
     with pytest.raises(prompts.DataError, match=r"1 prompt\(s\) longer .* \['long'\]"):
-        experiment.prompt_records(strict)
+        sources.prompt_records(strict)
     lenient = load_config("configs/tiny.py", data__source="jsonl", data__path=str(path),
                           data__skip_long_prompts=True)
-    records = experiment.prompt_records(lenient)
+    records, skipped = sources.prompt_records(lenient)
     assert [r["prompt_id"] for r in records] == ["short"]
-    assert experiment.skipped_prompts(lenient, records) == ["long"]
+    assert skipped == ["long"]
     events = [dict(event="filter", prompt_id="long", reason="prompt over max"),
               dict(event="admit", group_id=0, prompt_id="short", version=0),
               dict(event="unconsumed", group_id=0, version=0)]

@@ -198,13 +198,13 @@ def test_dynamic_sampling_filters_and_replaces_groups(tmp_path, small_config):
     still trains TBS groups, the audit is clean, no filtered group is consumed), and
     the trainer reports the engine mismatch of the tokens its own version sampled."""
     from dora_jax import config as config_lib
-    from dora_jax.experiment import prompt_records
+    from dora_jax.data.sources import prompt_records
 
     c = small_config("dora", validate=False, num_steps=4)
     c.trainer.update(dict(filter_zero_variance=True, objective="decoupled", is_cap=2.0))
     cfg = config_lib.validate(c, num_devices=8)
     records = [dict(r, modulus=1, target=0) if i % 2 == 0 else r
-               for i, r in enumerate(prompt_records(cfg))]
+               for i, r in enumerate(prompt_records(cfg)[0])]
     made = []
     summary = experiment.run(cfg, str(tmp_path), records=records,
                              make_trainer=lambda *a, **k: made.append(Trainer(*a, **k)) or made[0])

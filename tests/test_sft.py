@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dora_jax import experiment, sft
-from dora_jax.data import tasks
+from dora_jax.data import sources, tasks
 from dora_jax.model import transformer
 from dora_jax.rollout.slice import DecodeSlice
 from conftest import REPO, audit_workdir
@@ -55,7 +55,7 @@ def test_sft_learns_demonstrations_and_rl_starts_from_them(tmp_path, load_config
     from dora_jax.checkpointing import load_params
 
     params = load_params(out["checkpoint"], init)
-    records = experiment.prompt_records(cfg)[:8]
+    records = sources.prompt_records(cfg)[0][:8]
     exact = sum(_greedy(graphdef, params, r["tokens"], 16) == tasks.countdown_target(r)
                 for r in records)
     assert exact >= 6, exact  # the random init gets none of them

@@ -1,0 +1,53 @@
+"""Quickstart: a small Qwen3-family policy with a real tokenizer learns arithmetic on a CPU.
+
+SFT:    python -m dora_jax.sft --config=configs/quickstart.py --workdir=/tmp/qs_sft \\
+          --steps=150 --batch_size=32 --learning_rate=3e-3
+RL:     python -m dora_jax.main --config=configs/quickstart.py --workdir=/tmp/qs \\
+          --config.init_checkpoint=/tmp/qs_sft/checkpoints
+Export: python -m dora_jax.export --config=configs/quickstart.py --workdir=/tmp/qs \\
+          --out=/tmp/qs_hf      (a Hugging Face checkpoint: transformers loads it)
+
+Task: reasoning_gym's basic_arithmetic, procedural (nothing downloaded): "Calculate
+7 - 3." with one-digit operands and + or -; the prompt is a ChatML chat turn built by
+the tokenizer's chat template, asking for the answer inside <answer></answer> tags,
+and the reward is the dataset's own score of the tagged answer (1 if right).
+Tokenizer: the byte-level BPE of dora_jax/assets/tokenizer (512 tokens, trained
+locally; EOS `<|im_end|>`). Model: Qwen3 family (QK-norm, tied embeddings), 2 layers,
+d_model 128, 4 query / 2 KV heads of dim 32, SwiGLU 384: 459,520 parameters.
+
+The supervised warm start (150 steps, 30 s) teaches the answer format and some sums
+(greedy accuracy 0.35 on 256 prompts); RL in dora mode then raises the mean sampled
+reward, measured here from 0.33 (steps 0-14) to 0.53 (steps 135-149) in 2 minutes
+(colab/quickstart.ipynb plots the curve). Mesh as configs/tiny.py (8 fake CPU
+devices): trainer data=2 x fsdp=2, 4 decode slices of 8 slots; groups of 8, 8 groups
+per step, 16 admitted ahead, max_staleness 2, 150 steps.
+"""
+
+from dora_jax import config as config_lib
+from dora_jax.data import word_problems
+
+VARIANTS = (None,)
+
+TASK_ARGS = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1, operators=["+", "-"],
+                 allow_parentheses=False, allow_negation=False)
+
+
+def get_config(arg=None):
+    del arg
+    c = config_lib.base()
+    c.model.update(dict(vocab_size=word_problems.TOKENIZER_VOCAB, d_model=128, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=32, mlp_hidden=384,
+                        tie_embeddings=True, qk_norm=True, rope_theta=10_000.0))
+    c.mesh.trainer.update(dict(data=2, fsdp=2, tensor=1, expert=1))
+    c.mesh.slice.update(dict(tensor=1, expert=1))
+    c.mesh.num_slices = 4
+    c.rollout.update(dict(slots_per_slice=8, max_prefill_length=48, max_decode_len=16,
+                          prefill_buckets=(48,), decode_steps=8))
+    # RL from the warm start: 2e-3 collapses the policy onto wrong answers within
+    # 20 steps; 3e-4 raises the reward steadily (1e-4 and 6e-4: more slowly).
+    c.trainer.update(dict(learning_rate=3e-4, length_buckets=(64,)))
+    c.coordinator.update(dict(mode="dora", group_size=8, train_batch_size=8,
+                              rollout_batch_size=16, max_staleness=2, num_steps=150))
+    c.data.update(dict(source="reasoning_gym", task="basic_arithmetic", task_args=TASK_ARGS,
+                       num_prompts=2000, tokenizer=word_problems.TOKENIZER_DIR))
+    return c

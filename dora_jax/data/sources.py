@@ -1,0 +1,129 @@
+"""What `cfg.data` names, built: the tokenizer, the prompt records, the reward
+function and the demonstrations a supervised warm start imitates.
+
+Token tasks (residue, countdown, JSONL of token ids) need no tokenizer. Text tasks
+(GSM8K / MATH JSONL, reasoning_gym, a prepared TFDS dataset) build each prompt with
+the tokenizer's chat template and score the decoded response with a verifier
+(verifiers.py); a reward call that raises or times out is recorded, never fatal
+(tasks.RewardPool).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from dora_jax.config import TEXT_REWARDS, Config
+from dora_jax.data import prompts, tasks
+
+
+class _WithTemplateArgs:
+    """A tokenizer whose chat template always gets `data.chat_template_args`."""
+
+    def __init__(self, tokenizer, template_args: dict):
+        self._tokenizer, self._args = tokenizer, dict(template_args)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def apply_chat_template(self, messages, **kwargs):
+        return self._tokenizer.apply_chat_template(messages, **{**self._args, **kwargs})
+
+
+def tokenizer_for(cfg: Config):
+    """The run's `data.tokenizer.Tokenizer`, or None for token tasks without one."""
+    if not cfg.data.tokenizer:
+        return None
+    from dora_jax.data.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(cfg.data.tokenizer)
+
+
+def _text_records(cfg: Config, tokenizer) -> list[dict]:
+    from dora_jax.data import text_tasks
+
+    d = cfg.data
+    tok = _WithTemplateArgs(tokenizer, d.chat_template_args)
+    common = dict(instruction=d.instruction, system_prompt=d.system_prompt or None,
+                  vocab_size=cfg.model.vocab_size)
+    if d.source == "gsm8k":
+        return text_tasks.gsm8k_records(d.path, tok, **common)
+    if d.source == "math":
+        return text_tasks.math_records(d.path, tok, **common)
+    if d.source == "reasoning_gym":
+        return text_tasks.reasoning_gym_records(d.task, tok, size=d.num_prompts, seed=cfg.seed,
+                                                config=dict(d.task_args), **common)
+    from dora_jax.data import tfds_local
+
+    source = tfds_local.tfds_records(d.tfds_name, d.tfds_split, d.tfds_dir or None, tok,
+                                     **common)
+    # Records are needed whole (prompt lengths checked, resumable stream over a list).
+    return [source[i] for i in range(len(source))]
+
+
+def all_prompt_records(cfg: Config, tokenizer=None) -> list[dict]:
+    """Every prompt record of the source, before the length filter."""
+    d, vocab = cfg.data, cfg.model.vocab_size
+    if d.source == "residue":
+        return prompts.in_memory(tasks.residue_prompts(
+            d.num_prompts, vocab, prompt_len=d.prompt_len, modulus=d.modulus, seed=cfg.seed),
+            vocab)
+    if d.source == "countdown":
+        return prompts.in_memory(tasks.countdown_prompts(
+            d.num_prompts, vocab, median=d.count_median, sigma=d.count_sigma,
+            max_count=d.max_count, seed=cfg.seed), vocab)
+    tokenizer = tokenizer or tokenizer_for(cfg)
+    if d.source == "jsonl":
+        return prompts.read_jsonl(d.path, None if tokenizer is None else tokenizer.encode,
+                                  vocab_size=vocab)
+    return _text_records(cfg, tokenizer)
+
+
+def prompt_records(cfg: Config, tokenizer=None) -> tuple[list[dict], list[str]]:
+    """(the records a run draws from, the ids left out for their length).
+
+    A prompt longer than rollout.max_prefill_length is an error naming it, unless
+    data.skip_long_prompts, which leaves it out (the run writes a ledger `filter`
+    line for each)."""
+    records = all_prompt_records(cfg, tokenizer)
+    limit = cfg.rollout.max_prefill_length
+    too_long = [r["prompt_id"] for r in records if len(r["tokens"]) > limit]
+    if too_long and not cfg.data.skip_long_prompts:
+        longest = max(len(r["tokens"]) for r in records)
+        raise prompts.DataError(
+            f"{len(too_long)} prompt(s) longer than rollout.max_prefill_length={limit} "
+            f"(longest: {longest} tokens), e.g. {too_long[:3]} (data.skip_long_prompts "
+            "skips them, each with a ledger `filter` line)")
+    skipped = set(too_long)
+    return [r for r in records if r["prompt_id"] not in skipped], too_long
+
+
+def reward_for(cfg: Config, tokenizer=None) -> tasks.RewardFn:
+    """The reward function `data.reward` names (token-level, or a text verifier
+    applied to the decoded response). An unknown name fails here, before compute."""
+    name = cfg.data.reward_name
+    if name not in TEXT_REWARDS:
+        return tasks.reward_fn(name)
+    from dora_jax.data import verifiers
+
+    return verifiers.token_reward(verifiers.text_reward(name), tokenizer or tokenizer_for(cfg))
+
+
+def demonstration_for(cfg: Config, tokenizer=None) -> Callable[[dict], list]:
+    """A record's correct response as token ids (what supervised warm starts imitate):
+    the task's own for token tasks, else the record's `demonstration` text or its
+    answer in the format the prompt asks for, then EOS."""
+    if cfg.data.reward_name not in TEXT_REWARDS:
+        return tasks.demonstration_fn(cfg.data.reward_name)
+    tokenizer = tokenizer or tokenizer_for(cfg)
+    formats = {"gsm8k": "#### {}", "math": "\\boxed{{{}}}", "countdown_expr": "<answer>{}</answer>",
+               "reasoning_gym": "<answer>{}</answer>"}
+
+    def demonstrate(record: dict) -> list:
+        text = record.get("demonstration")
+        if text is None:
+            if record.get("answer") is None:
+                raise prompts.DataError(f"{record['prompt_id']}: no answer to imitate")
+            text = formats[record["verifier"]].format(record["answer"])
+        return tokenizer.encode(text) + [tokenizer.eos_id]
+
+    return demonstrate

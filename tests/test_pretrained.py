@@ -1,0 +1,132 @@
+"""A run from a Hugging Face checkpoint and tokenizer: the config takes what the
+checkpoint determines (and refuses what contradicts it), the shipped CPU assets
+rebuild identically, and a GSM8K-format run from a checkpoint trains, audits clean
+and exports a checkpoint that loads back (in transformers too, where installed)."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from dora_jax import config as config_lib
+from dora_jax.data import sources, word_problems
+from dora_jax.data.tokenizer import Tokenizer
+from dora_jax.model import hf
+from conftest import audit_workdir
+
+QWEN3_FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "hf", "qwen3")
+
+
+def test_checkpoint_sets_the_architecture(load_config):
+    c = load_config("configs/qwen3_gsm8k.py", validate=False)
+    c.model.checkpoint = QWEN3_FIXTURE
+    c.data.tokenizer = word_problems.TOKENIZER_DIR
+    with pytest.raises(config_lib.ConfigError, match=r"data.tokenizer: 512 tokens do not fit "
+                                                     r"model.vocab_size \(61\)"):
+        config_lib.validate(c)
+    c.data.source, c.data.reward, c.data.tokenizer = "residue", "residue", ""
+    c.data.update(dict(prompt_len=4, modulus=4))
+    cfg = config_lib.validate(c)
+    m = cfg.model
+    assert (m.vocab_size, m.d_model, m.num_layers, m.head_dim, m.rope_theta) == (
+        61, 48, 3, 20, 1_000_000.0)
+    assert m.qk_norm and not m.tie_embeddings and m.dtype == "bfloat16"  # how: the config's
+
+
+def test_a_field_set_against_the_checkpoint_is_named(load_config):
+    c = load_config("configs/tiny.py", validate=False)
+    c.model.checkpoint = QWEN3_FIXTURE  # configs/tiny.py sets vocab 128, d_model 64 ...
+    with pytest.raises(config_lib.ConfigError,
+                       match=r"config.model.vocab_size: 128, but checkpoint .* has 61"):
+        config_lib.validate(c)
+
+
+def test_tokenizer_sets_eos_and_pad_and_refuses_others(load_config, tiny_hf_checkpoint):
+    c = load_config("configs/qwen3_gsm8k.py", validate=False)
+    c.model.checkpoint, c.data.path = tiny_hf_checkpoint, word_problems.PROBLEMS_FILE
+    cfg = config_lib.validate(c)
+    tok = Tokenizer.from_pretrained(tiny_hf_checkpoint)
+    assert cfg.data.tokenizer == tiny_hf_checkpoint
+    assert (cfg.rollout.eos_id, cfg.rollout.pad_id) == (tok.eos_id, tok.pad_id) == (3, 0)
+    c.rollout.eos_id = 7
+    with pytest.raises(config_lib.ConfigError, match=r"config.rollout.eos_id: 7, but tokenizer"):
+        config_lib.validate(c)
+
+
+def test_shipped_assets_rebuild_identically(tmp_path):
+    with open(word_problems.PROBLEMS_FILE) as f:
+        shipped = [json.loads(line) for line in f]
+    assert shipped == word_problems.word_problems(200, seed=0)
+    for p in shipped[:50]:  # each answer's worked solution computes its final number
+        steps, final = p["answer"].rsplit("\n#### ", 1)
+        last = steps.split("=")[-1].split()[0].rstrip(".,")
+        assert last == final, p
+    from dora_jax.data.tokenizer import train_tokenizer
+
+    train_tokenizer(word_problems.tokenizer_corpus(),
+                    word_problems.TOKENIZER_VOCAB).save_pretrained(str(tmp_path))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        with open(os.path.join(word_problems.TOKENIZER_DIR, name)) as a, \
+                open(tmp_path / name) as b:
+            assert json.load(a) == json.load(b), name
+
+
+def test_text_prompts_and_verifier_of_the_gsm8k_config(load_config):
+    cfg = load_config("configs/qwen3_gsm8k.py:tiny")
+    tok = sources.tokenizer_for(cfg)
+    records, skipped = sources.prompt_records(cfg, tok)
+    assert len(records) == 200 and not skipped
+    text = tok.decode(records[0]["tokens"], skip_special_tokens=False)
+    assert text.startswith("<|im_start|>user\n" + records[0]["question"])
+    assert text.endswith("<|im_start|>assistant\n")
+    reward = sources.reward_for(cfg, tok)
+    demo = sources.demonstration_for(cfg, tok)(records[0])
+    assert reward(records[0], demo) == 1.0
+    wrong = tok.encode(f"#### {int(records[0]['answer']) + 1}") + [tok.eos_id]
+    assert reward(records[0], wrong) == 0.0
+
+
+@pytest.mark.slow
+def test_a_run_from_a_checkpoint_trains_audits_and_exports(load_config, tiny_hf_checkpoint,
+                                                         tmp_path):
+    from dora_jax import experiment, export
+
+    c = load_config("configs/qwen3_gsm8k.py:tiny", validate=False)
+    c.model.checkpoint = tiny_hf_checkpoint
+    c.data.tokenizer = ""  # from the checkpoint
+    c.coordinator.num_steps = 3
+    cfg = config_lib.validate(c, num_devices=8)
+    workdir = str(tmp_path / "run")
+    from dora_jax.rl.trainer import Trainer
+
+    made = []
+    summary = experiment.run(cfg, workdir,
+                             make_trainer=lambda *a, **k: made.append(Trainer(*a, **k)) or made[0])
+    assert summary["steps"] == 3
+    events, report = audit_workdir(cfg, workdir)
+    assert report.ok, report
+    samples = [s for e in events if e["event"] == "consume" for s in e["samples"]]
+    assert samples and all("reward_error" not in s for s in samples)
+
+    out = str(tmp_path / "hf")
+    result = export.export(cfg, workdir, out)
+    assert result["step"] == 3
+    _, exported = hf.load_pretrained(out, cfg=cfg.model)
+    for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(made[0].params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the run's last step
+    assert Tokenizer.from_pretrained(out).encode("Ava has 3 apples") == \
+        Tokenizer.from_pretrained(tiny_hf_checkpoint).encode("Ava has 3 apples")
+
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    tokens = np.array([[5, 17, 33, 2, 90, 41]])
+    from dora_jax.model import transformer
+
+    graphdef, _ = transformer.abstract_params(cfg.model)
+    ours, _, _ = transformer.apply(graphdef, exported, tokens)
+    with torch.no_grad():
+        theirs = model(torch.tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(theirs, np.asarray(ours), atol=1e-4, rtol=0)
