@@ -1,6 +1,8 @@
 """Flagship MoE policy: the Qwen3-30B-A3B architecture, sized for a TPU pod.
 
-Run: python -m dora_jax.main --config=configs/moe.py --workdir=gs://BUCKET/run
+Run: python -m dora_jax.main --config=configs/moe.py --workdir=gs://BUCKET/run \
+       --config.model.checkpoint=/path/to/Qwen3-30B-A3B \
+       --config.data.source=gsm8k --config.data.path=/path/to/train.jsonl
 CPU: python -m dora_jax.main --config=configs/moe.py:tiny --workdir=/tmp/dora_moe
 
 Default (`--config=configs/moe.py`): 48 layers, d_model 2048, 32 query / 4 KV heads
@@ -15,6 +17,14 @@ Pallas paged-attention kernel); a slice's pool holds 32,768 pages, the memory a
 dense cache gives 64 full-length slots (2.1M positions, 98 KB each in bf16: about
 13 GB per chip), and serves 256 slots: at the paper's mean response (2.4K tokens)
 all of them fit, and a slice that runs short preempts its newest request.
+
+With `--config.model.checkpoint` (a local Hugging Face directory of Qwen3-30B-A3B: its
+config.json is checked against every shape above, a mismatch named by field) the
+trainer starts from its weights, placed shard by shard on the trainer mesh (no device
+ever holds the whole checkpoint), and prompts use its tokenizer and chat template
+(EOS <|im_end|> 151,645, pad <|endoftext|> 151,643, as set below). Without it the
+weights are random (a dry run of the system). Export the trained policy with
+`python -m dora_jax.export` (same flags, plus --workdir and --out).
 
 `--config=configs/moe.py:tiny`: the same architecture family at CPU size — 2 layers,
 d_model 64, 4 query / 2 KV heads of dim 16, 8 experts top-2 of hidden 32, one shared

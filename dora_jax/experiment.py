@@ -92,7 +92,7 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     # so the scheduler never migrates or reloads around a request that has in fact
     # already finished on the device.
     slices = [DecodeSlice.create(i, mesh, cfg.model, cfg.rollout, rules=cfg.mesh.decode_rules,
-                                 lookahead=False)
+                                 lookahead=False, tokenizer_path=cfg.data.tokenizer or None)
               for i, mesh in enumerate(slice_meshes)]
     for sl in slices:  # every slice starts on version 0, as the scheduler assumes
         sl.load_version(0, params)

@@ -130,3 +130,21 @@ def test_a_run_from_a_checkpoint_trains_audits_and_exports(load_config, tiny_hf_
     with torch.no_grad():
         theirs = model(torch.tensor(tokens)).logits.numpy()
     np.testing.assert_allclose(theirs, np.asarray(ours), atol=1e-4, rtol=0)
+
+
+def test_moe_config_loads_the_qwen3_30b_a3b_architecture(load_config, tmp_path):
+    """configs/moe.py states Qwen3-30B-A3B's shapes; the hub checkpoint's config.json
+    (older field names) agrees with every one, and a checkpoint of other shapes is
+    refused by field. Only config files are read: no weights are needed to validate."""
+    hub = os.path.join(os.path.dirname(__file__), "fixtures", "hf", "qwen3_30b_a3b")
+    c = load_config("configs/moe.py", validate=False)
+    c.model.checkpoint = hub
+    cfg = config_lib.validate(c)
+    assert cfg.model.moe.num_experts == 128 and cfg.model.num_layers == 48
+    other = json.load(open(os.path.join(hub, "config.json")))
+    other["num_experts"] = 64
+    (tmp_path / "config.json").write_text(json.dumps(other))
+    c.model.checkpoint = str(tmp_path)
+    with pytest.raises(config_lib.ConfigError,
+                       match=r"config.model.moe.num_experts: 128, but checkpoint .* has 64"):
+        config_lib.validate(c)

@@ -10,7 +10,7 @@ state so a run can resume without repeating or skipping a prompt.
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import grain
 
@@ -35,6 +35,23 @@ def check_record(record: Record, where: str, vocab_size: int | None = None) -> R
     return record
 
 
+def jsonl_objects(path: str) -> Iterator[tuple[str, int, dict]]:
+    """(where, line number, object) for each non-blank line of a JSONL file; a line
+    that is not a JSON object raises DataError naming `<path>:<line>`."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{where}: expected a JSON object")
+            yield where, lineno, obj
+
+
 def read_jsonl(path: str, tokenize: Callable[[str], list[int]] | None = None,
                vocab_size: int | None = None) -> list[Record]:
     """Reads prompt records from a JSONL file.
@@ -44,23 +61,13 @@ def read_jsonl(path: str, tokenize: Callable[[str], list[int]] | None = None,
     file and line: bad data is reported, never silently skipped.
     """
     records = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(record, dict):
-                raise DataError(f"{where}: expected a JSON object")
-            if "tokens" not in record and "text" in record:
-                if tokenize is None:
-                    raise DataError(f"{where}: has 'text' but no tokenizer was given")
-                record["tokens"] = list(tokenize(record["text"]))
-            record.setdefault("prompt_id", where)
-            records.append(check_record(record, where, vocab_size))
+    for where, _, record in jsonl_objects(path):
+        if "tokens" not in record and "text" in record:
+            if tokenize is None:
+                raise DataError(f"{where}: has 'text' but no tokenizer was given")
+            record["tokens"] = list(tokenize(record["text"]))
+        record.setdefault("prompt_id", where)
+        records.append(check_record(record, where, vocab_size))
     if not records:
         raise DataError(f"{path}: no prompt records")
     return records

@@ -18,7 +18,7 @@ import os
 from typing import Any, Iterator
 
 from dora_jax.data import verifiers
-from dora_jax.data.prompts import DataError, Record, check_record
+from dora_jax.data.prompts import DataError, Record, check_record, jsonl_objects
 
 GSM8K_INSTRUCTION = ("Solve the problem step by step, then write the final answer as a "
                      "number on the last line, after \"####\".")
@@ -100,23 +100,13 @@ def read_qa_jsonl(path: str, format: str) -> Iterator[tuple[str, str, str, str]]
     parse = _gsm8k_qa if format == "gsm8k" else _math_qa
     base = os.path.basename(path)
     seen: dict[str, str] = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{where}: expected a JSON object")
-            question, answer = parse(obj, where)
-            prompt_id = str(obj["id"]) if obj.get("id") is not None else f"{base}:{lineno}"
-            if prompt_id in seen:
-                raise DataError(f"{where}: prompt id {prompt_id!r} repeats {seen[prompt_id]}")
-            seen[prompt_id] = where
-            yield where, prompt_id, question, answer
+    for where, lineno, obj in jsonl_objects(path):
+        question, answer = parse(obj, where)
+        prompt_id = str(obj["id"]) if obj.get("id") is not None else f"{base}:{lineno}"
+        if prompt_id in seen:
+            raise DataError(f"{where}: prompt id {prompt_id!r} repeats {seen[prompt_id]}")
+        seen[prompt_id] = where
+        yield where, prompt_id, question, answer
     if not seen:
         raise DataError(f"{path}: no records")
 

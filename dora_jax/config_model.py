@@ -1,0 +1,219 @@
+"""The model and device-layout sections of the config: what is trained (ModelConfig,
+MoEConfig) and on which devices (MeshConfig, the logical-axis rules). Validated like
+every section (schema.py); no JAX. `config.py` re-exports everything here."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar, Mapping
+
+from dora_jax.schema import Section, check, fail, field
+
+MOE_DISPATCH = ("dropless", "capacity")
+DTYPES = ("float32", "bfloat16")
+ROPE_SCALINGS = ("none", "llama3")  # model/layers.py: rope_frequencies
+ATTENTION_IMPLS = ("auto", "dense", "blockwise", "cudnn", "splash")  # model/attention.py
+REMAT_POLICIES = ("none", "full", "dots", "offload_dots")  # model/transformer.py
+
+TRAINER_MESH_AXES = ("data", "fsdp", "tensor", "expert")
+SLICE_MESH_AXES = ("tensor", "expert")
+
+# Logical axis names of the model code -> mesh axes (None: replicated); the defaults.
+TRAINER_RULES = (
+    ("batch", ("data", "fsdp", "expert")), ("length", None), ("embed", "fsdp"),
+    ("vocab", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor"), ("head_dim", None),
+    ("mlp", "tensor"), ("expert", "expert"), ("expert_mlp", "tensor"), ("cache_length", None),
+    ("layers", None),
+)
+
+
+def _axes_of(target) -> tuple:
+    """A rule's mesh axes as a tuple (a rule names None, one axis or several)."""
+    return () if target is None else (target,) if isinstance(target, str) else tuple(target)
+
+
+def _rule_target(axes: tuple):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def decode_rules_from(trainer_rules) -> tuple:
+    """Decode slices hold a full copy of the params per slice: the trainer's rules
+    without the data and FSDP axes, and an unsharded batch (the slots)."""
+    return tuple((name, None if name == "batch" else _rule_target(
+        tuple(a for a in _axes_of(target) if a in SLICE_MESH_AXES)))
+        for name, target in trainer_rules)
+
+
+DECODE_RULES = decode_rules_from(TRAINER_RULES)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig(Section):
+    PATH: ClassVar[str] = "model.moe"
+    num_experts: int = field(0, min=0)  # 0: dense MLP everywhere
+    top_k: int = 2
+    expert_hidden: int = 0
+    # Training's dispatch (decoding is always dropless): "capacity" drops what an
+    # expert cannot take, ceil(capacity_factor * tokens * top_k / E); its log-probs
+    # then differ from the engine's, so it is only used when asked for (a
+    # capacity_factor alone changes nothing).
+    dispatch: str = field("dropless", choices=MOE_DISPATCH)
+    capacity_factor: float | None = field(None, gt=0)
+    num_shared_experts: int = field(0, min=0)
+    shared_expert_hidden: int = 0
+    moe_every: int = 1  # layer i is MoE iff i % moe_every == moe_every - 1
+    normalize_topk: bool = True  # renormalise the top-k router weights to sum to 1
+    aux_loss_coef: float = field(0.0, ge=0)
+    z_loss_coef: float = field(0.0, ge=0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.enabled:
+            return
+        for name in ("top_k", "expert_hidden", "moe_every") + (
+                ("shared_expert_hidden",) if self.num_shared_experts else ()):
+            check(self._f(name), getattr(self, name), min=1)
+        if self.top_k > self.num_experts:
+            fail(self._f("top_k"), f"must be <= model.moe.num_experts ({self.num_experts}), "
+                                    f"got {self.top_k}")
+        if self.dispatch == "capacity" and self.capacity_factor is None:
+            fail(self._f("capacity_factor"), "model.moe.dispatch 'capacity' needs a capacity "
+                                              "factor")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig(Section):
+    PATH: ClassVar[str] = "model"
+    vocab_size: int = field(min=1)
+    d_model: int = field(min=1)
+    num_layers: int = field(min=1)
+    num_heads: int = field(min=1)
+    num_kv_heads: int = field(min=1)
+    head_dim: int = field(min=1)
+    mlp_hidden: int = field(min=1)
+    # Tied: logits = hidden . embed^T, as the Qwen / Llama families compute them.
+    tie_embeddings: bool = False
+    qk_norm: bool = True
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2 / Qwen2.5)
+    rope_theta: float = field(10_000.0, gt=0)
+    # "llama3": Llama 3.1's frequency scaling of RoPE (low frequencies divided by
+    # rope_factor, a smooth blend between the two wavelength bounds).
+    rope_scaling: str = field("none", choices=ROPE_SCALINGS)
+    rope_factor: float = field(8.0, gt=0)
+    rope_low_freq_factor: float = field(1.0, gt=0)
+    rope_high_freq_factor: float = field(4.0, gt=0)
+    rope_original_max_len: int = field(8192, min=1)
+    # A Hugging Face checkpoint directory (config.json + safetensors): the
+    # architecture fields above come from it (a field set otherwise is an error),
+    # and training starts from its weights. See model/hf.py.
+    checkpoint: str = ""
+    norm_eps: float = field(1e-6, gt=0)
+    dtype: str = field("float32", choices=DTYPES)  # activations / compute
+    param_dtype: str = field("float32", choices=DTYPES)
+    # Full-sequence attention (auto: splash on TPU, cudnn on GPU, blockwise otherwise)
+    # and its block size; what each layer saves for the backward pass.
+    attention: str = field("auto", choices=ATTENTION_IMPLS)
+    attention_block: int = field(512, min=1)
+    remat: str = field("none", choices=REMAT_POLICIES)
+    scan_layers: bool = True  # one compiled layer period, scanned over the depth
+    moe: MoEConfig = MoEConfig()
+
+    def is_moe_layer(self, layer: int) -> bool:
+        m = self.moe
+        return m.enabled and layer % m.moe_every == m.moe_every - 1
+
+    @property
+    def layer_period(self) -> int:
+        """Layers per repeating unit (dense/MoE interleave); the scan's step."""
+        return self.moe.moe_every if self.moe.enabled else 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.d_model % self.num_heads:
+            fail(self._f("num_heads"),
+                  f"must divide model.d_model ({self.d_model}), got {self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            fail(self._f("num_kv_heads"),
+                  f"must divide model.num_heads ({self.num_heads}), got {self.num_kv_heads}")
+        if self.rope_scaling == "llama3" and not (
+                self.rope_high_freq_factor > self.rope_low_freq_factor):
+            fail(self._f("rope_high_freq_factor"), f"must be > model.rope_low_freq_factor "
+                  f"({self.rope_low_freq_factor}), got {self.rope_high_freq_factor}")
+        if self.head_dim % 2:
+            fail(self._f("head_dim"), f"must be even for rotary embeddings, got {self.head_dim}")
+        if self.moe.enabled and self.moe.moe_every > self.num_layers:
+            fail("model.moe.moe_every", f"must be <= model.num_layers ({self.num_layers}) or "
+                                         f"no layer is MoE, got {self.moe.moe_every}")
+        if self.scan_layers and self.num_layers % self.layer_period:
+            fail(self._f("scan_layers"), f"scanning needs num_layers ({self.num_layers}) to "
+                  f"be a multiple of the dense/MoE period ({self.layer_period})")
+
+
+def _mesh_shape(axes):
+    return dataclasses.field(default_factory=lambda: {a: 1 for a in axes})
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig(Section):
+    """Device layout: a trainer mesh and `num_slices` decode-slice meshes, on disjoint
+    devices, or with `colocated` all on the trainer's devices (colocated_sync)."""
+
+    PATH: ClassVar[str] = "mesh"
+    trainer: Mapping[str, int] = _mesh_shape(TRAINER_MESH_AXES)
+    slice: Mapping[str, int] = _mesh_shape(SLICE_MESH_AXES)
+    num_slices: int = field(1, min=1)
+    colocated: bool = False
+    trainer_rules: tuple = TRAINER_RULES
+    decode_rules: tuple = DECODE_RULES
+
+    trainer_devices = property(lambda self: math.prod(self.trainer.values()))
+    slice_devices = property(lambda self: math.prod(self.slice.values()))
+    total_devices = property(lambda self: self.trainer_devices + (
+        0 if self.colocated else self.num_slices * self.slice_devices))
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name, axes in (("trainer", TRAINER_MESH_AXES), ("slice", SLICE_MESH_AXES)):
+            shape = dict(getattr(self, name))
+            if set(shape) != set(axes):
+                fail(self._f(name), f"must give a size for each of {axes}, got {sorted(shape)}")
+            for axis in axes:
+                check(f"mesh.{name}.{axis}", shape[axis], min=1)
+            object.__setattr__(self, name, {a: shape[a] for a in axes})
+        for name, axes in (("trainer_rules", TRAINER_MESH_AXES), ("decode_rules", SLICE_MESH_AXES)):
+            object.__setattr__(self, name, _normalise_rules(self._f(name), getattr(self, name), axes))
+        if self.colocated and self.num_slices * self.slice_devices != self.trainer_devices:
+            fail(self._f("num_slices"), f"colocated: {self.num_slices} slices x "
+                  f"{self.slice_devices} devices must cover the trainer's {self.trainer_devices}")
+
+
+def colocate(mesh: Mapping) -> dict:
+    """The colocated layout on the same devices as disaggregated `mesh` (a dict): the
+    trainer's data axis grows to span every device and slices of the same shape
+    cover them all, so colocated_sync is compared on the same device count."""
+    m = MeshConfig.from_dict(mesh)
+    if m.colocated:
+        return dict(mesh)
+    n, k = m.total_devices, m.slice_devices
+    if n % m.trainer_devices or n % k:
+        fail("mesh.trainer", f"colocated_sync spreads trainer ({m.trainer_devices} devices) "
+              f"and slices ({k} each) over all {n}: both must divide {n}")
+    trainer = dict(m.trainer, data=m.trainer["data"] * n // m.trainer_devices)
+    return dict(mesh, trainer=trainer, num_slices=n // k, colocated=True)
+
+
+def _normalise_rules(field: str, rules, axes) -> tuple:
+    out = []
+    for entry in rules:
+        if len(entry) != 2:
+            fail(field, f"each rule is (logical_name, mesh_axes), got {entry!r}")
+        bad = [a for a in _axes_of(entry[1]) if a not in axes]
+        if bad:
+            fail(field, f"rule for {entry[0]!r} names mesh axis {bad[0]!r}, not one of {axes}")
+        out.append((entry[0], _rule_target(_axes_of(entry[1]))))
+    return tuple(out)
