@@ -185,8 +185,13 @@ def test_base_is_the_schema():
     c = config_lib.base()
     # Required fields are typed placeholders: unset, they are named when validating.
     assert c.model.vocab_size is None
-    with pytest.raises(config_lib.ConfigError, match=r"config\.model\.vocab_size: must be set"):
+    # No architecture and no checkpoint to take it from: the way to set it is named.
+    with pytest.raises(config_lib.ConfigError, match=r"config\.model\.checkpoint: this config"):
         config_lib.validate(c)
+    c.model.vocab_size = 128
+    with pytest.raises(config_lib.ConfigError, match=r"config\.model\.d_model: must be set"):
+        config_lib.validate(c)
+    c.model.vocab_size = None
     # None-default fields accept a typed value (a command-line override parses).
     c.trainer.dual_clip = 3.0
     with pytest.raises(TypeError):

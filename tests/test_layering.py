@@ -22,12 +22,12 @@ def test_pure_modules_import_no_jax(module):
     assert out == "", f"importing {module} loaded {out}"
 
 
-def test_config_imports_only_its_schema_from_the_package():
+def test_config_imports_only_its_own_modules_from_the_package():
     code = ("import sys, dora_jax.config\n"
             "print(sorted(m for m in sys.modules if m.startswith('dora_jax.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
-    assert out == "['dora_jax.config', 'dora_jax.schema']"
+    assert out == "['dora_jax.config', 'dora_jax.config_model', 'dora_jax.schema']"
 
 
 def test_mode_registry_is_the_config_list():

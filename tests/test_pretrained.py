@@ -148,3 +148,17 @@ def test_moe_config_loads_the_qwen3_30b_a3b_architecture(load_config, tmp_path):
     with pytest.raises(config_lib.ConfigError,
                        match=r"config.model.moe.num_experts: 128, but checkpoint .* has 64"):
         config_lib.validate(c)
+
+
+def test_tfds_source_from_the_command_line_config(load_config, tmp_path):
+    """data.source=tfds reads a dataset prepared by the local builder: the same
+    prompts as the JSONL it was built from (nothing downloaded)."""
+    from dora_jax.data import tfds_local
+
+    name = tfds_local.prepare(word_problems.PROBLEMS_FILE, str(tmp_path), name="words")
+    from_jsonl, _ = sources.prompt_records(load_config("configs/qwen3_gsm8k.py:tiny"))
+    cfg = load_config("configs/qwen3_gsm8k.py:tiny", data__source="tfds", data__tfds_name=name,
+                      data__tfds_dir=str(tmp_path), data__reward="by_record")
+    from_tfds, _ = sources.prompt_records(cfg)
+    key = lambda r: (r["prompt_id"], r["tokens"], r["answer"], r["verifier"])  # noqa: E731
+    assert sorted(map(key, from_tfds)) == sorted(map(key, from_jsonl))
