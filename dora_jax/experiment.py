@@ -125,7 +125,9 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
             ledger.write("filter", prompt_id=prompt_id, time=0.0,
                          reason=f"prompt over rollout.max_prefill_length "
                                 f"({cfg.rollout.max_prefill_length})")
-    reporter = StepReporter(os.path.join(workdir, "metrics.jsonl"))
+    reporter = StepReporter(os.path.join(workdir, "metrics.jsonl"),
+                            tensorboard=os.path.join(workdir, "tensorboard"),
+                            purge_step=None if resumed is None else trainer.version)
     timeline = Timeline()
     runtime = Runtime(cfg, scheduler, slices, trainer, stream, rewards, ledger, reporter,
                       timeline, on_step=on_step, checkpointer=checkpointer, resumed=resumed)

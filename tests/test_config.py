@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import os
 import re
 
 import pytest
@@ -256,3 +257,21 @@ def test_batch_must_divide_over_the_trainer_batch_shards(load_config):
     with pytest.raises(config_lib.ConfigError,
                        match=r"coordinator\.train_batch_size: .* 4 batch shards"):
         config_lib.validate(c)
+
+
+def test_host_fakes_cpu_devices_only_when_it_should(monkeypatch):
+    from dora_jax.runtime import host
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_something=1")
+    note = host.fake_cpu_devices_if_needed(12)
+    assert "running on 12 CPU devices" in note
+    assert os.environ["XLA_FLAGS"] == ("--xla_cpu_something=1 "
+                                       "--xla_force_host_platform_device_count=12")
+    assert host.fake_cpu_devices_if_needed(4) is None  # already says how many
+    monkeypatch.delenv("XLA_FLAGS")
+    monkeypatch.setenv("JAX_PLATFORMS", "tpu")  # an accelerator: nothing to fake
+    assert host.fake_cpu_devices_if_needed(8) is None and "XLA_FLAGS" not in os.environ
+    with pytest.raises(RuntimeError, match="single-controller.*Pathways"):
+        host.require_single_controller(4)
+    host.require_single_controller(1)

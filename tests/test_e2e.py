@@ -137,3 +137,70 @@ def test_main_refuses_a_workdir_of_another_config_with_one_line(tmp_path):
         env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert "coordinator.mode: 'dora' -> 'sync'" in out.stderr and "--fresh" in out.stderr
+
+
+def _main(args, env_drop=("XLA_FLAGS",), timeout=300):
+    env = {k: v for k, v in os.environ.items() if k not in env_drop}
+    return subprocess.run([sys.executable, "-m", "dora_jax.main", *args], env=env,
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def test_first_run_on_a_cpu_host_fakes_the_devices_and_says_so(tmp_path):
+    """Without XLA_FLAGS, main on a CPU host fakes the devices the config's mesh
+    needs before JAX starts, says so in one line, and runs."""
+    out = _main(["--config=configs/tiny.py", f"--workdir={tmp_path}",
+                 "--config.coordinator.num_steps=2", "--config.model.num_layers=1"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    first = out.stdout.splitlines()[0]
+    assert first.startswith("no accelerator found: running on 8 CPU devices"), first
+    assert events_ok(tmp_path)
+
+
+def events_ok(workdir) -> bool:
+    from dora_jax.scheduler import SchedulerConfig
+    from conftest import load_repo_config
+
+    cfg = load_repo_config("configs/tiny.py", coordinator__num_steps=2, model__num_layers=1)
+    events = ledger.read(os.path.join(workdir, "ledger.jsonl"))
+    return ledger.audit_run(events, SchedulerConfig.from_config(cfg),
+                            cfg.rollout.max_decode_len).ok
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--config=configs/nope.py"], "No such file or directory: 'configs/nope.py'"),
+    (["--config=configs/moe.py:bogus"], "unknown variant 'bogus'"),
+    (["--config=configs/tiny.py", "--config.coordinator.num_steps=abc"], "invalid literal"),
+    (["--config=configs/tiny.py", "--config.coordinator.nope=3"],
+     "--config.coordinator.nope: no such config field"),
+    (["--config=configs/tiny.py", "--config.coordinator.max_staleness=-1"],
+     "config.coordinator.max_staleness: must be >= 0"),
+    (["--config=configs/tiny.py", "--config.model.checkpoint=/nowhere"],
+     "config.model.checkpoint: /nowhere: no such checkpoint directory"),
+    (["--config=configs/tiny.py", "--config.data.source=gsm8k",
+      "--config.data.path=/nowhere.jsonl", "--config.data.tokenizer=/nowhere"],
+     "config.data.tokenizer"),
+])
+def test_bad_input_stops_with_one_line_and_no_traceback(args, says, tmp_path):
+    out = _main([*args, f"--workdir={tmp_path}"])
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode != 0
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], out.stderr
+    assert not os.path.exists(tmp_path / "ledger.jsonl")
+
+
+def test_bad_data_stops_with_one_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "2 + 2?", "answer": "four"}\n')
+    out = _main(["--config=configs/qwen3_gsm8k.py:tiny", f"--config.data.path={bad}",
+                 f"--workdir={tmp_path / 'run'}"])
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode != 0 and len(lines) == 1, out.stderr
+    assert lines[0].startswith(f"error: {bad}:1:"), lines[0]
+
+
+def test_help_names_the_main_overrides():
+    out = _main(["--help"])
+    assert out.returncode == 0
+    for name in ("--config.coordinator.mode", "--config.coordinator.max_staleness",
+                 "--config.model.checkpoint", "--config.data.source", "--fresh"):
+        assert name in out.stdout, name

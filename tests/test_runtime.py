@@ -266,6 +266,13 @@ def test_a_failed_run_resumes_and_the_whole_ledger_audits(tmp_path, small_config
     assert report.ok, report.summary() + str(report.c2[:3])
     assert report.steps == 6 and sum(e["event"] == "resume" for e in events) == 1
     assert [m["step"] for m in _metrics(tmp_path)] == list(range(6))
+    # TensorBoard shows what metrics.jsonl holds: the crashed run's step 2 purged.
+    from dora_jax.runtime.tensorboard import read_scalars
+
+    board = read_scalars(str(tmp_path / "tensorboard"))
+    assert board["reward_mean"] == [(m["step"], pytest.approx(m["reward_mean"]))
+                                    for m in _metrics(tmp_path)]
+    assert [s for s, _ in board["trainer/loss"]] == list(range(6))
     again = experiment.run(cfg_with(6), str(tmp_path))
     assert again["already_trained"] == 6
     from dora_jax.config import ConfigError
@@ -274,6 +281,7 @@ def test_a_failed_run_resumes_and_the_whole_ledger_audits(tmp_path, small_config
     fresh = experiment.run(cfg_with(2, "sync"), str(tmp_path), fresh=True)
     assert "resumed_from_step" not in fresh
     assert audit_workdir(cfg_with(2, "sync"), tmp_path)[1].ok
+    assert [s for s, _ in read_scalars(str(tmp_path / "tensorboard"))["reward_mean"]] == [0, 1]
 
 
 @pytest.mark.parametrize("mode", ["dora", "sync"])

@@ -129,6 +129,9 @@ def make_meshes(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = Non
     `mesh_cfg.colocated` a block of the trainer's own devices. Returns
     `(trainer_mesh, [slice_mesh, ...])`.
     """
+    from dora_jax.runtime.host import require_single_controller
+
+    require_single_controller(jax.process_count())
     devices = list(jax.devices() if devices is None else devices)
     if mesh_cfg.total_devices > len(devices):
         raise ValueError(f"mesh needs {mesh_cfg.total_devices} devices, have {len(devices)}")

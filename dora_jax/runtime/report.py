@@ -99,8 +99,17 @@ class WaitClock:
 class StepReporter:
     """Turns each finished step into a metrics record and keeps run totals."""
 
-    def __init__(self, path: str | None):
+    def __init__(self, path: str | None, *, tensorboard: str | None = None,
+                 purge_step: int | None = None):
+        """`path`: metrics.jsonl (appended); `tensorboard`: a directory that gets the
+        same records as TensorBoard scalars (runtime/tensorboard.py), with the events
+        of steps >= `purge_step` dropped (a resumed run trains them again)."""
         self._file = open(path, "a") if path else None
+        self._tensorboard = None
+        if tensorboard:
+            from dora_jax.runtime.tensorboard import TensorBoardWriter
+
+            self._tensorboard = TensorBoardWriter(tensorboard, purge_step)
         self.records: list[dict] = []
         self._last = {"migrations": 0, "transfer": 0.0, "busy": {}, "total": {}}
         self.staleness = Counter()
@@ -146,6 +155,8 @@ class StepReporter:
         if self._file:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
+        if self._tensorboard:
+            self._tensorboard.write(record)
         return record
 
     def summary(self, slices, timeline=None) -> dict:
@@ -189,3 +200,5 @@ class StepReporter:
     def close(self):
         if self._file:
             self._file.close()
+        if self._tensorboard:
+            self._tensorboard.close()

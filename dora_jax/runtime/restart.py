@@ -22,7 +22,7 @@ from dora_jax.scheduler import ledger, resume
 
 # What a run writes into its workdir (all of it goes with --fresh).
 OUTPUTS = ("ledger.jsonl", "metrics.jsonl", "summary.json", "timeline.json", "timeline.png",
-           "checkpoints", "config.json")
+           "checkpoints", "config.json", "tensorboard")
 # Fields a resumed run may change: how many steps to train in all.
 MAY_DIFFER = ("coordinator.num_steps",)
 

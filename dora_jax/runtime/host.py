@@ -1,0 +1,68 @@
+"""What the process runs on, settled before JAX starts: fake CPU devices on a host
+without an accelerator, Pathways when the job runs under it, and one controller.
+
+dora_jax is single-controller: one Python process sees every device and moves
+params between the trainer's mesh and each slice's (device_put across meshes). At
+pod scale that process runs under Pathways (`JAX_PLATFORMS=proxy`, set by the
+launchers in dora_jax/launch), which gives it every slice's devices. Multi-controller
+JAX (one process per host, `jax.distributed`) sees only its host's devices, so those
+transfers would need an explicit cross-process weight transfer; it is refused with
+a message saying so (`require_single_controller`).
+
+Imports no JAX at module level: `fake_cpu_devices_if_needed` must run before JAX is
+imported.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+
+_FLAG = "--xla_force_host_platform_device_count"
+
+
+def accelerator_present() -> bool:
+    """True if this host has (or is told to use) a TPU or GPU, or runs under Pathways."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").lower()
+    if any(p in platforms for p in ("tpu", "gpu", "cuda", "rocm", "proxy")):
+        return True
+    if platforms == "cpu":
+        return False
+    devices = (glob.glob("/dev/accel[0-9]*") + glob.glob("/dev/vfio/[0-9]*")
+               + glob.glob("/dev/nvidia[0-9]*"))
+    return bool(devices) or importlib.util.find_spec("libtpu") is not None
+
+
+def fake_cpu_devices_if_needed(count: int) -> str | None:
+    """On a host without an accelerator, makes XLA's CPU backend offer `count`
+    devices (the config's mesh), unless XLA_FLAGS already says how many. Must run
+    before JAX is imported; returns the line to tell the user, or None."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if _FLAG in flags or accelerator_present():
+        return None
+    os.environ["XLA_FLAGS"] = f"{flags} {_FLAG}={count}".strip()
+    return (f"no accelerator found: running on {count} CPU devices for the config's mesh "
+            f"(XLA_FLAGS={_FLAG}={count}; set XLA_FLAGS yourself to choose)")
+
+
+def start_pathways_if_proxied() -> None:
+    """Under Pathways (`JAX_PLATFORMS=proxy`), registers its JAX backend first."""
+    if os.environ.get("JAX_PLATFORMS", "").lower() != "proxy":
+        return
+    try:
+        import pathwaysutils
+    except ImportError:
+        raise RuntimeError("JAX_PLATFORMS=proxy (Pathways) needs the pathwaysutils package: "
+                           "pip install pathwaysutils") from None
+    pathwaysutils.initialize()
+
+
+def require_single_controller(process_count: int) -> None:
+    """Refuses multi-controller JAX, naming what to do instead (see module docstring)."""
+    if process_count > 1:
+        raise RuntimeError(
+            f"this JAX runtime has {process_count} controller processes, but dora_jax is "
+            "single-controller: it moves params between the trainer's and the slices' "
+            "meshes from one process that sees every device. Run it under Pathways "
+            "(python -m dora_jax.launch.gke renders the job) rather than one process per host.")
