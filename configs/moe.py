@@ -1,6 +1,6 @@
 """Flagship MoE policy: the Qwen3-30B-A3B architecture, sized for a TPU pod.
 
-Run: python -m dora_jax.main --config=configs/moe.py --workdir=gs://BUCKET/run \
+Run: python -m dora_jax.main --config=configs/moe.py --workdir=/gcs/BUCKET/run \
        --config.model.checkpoint=/path/to/Qwen3-30B-A3B \
        --config.data.source=gsm8k --config.data.path=/path/to/train.jsonl
 CPU: python -m dora_jax.main --config=configs/moe.py:tiny --workdir=/tmp/dora_moe
