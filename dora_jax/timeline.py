@@ -1,7 +1,7 @@
 """Timeline of a run: what each slice and the trainer did, when, at which version.
 
-The runtime records spans; `plot` draws the figure a reader of
-the DORA paper expects: one row per decode slice coloured by the version it served,
+The runtime records spans; `plot` draws the figure a reader of the DORA paper expects
+(`draw`, onto a given Axes): one row per decode slice coloured by the version it served,
 weight loads and migrations hatched, and the trainer's steps on their own row, with its waits left
 blank so the bubble is visible.
 """
@@ -63,11 +63,30 @@ def _merge(spans: list[Span]) -> list[Span]:
 _HATCH = {"load": "//", "migrate": "xx"}
 
 
+def load_json(path: str) -> list[Span]:
+    """The spans a run saved with `Timeline.save_json` (its workdir's timeline.json)."""
+    with open(path) as f:
+        return [Span(**d) for d in json.load(f)]
+
+
 def plot(spans: list[Span], path: str, title: str = "") -> None:
     """Writes a PNG: slices x time coloured by version, trainer steps on top."""
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = len({s.row for s in spans} | {"trainer"})  # the trainer row is always drawn
+    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.45 * rows))
+    draw(ax, spans, title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def draw(ax, spans: list[Span], title: str = "") -> None:
+    """Draws `plot`'s figure onto a matplotlib Axes, so several runs' timelines can
+    share one figure (a subplot each)."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
@@ -82,7 +101,6 @@ def plot(spans: list[Span], path: str, title: str = "") -> None:
     lo, hi = versions[0], max(versions[-1], versions[0] + 1)
     colour = {v: cmap(i) if discrete else cmap((v - lo) / (hi - lo))
               for i, v in enumerate(versions)}
-    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.45 * len(rows)))
     for s in spans:
         y = rows.index(s.row)
         ax.barh(y, s.end - s.start, left=s.start, height=0.8, color=colour[s.version],
@@ -101,9 +119,6 @@ def plot(spans: list[Span], path: str, title: str = "") -> None:
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     else:
         scale = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(lo, hi))
-        fig.colorbar(scale, ax=ax, label="policy version (trainer: step)", pad=0.01)
+        ax.figure.colorbar(scale, ax=ax, label="policy version (trainer: step)", pad=0.01)
         ax.legend(handles=marks, loc="lower right", fontsize=8)
     ax.set_title(title or "decode slices coloured by policy version; trainer steps on top")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
