@@ -15,7 +15,7 @@ Tokenizer: the byte-level BPE of dora_jax/assets/tokenizer (512 tokens, trained
 locally; EOS `<|im_end|>`). Model: Qwen3 family (QK-norm, tied embeddings), 2 layers,
 d_model 128, 4 query / 2 KV heads of dim 32, SwiGLU 384: 459,520 parameters.
 
-The supervised warm start (150 steps, 30 s) teaches the answer format and some sums
+The supervised warm start (150 steps, under a minute) teaches the answer format and some sums
 (greedy accuracy 0.35 on 256 prompts); RL in dora mode then raises the mean sampled
 reward, measured here from 0.33 (steps 0-14) to 0.53 (steps 135-149) in 2 minutes
 (colab/quickstart.ipynb plots the curve). Mesh as configs/tiny.py (8 fake CPU
