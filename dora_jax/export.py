@@ -54,11 +54,16 @@ if __name__ == "__main__":
     def main(argv):
         del argv
         logging.set_verbosity(logging.WARNING)
-        import jax
-
         from dora_jax import config as config_lib
+        from dora_jax.runtime import host
 
-        try:
+        try:  # the run's meshes: on a CPU host, its devices are faked before JAX starts
+            note = host.fake_cpu_devices_if_needed(
+                config_lib.validate(_CONFIG.value).mesh.total_devices)
+            if note:
+                print(note)
+            import jax
+
             cfg = config_lib.validate(_CONFIG.value, num_devices=jax.device_count())
             result = export(cfg, _WORKDIR.value, _OUT.value, dtype=_DTYPE.value)
         except (config_lib.ConfigError, FileNotFoundError) as e:

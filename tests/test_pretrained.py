@@ -119,6 +119,25 @@ def test_a_run_from_a_checkpoint_trains_audits_and_exports(load_config, tiny_hf_
     assert Tokenizer.from_pretrained(out).encode("Ava has 3 apples") == \
         Tokenizer.from_pretrained(tiny_hf_checkpoint).encode("Ava has 3 apples")
 
+    # The same from the command line, on a CPU host without XLA_FLAGS.
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cli_out = str(tmp_path / "hf_cli")
+    done = subprocess.run(
+        [sys.executable, "-m", "dora_jax.export", "--config=configs/qwen3_gsm8k.py:tiny",
+         f"--config.model.checkpoint={tiny_hf_checkpoint}", "--config.data.tokenizer=",
+         "--config.coordinator.num_steps=3", f"--workdir={workdir}", f"--out={cli_out}"],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "wrote step 3" in done.stdout
+    _, from_cli = hf.load_pretrained(cli_out, cfg=cfg.model)
+    for a, b in zip(jax.tree.leaves(from_cli), jax.tree.leaves(exported)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
