@@ -100,9 +100,14 @@ if __name__ == "__main__":
         logging.set_verbosity(logging.WARNING)
         from dora_jax import config as config_lib
 
-        cfg = config_lib.validate(_CONFIG.value)
-        out = train(cfg, _WORKDIR.value, steps=_STEPS.value, batch_size=_BATCH.value,
-                    learning_rate=_LR.value)
+        from dora_jax.data.prompts import DataError
+
+        try:
+            cfg = config_lib.validate(_CONFIG.value)
+            out = train(cfg, _WORKDIR.value, steps=_STEPS.value, batch_size=_BATCH.value,
+                        learning_rate=_LR.value)
+        except (config_lib.ConfigError, DataError, FileNotFoundError) as e:
+            raise SystemExit(f"error: {e}") from None
         print(f"sft: loss {out['loss_first']:.4f} -> {out['loss_last']:.4f}; start RL with "
               f"--config.init_checkpoint={out['checkpoint']}")
 
