@@ -92,3 +92,15 @@ def test_trainer_bench_entry_point():
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "single" in out.stdout and "plain" in out.stdout.lower(), out.stdout[-2000:]
+
+
+def test_measured_runs_save_no_periodic_checkpoints(load_config):
+    """A save pauses the coordinator between steps, which costs sync more than the
+    asynchronous modes: measured runs leave it out (and leave the base config alone)."""
+    from dora_jax.bench.runs import run_config
+
+    base = load_config("configs/tiny.py", validate=False)
+    c = run_config(base, "dora_k1", steps=7)
+    assert (c.coordinator.mode, c.coordinator.max_staleness, c.coordinator.num_steps,
+            c.coordinator.checkpoint_every) == ("dora", 1, 7, 0)
+    assert base.coordinator.checkpoint_every == 5

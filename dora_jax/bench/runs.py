@@ -19,13 +19,19 @@ def parse_spec(spec: str) -> tuple[str, int | None]:
 
 def run_config(base, spec: str, *, steps: int, seed: int | None = None,
                init_checkpoint: str | None = None):
-    """The ConfigDict of one run: `base` with the spec's mode and staleness bound."""
+    """The ConfigDict of one measured run: `base` with the spec's mode and staleness
+    bound, and no periodic checkpoints."""
     c = base.copy_and_resolve_references()
     mode, k = parse_spec(spec)
     c.coordinator.mode = mode
     if k is not None:
         c.coordinator.max_staleness = k
     c.coordinator.num_steps = steps
+    # No periodic saves in a measured run: a save holds the coordinator between two
+    # steps (the first one in a process for seconds on a CPU), and sync's slices sit
+    # idle through it while the asynchronous modes' keep decoding, so saves would
+    # count against sync. Every run still saves once, after its last step.
+    c.coordinator.checkpoint_every = 0
     if seed is not None:
         c.seed = seed
     if init_checkpoint:
