@@ -359,12 +359,19 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     if d.get("coordinator", {}).get("mode") == "colocated_sync":
         d["mesh"] = colocate(d.get("mesh", {}))
     cfg = Config.from_dict(d)
+    if num_devices is not None:
+        check_devices(cfg, num_devices)
+    return cfg
+
+
+def check_devices(cfg: Config, num_devices: int) -> None:
+    """Fails, naming `mesh`, if the config's meshes need more than `num_devices`
+    (entry points validate before JAX starts, then check once it has)."""
     mesh, n = cfg.mesh, cfg.mesh.total_devices
-    if num_devices is not None and n > num_devices:
+    if n > num_devices:
         fail("mesh", f"trainer ({mesh.trainer_devices}) + {mesh.num_slices} slices x "
                       f"{mesh.slice_devices} devices = {n}, but only {num_devices} devices are "
                       f"available (on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count={n})")
-    return cfg
 
 
 def base() -> ml_collections.ConfigDict:

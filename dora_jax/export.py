@@ -58,13 +58,13 @@ if __name__ == "__main__":
         from dora_jax.runtime import host
 
         try:  # the run's meshes: on a CPU host, its devices are faked before JAX starts
-            note = host.fake_cpu_devices_if_needed(
-                config_lib.validate(_CONFIG.value).mesh.total_devices)
+            cfg = config_lib.validate(_CONFIG.value)
+            note = host.fake_cpu_devices_if_needed(cfg.mesh.total_devices)
             if note:
                 print(note)
             import jax
 
-            cfg = config_lib.validate(_CONFIG.value, num_devices=jax.device_count())
+            config_lib.check_devices(cfg, jax.device_count())
             result = export(cfg, _WORKDIR.value, _OUT.value, dtype=_DTYPE.value)
         except (config_lib.ConfigError, FileNotFoundError) as e:
             raise SystemExit(f"error: {e}") from None

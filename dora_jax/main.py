@@ -89,7 +89,7 @@ def main(argv):
 
     bar = None
     try:
-        cfg = config_lib.validate(_config(), num_devices=jax.device_count())
+        config_lib.check_devices(cfg, jax.device_count())
 
         def on_step(r):  # the bar starts with the first step: errors before it stand alone
             nonlocal bar

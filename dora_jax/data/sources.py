@@ -114,16 +114,16 @@ def demonstration_for(cfg: Config, tokenizer=None) -> Callable[[dict], list]:
     answer in the format the prompt asks for, then EOS."""
     if cfg.data.reward_name not in TEXT_REWARDS:
         return tasks.demonstration_fn(cfg.data.reward_name)
+    from dora_jax.data.text_tasks import ANSWER_FORMATS
+
     tokenizer = tokenizer or tokenizer_for(cfg)
-    formats = {"gsm8k": "#### {}", "math": "\\boxed{{{}}}", "countdown_expr": "<answer>{}</answer>",
-               "reasoning_gym": "<answer>{}</answer>"}
 
     def demonstrate(record: dict) -> list:
         text = record.get("demonstration")
         if text is None:
             if record.get("answer") is None:
                 raise prompts.DataError(f"{record['prompt_id']}: no answer to imitate")
-            text = formats[record["verifier"]].format(record["answer"])
+            text = ANSWER_FORMATS[record["verifier"]].format(record["answer"])
         return tokenizer.encode(text) + [tokenizer.eos_id]
 
     return demonstrate

@@ -28,6 +28,9 @@ ANSWER_TAG_INSTRUCTION = "Give your final answer inside <answer></answer> tags."
 DEFAULT_INSTRUCTIONS = {"gsm8k": GSM8K_INSTRUCTION, "math": MATH_INSTRUCTION,
                         "countdown_expr": ANSWER_TAG_INSTRUCTION,
                         "reasoning_gym": ANSWER_TAG_INSTRUCTION}
+# A final answer written as each default instruction asks (what a warm start imitates).
+ANSWER_FORMATS = {"gsm8k": "#### {}", "math": "\\boxed{{{}}}",
+                  "countdown_expr": "<answer>{}</answer>", "reasoning_gym": "<answer>{}</answer>"}
 FORMATS = ("gsm8k", "math")
 
 
