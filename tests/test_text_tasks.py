@@ -191,10 +191,12 @@ def test_reasoning_gym_record_that_does_not_match_raises():
         verifiers.reasoning_gym_reward({**r, "question": "tampered"}, r["answer"])
 
 
-def test_reasoning_gym_rewards_on_pool_threads():
+def test_reasoning_gym_rewards_in_the_reward_pool():
+    from dora_jax.runtime.reward_pool import RewardPool
+
     records = text_tasks.reasoning_gym_records("chain_sum", TOK, size=8, seed=4)
-    pool = tasks.RewardPool(verifiers.token_reward(verifiers.record_reward, TOK),
-                            num_threads=4, timeout=60)
+    pool = RewardPool(verifiers.token_reward(verifiers.record_reward, TOK),
+                      num_workers=2, timeout=60)
     try:
         futures = [pool.submit(r, TOK.encode(f"<answer>{r['answer']}</answer>")) for r in records]
         assert [f.result(60) for f in futures] == [(1.0, None)] * len(records)

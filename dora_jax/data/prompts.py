@@ -21,32 +21,73 @@ class DataError(ValueError):
     """A prompt record is malformed; the message says which record and why."""
 
 
+def _short(value) -> str:
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def check_record(record: Record, where: str, vocab_size: int | None = None) -> Record:
     """Validates one prompt record; raises DataError naming `where`."""
     if "prompt_id" not in record:
         raise DataError(f"{where}: missing 'prompt_id'")
+    prompt_id = record["prompt_id"]
+    # An id keys the ledger and a resume's lookup: a string or an int, never a bool
+    # (True == 1 would make two ids one).
+    if not isinstance(prompt_id, (str, int)) or isinstance(prompt_id, bool):
+        raise DataError(f"{where}: 'prompt_id' must be a string or an int, got "
+                        f"{_short(prompt_id)}")
     tokens = record.get("tokens")
     if not isinstance(tokens, (list, tuple)) or not tokens:
-        raise DataError(f"{where}: 'tokens' must be a non-empty list of ints, got {tokens!r}")
-    if not all(isinstance(t, int) and t >= 0 for t in tokens):
-        raise DataError(f"{where}: 'tokens' must hold non-negative ints")
-    if vocab_size is not None and max(tokens) >= vocab_size:
-        raise DataError(f"{where}: token id {max(tokens)} >= vocab_size {vocab_size}")
+        raise DataError(f"{where}: 'tokens' must be a non-empty list of ints, got "
+                        f"{_short(tokens)}")
+    for i, t in enumerate(tokens):
+        # JSON true/false are Python ints: refused, not read as ids 1 and 0.
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise DataError(f"{where}: 'tokens'[{i}] is {_short(t)}, not a non-negative int")
+        if vocab_size is not None and t >= vocab_size:
+            raise DataError(f"{where}: 'tokens'[{i}] is {t}, not below vocab_size {vocab_size}")
     return record
+
+
+def check_unique(records: Sequence[Record], wheres: Sequence[str] | None = None) -> None:
+    """Refuses two records with one prompt_id (a resume finds a prompt by its id, so
+    a repeat would silently stand for the other), naming both places: `wheres[i]`
+    says where record i came from (default: `record i`)."""
+    first: dict = {}
+    for i, record in enumerate(records):
+        where = wheres[i] if wheres is not None else f"record {i}"
+        prompt_id = record["prompt_id"]
+        if prompt_id in first:
+            raise DataError(f"{where}: prompt_id {prompt_id!r} repeats the one at "
+                            f"{first[prompt_id]}")
+        first[prompt_id] = where
 
 
 def jsonl_objects(path: str) -> Iterator[tuple[str, int, dict]]:
     """(where, line number, object) for each non-blank line of a JSONL file; a line
-    that is not a JSON object raises DataError naming `<path>:<line>`."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    that is not UTF-8 or not a JSON object raises DataError naming `<path>:<line>`."""
+    try:
+        f = open(path, "rb")  # decoded line by line, so a bad byte names its line
+    except IsADirectoryError:
+        raise DataError(f"{path}: a directory, not a JSONL file") from None
+    with f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at "
+                                f"column {e.start + 1})") from None
+            if lineno == 1:
+                line = line.removeprefix("\ufeff")  # a byte-order mark some editors write
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{where}: not valid JSON ({e.msg})") from None
+            except RecursionError:
+                raise DataError(f"{where}: JSON nests too deeply") from None
             if not isinstance(obj, dict):
                 raise DataError(f"{where}: expected a JSON object")
             yield where, lineno, obj
@@ -60,16 +101,21 @@ def read_jsonl(path: str, tokenize: Callable[[str], list[int]] | None = None,
     `prompt_id` defaults to `<file>:<line>`. A bad line raises DataError naming the
     file and line: bad data is reported, never silently skipped.
     """
-    records = []
+    records, wheres = [], []
     for where, _, record in jsonl_objects(path):
         if "tokens" not in record and "text" in record:
             if tokenize is None:
                 raise DataError(f"{where}: has 'text' but no tokenizer was given")
+            if not isinstance(record["text"], str):
+                raise DataError(f"{where}: 'text' must be a string, got "
+                                f"{_short(record['text'])}")
             record["tokens"] = list(tokenize(record["text"]))
         record.setdefault("prompt_id", where)
         records.append(check_record(record, where, vocab_size))
+        wheres.append(where)
     if not records:
         raise DataError(f"{path}: no prompt records")
+    check_unique(records, wheres)
     return records
 
 
@@ -136,4 +182,6 @@ class PromptStream:
 
 def in_memory(records: Iterable[Record], vocab_size: int | None = None) -> list[Record]:
     """Validates in-memory records (e.g. from a generator) into a list source."""
-    return [check_record(dict(r), f"record {i}", vocab_size) for i, r in enumerate(records)]
+    out = [check_record(dict(r), f"record {i}", vocab_size) for i, r in enumerate(records)]
+    check_unique(out)
+    return out

@@ -57,11 +57,22 @@ def _text_records(cfg: Config, tokenizer) -> list[dict]:
     source = tfds_local.tfds_records(d.tfds_name, d.tfds_split, d.tfds_dir or None, tok,
                                      **common)
     # Records are needed whole (prompt lengths checked, resumable stream over a list).
-    return [source[i] for i in range(len(source))]
+    records = [source[i] for i in range(len(source))]
+    prompts.check_unique(records, [f"{d.tfds_name}/{d.tfds_split}[{i}]"
+                                   for i in range(len(records))])
+    return records
 
 
 def all_prompt_records(cfg: Config, tokenizer=None) -> list[dict]:
-    """Every prompt record of the source, before the length filter."""
+    """Every prompt record of the source, before the length filter; no two share a
+    prompt_id (a DataError names both; file sources name their lines)."""
+    records = _records_of_source(cfg, tokenizer)
+    # Each file source already refused repeats naming file:line; this covers the rest.
+    prompts.check_unique(records)
+    return records
+
+
+def _records_of_source(cfg: Config, tokenizer) -> list[dict]:
     d, vocab = cfg.data, cfg.model.vocab_size
     if d.source == "residue":
         return prompts.in_memory(tasks.residue_prompts(

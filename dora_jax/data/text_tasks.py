@@ -19,6 +19,7 @@ from typing import Any, Iterator
 
 from dora_jax.data import verifiers
 from dora_jax.data.prompts import DataError, Record, check_record, jsonl_objects
+from dora_jax.data.tokenizer import TokenizerError
 
 GSM8K_INSTRUCTION = ("Solve the problem step by step, then write the final answer as a "
                      "number on the last line, after \"####\".")
@@ -53,11 +54,15 @@ def make_record(tokenizer, prompt_id: str, question: str, answer: str, verifier:
     default (DEFAULT_INSTRUCTIONS); pass "" for none."""
     if instruction is None:
         instruction = DEFAULT_INSTRUCTIONS.get(verifier, "")
-    record = {"prompt_id": prompt_id,
-              "tokens": chat_tokens(tokenizer, question, instruction=instruction,
-                                    system_prompt=system_prompt),
-              "question": question, "answer": answer, "verifier": verifier, **extra}
-    return check_record(record, where or prompt_id, vocab_size)
+    where = where or prompt_id
+    try:
+        tokens = chat_tokens(tokenizer, question, instruction=instruction,
+                             system_prompt=system_prompt)
+    except TokenizerError as e:  # the template failed on this record: name both
+        raise DataError(f"{where}: {e}") from None
+    record = {"prompt_id": prompt_id, "tokens": tokens, "question": question,
+              "answer": answer, "verifier": verifier, **extra}
+    return check_record(record, where, vocab_size)
 
 
 # ------------------------------------------------------------------ JSONL (GSM8K / MATH)
@@ -105,7 +110,11 @@ def read_qa_jsonl(path: str, format: str) -> Iterator[tuple[str, str, str, str]]
     seen: dict[str, str] = {}
     for where, lineno, obj in jsonl_objects(path):
         question, answer = parse(obj, where)
-        prompt_id = str(obj["id"]) if obj.get("id") is not None else f"{base}:{lineno}"
+        given = obj.get("id")
+        if given is not None and (not isinstance(given, (str, int)) or isinstance(given, bool)):
+            raise DataError(f"{where}: 'id' must be a string or an int, got "
+                            f"{type(given).__name__}")
+        prompt_id = str(given) if given is not None else f"{base}:{lineno}"
         if prompt_id in seen:
             raise DataError(f"{where}: prompt id {prompt_id!r} repeats {seen[prompt_id]}")
         seen[prompt_id] = where

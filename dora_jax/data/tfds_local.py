@@ -108,8 +108,20 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def _text(value) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+def _text(example: dict, field: str, where: str) -> str:
+    """A text feature of a stored example (bytes from the array_record files)."""
+    if field not in example:
+        raise prompts.DataError(f"{where}: no {field!r} feature")
+    value = example[field]
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise prompts.DataError(f"{where}: {field!r} is not valid UTF-8 (byte "
+                                    f"{e.start})") from None
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise prompts.DataError(f"{where}: {field!r} must be text, got {type(value).__name__}")
+    return str(value)
 
 
 def tfds_records(name: str, split: str, data_dir: str | None, tokenizer, *,
@@ -127,8 +139,8 @@ def tfds_records(name: str, split: str, data_dir: str | None, tokenizer, *,
 
     def to_record(example: dict, index: int) -> prompts.Record:
         where = f"{name}/{split}[{index}]"
-        kind = _text(example["verifier"]) if "verifier" in example else verifier
-        answer = _text(example["answer"])
+        kind = _text(example, "verifier", where) if "verifier" in example else verifier
+        answer = _text(example, "answer", where)
         if kind == "gsm8k" and "####" in answer:
             answer = verifiers.extract_gsm8k_answer(answer)
         elif kind == "math" and "\\boxed" in answer:
@@ -137,9 +149,9 @@ def tfds_records(name: str, split: str, data_dir: str | None, tokenizer, *,
             raise prompts.DataError(f"{where}: no final answer")
         if kind == "gsm8k" and not _is_number(answer):
             raise prompts.DataError(f"{where}: answer {answer!r} is not a number")
-        prompt_id = _text(example["id"]) if "id" in example else f"{name}/{split}:{index}"
+        prompt_id = _text(example, "id", where) if "id" in example else f"{name}/{split}:{index}"
         return text_tasks.make_record(
-            tokenizer, prompt_id, _text(example["question"]), answer, kind,
+            tokenizer, prompt_id, _text(example, "question", where), answer, kind,
             instruction=instruction, system_prompt=system_prompt, where=where,
             vocab_size=vocab_size)
 

@@ -9,7 +9,12 @@ the checkpoint's own chat template and decoding stops where the checkpoint stops
 The chat template is rendered as the Hugging Face tooling renders it (sandboxed Jinja,
 `trim_blocks` and `lstrip_blocks`, a `tojson` filter that keeps non-ASCII text, a
 `raise_exception` global), so the same conversation gives the same prompt ids as it
-would in the checkpoint's reference stack.
+would in the checkpoint's reference stack. The template is someone else's program:
+it renders under a time and a size limit (template_sandbox), and every way it can
+fail is one ChatTemplateError line naming its file.
+
+Every file read is checked (JSON objects, field types, ids in the vocabulary); a bad
+one raises a TokenizerError (a ValueError) of one line naming the file and field.
 
 `train_tokenizer` builds a small byte-level BPE tokenizer with a ChatML template, for
 tests and synthetic tasks that need a real tokenizer but no download.
@@ -26,10 +31,10 @@ import os
 from collections.abc import Iterable, Sequence
 
 import jinja2
-import jinja2.ext
-import jinja2.sandbox
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from dora_jax.data import template_sandbox
 
 DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -43,20 +48,43 @@ _TEMPLATE_FILE = "chat_template.jinja"
 _STOP_ID_FILES = ("generation_config.json", "config.json")
 
 
+class TokenizerError(ValueError):
+    """A tokenizer file is unreadable or malformed; one line naming the file."""
+
+
+class ChatTemplateError(TokenizerError, jinja2.exceptions.TemplateError):
+    """A chat template failed to compile or render, or passed its time or size
+    limit; one line naming the template's file. A jinja2.TemplateError too, as the
+    template's own `raise_exception` always was."""
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenizerParameters:
     """What the Engine API hands out for building a tokenizer: its directory."""
     path: str
 
 
+def _read_text(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TokenizerError(f"{path}: not valid UTF-8 (byte {e.start})") from None
+    except OSError as e:
+        raise TokenizerError(f"cannot read {path}: {e.strerror}") from None
+
+
 def _read_json(path: str) -> dict:
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read {path}: {e}") from e
+        data = json.loads(_read_text(path))
+    except json.JSONDecodeError as e:
+        raise TokenizerError(f"{path}: not valid JSON ({e.msg}, line {e.lineno})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+        raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
 
 
@@ -66,8 +94,8 @@ def _token_text(value, field: str, path: str) -> str | None:
         return value
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"]
-    raise ValueError(f"{path}: {field} must be a string or a {{'content': ...}} dict, "
-                     f"got {value!r}")
+    raise TokenizerError(f"{path}: {field} must be a string or a {{'content': ...}} dict, "
+                         f"got {_one_line(repr(value))[:80]}")
 
 
 def _pick_template(value, path: str) -> str | None:
@@ -79,16 +107,33 @@ def _pick_template(value, path: str) -> str | None:
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
         if isinstance(named.get("default"), str):
             return named["default"]
-    raise ValueError(f"{path}: chat_template must be a string or a list of "
-                     "{name, template} with a 'default' entry")
+    raise TokenizerError(f"{path}: chat_template must be a string or a list of "
+                         "{name, template} with a 'default' entry")
 
 
-def _eos_ids_of(path: str) -> list[int]:
-    """eos_token_id of a generation/model config: an int, a list of ints, or absent."""
+def _bool_field(cfg: dict, field: str, path: str) -> bool:
+    # Only a JSON bool: the string "false" is true to Python.
+    value = cfg.get(field, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise TokenizerError(f"{path}: {field} must be true or false, got "
+                             f"{_one_line(repr(value))[:80]}")
+    return value
+
+
+def _eos_ids_of(path: str, vocab_size: int) -> list[int]:
+    """eos_token_id of a generation/model config: an int, a list of ints, or absent;
+    each an id of the vocabulary."""
     value = _read_json(path).get("eos_token_id")
     ids = [] if value is None else value if isinstance(value, list) else [value]
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise ValueError(f"{path}: eos_token_id must be an int or a list of ints, got {value!r}")
+        raise TokenizerError(f"{path}: eos_token_id must be an int or a list of ints, got "
+                             f"{_one_line(repr(value))[:80]}")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise TokenizerError(f"{path}: eos_token_id {bad[0]} is not in the tokenizer's "
+                             f"vocabulary of {vocab_size}")
     return ids
 
 
@@ -107,9 +152,9 @@ def _strftime_now(fmt):
 
 
 def _compile_template(source: str) -> jinja2.Template:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
+    """The template in a guarded sandbox (template_sandbox.GuardedEnvironment)."""
+    env = template_sandbox.GuardedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.add_filter("tojson", _tojson)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)
@@ -120,17 +165,24 @@ class Tokenizer:
 
     Attributes: vocab_size (with added tokens), eos_id, pad_id (eos_id when the
     checkpoint has no pad token), bos_id (or None), stop_ids (eos_id first, then the
-    checkpoint's other end-of-sequence ids), chat_template (or None).
+    checkpoint's other end-of-sequence ids), chat_template (or None; its errors name
+    the file it was read from), and the limits a render runs under:
+    template_time_limit_s, template_max_chars.
     """
+
+    template_time_limit_s = template_sandbox.TIME_LIMIT_S
+    template_max_chars = template_sandbox.MAX_CHARS
 
     def __init__(self, backend: tokenizers.Tokenizer, *, eos_token: str,
                  pad_token: str | None = None, bos_token: str | None = None,
                  add_bos_token: bool = False, chat_template: str | None = None,
-                 extra_stop_ids: Iterable[int] = ()):
+                 extra_stop_ids: Iterable[int] = (), chat_template_file: str | None = None):
         self._backend = backend
         self.eos_token, self.pad_token, self.bos_token = eos_token, pad_token, bos_token
         self.add_bos_token = bool(add_bos_token)
         self.chat_template = chat_template
+        # The file is named only while the template is the one read from it.
+        self._template_origin = (chat_template, chat_template_file)
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self.eos_id = self._id_of(eos_token, "eos_token")
         self.pad_id = self.eos_id if pad_token is None else self._id_of(pad_token, "pad_token")
@@ -138,10 +190,15 @@ class Tokenizer:
         self.stop_ids = tuple(dict.fromkeys([self.eos_id, *extra_stop_ids]))
         self._compiled: tuple[str, jinja2.Template] | None = None  # (source, template)
 
+    def __getstate__(self) -> dict:
+        # Reward workers get the tokenizer pickled; the compiled template (with its
+        # sandbox's per-thread deadline) is rebuilt on first use there.
+        return {**self.__dict__, "_compiled": None}
+
     def _id_of(self, token: str, field: str) -> int:
         token_id = self._backend.token_to_id(token)
         if token_id is None:
-            raise ValueError(f"{field} {token!r} is not in the tokenizer's vocabulary")
+            raise TokenizerError(f"{field} {token!r} is not in the tokenizer's vocabulary")
         return token_id
 
     @classmethod
@@ -151,40 +208,42 @@ class Tokenizer:
         eos_token_id of generation_config.json / config.json as extra stop ids."""
         path = os.fspath(path)
         if not os.path.isdir(path):
-            raise ValueError(f"tokenizer directory {path} does not exist")
+            raise TokenizerError(f"tokenizer directory {path} does not exist")
         tok_file = os.path.join(path, _TOKENIZER_FILE)
         if not os.path.isfile(tok_file):
-            raise ValueError(f"{tok_file} not found: the directory has no fast tokenizer")
+            raise TokenizerError(f"{tok_file} not found: the directory has no fast tokenizer")
         try:
             backend = tokenizers.Tokenizer.from_file(tok_file)
         except Exception as e:  # the Rust side raises plain Exceptions
-            raise ValueError(f"cannot read {tok_file}: {e}") from e
+            raise TokenizerError(f"cannot read {tok_file}: {_one_line(e)}") from None
         cfg_file = os.path.join(path, _CONFIG_FILE)
         cfg = _read_json(cfg_file) if os.path.isfile(cfg_file) else {}
         token = {f: _token_text(cfg.get(f), f, cfg_file)
                  for f in ("eos_token", "pad_token", "bos_token")}
         template = _pick_template(cfg.get("chat_template"), cfg_file)
+        source_file = cfg_file if template is not None else None
         template_file = os.path.join(path, _TEMPLATE_FILE)
         if template is None and os.path.isfile(template_file):
             # Newer checkpoints keep the template in its own file.
-            with open(template_file, encoding="utf-8") as f:
-                template = f.read()
+            template, source_file = _read_text(template_file), template_file
+        vocab_size = backend.get_vocab_size(with_added_tokens=True)
         stop_ids = [i for name in _STOP_ID_FILES
                     if os.path.isfile(os.path.join(path, name))
-                    for i in _eos_ids_of(os.path.join(path, name))]
+                    for i in _eos_ids_of(os.path.join(path, name), vocab_size)]
         eos_token = token["eos_token"]
         if eos_token is None:
             if not stop_ids:
-                raise ValueError(f"{path}: no eos_token in {_CONFIG_FILE} and no "
-                                 f"eos_token_id in {' or '.join(_STOP_ID_FILES)}")
+                raise TokenizerError(f"{path}: no eos_token in {_CONFIG_FILE} and no "
+                                     f"eos_token_id in {' or '.join(_STOP_ID_FILES)}")
             eos_token = backend.id_to_token(stop_ids[0])
         try:
             return cls(backend, eos_token=eos_token, pad_token=token["pad_token"],
                        bos_token=token["bos_token"],
-                       add_bos_token=cfg.get("add_bos_token", False),
-                       chat_template=template, extra_stop_ids=stop_ids)
-        except ValueError as e:
-            raise ValueError(f"{cfg_file}: {e}") from e
+                       add_bos_token=_bool_field(cfg, "add_bos_token", cfg_file),
+                       chat_template=template, extra_stop_ids=stop_ids,
+                       chat_template_file=source_file)
+        except TokenizerError as e:
+            raise TokenizerError(f"{cfg_file}: {e}") from None
 
     def save_pretrained(self, path: str) -> None:
         """Writes tokenizer.json and tokenizer_config.json (loadable by
@@ -229,15 +288,31 @@ class Tokenizer:
         Returns the token ids (the template writes the special tokens, none are
         added) or, with `tokenize=False`, the text."""
         if self.chat_template is None:
-            raise ValueError("this tokenizer has no chat template (none in "
-                             f"{_CONFIG_FILE} or {_TEMPLATE_FILE})")
-        # Compiled once per source: `chat_template` may be reassigned.
-        if self._compiled is None or self._compiled[0] != self.chat_template:
-            self._compiled = (self.chat_template, _compile_template(self.chat_template))
-        text = self._compiled[1].render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token,
-            pad_token=self.pad_token or "", **template_kwargs)
+            raise TokenizerError("this tokenizer has no chat template (none in "
+                                 f"{_CONFIG_FILE} or {_TEMPLATE_FILE})")
+        origin, origin_file = self._template_origin
+        where = (origin_file if origin_file and origin == self.chat_template
+                 else "chat_template")
+        try:
+            # Compiled once per source: `chat_template` may be reassigned.
+            if self._compiled is None or self._compiled[0] != self.chat_template:
+                self._compiled = (self.chat_template, _compile_template(self.chat_template))
+            template = self._compiled[1]
+            text = template.environment.render(
+                template, time_limit_s=self.template_time_limit_s,
+                max_chars=self.template_max_chars, messages=list(messages),
+                add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
+                eos_token=self.eos_token, pad_token=self.pad_token or "", **template_kwargs)
+        except template_sandbox.TemplateLimit as e:
+            raise ChatTemplateError(f"{where}: chat template {e}") from None
+        except jinja2.TemplateSyntaxError as e:
+            raise ChatTemplateError(f"{where}: chat template line {e.lineno}: "
+                                    f"{_one_line(e.message)}") from None
+        except Exception as e:  # anything the template's code raises is the template's fault
+            detail = _one_line(e) or type(e).__name__
+            if not isinstance(e, jinja2.TemplateError):
+                detail = f"{type(e).__name__}: {detail}"
+            raise ChatTemplateError(f"{where}: chat template failed: {detail[:300]}") from None
         return self.encode(text) if tokenize else text
 
 

@@ -134,9 +134,10 @@ def config_from_checkpoint(path: str, *, dtype: str | None = None, **overrides) 
     dtype (default: the checkpoint's, float16 read as float32); `overrides` set
     the fields that say how to compute (attention, remat, scan_layers, moe.dispatch...)."""
     hf = hf_config.read(path)
-    fields = hf_config.model_fields(hf, os.path.join(path, "config.json"))
+    where = os.path.join(path, "config.json")
+    fields = hf_config.model_fields(hf, where)
     if dtype is None:
-        dtype = {"bfloat16": "bfloat16"}.get(hf.get("torch_dtype", hf.get("dtype")), "float32")
+        dtype = {"bfloat16": "bfloat16"}.get(hf_config.stored_dtype(hf, where), "float32")
     moe = {**fields.pop("moe"), **overrides.pop("moe", {})}
     return ModelConfig.from_dict({**fields, "dtype": dtype, "param_dtype": dtype,
                                   **overrides, "moe": moe})

@@ -26,37 +26,136 @@ MOE_ARCH_FIELDS = ("num_experts", "top_k", "expert_hidden", "moe_every", "normal
                    "num_shared_experts", "shared_expert_hidden")
 
 
+# Bounds on what config.json may say: far above any released model (Llama 3 405B:
+# 126 layers, hidden 16384, MLP 53248; vocabularies up to ~260k), far below what
+# would make building the model exhaust a host. A value outside is a corrupt file.
+MAX_LAYERS = 1024
+MAX_HIDDEN = 2 ** 20  # hidden_size, head_dim
+MAX_MLP = 2 ** 22  # intermediate_size, moe_intermediate_size
+MAX_HEADS = 2 ** 14  # attention and KV heads, experts
+MAX_VOCAB = 2 ** 24
+MAX_POSITIONS = 2 ** 24
+
+
 class CheckpointError(ValueError):
     """A checkpoint directory cannot be read as a model we compute exactly."""
 
 
 def read(directory: str) -> dict:
+    """config.json of a checkpoint directory, as a JSON object."""
     path = os.path.join(directory, "config.json")
     if not os.path.isdir(directory):
         raise CheckpointError(f"{directory}: no such checkpoint directory")
     try:
-        with open(path) as f:
-            return json.load(f)
+        with open(path, "rb") as f:
+            hf = json.loads(f.read().decode("utf-8"))
     except FileNotFoundError:
         raise CheckpointError(f"{directory}: no config.json") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{path}: a directory, not a file") from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path}: not valid UTF-8") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: not valid JSON ({e.msg})") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(hf).__name__}")
+    return hf
 
 
-def _rope(hf: dict) -> tuple[float, dict | None]:
-    params = hf.get("rope_parameters")
+# ------------------------------------------------------------------ typed fields
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _int(d: dict, name: str, where: str, hi: int, *, lo: int = 1, default=None,
+         label: str | None = None) -> int:
+    """An int field in [lo, hi]; absent or null gives `default` (None: required)."""
+    label = label or name
+    value = d.get(name)
+    if value is None:
+        if default is None:
+            raise CheckpointError(f"{where}: {label} is missing")
+        return default
+    if not _is_int(value):
+        raise CheckpointError(f"{where}: {label} must be an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise CheckpointError(f"{where}: {label} {value} is out of range [{lo}, {hi}]")
+    return value
+
+
+def _number(d: dict, name: str, where: str, *, default=None, label: str | None = None,
+            below: float = float("inf")) -> float:
+    """A finite number field in (0, below)."""
+    label = label or name
+    value = d.get(name)
+    if value is None:
+        if default is None:
+            raise CheckpointError(f"{where}: {label} is missing")
+        return float(default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise CheckpointError(f"{where}: {label} must be a number, got {value!r}")
+    if not 0 < value < below or value != value:
+        raise CheckpointError(f"{where}: {label} {value!r} is out of range (0, {below:g})")
+    return float(value)
+
+
+def _bool(d: dict, name: str, where: str, default: bool = False) -> bool:
+    # Only a JSON bool: the string "false" is true to Python and must not be read so.
+    value = d.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise CheckpointError(f"{where}: {name} must be true or false, got {value!r}")
+    return value
+
+
+def _typed(d: dict, name: str, where: str, kind: type, label: str | None = None):
+    """A field that is null or a `kind` (dict, list, str)."""
+    value = d.get(name)
+    if value is not None and not isinstance(value, kind):
+        raise CheckpointError(f"{where}: {label or name} must be "
+                              f"{'an object' if kind is dict else 'a ' + kind.__name__}, "
+                              f"got {value!r}")
+    return value
+
+
+def stored_dtype(hf: dict, where: str = "config.json") -> str | None:
+    """The checkpoint's dtype name (`torch_dtype`, or transformers 5's `dtype`)."""
+    return _typed(hf, "torch_dtype", where, str) or _typed(hf, "dtype", where, str)
+
+
+def _rope(hf: dict, where: str) -> tuple[float, dict | None, str]:
+    """(theta, the scaling dict or None, the scaling's field name for errors)."""
+    params = _typed(hf, "rope_parameters", where, dict)
     if params:  # transformers 5: theta and scaling in one dict
-        theta = params.get("rope_theta", hf.get("rope_theta", 10_000.0))
-        scaling = None if params.get("rope_type", "default") == "default" else params
-    else:
-        theta, scaling = hf.get("rope_theta", 10_000.0), hf.get("rope_scaling")
-    return float(theta), scaling
+        theta = _number(params, "rope_theta", where, label="rope_parameters.rope_theta",
+                        default=_number(hf, "rope_theta", where, default=10_000.0))
+        kind = _typed(params, "rope_type", where, str, "rope_parameters.rope_type")
+        return theta, None if kind in (None, "default") else params, "rope_parameters"
+    theta = _number(hf, "rope_theta", where, default=10_000.0)
+    return theta, _typed(hf, "rope_scaling", where, dict), "rope_scaling"
+
+
+def _moe_fields(hf: dict, where: str, num_layers: int) -> dict:
+    name = "num_experts" if hf.get("num_experts") is not None else "num_local_experts"
+    experts = _int(hf, name, where, MAX_HEADS)
+    return dict(num_experts=experts,
+                top_k=_int(hf, "num_experts_per_tok", where, experts),
+                expert_hidden=_int(hf, "moe_intermediate_size", where, MAX_MLP),
+                moe_every=_int(hf, "decoder_sparse_step", where, num_layers, default=1),
+                normalize_topk=_bool(hf, "norm_topk_prob", where),
+                num_shared_experts=0, shared_expert_hidden=0)
 
 
 def model_fields(hf: dict, where: str = "config.json") -> dict:
-    """Our `model` fields (with a nested `moe` dict) for a Hugging Face config."""
+    """Our `model` fields (with a nested `moe` dict) for a Hugging Face config.
+    Every field read is type- and range-checked: a bad one raises a CheckpointError
+    naming `where` and the field."""
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{where}: expected a JSON object, got {type(hf).__name__}")
     family = hf.get("model_type")
-    if family not in FAMILIES:
+    if not isinstance(family, str) or family not in FAMILIES:
         raise CheckpointError(f"{where}: model_type {family!r} is not supported; "
                               f"supported: {FAMILIES}")
 
@@ -64,38 +163,54 @@ def model_fields(hf: dict, where: str = "config.json") -> dict:
         if condition:
             raise CheckpointError(f"{where}: {what} is not supported")
 
-    refuse(hf.get("hidden_act", "silu") != "silu", f"hidden_act {hf.get('hidden_act')!r}")
-    refuse(hf.get("use_sliding_window"), "use_sliding_window")
-    refuse(hf.get("mlp_bias"), "mlp_bias")
+    act = _typed(hf, "hidden_act", where, str) or "silu"
+    refuse(act != "silu", f"hidden_act {act!r}")
+    refuse(_bool(hf, "use_sliding_window", where), "use_sliding_window")
+    refuse(_bool(hf, "mlp_bias", where), "mlp_bias")
     # Qwen3 and Llama's attention_bias also biases the output projection.
-    refuse(family != "qwen2" and hf.get("attention_bias"), "attention_bias (output bias)")
-    refuse(hf.get("mlp_only_layers"), "mlp_only_layers")
-    refuse(hf.get("shared_expert_intermediate_size"), "a shared expert with a gate")
-    d, heads = hf["hidden_size"], hf["num_attention_heads"]
-    theta, scaling = _rope(hf)
-    out = dict(vocab_size=hf["vocab_size"], d_model=d, num_layers=hf["num_hidden_layers"],
-               num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
-               head_dim=hf.get("head_dim") or d // heads, mlp_hidden=hf["intermediate_size"],
-               tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    refuse(family != "qwen2" and _bool(hf, "attention_bias", where),
+           "attention_bias (output bias)")
+    refuse(_typed(hf, "mlp_only_layers", where, list), "mlp_only_layers")
+    refuse(_int(hf, "shared_expert_intermediate_size", where, MAX_MLP, lo=0, default=0),
+           "a shared expert with a gate")
+    d = _int(hf, "hidden_size", where, MAX_HIDDEN)
+    heads = _int(hf, "num_attention_heads", where, MAX_HEADS)
+    kv_heads = _int(hf, "num_key_value_heads", where, heads, default=heads)
+    if heads % kv_heads:
+        raise CheckpointError(f"{where}: num_key_value_heads {kv_heads} does not divide "
+                              f"num_attention_heads {heads}")
+    if d % heads:
+        raise CheckpointError(f"{where}: num_attention_heads {heads} does not divide "
+                              f"hidden_size {d}")
+    head_dim = _int(hf, "head_dim", where, MAX_HIDDEN, default=d // heads)
+    if head_dim % 2:
+        raise CheckpointError(f"{where}: head_dim {head_dim} is odd (rotary embeddings "
+                              "rotate pairs)")
+    num_layers = _int(hf, "num_hidden_layers", where, MAX_LAYERS)
+    theta, scaling, scaling_name = _rope(hf, where)
+    out = dict(vocab_size=_int(hf, "vocab_size", where, MAX_VOCAB), d_model=d,
+               num_layers=num_layers, num_heads=heads, num_kv_heads=kv_heads,
+               head_dim=head_dim, mlp_hidden=_int(hf, "intermediate_size", where, MAX_MLP),
+               tie_embeddings=_bool(hf, "tie_word_embeddings", where),
                qk_norm=family in ("qwen3", "qwen3_moe"), qkv_bias=family == "qwen2",
-               rope_theta=theta, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+               rope_theta=theta,
+               norm_eps=_number(hf, "rms_norm_eps", where, default=1e-6, below=1.0),
                rope_scaling="none")
     if scaling is not None:
         kind = scaling.get("rope_type", scaling.get("type"))
         refuse(kind != "llama3", f"rope scaling {kind!r}")
-        out.update(rope_scaling="llama3", rope_factor=float(scaling["factor"]),
-                   rope_low_freq_factor=float(scaling["low_freq_factor"]),
-                   rope_high_freq_factor=float(scaling["high_freq_factor"]),
-                   rope_original_max_len=int(scaling["original_max_position_embeddings"]))
-    if family == "qwen3_moe":
-        out["moe"] = dict(num_experts=hf.get("num_experts", hf.get("num_local_experts")),
-                          top_k=hf["num_experts_per_tok"],
-                          expert_hidden=hf["moe_intermediate_size"],
-                          moe_every=hf.get("decoder_sparse_step", 1),
-                          normalize_topk=bool(hf.get("norm_topk_prob", False)),
-                          num_shared_experts=0, shared_expert_hidden=0)
-    else:
-        out["moe"] = dict(num_experts=0)
+
+        def field(name):
+            return _number(scaling, name, where, label=f"{scaling_name}.{name}")
+
+        out.update(rope_scaling="llama3", rope_factor=field("factor"),
+                   rope_low_freq_factor=field("low_freq_factor"),
+                   rope_high_freq_factor=field("high_freq_factor"),
+                   rope_original_max_len=_int(
+                       scaling, "original_max_position_embeddings", where, MAX_POSITIONS,
+                       label=f"{scaling_name}.original_max_position_embeddings"))
+    out["moe"] = (_moe_fields(hf, where, num_layers) if family == "qwen3_moe"
+                  else dict(num_experts=0))
     return out
 
 

@@ -19,11 +19,13 @@ from typing import Callable, Iterable, NamedTuple
 import ml_dtypes
 import numpy as np
 
+from dora_jax.model import safetensors_check
+
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
            "BF16": ml_dtypes.bfloat16, "I64": np.int64, "I32": np.int32, "I16": np.int16,
            "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
-_MAX_HEADER = 100 * 2 ** 20  # a sane header is far smaller; a corrupt one is not read
+_ITEMSIZES = {k: np.dtype(v).itemsize for k, v in _DTYPES.items()}
 
 
 class TensorInfo(NamedTuple):
@@ -37,31 +39,17 @@ class SafetensorsFile:
     """Lazy reader of one .safetensors file: `names`, `info(name)`, `get(name)`."""
 
     def __init__(self, path: str):
+        """Reads and checks the header (safetensors_check: every rule of the format);
+        a bad file raises one SafetensorsError line naming it and the tensor."""
         self.path = path
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-            (n,) = struct.unpack("<Q", raw)
-            if n > _MAX_HEADER:
-                raise ValueError(f"{path}: not a safetensors file (header of {n} bytes)")
-            try:
-                header = json.loads(f.read(n))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise ValueError(f"{path}: unreadable safetensors header ({e})") from None
-        self.metadata = header.pop("__metadata__", None) or {}
-        size = os.path.getsize(path)
-        self._info = {}
-        for name, entry in header.items():
-            if entry["dtype"] not in _DTYPES:
-                raise ValueError(f"{path}: tensor {name!r} has unsupported dtype "
-                                 f"{entry['dtype']}; supported: {sorted(_DTYPES)}")
-            start, end = (8 + n + o for o in entry["data_offsets"])
-            dtype, shape = np.dtype(_DTYPES[entry["dtype"]]), tuple(entry["shape"])
-            if end > size or end - start != dtype.itemsize * int(np.prod(shape)):
-                raise ValueError(f"{path}: tensor {name!r} byte range does not match its "
-                                 f"shape {shape} and dtype (file truncated?)")
-            self._info[name] = TensorInfo(dtype, shape, start, end)
+        try:
+            with open(path, "rb") as f:
+                n, self.metadata, entries = safetensors_check.parse(
+                    path, f, os.fstat(f.fileno()).st_size, _ITEMSIZES)
+        except IsADirectoryError:
+            raise safetensors_check.SafetensorsError(f"{path}: a directory, not a file") from None
+        self._info = {e.name: TensorInfo(np.dtype(_DTYPES[e.dtype]), e.shape,
+                                         8 + n + e.begin, 8 + n + e.end) for e in entries}
         self._map = None
 
     @property
@@ -125,13 +113,18 @@ class Checkpoint:
         index = os.path.join(directory, "model.safetensors.index.json")
         single = os.path.join(directory, "model.safetensors")
         if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            files = {fn: SafetensorsFile(os.path.join(directory, fn))
+            weight_map = safetensors_check.read_index(index)
+            files = {fn: SafetensorsFile(safetensors_check.confined(directory, fn, index))
                      for fn in sorted(set(weight_map.values()))}
+            for name, fn in weight_map.items():
+                if name not in files[fn]._info:
+                    raise safetensors_check.SafetensorsError(
+                        f"{index}: weight_map puts tensor {name!r} in {fn}, which has no "
+                        "such tensor")
             self._where = {name: files[fn] for name, fn in weight_map.items()}
         elif os.path.exists(single):
-            f = SafetensorsFile(single)
+            f = SafetensorsFile(safetensors_check.confined(directory, "model.safetensors",
+                                                           directory, "file"))
             self._where = {name: f for name in f.names}
         else:
             raise FileNotFoundError(f"{directory}: no model.safetensors or "
