@@ -12,16 +12,58 @@ Restoring takes an abstract target (ShapeDtypeStructs carrying shardings, e.g.
 `Trainer.abstract_state()` of a trainer built on the *new* mesh): the arrays are read
 straight into those shardings, so a checkpoint written on one trainer mesh shape
 restores onto another.
+
+A run resumes with `restore_newest_intact`: a newest checkpoint that no longer reads
+(a file cut short or missing on a bad disk) is moved aside and the one before it
+restored. `remove_stale_tmp` clears the temporary step directories of saves that a
+crash interrupted.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
+import shutil
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+_log = logging.getLogger(__name__)
+# Orbax writes a step into `<step>.orbax-checkpoint-tmp` (orbax-checkpoint 0.12:
+# atomicity_types.TMP_DIR_SUFFIX; older versions add `-<timestamp>`) and renames it
+# once complete; one left behind is a save a crash interrupted.
+TMP_MARK = ".orbax-checkpoint-tmp"
+
+
+@dataclasses.dataclass
+class Restored:
+    """What `Checkpointer.restore_newest_intact` restored."""
+
+    step: int
+    state: Any
+    extra: dict
+    # Newer checkpoints that failed to restore: {"step", "error", "moved_to"} each.
+    skipped: list
+
+
+def remove_stale_tmp(directory: str) -> list[str]:
+    """Deletes the temporary step directories of interrupted saves in `directory`
+    (a checkpoint root); returns their names. Only for start-up, before this
+    process saves: a save in progress writes into such a directory."""
+    if not os.path.isdir(directory):
+        return []
+    stale = sorted(n for n in os.listdir(directory) if TMP_MARK in n)
+    for name in stale:
+        path = os.path.join(directory, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.remove(path)
+        _log.warning("removed %s: a checkpoint save that a crash interrupted", path)
+    return stale
 
 
 class Checkpointer:
@@ -72,6 +114,39 @@ class Checkpointer:
             int(step), args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                                extra=ocp.args.JsonRestore()))
         return out.state, dict(out.extra or {})
+
+    def restore_newest_intact(self, target: Any) -> Restored | None:
+        """The newest checkpoint that restores into `target` (as `restore`), or None
+        if there is none. Each newer one that fails (a damaged disk) is logged, moved
+        aside to `<step>.damaged` so that the run can save that step again, and
+        listed in `skipped`. If none restores, the newest one's error is raised: the
+        fault is then not in one checkpoint (e.g. another model)."""
+        failed = []
+        for step in sorted(self.all_steps(), reverse=True):
+            try:
+                state, extra = self.restore(target, step)
+            except Exception as e:  # noqa: BLE001 - Orbax/TensorStore raise plain Exception
+                failed.append((step, e))
+                continue
+            skipped = [self._set_aside(s, e, step) for s, e in failed]
+            return Restored(step, state, extra, skipped)
+        if failed:
+            raise failed[0][1]
+        return None
+
+    def _set_aside(self, step: int, error: Exception, restored: int) -> dict:
+        reason = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"[:300]
+        path = os.path.join(self.directory, str(step))
+        moved = f"{path}.damaged"
+        n = 1
+        while os.path.exists(moved):
+            n += 1
+            moved = f"{path}.damaged{n}"
+        os.rename(path, moved)
+        self._manager.reload()  # it lists its steps once, when made
+        _log.warning("checkpoint step %d in %s does not restore (%s); moved it to %s and "
+                     "restored step %d", step, self.directory, reason, moved, restored)
+        return {"step": step, "error": reason, "moved_to": moved}
 
     def restore_as_saved(self, step: int | None = None) -> Any:
         """Checkpoint `step` (default: the latest) as it was saved: nested dicts of

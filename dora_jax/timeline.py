@@ -12,6 +12,8 @@ import dataclasses
 import json
 import threading
 
+from dora_jax.runtime.files import write_json_atomic
+
 
 @dataclasses.dataclass(frozen=True)
 class Span:
@@ -40,8 +42,8 @@ class Timeline:
             return list(self._spans)
 
     def save_json(self, path: str) -> None:
-        with open(path, "w") as f:
-            json.dump([dataclasses.asdict(s) for s in self.spans], f)
+        """Writes the spans to `path` as JSON, replacing it whole (`write_atomic`)."""
+        write_json_atomic(path, [dataclasses.asdict(s) for s in self.spans])
 
     def plot(self, path: str, title: str = "") -> None:
         plot(self.spans, path, title)

@@ -5,6 +5,7 @@ command lines as a user runs them."""
 
 import importlib.util
 import math
+import shlex
 import subprocess
 import sys
 
@@ -224,3 +225,31 @@ def test_launch_imports_no_jax():
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'jax', 'jaxlib', 'flax'}))")
     r = _run("-c", code)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr
+
+
+# A newline in an override once ended the comment header and started a second YAML
+# document: a privileged Pod that `kubectl apply` would create.
+INJECTION = ("/x\n---\napiVersion: v1\nkind: Pod\nmetadata: {name: evil}\nspec: "
+             "{containers: [{name: x, image: evil, securityContext: {privileged: true}}]}")
+
+
+@pytest.mark.parametrize("value", [INJECTION, "a\x1b[2Jb\rc\x07d\te\u2028f",
+                                   "# not a comment"])
+def test_override_values_cannot_inject_yaml(value):
+    override = f"--config.data.path={value}"
+    r = _run("-m", "dora_jax.launch.gke", "--config=configs/tiny.py", "--tpu=v5e-8", override)
+    assert r.returncode == 0, r.stderr
+    [js] = list(yaml.safe_load_all(r.stdout))  # exactly one document: the JobSet
+    assert js["kind"] == "JobSet" and js["apiVersion"].startswith("jobset.x-k8s.io/")
+    assert _main(js)["command"][-1] == override  # the value verbatim
+    # How the file was made is kept inside the document, where it is only data.
+    made = js["metadata"]["annotations"]["dora-jax/command"]
+    assert shlex.split(made)[-1] == override
+    assert "8 chips" in js["metadata"]["annotations"]["dora-jax/devices"]
+    assert "edit BUCKET" in r.stderr  # the reminder stays out of the file
+    r = _run("launchers/xm_launch.py", "--config=configs/tiny.py", "--tpu=v5e-8",
+             "--dry_run", override)
+    assert r.returncode == 0, r.stderr
+    [out] = list(yaml.safe_load_all(r.stdout))
+    assert out["executable"]["command"][-1] == override
+    assert _main(out["jobset"])["command"][-1] == override

@@ -12,7 +12,9 @@ which must divide it exactly. The image must hold this repository at its working
 directory (the command names `configs/...` relative to it) with dora_jax and
 pathwaysutils installed (dora_jax.main starts Pathways' JAX backend under
 JAX_PLATFORMS=proxy).
-Nothing is contacted and no credentials are read: the output is text.
+Nothing is contacted and no credentials are read: the output is text, one YAML
+document written whole by the YAML emitter (the command line that made it is kept as
+an annotation, not a comment), so no argument can add YAML of its own.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ _SERVER_IMAGE = flags.DEFINE_string("server_image", jobset.SERVER_IMAGE,
 _PROXY_IMAGE = flags.DEFINE_string("proxy_image", jobset.PROXY_IMAGE,
                                    "Pathways IFRT proxy image")
 flags.mark_flags_as_required(["config", "tpu"])
+ANNOTATION_PREFIX = "dora-jax"
 
 
 def error(message) -> None:
@@ -96,15 +99,34 @@ def spec_from_flags(argv: list[str]) -> dict:
     return job
 
 
-def header(job: dict, argv: list[str]) -> str:
-    """YAML comment lines: how the file was made and what it asks for."""
+def annotations(job: dict, argv: list[str]) -> dict:
+    """How the file was made and what it asks for, as the JobSet's annotations. They
+    go through the YAML emitter like every other field: in a comment header, an
+    argument holding a newline would end the comment and start YAML of its own
+    (another document, e.g. a privileged Pod that `kubectl apply` creates)."""
     t, d = job["tpu"], job["devices"]
-    lines = [f"# {shlex.join(['python', '-m', 'dora_jax.launch.gke', *argv[1:]])}",
-             f"# {d['total']} chips: {t['num_slices']} x {t['type']} ({t['hosts_per_slice']} "
-             f"host(s) x {t['chips_per_host']} chips, topology {t['topology']}) under Pathways"]
-    if "BUCKET/" in " ".join(job["command"] + [job["pathways"]["gcs_scratch"] + "/"]):
-        lines.append("# edit BUCKET (or pass --workdir, --gcs_scratch) before kubectl apply")
-    return "\n".join(lines) + "\n"
+    return {
+        f"{ANNOTATION_PREFIX}/command": shlex.join(["python", "-m", "dora_jax.launch.gke",
+                                                    *argv[1:]]),
+        f"{ANNOTATION_PREFIX}/devices": (
+            f"{d['total']} chips: {t['num_slices']} x {t['type']} ({t['hosts_per_slice']} "
+            f"host(s) x {t['chips_per_host']} chips, topology {t['topology']}) under Pathways"),
+    }
+
+
+def needs_bucket(job: dict) -> bool:
+    """Whether the job still names the placeholder bucket."""
+    return "BUCKET/" in " ".join(job["command"] + [job["pathways"]["gcs_scratch"] + "/"])
+
+
+def render(job: dict, argv: list[str]) -> str:
+    """The whole output: one YAML document, the JobSet with its annotations, all of
+    it written by the YAML emitter (no text of ours around it)."""
+    import yaml
+
+    js = jobset.render_jobset(job)
+    js["metadata"]["annotations"] = annotations(job, argv)
+    return yaml.safe_dump(js, sort_keys=False)
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -128,14 +150,15 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 
 def main(argv):
-    """Prints the JobSet as YAML."""
-    import yaml
-
+    """Prints the JobSet as YAML (a reminder to edit BUCKET goes to stderr, out of
+    the file)."""
     if len(argv) > 1:
         error(f"unexpected arguments: {' '.join(argv[1:])}")
     job = spec_from_flags(sys.argv)
-    sys.stdout.write(header(job, sys.argv))
-    sys.stdout.write(yaml.safe_dump(jobset.render_jobset(job), sort_keys=False))
+    if needs_bucket(job):
+        print("note: edit BUCKET (or pass --workdir, --gcs_scratch) before kubectl apply",
+              file=sys.stderr)
+    sys.stdout.write(render(job, sys.argv))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ One JSON object per line:
   {"event": "filter", "group_id", "reason"}  (or "prompt_id" instead of "group_id":
                                              a prompt left out before admission)
   {"event": "unconsumed", "group_id", "version"}     (written at exit)
-  {"event": "resume", "step", "time"}                (a run resumed from a checkpoint)
+  {"event": "resume", "step", "time"}                (a run resumed from a checkpoint;
+   + "repaired": {"dropped_bytes"} if the ledger's last line was cut short, and
+   "skipped_checkpoints": [{"step", "error", "moved_to"}] if newer ones were damaged)
 `step` is the params version the trainer used for the batch (it publishes step+1).
 A `resume` at step s voids every earlier `consume` of step s or later (that training
 was lost with the crash) and every earlier `unconsumed`; a group admitted again after
@@ -16,6 +18,9 @@ it has another `admit` with "readmit": true, and its latest admission is the one
 that counts (`standing`).
 `versions` is run-length encoded (`rle_extend` builds it). The runtime and the fake
 driver (fake.py) write the same format, so one auditor serves both.
+A kill mid-write can only cut the last line short: `read` leaves such a line out and
+`LedgerWriter` removes it before appending (that event never happened). A bad line
+anywhere else is an error naming the file and line, never skipped.
 """
 
 from __future__ import annotations
@@ -23,17 +28,38 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import logging
+import os
 import threading
 from typing import Iterable
 
 from .modes import policy_for
 from .types import SchedulerConfig
 
+_log = logging.getLogger(__name__)
+
+
+class LedgerError(ValueError):
+    """A ledger line that is not an event; the message names the file and line:
+    `/w/ledger.jsonl:17: not JSON (Expecting ':' delimiter)`."""
+
 
 class LedgerWriter:
-    """Appends ledger events, one line each, flushed so a crash loses nothing."""
+    """Appends ledger events, one line each, flushed so a crash loses nothing.
+
+    A process killed mid-write leaves its last line cut short (no newline). Opening
+    the ledger cuts that line off first, so the next event starts a line of its own;
+    `repaired` says what was dropped ({"dropped_bytes": n}, None if nothing), for the
+    resumed run's `resume` line. The dropped event never completed, and `read` leaves
+    it out the same way, so what a resume plans from is what stays in the file."""
 
     def __init__(self, path: str):
+        self.path = path
+        dropped = _cut_partial_last_line(path)
+        self.repaired = {"dropped_bytes": dropped} if dropped else None
+        if dropped:
+            _log.warning("%s: dropped a last line cut short by a crash (%d bytes)",
+                         path, dropped)
         self._file = open(path, "a")
         self._lock = threading.Lock()
 
@@ -43,8 +69,45 @@ class LedgerWriter:
             self._file.write(line + "\n")
             self._file.flush()
 
+    def sync(self) -> None:
+        """Puts every line written so far on disk (fsync): a checkpoint saved after
+        this cannot outlive, through a power loss, the ledger lines it relies on."""
+        with self._lock:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
     def close(self) -> None:
-        self._file.close()
+        with self._lock:
+            try:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+            finally:
+                self._file.close()
+
+
+def _cut_partial_last_line(path: str) -> int:
+    """Truncates `path` just after its last newline (to empty if it has none);
+    returns the bytes dropped (0 for a missing file or one ending in a newline)."""
+    try:
+        f = open(path, "rb+")
+    except FileNotFoundError:
+        return 0
+    with f:
+        end = pos = f.seek(0, os.SEEK_END)
+        keep = 0
+        while pos > 0:  # backwards, a block at a time: a ledger can be large
+            start = max(0, pos - 65536)
+            f.seek(start)
+            i = f.read(pos - start).rfind(b"\n")
+            if i >= 0:
+                keep = start + i + 1
+                break
+            pos = start
+        if keep < end:
+            f.truncate(keep)
+            f.flush()
+            os.fsync(f.fileno())
+        return end - keep
 
 
 def rle_extend(runs: list, version: int, n: int) -> list:
@@ -73,16 +136,26 @@ def unconsumed_records(groups: dict, queued=()) -> list[dict]:
 
 
 def read(path: str) -> list[dict]:
-    """The ledger's events. A last line cut short (a kill mid-write) is left out."""
-    with open(path) as f:
-        lines = [line for line in f if line.strip()]
+    """The ledger's events. A last line without its newline was cut short by a kill
+    mid-write: it is left out (whether or not it parses), as `LedgerWriter` drops it.
+    Any other line that is not a JSON event raises LedgerError naming the file and
+    line; blank lines are skipped."""
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
     events = []
-    for i, line in enumerate(lines):
+    for number, raw in enumerate(lines[:-1], start=1):  # lines[-1]: after the last newline
+        if not raw.strip():
+            continue
+        where = f"{path}:{number}"
         try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i < len(lines) - 1:
-                raise
+            event = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise LedgerError(f"{where}: not UTF-8 text") from None
+        except json.JSONDecodeError as e:
+            raise LedgerError(f"{where}: not JSON ({e.msg})") from None
+        if not isinstance(event, dict) or not isinstance(event.get("event"), str):
+            raise LedgerError(f"{where}: not a ledger event (no \"event\" name)")
+        events.append(event)
     return events
 
 
