@@ -173,10 +173,18 @@ class CoordinatorConfig(Section):
     # `fail_slice_at` (-1: never).
     fail_slice: int = field(-1, min=-1)
     fail_slice_at: int = field(1, min=0)
-    reward_threads: int = field(4, min=1)
-    # Seconds a reward call may take from its sample's end (0: no limit); a call
-    # past it scores 0 with the reason in the ledger, and the run goes on.
+    # Rewards run in this many worker processes, never in the coordinator's
+    # (runtime/reward_pool.py): model text is untrusted input.
+    reward_workers: int = field(2, min=1)
+    # Seconds a reward call may run (0: no limit); past it the worker is killed and
+    # replaced, the sample scores 0 with the reason in the ledger, and the run goes on.
     reward_timeout: float = field(60.0, ge=0)
+    # MiB each reward worker may grow beyond its loaded modules (0: no cap); a call
+    # past it scores 0 with the reason.
+    reward_memory_mb: int = field(2048, min=0)
+    # Longest response scored, in characters of text or ids of a token response; a
+    # longer one scores 0 with the reason, before any parsing.
+    reward_max_response: int = field(1 << 20, min=1)
 
     def __post_init__(self):
         super().__post_init__()
@@ -239,6 +247,11 @@ class DataConfig(Section):
                               (("tfds",), "tfds_name"), (("reasoning_gym",), "task")):
             if self.source in sources and not getattr(self, name):
                 fail(self._f(name), f"data.source={self.source!r} needs data.{name}")
+        if self.source == "reasoning_gym":
+            from dora_jax.data.reasoning_gym_tasks import refusal  # a name table, no import
+
+            if refusal(self.task):
+                fail(self._f("task"), refusal(self.task))
         if self.source in TEXT_SOURCES and not self.tokenizer:
             fail(self._f("tokenizer"), f"data.source={self.source!r} builds prompts with a "
                   "tokenizer: set data.tokenizer or model.checkpoint (a directory with "
@@ -290,6 +303,10 @@ class Config(Section):
             fail("mesh.colocated", "slices share the trainer's devices in mode colocated_sync "
                   f"and only there (mode {c.mode!r}, colocated {mesh.colocated})")
         check_group_fits(c.group_size, mesh.num_slices, r.slots_per_slice)
+        if c.reward_max_response < r.max_decode_len:
+            fail("coordinator.reward_max_response", f"must be >= rollout.max_decode_len "
+                  f"({r.max_decode_len}): a complete response must be scored, got "
+                  f"{c.reward_max_response}")
         if c.fail_slice >= mesh.num_slices:
             fail("coordinator.fail_slice", f"must name a slice < mesh.num_slices "
                   f"({mesh.num_slices}) or be -1, got {c.fail_slice}")

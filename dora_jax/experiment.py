@@ -7,6 +7,7 @@ summary.json and checkpoints/.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Callable
@@ -15,14 +16,15 @@ from typing import Callable
 from dora_jax.checkpointing import Checkpointer, load_params
 from dora_jax.config import Config
 from dora_jax.data import prompts as prompts_lib
-from dora_jax.data import sources, tasks
+from dora_jax.data import sources
 from dora_jax.model import sharding, transformer
 from dora_jax.rl.trainer import Trainer
 from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.rollout.warmup import warm_engine
 from dora_jax.model.sharding import copy_tree
-from dora_jax.runtime import restart
+from dora_jax.runtime import files, restart
 from dora_jax.runtime.loop import Runtime
+from dora_jax.runtime.reward_pool import RewardPool
 from dora_jax.runtime.report import StepReporter
 from dora_jax.scheduler import resume
 from dora_jax.scheduler.core import Scheduler
@@ -117,8 +119,9 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
         scheduler = resume.scheduler_for(sched_cfg, resumed.plan,
                                          {g: d["version"] for g, d in resumed.kept.items()})
         restart.truncate_metrics(workdir, trainer.version)
-    rewards = tasks.RewardPool(reward_fn, cfg.coordinator.reward_threads,
-                              cfg.coordinator.reward_timeout)
+    c = cfg.coordinator
+    rewards = RewardPool(reward_fn, c.reward_workers, c.reward_timeout,
+                         memory_mb=c.reward_memory_mb, max_response=c.reward_max_response)
     ledger = LedgerWriter(os.path.join(workdir, "ledger.jsonl"))
     if resumed is None:
         for prompt_id in skipped:
@@ -135,10 +138,14 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
         summary = runtime.run(cfg.coordinator.num_steps - trainer.version)
         runtime.save_checkpoint()
     finally:
-        rewards.close()
-        ledger.close()
-        reporter.close()
-        checkpointer.close()
+        # Each closes even if one before it raises (a full disk fails the ledger's
+        # final lines and its close): above all the checkpointer, last, whose close
+        # waits for a pending asynchronous save. ExitStack runs them bottom-up.
+        with contextlib.ExitStack() as closing:
+            closing.callback(checkpointer.close)
+            closing.callback(reporter.close)
+            closing.callback(ledger.close)
+            closing.callback(rewards.close)
     summary["mode"] = cfg.coordinator.mode
     if resumed is not None:
         summary["resumed_from_step"] = resumed.plan.step
@@ -146,6 +153,5 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     timeline.plot(os.path.join(workdir, "timeline.png"),
                   title=f"{cfg.coordinator.mode}: slices coloured by policy version; "
                         f"trainer steps on top")
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    files.write_json_atomic(os.path.join(workdir, "summary.json"), summary, indent=1)
     return summary

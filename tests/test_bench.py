@@ -104,3 +104,58 @@ def test_measured_runs_save_no_periodic_checkpoints(load_config):
     assert (c.coordinator.mode, c.coordinator.max_staleness, c.coordinator.num_steps,
             c.coordinator.checkpoint_every) == ("dora", 1, 7, 0)
     assert base.coordinator.checkpoint_every == 5
+
+
+# ------------------------------------------------------------------ bench.adversarial
+
+def test_adversarial_corpus_scores_zero_without_running_code(tmp_path):
+    """A slice of the shipped corpus through the run's reward pool: code payloads for
+    each verifier and a bomb; the summary line counts what happened."""
+    from dora_jax.bench import adversarial, adversarial_corpus
+    from dora_jax.data import verifiers
+    from dora_jax.runtime.reward_pool import RewardPool
+
+    cases = adversarial_corpus.cases()
+    picked = [c for c in cases if c["kind"].startswith("code/")][::25]
+    picked += [c for c in cases if c["kind"] == "bomb/math"][:1]
+    assert {c["kind"].split("/")[1] for c in picked} >= {"gsm8k", "math", "countdown_expr"}
+    with RewardPool(verifiers.record_reward, 2, 2.0) as pool:
+        results = adversarial.score_all(picked, pool, 2, str(tmp_path))
+    assert [r["reward"] for r in results] == [0.0] * len(picked)
+    assert not any(r["code_executed"] for r in results) and not list(tmp_path.iterdir())
+    assert "timed out after 2 s" in results[-1]["error"]
+    line = adversarial.summary_line(results, 0.0123)
+    assert line.startswith(f"responses: {len(picked)}, code executed: 0, nonzero rewards: 0, "
+                           "max score seconds: ")
+    assert line.endswith("max coordinator stall seconds: 0.012")
+
+
+def test_adversarial_counts_code_that_ran(tmp_path):
+    """The count is not vacuous: a response whose sentinel exists, or whose scoring
+    was blocked, counts as code executed."""
+    from dora_jax.bench import adversarial
+    from dora_jax.runtime.reward_pool import RewardPool
+
+    (tmp_path / "case-0").write_text("made")  # as if case 0's payload had run
+    cases = [{"record": {}, "text": "x", "kind": "k"}, {"record": {}, "text": "y", "kind": "k"}]
+    with RewardPool(_touch_reward, 1) as pool:
+        results = adversarial.score_all(cases, pool, 1, str(tmp_path))
+    assert [r["code_executed"] for r in results] == [True, True]
+
+
+def _touch_reward(record, text):
+    import os
+
+    os.system("true")  # blocked in the worker: reported, scores 0
+    return 1.0
+
+
+def test_adversarial_responses_file_errors_name_the_line(tmp_path):
+    from dora_jax.bench import adversarial
+
+    path = tmp_path / "cases.jsonl"
+    path.write_text('{"record": {"verifier": "gsm8k"}, "text": "#### 1"}\n\n{"text": 3}\n')
+    with pytest.raises(ValueError, match=r"cases\.jsonl:3: expected"):
+        adversarial.read_cases(str(path))
+    path.write_text('{"record": {"verifier": "gsm8k"}, "text": "#### 1"}\n')
+    assert adversarial.read_cases(str(path))[0]["text"] == "#### 1"

@@ -121,6 +121,8 @@ INVALID = [
     (_tiny, "data.source", "tfds", "data.tfds_name"),
     (_tiny, "data.source", "gsm8k", "data.path"),
     (_tiny, "data.source", "reasoning_gym", "data.task"),
+    (_tiny, "coordinator.reward_max_response", 15, "coordinator.reward_max_response"),
+    (_tiny, "coordinator.reward_workers", 0, "coordinator.reward_workers"),
     (_tiny, "data.reward", "gsm8k", "data.tokenizer"),  # decoded text needs a tokenizer
     (_tiny, "data.reward", "bleu", "data.reward"),
     (_tiny, "model.checkpoint", "/nonexistent/ckpt", "model.checkpoint"),

@@ -89,43 +89,6 @@ def test_tfds_style_source_through_grain():
         broken[0]
 
 
-def test_reward_pool_records_failures_and_goes_on():
-    def fn(record, response):
-        if record.get("explode"):
-            raise RuntimeError("bad verifier")
-        return float(len(response))
-
-    pool = tasks.RewardPool(fn, num_threads=2)
-    ok = pool.submit({}, [1, 2, 3])
-    bad = pool.submit({"explode": True}, [1])
-    assert ok.result() == (3.0, None)
-    reward, error = bad.result()
-    assert reward == 0.0 and "RuntimeError: bad verifier" in error
-    pool.close()
-
-
-def test_reward_pool_times_out_a_hung_reward_and_goes_on():
-    import threading
-    import time
-
-    release = threading.Event()
-
-    def fn(record, response):
-        if record.get("hang"):
-            release.wait(10)  # a verifier stuck far past the limit
-        return 1.0
-
-    pool = tasks.RewardPool(fn, num_threads=2, timeout=0.2)
-    start = time.perf_counter()
-    hung = pool.submit({"hang": True}, [1])
-    ok = pool.submit({}, [1, 2])
-    assert hung.result(timeout=5) == (0.0, "reward timed out after 0.2 s")
-    assert time.perf_counter() - start < 2
-    assert ok.result(timeout=5) == (1.0, None)  # the pool's other thread goes on
-    release.set()
-    pool.close()
-
-
 def test_unknown_reward_name():
     with pytest.raises(ValueError, match="unknown reward"):
         tasks.reward_fn("nope")

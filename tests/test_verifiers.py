@@ -102,7 +102,9 @@ def test_math_reward_works_off_the_main_thread():
 
 def test_math_reward_through_the_reward_pool():
     tok = CharTokenizer()
-    pool = tasks.RewardPool(v.token_reward(v.math_reward, tok), num_threads=2, timeout=60)
+    from dora_jax.runtime.reward_pool import RewardPool
+
+    pool = RewardPool(v.token_reward(v.math_reward, tok), num_workers=1, timeout=60)
     try:
         good = pool.submit({"answer": "7"}, tok.encode(r"thus \boxed{7}") + [EOS])
         bad = pool.submit({"answer": "7"}, tok.encode(r"thus \boxed{8}") + [EOS])

@@ -1,4 +1,5 @@
-"""Tasks with verifiable rewards, and the host-side reward pool.
+"""Token-level tasks with verifiable rewards (the reward pool that scores them in
+worker processes is runtime/reward_pool.py).
 
 Token ids 0, 1, 2 are PAD, EOS and BOS in every built-in task; symbols start at 3.
 
@@ -12,9 +13,6 @@ must read the cue.
 
 from __future__ import annotations
 
-import concurrent.futures
-import threading
-import traceback
 from typing import Callable, Sequence
 
 import numpy as np
@@ -107,48 +105,3 @@ def reward_fn(name: str) -> RewardFn:
     if name not in REWARDS:
         raise ValueError(f"unknown reward {name!r}; known: {sorted(REWARDS)}")
     return REWARDS[name]
-
-
-class RewardPool:
-    """Scores finished samples on host threads while decoding goes on.
-
-    A reward function that raises, or does not return within `timeout` seconds of
-    the sample's submission (0: no limit), is recorded as a failure of that sample
-    (reward 0.0 and the reason); the run goes on. A hung call keeps its thread: the
-    pool has `num_threads`, and once they all hang every later sample times out too,
-    which the ledger then shows.
-    """
-
-    def __init__(self, fn: RewardFn, num_threads: int = 4, timeout: float = 0.0):
-        self._fn, self._timeout = fn, timeout
-        self._pool = concurrent.futures.ThreadPoolExecutor(num_threads, "reward")
-
-    def _score(self, record, response):
-        try:
-            return float(self._fn(record, response)), None
-        except Exception as e:  # noqa: BLE001 — any user-code failure is data
-            return 0.0, "".join(traceback.format_exception_only(type(e), e)).strip()
-
-    def submit(self, record: dict, response: Sequence[int]) -> concurrent.futures.Future:
-        """Future of (reward, error text or None)."""
-        inner = self._pool.submit(self._score, record, list(response))
-        if not self._timeout:
-            return inner
-        outer: concurrent.futures.Future = concurrent.futures.Future()
-
-        def settle(result):
-            try:
-                outer.set_result(result)
-            except concurrent.futures.InvalidStateError:  # the other one came first
-                pass
-
-        timer = threading.Timer(self._timeout, settle,
-                                [(0.0, f"reward timed out after {self._timeout:g} s")])
-        timer.daemon = True
-        inner.add_done_callback(lambda f: (timer.cancel(), settle(f.result())))
-        timer.start()
-        return outer
-
-    def close(self):
-        # A hung reward call is abandoned, not waited for.
-        self._pool.shutdown(wait=not self._timeout, cancel_futures=bool(self._timeout))

@@ -1,38 +1,47 @@
 """Answer extraction and verifiers for text tasks with checkable answers.
 
-A text reward is `(record, response_text) -> float`; `token_reward` adapts one to the
-token-level `tasks.RewardFn` the reward pool calls. A malformed response scores 0.0;
-a malformed record (a gold answer that cannot be read, a missing key) raises, so the
-reward pool reports it as a failure with its reason instead of a silent zero.
+A text reward is `(record, response_text) -> float`; `TokenReward` adapts one to the
+token-level `tasks.RewardFn` the reward pool calls. The response is untrusted: a
+verifier never executes it (no eval, exec or sympy string parsing of it; arithmetic
+goes through our own `ast`-checked parser), reads it in linear time, and returns a
+score on any text, never an exception. A malformed record (a gold answer that cannot
+be read, a missing key, a refused reasoning_gym task) raises, so the reward pool
+reports it as a failure with its reason instead of a silent zero.
 
-Rewards run on the pool's worker threads, so nothing here may use `signal`: math-verify
-is called with its own (signal-based) timeouts off, and the pool's timeout applies.
+Wall-clock and memory limits are not this module's: a run scores in worker processes
+(runtime/reward_pool.py) that are killed past `coordinator.reward_timeout`, so
+math-verify is called with its own signal-based timeouts off.
 """
 
 from __future__ import annotations
 
 import ast
-import json
 import re
-import threading
 from collections import Counter
 from fractions import Fraction
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
+
+from dora_jax.data import reasoning_gym_tasks
 
 TextReward = Callable[[dict, str], float]
 
 # A number as written in prose: optional sign, thousands groups or plain digits, and
 # an optional decimal part ("1,234.5", "-12", ".5"). Lists like "1, 2" stay apart
-# because a group after a comma must have exactly three digits.
-_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?!\d)|-?\.\d+")
+# because a group after a comma must have exactly three digits. ASCII digits only:
+# `\d` would also take other scripts' digits, which the answer formats do not ask for.
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?!\d)|-?\.\d+", re.ASCII)
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+# Python refuses to read longer integers (sys.get_int_max_str_digits); no answer of
+# ours comes near it, so a longer number is simply not an answer.
+_MAX_DIGITS = 4000
 
 
 def last_number(text: str) -> str | None:
     """The last number in `text` (commas removed), or None."""
-    found = _NUMBER.findall(text.replace("$", ""))
-    return found[-1].replace(",", "") if found else None
+    found = None
+    for found in _NUMBER.finditer(text.replace("$", "")):
+        pass
+    return found.group().replace(",", "") if found else None
 
 
 def _first_number(text: str) -> str | None:
@@ -54,38 +63,51 @@ def extract_boxed(text: str) -> str | None:
     """The content of the last `\\boxed{...}` or `\\fbox{...}`, or None.
 
     Braces are counted, so `\\boxed{\\frac{1}{2}}` gives `\\frac{1}{2}`; an unclosed
-    box gives None.
+    box gives None. One pass to find the last box, one over its content.
     """
-    starts = [m.end() for m in _BOXED.finditer(text)]
-    for start in reversed(starts):
-        depth = 1
-        for i in range(start, len(text)):
-            if text[i] == "{":
-                depth += 1
-            elif text[i] == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start:i].strip()
-        # An unclosed last box: an earlier, complete one is not the final answer either.
+    start = None
+    for m in _BOXED.finditer(text):
+        start = m.end()
+    if start is None:
         return None
+    depth = 1
+    for i in range(start, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start:i].strip()
+    # An unclosed last box: an earlier, complete one is not the final answer either.
     return None
 
 
 def extract_answer_tag(text: str) -> str | None:
-    """The content of the last `<answer>...</answer>`, stripped, or None."""
-    found = _ANSWER_TAG.findall(text)
-    return found[-1].strip() if found else None
+    """The content of the last `<answer>...</answer>`: from the last closing tag back
+    to the nearest opening tag before it, stripped; or None. Two reverse searches,
+    so a response of nothing but opening tags costs linear time, not quadratic."""
+    close = text.rfind("</answer>")
+    if close < 0:
+        return None
+    open_ = text.rfind("<answer>", 0, close)
+    if open_ < 0:
+        return None
+    return text[open_ + len("<answer>"):close].strip()
 
 
 def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else ""
+    for line in reversed(text.splitlines()):
+        if line.strip():
+            return line.strip()
+    return ""
 
 
 # ------------------------------------------------------------------ math (math-verify)
 
 def _math_verify():
-    # Imported on first use: it pulls in sympy and the LaTeX grammar.
+    # Imported on first use: it pulls in sympy and the LaTeX grammar. Its plain-
+    # expression extraction hands sympy's parse_expr only digits, operators and
+    # brackets (its regex admits no names), so no response text can call anything.
     import math_verify
 
     return math_verify
@@ -97,7 +119,7 @@ def math_reward(record: dict, text: str) -> float:
     The response is read for a `\\boxed{}` answer first, then LaTeX or a plain
     expression (so `\\boxed{3/4}`, `0.75` and `The answer is 12.` all work); equality
     is math-verify's (`\\frac{3}{4}` == `0.75`). A gold answer that does not parse
-    raises ValueError.
+    raises ValueError; a response math-verify cannot read scores 0.
     """
     mv = _math_verify()
     answer = str(record["answer"])
@@ -107,17 +129,22 @@ def math_reward(record: dict, text: str) -> float:
         gold = mv.parse(answer, parsing_timeout=None)
     if not gold:
         raise ValueError(f"gold answer {answer!r} of {record.get('prompt_id')!r} does not parse")
-    pred = mv.parse(text, extraction_config=[mv.LatexExtractionConfig(), mv.ExprExtractionConfig()],
-                    parsing_timeout=None)
-    if not pred:
+    try:
+        pred = mv.parse(text, extraction_config=[mv.LatexExtractionConfig(),
+                                                 mv.ExprExtractionConfig()],
+                        parsing_timeout=None)
+        return float(bool(pred) and mv.verify(gold, pred, timeout_seconds=None))
+    except Exception:  # noqa: BLE001 — whatever the text makes math-verify do, it scores 0
         return 0.0
-    return float(mv.verify(gold, pred, timeout_seconds=None))
 
 
 # ------------------------------------------------------------------ gsm8k (numeric)
 
 def _fraction(s: str) -> Fraction:
-    return Fraction(s.replace(",", "").replace("$", "").strip())
+    s = s.replace(",", "").replace("$", "").strip()
+    if len(s) > _MAX_DIGITS:
+        raise ValueError(f"a number of {len(s)} characters")
+    return Fraction(s)
 
 
 def gsm8k_reward(record: dict, text: str) -> float:
@@ -140,7 +167,10 @@ def gsm8k_reward(record: dict, text: str) -> float:
         pred_text = _first_number(boxed) if boxed is not None else last_number(text)
     if pred_text is None:
         return 0.0
-    pred = _fraction(pred_text)
+    try:
+        pred = _fraction(pred_text)
+    except (ValueError, ZeroDivisionError):
+        return 0.0
     if gold.denominator == 1 and pred.denominator == 1 and "." not in gold_text + pred_text:
         return float(pred == gold)
     return float(abs(pred - gold) <= abs(gold) * Fraction(1, 10**6))
@@ -170,6 +200,8 @@ def _literals(node: ast.AST, depth: int = 0) -> list[int]:
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
         return _literals(node.operand, depth + 1)
     if isinstance(node, ast.Constant) and type(node.value) is int:
+        if node.value > _MAX_MAGNITUDE:
+            raise _Rejected("literal too large")
         return [node.value]
     raise _Rejected(f"not allowed: {type(node).__name__}")
 
@@ -198,23 +230,38 @@ def _evaluate(node: ast.AST) -> Fraction:
     return value
 
 
-def safe_arithmetic(expression: str, numbers: Sequence[int]) -> Fraction | None:
-    """The exact value of `expression` if it is built only from integer literals,
-    + - * /, unary minus and parentheses, uses each literal at most as often as it
-    appears in `numbers`, and divides by no zero; else None. Never executes code."""
+def _parse_arithmetic(expression: str) -> tuple[ast.AST, list[int]] | None:
+    """(tree, integer literals) of a plain arithmetic expression, else None. `ast`
+    only parses: nothing in the text is ever run."""
     expression = expression.strip()
     if not expression or len(expression) > _MAX_EXPR_CHARS:
         return None
     try:
         tree = ast.parse(expression, mode="eval")
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return tree, _literals(tree)
+    except (SyntaxError, ValueError, RecursionError, MemoryError, _Rejected):
+        return None
+
+
+def literals_used(expression: str) -> list[int]:
+    """The integer literals of a plain arithmetic expression ([] if it is not one)."""
+    parsed = _parse_arithmetic(expression)
+    return [] if parsed is None else parsed[1]
+
+
+def safe_arithmetic(expression: str, numbers: Sequence[int]) -> Fraction | None:
+    """The exact value of `expression` if it is built only from integer literals,
+    + - * /, unary minus and parentheses, uses each literal at most as often as it
+    appears in `numbers`, and divides by no zero; else None. Never executes code."""
+    parsed = _parse_arithmetic(expression)
+    if parsed is None:
+        return None
+    tree, used = parsed
+    if Counter(used) - Counter(int(n) for n in numbers):
         return None
     try:
-        used = Counter(_literals(tree))
-        if used - Counter(int(n) for n in numbers):
-            return None
         return _evaluate(tree)
-    except _Rejected:
+    except (_Rejected, RecursionError):
         return None
 
 
@@ -234,42 +281,19 @@ def countdown_reward(record: dict, text: str) -> float:
 
 # ------------------------------------------------------------------ reasoning_gym
 
-_rg_lock = threading.Lock()
-_rg_datasets: dict[tuple, Any] = {}
-
-
-def _rg_dataset(record: dict):
-    task, seed, size = record["rg_task"], record["rg_seed"], record["rg_size"]
-    config = record.get("rg_config") or {}
-    key = (task, seed, size, json.dumps(config, sort_keys=True))
-    with _rg_lock:
-        if key not in _rg_datasets:
-            import reasoning_gym
-
-            _rg_datasets[key] = reasoning_gym.create_dataset(task, size=size, seed=seed, **config)
-        return _rg_datasets[key]
-
-
-def reasoning_gym_entry(record: dict) -> dict:
-    """The reasoning_gym entry a record was made from, re-created from its
-    `rg_task`, `rg_seed`, `rg_size`, `rg_config` and `rg_index` (datasets cached)."""
-    ds = _rg_dataset(record)
-    with _rg_lock:  # generators are not known to be thread-safe
-        entry = ds[record["rg_index"]]
-    if entry["question"] != record["question"]:
-        raise ValueError(f"{record.get('prompt_id')!r}: the installed reasoning_gym makes a "
-                         "different question for this seed and index than the record holds")
-    return entry
-
-
 def reasoning_gym_reward(record: dict, text: str) -> float:
-    """The record's reasoning_gym dataset's own `score_answer` of the response's
-    answer: the last `<answer>` content, else the last non-empty line."""
-    entry = reasoning_gym_entry(record)
+    """The record's reasoning_gym score of the response's answer (the last `<answer>`
+    content, else the last non-empty line): the dataset's own `score_answer` for the
+    tasks vetted in reasoning_gym_tasks.py, our arithmetic parser for countdown and
+    puzzle24. A refused task raises ValueError: it never sees the text."""
+    reasoning_gym_tasks.entry(record)  # a bad record raises here, before the text
     answer = extract_answer_tag(text)
     if answer is None:
         answer = _last_line(text)
-    return float(_rg_dataset(record).score_answer(answer=answer, entry=entry))
+    try:
+        return reasoning_gym_tasks.score(record, answer)
+    except Exception:  # noqa: BLE001 — a task's scorer that chokes on the text scores 0
+        return 0.0
 
 
 TEXT_REWARDS: dict[str, TextReward] = {
@@ -281,7 +305,9 @@ TEXT_REWARDS: dict[str, TextReward] = {
 
 
 def record_reward(record: dict, text: str) -> float:
-    """The verifier the record names in its `verifier` key (records of mixed tasks)."""
+    """The verifier the record names in its `verifier` key (records of mixed tasks).
+    Scores one response in the calling process: it never executes the text, but
+    time and memory limits are the reward pool's."""
     return text_reward(record["verifier"])(record, text)
 
 
@@ -295,22 +321,33 @@ def text_reward(name: str) -> TextReward:
     return TEXT_REWARDS[name]
 
 
-def token_reward(reward: TextReward, tokenizer) -> Callable[[dict, Sequence[int]], float]:
-    """Adapts a text reward to the token signature `(record, response_ids) -> float`.
+class TokenReward:
+    """A text reward on token ids: `(record, response_ids) -> float`.
 
     The response is cut at its first stop id (`tokenizer.stop_ids`, else `eos_id`)
-    and decoded without special tokens.
+    and decoded without special tokens. Picklable (the reward pool sends it to its
+    worker processes): it keeps the text reward by reference and the tokenizer.
     """
-    stops = frozenset(getattr(tokenizer, "stop_ids", None) or (tokenizer.eos_id,))
 
-    def score(record: dict, response: Sequence[int]) -> float:
+    def __init__(self, reward: TextReward, tokenizer):
+        self.reward, self.tokenizer = reward, tokenizer
+        self.stops = frozenset(getattr(tokenizer, "stop_ids", None) or (tokenizer.eos_id,))
+        self.__name__ = f"token_{getattr(reward, '__name__', 'reward')}"
+        self.__doc__ = reward.__doc__
+
+    def text(self, response: Sequence[int]) -> str:
+        """The response's text up to its first stop id."""
         ids = []
         for t in response:
-            if int(t) in stops:
+            if int(t) in self.stops:
                 break
             ids.append(int(t))
-        return reward(record, tokenizer.decode(ids, skip_special_tokens=True))
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    score.__name__ = f"token_{getattr(reward, '__name__', 'reward')}"
-    score.__doc__ = reward.__doc__
-    return score
+    def __call__(self, record: dict, response: Sequence[int]) -> float:
+        return self.reward(record, self.text(response))
+
+
+def token_reward(reward: TextReward, tokenizer) -> TokenReward:
+    """Adapts a text reward to the token signature `(record, response_ids) -> float`."""
+    return TokenReward(reward, tokenizer)

@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 from dora_jax.data.prompts import PromptStream
-from dora_jax.data.tasks import RewardPool
+from dora_jax.runtime.reward_pool import RewardPool
 from dora_jax.model.sharding import copy_tree
 from dora_jax.rollout.trajectory import Request
 from dora_jax.runtime import restart, scoring
@@ -186,8 +186,11 @@ class Runtime:
                 done.set_result((reward, error))
         self._readmit = dict(resumed.readmit_records)
         self._saved_version = self.trainer.version
+        # What the crash left damaged, and was repaired or passed over on the way here.
+        damage = {k: v for k, v in (("repaired", self.ledger.repaired),
+                                    ("skipped_checkpoints", resumed.skipped_checkpoints)) if v}
         self.ledger.write("resume", step=self.trainer.version, time=self.clock(),
-                          kept=len(resumed.kept), readmitted=len(self._readmit))
+                          kept=len(resumed.kept), readmitted=len(self._readmit), **damage)
 
     def save_checkpoint(self) -> None:
         """Saves the train state with everything the coordinator knows (scheduler
@@ -201,6 +204,7 @@ class Runtime:
         finished = {str(gid): restart.finished_group(g, [list(g.rewards[k].result())
                                                          for k in sorted(g.trajectories)])
                     for gid, g in self.groups.items() if self.sched.groups[gid].trainable}
+        self.ledger.sync()  # the ledger lines this checkpoint relies on reach disk first
         self.checkpointer.save(self.trainer.version, self.trainer.state, {
             "scheduler": self.sched.snapshot(),
             "prompt_stream": self.prompts.get_state(),
@@ -405,14 +409,12 @@ class Runtime:
                         self.workers[i].ack()
                     self._to_ack.clear()
         except BaseException as e:
-            self._write_unconsumed()
-            self._shutdown()
+            self._finish()
             if isinstance(e, RunError):
                 raise
             raise RunError(f"the coordinator failed at step {self.sched.next_step}: "
                            f"{type(e).__name__}: {e}") from e
-        self._write_unconsumed()
-        self._shutdown()
+        self._finish()
         summary = self.reporter.summary(self.slices, self.timeline)
         summary["max_resident_versions"] = self.max_resident_versions
         summary["groups_filtered"] = self.sched.filtered
@@ -421,6 +423,14 @@ class Runtime:
         summary["prefills_per_group"] = round(sum(sl.stats.prefills for sl in self.slices)
                                               / max(self.sched.next_group_id, 1), 3)
         return summary
+
+    def _finish(self):
+        """The ledger's final lines, then the threads stopped even if writing them
+        fails (a full disk): the caller still closes the checkpointer."""
+        try:
+            self._write_unconsumed()
+        finally:
+            self._shutdown()
 
     def _write_unconsumed(self):
         for gid, g in sorted(self.groups.items()):

@@ -1,0 +1,154 @@
+"""Which reasoning_gym tasks may score model text, and scoring them.
+
+A task's own `score_answer` runs on the policy's answer, and several of them hand that
+text to Python: `eval` (binary_matrix, spiral_matrix, n_queens, string_insertion) or
+sympy's `parse_expr`, which is `eval` behind a tokenizer (countdown, puzzle24, the
+integration tasks, polynomial_multiplication). A policy trained on such a reward
+learns to run code next to the job. So tasks are allowed by name: each one below was
+read and probed (a code payload in many shapes through its `score_answer`, with an
+audit hook watching every `compile` and process start) for the version in
+`VETTED_VERSION`; countdown and puzzle24 are scored by our own arithmetic parser
+instead (`verifiers.safe_arithmetic`); the rest are refused, with their reason, when
+the config is validated. Two more are refused for what their scoring does with any
+text: game_of_life_halting gives every non-empty answer full credit, and
+list_functions cannot re-create its entries from their seed, which scoring relies on.
+Several allowed tasks give small format credit to a wrong answer (0.01-0.25: e.g.
+propositional_logic, spell_backward, palindrome_generation); that is their reward
+design, recorded here so that it is not mistaken for a hole. Tasks added by a later release stay refused until vetted.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from fractions import Fraction
+from typing import Any
+
+VETTED_VERSION = "0.1.25"
+
+_EVAL = "its score_answer calls eval() on the response"
+_SYMPY = "its score_answer parses the response with sympy's parse_expr, which runs eval()"
+REFUSED: dict[str, str] = {
+    "binary_matrix": _EVAL,
+    "spiral_matrix": _EVAL,
+    "n_queens": _EVAL,
+    "string_insertion": _EVAL,
+    "intermediate_integration": _SYMPY,
+    "simple_integration": _SYMPY,
+    "polynomial_multiplication": _SYMPY,
+    "composite": "it mixes tasks, some of which evaluate the response; name one task",
+    "game_of_life_halting": "its score_answer compares bool(answer) with bool(reference), so "
+                            "every non-empty answer to a 'True' or 'False' question scores 1",
+    "list_functions": "its questions are not reproducible from the seed, so scoring cannot "
+                      "re-derive the entry a response answers",
+}
+
+# Scored by `arithmetic_score` (the response's expression, parsed by our own
+# arithmetic-only parser) instead of the dataset's parse_expr-based score_answer.
+OWN_PARSER = frozenset({"countdown", "puzzle24"})
+
+ALLOWED = OWN_PARSER | frozenset("""
+ab acre advanced_geometry aiw arc_1d arc_agi base_conversion basic_arithmetic bf
+binary_alternation bitwise_arithmetic boxnet caesar_cipher calendar_arithmetic chain_sum
+circuit_logic codeio coin_flip color_cube_rotation complex_arithmetic count_bits
+count_primes course_schedule cryptarithm decimal_arithmetic decimal_chain_sum dice
+emoji_mystery family_relationships figlet_font fraction_simplification futoshiki
+game_of_life gcd graph_color group_anagrams gsm_symbolic
+isomorphic_strings jugs kakurasu knight_swap knights_knaves largest_island lcm
+leg_counting letter_counting letter_jumble mahjong_puzzle
+manipulate_matrix maze mini_sudoku modulo_grid needle_haystack number_filtering
+number_format number_sequence number_sorting palindrome_generation
+palindrome_partitioning path_star polynomial_equations pool_matrix power_function
+prime_factorization products propositional_logic quantum_lock ransom_note rearc
+rectangle_count rotate_matrix rotten_oranges rubiks_cube rush_hour self_reference
+sentence_reordering shortest_path simple_equations simple_geometry sokoban
+spell_backward string_manipulation string_splitting string_synthesis sudoku survo
+syllogism time_intervals tower_of_hanoi tsumego word_ladder word_sequence_reversal
+word_sorting zebra_puzzles
+""".split())
+
+
+def refusal(task: str) -> str | None:
+    """Why `task` may not score model text, or None if it may."""
+    if task in ALLOWED:
+        return None
+    if task in REFUSED:
+        return f"reasoning_gym task {task!r} is refused: {REFUSED[task]}"
+    return (f"reasoning_gym task {task!r} is not one vetted for scoring untrusted text "
+            f"(reasoning-gym {VETTED_VERSION}; see dora_jax/data/reasoning_gym_tasks.py)")
+
+
+def check_task(task: str) -> None:
+    """Raises ValueError naming the reason if `task` may not score model text."""
+    reason = refusal(task)
+    if reason is not None:
+        raise ValueError(reason)
+
+
+def check_version() -> None:
+    """Raises ValueError unless the installed reasoning-gym is the vetted release: a
+    task's scoring may change between releases."""
+    from importlib import metadata
+
+    installed = metadata.version("reasoning-gym")
+    if installed != VETTED_VERSION:
+        raise ValueError(f"reasoning-gym {installed} is installed, but its tasks' scoring "
+                         f"was vetted for {VETTED_VERSION} (pip install "
+                         f"reasoning-gym=={VETTED_VERSION})")
+
+
+_lock = threading.Lock()
+_datasets: dict[tuple, Any] = {}
+
+
+def dataset(record: dict):
+    """The record's reasoning_gym dataset (`rg_task`, `rg_seed`, `rg_size`,
+    `rg_config`), cached; a refused task or another release raises ValueError."""
+    task, seed, size = record["rg_task"], record["rg_seed"], record["rg_size"]
+    check_task(task)
+    config = record.get("rg_config") or {}
+    key = (task, seed, size, json.dumps(config, sort_keys=True))
+    with _lock:
+        if key not in _datasets:
+            check_version()
+            import reasoning_gym
+
+            _datasets[key] = reasoning_gym.create_dataset(task, size=size, seed=seed, **config)
+        return _datasets[key]
+
+
+def entry(record: dict) -> dict:
+    """The reasoning_gym entry a record was made from, re-created from its seed and
+    index, so that scoring never trusts what a record file says the answer is."""
+    ds = dataset(record)
+    with _lock:  # generators are not known to be thread-safe
+        made = ds[record["rg_index"]]
+    if made["question"] != record["question"]:
+        raise ValueError(f"{record.get('prompt_id')!r}: the installed reasoning_gym makes a "
+                         "different question for this seed and index than the record holds")
+    return made
+
+
+def arithmetic_score(task: str, answer: str, metadata: dict) -> float:
+    """Our own scoring of countdown and puzzle24: 1.0 iff `answer` is an arithmetic
+    expression (integers, + - * /, parentheses) over the entry's numbers that reaches
+    the target exactly (countdown: each number at most as often as given; puzzle24:
+    all four numbers, each once, making 24); else 0.0."""
+    from dora_jax.data.verifiers import literals_used, safe_arithmetic
+
+    numbers = [int(n) for n in metadata["numbers"]]
+    value = safe_arithmetic(answer, numbers)
+    if value is None:
+        return 0.0
+    if task == "puzzle24":
+        return float(value == 24 and sorted(literals_used(answer)) == sorted(numbers))
+    return float(value == Fraction(int(metadata["target"])))
+
+
+def score(record: dict, answer: str) -> float:
+    """The record's task score of `answer` (already extracted from the response)."""
+    made = entry(record)
+    task = record["rg_task"]
+    if task in OWN_PARSER:
+        return arithmetic_score(task, answer, made["metadata"])
+    return float(dataset(record).score_answer(answer=answer, entry=made))

@@ -1,0 +1,219 @@
+"""Scoring finished samples in worker processes, so that no response can stall or
+harm the coordinator.
+
+The policy's text is adversarial by construction: RL optimises whatever the scorer
+does. The verifiers never execute it (data/verifiers.py), but a response can still
+make one compute for minutes (`9^9^9` in math-verify), allocate gigabytes, or hold
+the GIL in big-integer work, and a thread-pool timeout can neither fire on time nor
+stop such a call. So rewards run in a pebble process pool:
+
+- each call has a hard wall-clock limit (`coordinator.reward_timeout`): past it the
+  worker is killed and replaced, and the sample scores 0 with the reason;
+- each worker may grow its address space by at most `coordinator.reward_memory_mb`
+  beyond what its imports took; a bigger allocation raises MemoryError there, or
+  kills the worker, and the sample scores 0 with the reason;
+- a response longer than `coordinator.reward_max_response` items (characters of a
+  text, ids of a token response) is refused before any parsing;
+- while a reward runs, the worker refuses process starts, sockets, ctypes and file
+  writes (an audit hook; defence in depth, not a sandbox): an attempt scores 0 and
+  is named in the reason;
+- closing the pool kills its workers: it never waits on a hung call.
+
+Workers are forked from a forkserver, never from the coordinator: the coordinator runs
+JAX threads, and a fork of a threaded process may deadlock.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib
+import math
+import multiprocessing
+import os
+import resource
+import sys
+import threading
+import traceback
+from typing import Callable, Sequence
+
+import pebble
+
+RewardFn = Callable[[dict, Sequence], float]
+
+# Audit events a reward has no business raising. `open` is blocked only for writing.
+_BLOCKED = frozenset({
+    "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
+    "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg",
+    "socket.connect", "socket.bind", "socket.sendto", "socket.getaddrinfo",
+    "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata",
+    "os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.symlink", "os.link",
+    "os.chmod", "os.chown", "os.truncate", "shutil.rmtree", "shutil.copyfile",
+    "shutil.move", "webbrowser.open", "urllib.Request",
+})
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+
+def one_line(error: BaseException) -> str:
+    """`Type: message` of an exception, on one line."""
+    text = "".join(traceback.format_exception_only(type(error), error)).strip()
+    return " ".join(text.split())[:500]
+
+
+class RewardPool:
+    """Scores `(record, response)` with `fn` in `num_workers` worker processes.
+
+    `submit` returns a future of `(reward, error text or None)` at once; the future
+    resolves in a pool thread, never in the caller's. `fn` must be picklable (a
+    module-level function, or an object of one such as `verifiers.TokenReward`);
+    each worker unpickles it once. A call that raises, passes `timeout` seconds
+    (0: no limit), exhausts `memory_mb`, kills its worker or touches a blocked
+    operation scores 0 with the reason; the run goes on.
+    """
+
+    def __init__(self, fn: RewardFn, num_workers: int = 2, timeout: float = 60.0, *,
+                 memory_mb: int = 2048, max_response: int = 1 << 20,
+                 preload: Sequence[str] = ()):
+        self._timeout = timeout or None
+        self._max_response, self._memory_mb = max_response, memory_mb
+        preload = tuple(preload) or modules_for(fn)
+        self._pending: set[concurrent.futures.Future] = set()
+        self._lock = threading.Lock()
+        self._pool = pebble.ProcessPool(
+            max_workers=num_workers, initializer=_init_worker,
+            initargs=(fn, memory_mb, preload), context=_context(preload))
+
+    def submit(self, record: dict, response: Sequence) -> concurrent.futures.Future:
+        """Future of (reward, error text or None) for one response."""
+        out: concurrent.futures.Future = concurrent.futures.Future()
+        if len(response) > self._max_response:
+            out.set_result((0.0, f"response of {len(response)} items is over "
+                                 f"coordinator.reward_max_response={self._max_response}; "
+                                 "not scored"))
+            return out
+        with self._lock:
+            self._pending.add(out)
+        if not isinstance(response, str):
+            response = [int(t) for t in response]
+        inner = self._pool.schedule(_score, args=(record, response), timeout=self._timeout)
+        inner.add_done_callback(lambda f: self._resolve(out, self._settle(f)))
+        return out
+
+    def _resolve(self, out: concurrent.futures.Future, result: tuple) -> None:
+        with self._lock:
+            if out not in self._pending:  # closing resolved it first
+                return
+            self._pending.discard(out)
+        out.set_result(result)
+
+    def _settle(self, future) -> tuple[float, str | None]:
+        try:
+            return future.result()
+        except TimeoutError:
+            return 0.0, f"reward timed out after {self._timeout:g} s (worker killed)"
+        except pebble.ProcessExpired as e:
+            return 0.0, (f"reward worker died (exit code {e.exitcode}); a call past "
+                         f"coordinator.reward_memory_mb={self._memory_mb} can end so")
+        except (concurrent.futures.CancelledError, concurrent.futures.BrokenExecutor):
+            return 0.0, "reward pool closed before this sample was scored"
+        except Exception as e:  # noqa: BLE001 — a pickling or pool failure is data too
+            return 0.0, one_line(e)
+
+    def close(self) -> None:
+        """Kills the workers (a hung call is not waited for) and resolves every
+        pending future."""
+        self._pool.stop()
+        self._pool.join(timeout=10)
+        # A stopped pebble pool leaves the futures of unfinished calls pending.
+        for out in list(self._pending):
+            self._resolve(out, (0.0, "reward pool closed before this sample was scored"))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _context(preload: Sequence[str]):
+    """The forkserver context, its server preloading `preload` (when this process
+    starts it: the first pool's modules). A worker killed for its time is replaced by
+    a fork of that clean, warm server in milliseconds, where a fresh interpreter
+    would spend a second or more re-importing sympy."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__, *preload])
+    return context
+
+
+def modules_for(fn) -> tuple[str, ...]:
+    """Heavy modules `fn` imports on its first call, to import when a worker starts
+    (so that a worker's first call is not charged for them)."""
+    reward = getattr(fn, "reward", fn)
+    name = getattr(reward, "__name__", "")
+    wanted = {"math_reward": ("math_verify",), "reasoning_gym_reward": ("reasoning_gym",),
+              "record_reward": ("math_verify", "reasoning_gym")}
+    return wanted.get(name, ())
+
+
+# ------------------------------------------------------------------ worker side
+
+_fn: RewardFn | None = None
+_blocked: list | None = None  # the blocked events of the call in progress
+
+
+def _writes(args) -> bool:
+    _, mode, flags = (tuple(args) + (None, None, None))[:3]
+    if isinstance(mode, str):
+        return any(c in mode for c in "wax+")
+    return isinstance(flags, int) and bool(flags & _WRITE_FLAGS)
+
+
+def _audit(event: str, args) -> None:
+    if _blocked is None:
+        return
+    if event in _BLOCKED or (event == "open" and _writes(args)):
+        _blocked.append(event)
+        raise PermissionError(f"{event} is not allowed while scoring a response")
+
+
+def _limit_memory(memory_mb: int) -> None:
+    """Caps the address space at what the worker holds now plus `memory_mb`."""
+    if not memory_mb:
+        return
+    with open("/proc/self/statm") as f:
+        size = int(f.read().split()[0]) * resource.getpagesize()
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = size + memory_mb * (1 << 20)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
+def _init_worker(fn: RewardFn, memory_mb: int, preload: Sequence[str]) -> None:
+    global _fn
+    # Below the coordinator's priority: it feeds the accelerators, a score can wait.
+    os.nice(10)
+    for module in preload:
+        importlib.import_module(module)
+    _fn = fn
+    if sys.platform.startswith("linux"):
+        _limit_memory(memory_mb)
+    sys.addaudithook(_audit)
+
+
+def _score(record: dict, response: str | list) -> tuple[float, str | None]:
+    """Runs in a worker: (reward, error text or None)."""
+    global _blocked
+    _blocked = []
+    try:
+        value, error = float(_fn(record, response)), None
+    except MemoryError:
+        value, error = 0.0, "MemoryError: the reward call ran out of its memory cap"
+    except Exception as e:  # noqa: BLE001 — any reward failure is data
+        value, error = 0.0, one_line(e)
+    finally:
+        blocked, _blocked = _blocked, None
+    if blocked:
+        return 0.0, f"the reward call attempted {', '.join(sorted(set(blocked)))}: blocked"
+    if not math.isfinite(value):
+        return 0.0, f"the reward call returned {value}"
+    return value, error
