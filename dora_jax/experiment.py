@@ -8,7 +8,6 @@ summary.json and checkpoints/.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from typing import Callable
 
@@ -81,7 +80,10 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     if trained is not None and trained >= cfg.coordinator.num_steps:
         checkpointer.close()  # nothing left to train: the run is complete
         path = os.path.join(workdir, "summary.json")
-        summary = json.load(open(path)) if os.path.exists(path) else {}
+        try:  # the figures of the finished run, if its summary survived
+            summary = files.read_json_object(path)
+        except (OSError, files.DamagedFile):
+            summary = {}
         return dict(summary, already_trained=trained, mode=cfg.coordinator.mode)
     tokenizer = sources.tokenizer_for(cfg)
     skipped = []
