@@ -3,11 +3,11 @@ reward scores 0 with its reason, the caller's threads never stall, and closing n
 waits on a hung call. Reward functions live at module level: workers import them."""
 
 import os
-import threading
 import time
 
 import pytest
 
+from dora_jax.bench.adversarial import StallMeter
 from dora_jax.runtime.reward_pool import RewardPool
 
 
@@ -45,29 +45,6 @@ def not_a_number(record, response):
     return float("nan")
 
 
-class Ticker:
-    """A thread that wakes every 10 ms and records the longest extra wait."""
-
-    def __init__(self):
-        self.worst, self._stop = 0.0, threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        last = time.perf_counter()
-        while not self._stop.is_set():
-            time.sleep(0.01)
-            now = time.perf_counter()
-            self.worst, last = max(self.worst, now - last - 0.01), now
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-
 def test_failures_are_recorded_and_the_pool_goes_on():
     with RewardPool(length_or_explode, num_workers=2) as pool:
         ok = pool.submit({}, [1, 2, 3])
@@ -90,7 +67,7 @@ def test_a_call_past_the_timeout_is_killed_and_its_worker_replaced():
 
 def test_big_integer_work_neither_stalls_the_caller_nor_outlives_the_timeout():
     with RewardPool(big_integer, num_workers=1, timeout=1.0) as pool:
-        with Ticker() as ticker:
+        with StallMeter() as ticker:
             start = time.perf_counter()
             reward, error = pool.submit({}, [1]).result(60)
             took = time.perf_counter() - start
