@@ -15,16 +15,7 @@ import pytest
 from dora_jax.config import ConfigError
 from dora_jax.runtime import files, restart
 from dora_jax.scheduler import ledger, resume
-
-
-def _admit(g, v, **kw):
-    return dict(event="admit", group_id=g, prompt_id=f"p{g}", version=v, **kw)
-
-
-def _consume(g, v, step):
-    return dict(event="consume", group_id=g, prompt_id=f"p{g}", version=v, step=step,
-                samples=[dict(sample=0, versions=[[v, 3]], response_len=3, finish="eos",
-                              slices=[0])])
+from test_resume import _admit, _consume  # the same hand-made events
 
 
 def _write(path, events, cut_last: int | None = None):

@@ -28,7 +28,6 @@ attempted an operation the workers block (a process start, a file write, ...).
 from __future__ import annotations
 
 import collections
-import json
 import os
 import tempfile
 import threading
@@ -49,20 +48,14 @@ _MAX_RESPONSE = flags.DEFINE_integer("max_response", 1 << 20, "longest response 
 
 def read_cases(path: str) -> list[dict]:
     """Cases of a JSONL file; a bad line raises ValueError naming `path:line`."""
+    from dora_jax.data.prompts import jsonl_objects
+
     cases = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                case = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
-            if (not isinstance(case, dict) or not isinstance(case.get("record"), dict)
-                    or not isinstance(case.get("text"), str)):
-                raise ValueError(f'{path}:{n}: expected {{"record": {{...}}, "text": "..."}}')
-            cases.append({"record": case["record"], "text": case["text"],
-                          "kind": case.get("kind", os.path.basename(path))})
+    for where, _, case in jsonl_objects(path):
+        if not isinstance(case.get("record"), dict) or not isinstance(case.get("text"), str):
+            raise ValueError(f'{where}: expected {{"record": {{...}}, "text": "..."}}')
+        cases.append({"record": case["record"], "text": case["text"],
+                      "kind": case.get("kind", os.path.basename(path))})
     return cases
 
 
