@@ -26,7 +26,8 @@ from dora_jax.schema import Section, fail, field, schema
 from dora_jax.schema import ConfigError  # noqa: F401 - callers catch config.ConfigError
 
 # Allowed values: each list has its one owner here.
-MODES = ("colocated_sync", "sync", "one_step_off", "partial_rollout", "dora")
+MODES = ("colocated_sync", "sync", "one_step_off", "partial_rollout", "partial_rollout_rounds",
+         "dora")
 ADVANTAGES = ("grpo", "drgrpo", "rloo")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                   "seq-mean-token-sum-norm", "seq-mean-token-sum-over-max-len")
@@ -291,7 +292,8 @@ class Config(Section):
                 fail(f"rollout.{name}", f"must be a token id < vocab_size ({m.vocab_size})")
         if t.filter_zero_variance and c.mode == "one_step_off":
             fail("trainer.filter_zero_variance", "one_step_off trains fixed batches of group "
-                  "ids and cannot replace a filtered group; use sync, partial_rollout or dora")
+                  "ids and cannot replace a filtered group; use sync, partial_rollout, "
+                  "partial_rollout_rounds or dora")
         if t.overlong_buffer >= r.max_decode_len:
             fail("trainer.overlong_buffer", f"must be < rollout.max_decode_len "
                   f"({r.max_decode_len}), got {t.overlong_buffer}")

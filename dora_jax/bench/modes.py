@@ -3,13 +3,14 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
         python -m dora_jax.bench.modes --config=configs/longtail.py --workdir=/tmp/modes
 
-Runs colocated_sync, sync, one_step_off, partial_rollout and dora at K = 1, 2, 3 on
+Runs colocated_sync, sync, one_step_off, partial_rollout (streaming),
+partial_rollout_rounds (round-synchronous) and dora at K = 1, 2, 3 on
 the same config, prompts, seed and total device count, interleaved (the order
 rotates each repetition) and repeated `--reps` times; the table gives medians. Each
 run goes to DIR/<mode>/<rep>/ (ledger.jsonl, metrics.jsonl, summary.json,
 timeline.png) and counts only if its ledger audits clean under the mode's own
-constraints (C1 unless the mode breaks it by design, C2, C3). partial_rollout runs
-under the config's staleness bound, like the DORA run with the same K.
+constraints (C1 unless the mode breaks it by design, C2, C3). Both partial rollouts
+run under the config's staleness bound, like the DORA run with the same K.
 
 Without `--config.init_checkpoint` the policy is first trained with the supervised
 warm start (`dora_jax.sft`, into DIR/sft/, reused when present), so response lengths
@@ -39,8 +40,8 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "where every run is kept")
 _STEPS = flags.DEFINE_integer("steps", 60, "train steps per run")
 _REPS = flags.DEFINE_integer("reps", 3, "repetitions of every mode (the table gives medians)")
 _MODES = flags.DEFINE_list(
-    "modes", ["colocated_sync", "sync", "one_step_off", "partial_rollout", "dora_k1",
-              "dora_k2", "dora_k3"],
+    "modes", ["colocated_sync", "sync", "one_step_off", "partial_rollout",
+              "partial_rollout_rounds", "dora_k1", "dora_k2", "dora_k3"],
     "runs: a mode, optionally with _k<K> for its staleness bound (default: the config's)")
 _SFT_STEPS = flags.DEFINE_integer("sft_steps", 300,
                                   "supervised warm-start steps (0: start from the random init)")

@@ -16,7 +16,10 @@ it; for a slice told to load that version the coordinator dispatches the
 transfer of the same arrays) and the slice's own loop waits for its copy only, while
 the other slices decode. Only the newest version's params are
 kept here (slices only ever load the newest; a pending load holds its own
-reference). The README's "Life of a group" names the function at each hop.
+reference). A slice told to load the version still in training
+(partial_rollout_rounds) gets a future instead, which `_on_step_done` fills with its
+placed params on publication: that slice's loop pauses on it, nothing else does.
+The README's "Life of a group" names the function at each hop.
 
 A failure anywhere (a slice, the trainer, the coordinator) stops the run with one
 `RunError` naming where it happened, after the ledger has recorded an `unconsumed`
@@ -106,6 +109,8 @@ class Runtime:
         # trainer's own buffers.
         self.params_by_version = {trainer.version: copy_tree(trainer.params)}
         self._readmit: dict = {}
+        # Version in training -> [(slice id, worker, future)]: loads awaiting its publish.
+        self._deferred_loads: dict = {}
         if resumed is not None:
             self._restore(resumed)
         self._events: queue.Queue = queue.Queue()
@@ -157,6 +162,9 @@ class Runtime:
         held |= {g.version for g in self.sched.groups.values() if g.n_pending}
         self.params_by_version = {v: x for v, x in self.params_by_version.items() if v in held}
         self.params_by_version[step + 1] = params
+        for i, worker, box in self._deferred_loads.pop(step + 1, []):
+            if self.workers[i] is worker:  # not a slice that failed and restarted since
+                box.set_result(self.slices[i].engine.load_params(params))
         self._trainer_idle_since = end
         self.waits.mark(end, self._wait_kind())
         group_ids, wait, wait_split = self._inflight_batches.pop(step)
@@ -244,6 +252,15 @@ class Runtime:
                                                   self.workers[a.dst_slice])
             elif isinstance(a, (LoadVersion, InterruptReload)):
                 params = self.params_by_version.get(a.version)
+                if params is None and self.sched.trainer_busy and \
+                        a.version == self.sched.published + 1:
+                    # The version in training: placed when published (_on_step_done).
+                    box = concurrent.futures.Future()
+                    self._deferred_loads.setdefault(a.version, []).append(
+                        (a.slice_id, self.workers[a.slice_id], box))
+                    self.workers[a.slice_id].load(a.version, box,
+                                                  interrupt=isinstance(a, InterruptReload))
+                    continue
                 if params is None:
                     raise RuntimeError(f"version {a.version} is not published "
                                        f"(have {list(self.params_by_version)})")

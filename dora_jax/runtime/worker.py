@@ -27,6 +27,7 @@ finished on the source before the export arrived is simply not exported: its
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import queue
 import threading
@@ -104,7 +105,10 @@ class SliceWorker:
 
     def load(self, version: int, params, *, interrupt: bool = False) -> None:
         """Make `version` resident; with `interrupt`, keep and re-prefill in-flight
-        requests under it (partial_rollout)."""
+        requests under it (partial_rollout). `params` may be a
+        `concurrent.futures.Future` (the version in training, partial_rollout_rounds):
+        the slice then pauses, decoding nothing, until the coordinator fills it with
+        the placed params on publication."""
         self._commands.put(("reload" if interrupt else "load", (version, params)))
 
     def ack(self) -> None:
@@ -166,6 +170,10 @@ class SliceWorker:
             sl.submit(arg)
         elif kind in ("load", "reload"):
             version, params = arg
+            if isinstance(params, concurrent.futures.Future):
+                params = self._wait_for_params(params)
+                if params is None:
+                    return  # stopping before the version was published
             start = self._clock()
             if kind == "reload":
                 sl.interrupt_and_reload(version, params)
@@ -192,6 +200,16 @@ class SliceWorker:
                 self._timeline.add(self._row, "migrate", start, self._clock(), sl.version)
         else:  # pragma: no cover - only the methods above enqueue commands
             raise ValueError(f"unknown command {kind!r}")
+
+    def _wait_for_params(self, box: concurrent.futures.Future):
+        """The params the coordinator puts in `box` on publication (None if this
+        worker stops first; its exception if placing them failed)."""
+        while not self._stopping.is_set():
+            try:
+                return box.result(timeout=0.05)
+            except concurrent.futures.TimeoutError:
+                continue
+        return None
 
     def _wait_for(self, box: queue.Queue) -> list:
         """The requests a source exported into `box` (none if this worker stops first)."""

@@ -18,6 +18,10 @@ Choices the runtime must know:
 * Migrate is instantaneous for the core: the request leaves its source slot and takes
   its destination slot when `decide()` returns it.
 * Slices start holding version 0 (the runtime loads the initial params at start-up).
+* A LoadVersion / InterruptReload may name the version in training (published + 1,
+  only while the trainer is busy; partial_rollout_rounds pauses the rollout so):
+  the driver defers that load until the step publishes the version, and the slice
+  does not decode meanwhile; `version_loaded` is reported once it is loaded.
 * Group ids are consecutive integers from 0 in admission order; the runtime maps
   group id i to the i-th prompt of its data source.
 * Consumed groups are dropped from `groups`; the runtime records provenance from the
@@ -196,6 +200,9 @@ class Scheduler:
         sl = self.slices[slice_id]
         if sl.loading is None:
             raise ValueError(f"version_loaded: slice {slice_id} is not loading")
+        if version > self.published:
+            raise ValueError(f"version_loaded: version {version} is not published yet "
+                             f"(published {self.published}): the load must wait for it")
         if sl.loading != version:
             return  # superseded load; the latest target will be reported later
         sl.version, sl.loading = version, None
@@ -292,16 +299,21 @@ class Scheduler:
     def do_load(self, slice_id: int, version: int) -> LoadVersion:
         sl = self.slices[slice_id]
         assert not sl.running, "C1: LoadVersion only on an empty slice"
-        assert version <= self.published
+        assert self._loadable(version)
         sl.loading, sl.interrupted = version, False
         return LoadVersion(slice_id, version)
 
     def do_interrupt_reload(self, slice_id: int, version: int) -> InterruptReload:
         assert not self.policy.keeps_c1, "a C1-keeping mode never reloads under requests"
         sl = self.slices[slice_id]
-        assert sl.loading is None and version <= self.published
+        assert sl.loading is None and self._loadable(version)
         sl.loading, sl.interrupted = version, True
         return InterruptReload(slice_id, version)
+
+    def _loadable(self, version: int) -> bool:
+        """A published version, or the one in training (its load is deferred by the
+        driver until it is published: see the module docstring)."""
+        return version <= self.published + self.trainer_busy
 
     def do_train(self, group_ids: list[int]) -> TrainStep:
         assert not self.trainer_busy and len(group_ids) == self.config.train_batch_size

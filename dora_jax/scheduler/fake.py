@@ -2,7 +2,8 @@
 
 Each busy slot produces one token per tick; a sample of length L finishes after L
 ticks of decoding; LoadVersion / InterruptReload take `load_ticks` (a slice being
-reloaded decodes nothing); a train step takes `train_ticks`; Migrate moves the
+reloaded decodes nothing; a load of the version in training waits, without decoding,
+until that version is published, then takes its ticks); a train step takes `train_ticks`; Migrate moves the
 request with its progress. The driver executes actions, feeds events back, checks
 engine-level C1 and writes a ledger of admit / consume records in the format of
 `dora_jax.scheduler.ledger` (time = tick, prompt id = group id); `audit()` checks it
@@ -43,6 +44,7 @@ class _Slice:
     version: Optional[int] = 0
     loading: Optional[int] = None
     load_left: int = 0
+    deferred: bool = False  # loading the version in training: waits for its publish
     requests: dict = field(default_factory=dict)  # (gid, k) -> _Request
 
 
@@ -127,7 +129,8 @@ class FakeRun:
         self.start()
         active = [r for sl in self.slices if sl.loading is None for r in sl.requests.values()]
         waits = [r.length - r.produced for r in active]
-        waits += [sl.load_left for sl in self.slices if sl.loading is not None]
+        waits += [sl.load_left for sl in self.slices
+                  if sl.loading is not None and not sl.deferred]
         if self.trainer is not None:
             waits.append(self.trainer[1])
         if not waits:
@@ -142,6 +145,8 @@ class FakeRun:
         events = []
         for i, sl in enumerate(self.slices):
             if sl.loading is not None:
+                if sl.deferred:
+                    continue
                 sl.load_left -= dt
                 if sl.load_left == 0:
                     events.append(("loaded", i, sl.loading))
@@ -165,7 +170,7 @@ class FakeRun:
         for sl in self.slices:
             sl.requests.clear()
             if sl.loading is not None:
-                sl.version, sl.loading, sl.load_left = None, None, 0
+                sl.version, sl.loading, sl.load_left, sl.deferred = None, None, 0, False
         self.sched.requeue_inflight()
         self._started = True
         self._settle([])
@@ -175,7 +180,7 @@ class FakeRun:
         (`Scheduler.slice_failed`), and the run goes on."""
         sl = self.slices[i]
         sl.requests.clear()
-        sl.version, sl.loading, sl.load_left = None, None, 0
+        sl.version, sl.loading, sl.load_left, sl.deferred = None, None, 0, False
         self.sched.slice_failed(i)
         self.stats["slice_failures"] = self.stats.get("slice_failures", 0) + 1
         self._settle([])
@@ -184,8 +189,8 @@ class FakeRun:
         """Deliver events, then decide and execute until nothing more happens now
         (zero-tick loads complete immediately)."""
         while True:
-            for ev in events:
-                self._deliver(ev)
+            for ev in events:  # a publish may release deferred loads: their events follow
+                events += self._deliver(ev)
             acts = self.sched.decide()
             if self.check:
                 self.sched.check_invariants()
@@ -196,8 +201,11 @@ class FakeRun:
             if not events:
                 return
 
-    def _deliver(self, ev):
+    def _deliver(self, ev) -> list:
+        """Feed one event to the scheduler; return the events it causes at once (a
+        deferred zero-tick load completing on publish)."""
         kind = ev[0]
+        released = []
         if kind == "loaded":
             _, i, v = ev
             sl = self.slices[i]
@@ -224,8 +232,14 @@ class FakeRun:
             self.trainer = None
             self.steps_done += 1
             self.sched.step_finished(ev[1])
+            for i, sl in enumerate(self.slices):  # deferred loads of this version start
+                if sl.deferred and sl.loading <= self.sched.published:
+                    sl.deferred, sl.load_left = False, self.load_ticks
+                    if self.load_ticks == 0:
+                        released.append(("loaded", i, sl.loading))
         if self.check:
             self.sched.check_invariants()
+        return released
 
     # ------------------------------------------------------------------ actions
 
@@ -264,7 +278,9 @@ class FakeRun:
                 assert not keeps_c1, a
                 self.stats["interrupt_reloads"] += 1
             sl.loading, sl.load_left = a.version, self.load_ticks
-            if self.load_ticks == 0:
+            # The version in training: the load waits for its publish (core.py).
+            sl.deferred = a.version > self.sched.published
+            if self.load_ticks == 0 and not sl.deferred:
                 return [("loaded", a.slice_id, a.version)]
         elif isinstance(a, TrainStep):
             assert self.trainer is None and len(a.group_ids) == self.config.train_batch_size

@@ -49,8 +49,14 @@ def check(sched: "Scheduler") -> None:
     req(_nonzero(uncons) == _nonzero(sched._unconsumed_v)
         and _nonzero(unfin) == _nonzero(sched._unfinished_v)
         and _nonzero(pend) == _nonzero(sched._pending_v), "per-version counters drifted")
+    busy = sched.trainer_step is not None
     for sl in sched.slices:
         req(len(sl.running) <= cfg.slots_per_slice, f"slice {sl.slice_id} overfull")
+        req(sl.version is None or sl.version <= sched.published,
+            f"slice {sl.slice_id} holds unpublished v{sl.version}")
+        # A load may name the version in training (deferred until it is published).
+        req(sl.loading is None or sl.loading <= sched.published + busy,
+            f"slice {sl.slice_id} loads v{sl.loading}, neither published nor in training")
         req(not sl.interrupted or sl.loading is not None, "interrupted but not loading")
         if sl.loading is not None and not sl.interrupted:
             req(not sl.running, f"C1: slice {sl.slice_id} loads while holding requests")
@@ -61,7 +67,6 @@ def check(sched: "Scheduler") -> None:
             if c1:
                 req(sl.version == g.version and sl.loading is None,
                     f"C1: slice {sl.slice_id} v{sl.version} runs group v{g.version}")
-    busy = sched.trainer_step is not None
     req(sched.next_step == sched.published + busy, "trainer step accounting")
     req(not busy or sched.trainer_step == sched.next_step - 1, "trainer step index")
     sched.policy.check(sched, req)

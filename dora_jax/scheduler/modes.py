@@ -7,12 +7,12 @@ from __future__ import annotations
 from dora_jax.config import MODES
 
 from .dora import DoraPolicy
-from .partial import PartialRolloutPolicy
+from .partial import PartialRolloutPolicy, RoundPartialRolloutPolicy
 from .policies import ColocatedSyncPolicy, OneStepOffPolicy, Policy, SyncPolicy
 
 POLICIES: dict[str, type[Policy]] = {
     p.name: p for p in (ColocatedSyncPolicy, SyncPolicy, OneStepOffPolicy, PartialRolloutPolicy,
-                        DoraPolicy)}
+                        RoundPartialRolloutPolicy, DoraPolicy)}
 
 if tuple(POLICIES) != MODES:  # pragma: no cover - caught by any import in the tests
     raise ImportError(f"policy registry {tuple(POLICIES)} != config.MODES {MODES}")

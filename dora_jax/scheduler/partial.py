@@ -10,6 +10,17 @@ by DORA's own rules (dora.py): admission only while the backlog stays FEASIBLE f
 K, and the TBS oldest finished groups are trained unless a deadline needs the
 trainer to wait for an older group. So the comparison with `dora` at the same K is
 like for like: both bound staleness, and this mode pays its re-prefills.
+
+partial_rollout_rounds is the round-synchronous kind, the baseline users meet in
+the paper's figures (its trainer idles about half the step): trainer and rollout
+alternate. A round runs while the trainer is idle: every slice holds the published
+version P, groups are admitted at P up to RBS (while FEASIBLE, as above) and pending
+samples go to any slice. The round ends when a batch can be formed (the same guarded
+batch); while that step trains the rollout pauses: each slice is told to load P+1,
+the version in training, which the driver defers until it is published (a slice
+with requests is interrupted and re-prefills them under P+1 then; core.py). Nothing
+is admitted or assigned meanwhile, and unfinished samples carry over to the next
+round with their per-token versions. Staleness is bounded exactly as above.
 """
 
 from __future__ import annotations
@@ -45,4 +56,41 @@ class PartialRolloutPolicy(Policy):
 
     def check(self, sched, req):
         req(len(sched.groups) <= sched.config.rollout_batch_size, "partial: more than RBS in flight")
+        check_feasible(sched, req)
+
+
+class RoundPartialRolloutPolicy(Policy):
+    """Round-synchronous partial rollout (see the module docstring): rounds at the
+    published version alternate with train steps, during which every slice pauses
+    to load the version in training; staleness bounded by K."""
+
+    name = "partial_rollout_rounds"
+    keeps_c1 = False
+
+    def plan(self, sched):
+        cfg = sched.config
+        acts = form_guarded_batch(sched)
+        # Idle trainer: the round runs at P. Busy trainer: the slices pause for P+1.
+        target = sched.published + sched.trainer_busy
+        for sl in sched.slices:
+            # A slice loading (an earlier target) finishes first, then moves on.
+            if sl.loading is None and sl.version != target:
+                if sl.running:
+                    acts.append(sched.do_interrupt_reload(sl.slice_id, target))
+                else:
+                    acts.append(sched.do_load(sl.slice_id, target))
+        if sched.trainer_busy:
+            return acts  # no admission and no assignment while the trainer trains
+        counts = sched.unconsumed_by_version()
+        p, t = sched.published, sched.next_step
+        for _ in range(sched.admission_room(cfg.rollout_batch_size)):
+            if not admission_feasible(counts, p, t, cfg.max_staleness, cfg.train_batch_size):
+                break
+            acts.append(sched.do_admit(p))
+            counts[p] += 1
+        acts += assign_pending(sched, match_version=False)
+        return acts
+
+    def check(self, sched, req):
+        req(len(sched.groups) <= sched.config.rollout_batch_size, "rounds: more than RBS in flight")
         check_feasible(sched, req)
