@@ -1,7 +1,7 @@
 """Simulates every mode of a preset deployment and compares them with the paper.
 
     python -m dora_jax.sim --preset=paper128 --workdir=/tmp/sim128 [--steps=20] \
-        [--trainer_devices=N] [--rollout_batch_size=N] [--max_staleness=K]
+        [--trainer_devices=N] [--rollout_batch_size=N] [--max_staleness=K] [--explain]
 
 Per mode (each in `<workdir>/<mode>/`, with a real run's outputs and its ledger
 audited): step time, rollout-only share, trainer wait, slot utilisation and
@@ -15,6 +15,16 @@ Before the final lines, `bound:` gives the step time no policy can beat at this
 split (`Preset.step_time_bound`): the trainer's time per batch and the rollout's at
 full slots; a mode near it has little left to gain from scheduling. The overrides
 plan a deployment: the trainer / rollout split, RBS and K.
+
+With --explain, after the table, one line per mode says where the time went over
+steps 1..N-1: the trainer's wait by cause (as a real run splits it: `guard`, at
+least a batch finished but the staleness guard or the batch rule holds the trainer;
+`starvation`, fewer than a batch finished; the pipeline's `fill` before step 0 in
+minutes) and the slots' time by state, in the fixed order of
+`cluster.SLOT_REASONS` (busy decoding; idle to a chunk's end, in prefill, loading,
+while a colocated trainer trains, short of KV memory, with pending work only at
+other versions, held by the scheduler, admission closed by the mode, RBS reached);
+states under 0.5% are left out.
 """
 
 from __future__ import annotations
@@ -38,6 +48,8 @@ _TRAINER = flags.DEFINE_integer("trainer_devices", None,
                                 "accelerators of the trainer (the rest form rollout slices)")
 _RBS = flags.DEFINE_integer("rollout_batch_size", None, "groups admitted and not consumed")
 _K = flags.DEFINE_integer("max_staleness", None, "K")
+_EXPLAIN = flags.DEFINE_bool("explain", False, "after the table, per mode: the trainer's "
+                             "wait by cause and the slots' time by state")
 
 
 def configured_preset():
@@ -72,6 +84,16 @@ def _fmt(x, pct=False):
     return f"{100 * x:.0f}%" if pct else f"{x:.2f}"
 
 
+def explain_line(mode: str, summary: dict) -> str:
+    """One mode's trainer wait by cause and slot-time by state (see --explain)."""
+    w = summary["trainer_wait_split"]
+    slots = "  ".join(f"{k} {100 * x:.0f}%" for k, x in summary["slot_idle"].items()
+                      if x >= 0.005)
+    return (f"{mode:26} trainer wait: guard {100 * w['guard']:.0f}%  starvation "
+            f"{100 * w['starvation']:.0f}%  (fill {w['fill_seconds'] / 60:.1f} min)  "
+            f"| slots: {slots}")
+
+
 def main(argv):
     del argv
     unknown = sorted(set(_MODES.value) - set(SIM_MODES))
@@ -102,13 +124,17 @@ def main(argv):
               f"{_fmt(s['trainer_wait_fraction'], True):>12} "
               f"{_fmt(s['slot_utilisation'], True):>9} {s['tokens_per_second']:9.0f} "
               f"{'ok' if s['audit_ok'] else 'FAIL':>5} {seconds:6.1f}")
+    if _EXPLAIN.value:
+        print("where the time went, % of steps 1..N-1:")
+        for mode, s in results.items():
+            print(explain_line(mode, s))
     bad = [m for m, s in results.items() if not s["audit_ok"]]
     if bad:
         raise SystemExit(f"ledger audit failed for {bad}: {[results[m]['audit'] for m in bad]}")
     bound = preset.step_time_bound()
     print(f"bound: no policy beats {bound['step'] / 60:.2f} min/step at this split "
           f"(trainer {bound['train'] / 60:.2f}, rollout at full slots "
-          f"{bound['rollout'] / 60:.2f})")
+          f"{bound['rollout'] / 60:.2f}, longest response / K {bound['latency'] / 60:.2f})")
     if "dora" not in results:
         return
     dora = results["dora"]["step_minutes"]

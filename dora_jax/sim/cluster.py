@@ -34,8 +34,29 @@ from dora_jax.scheduler.core import Scheduler
 from dora_jax.scheduler.ledger import rle_extend, unconsumed_records
 from dora_jax.scheduler.types import (Admit, Assign, InterruptReload, LoadVersion, Migrate,
                                       SchedulerConfig, TrainStep)
+from dora_jax.runtime.report import WaitClock
 from dora_jax.sim.cost import CostModel
 from dora_jax.timeline import Timeline
+
+# Slot-time by state (`ClusterSim.slot_seconds`): exhaustive and exclusive, so over a
+# run they sum to slots x time. A running slot is `busy` decoding, `chunk_end` (its
+# request finished mid-chunk; it idles to the chunk's end) or in `prefill` (the
+# chunk's prefill, re-prefill or KV-arrival part). A free slot, or every slot of a
+# slice between chunks, is idle because the slice is `loading` weights (has a load
+# waiting for its chunk, or, in partial_rollout_rounds, for the version in training to
+# be published), the trainer trains on the same devices
+# (`colocated_training`), requests wait on the slice for KV memory or were preempted
+# (`kv_full`), only other versions have pending work (`version_mismatch`: a mode
+# that keeps C1 cannot run it here), work the slice could run is pending but the
+# scheduler holds the slot (`held`: reserved for a request migrating in, or the slice
+# drained to switch version), or nothing is pending at all: the batch's tail, with
+# the mode refusing to admit though fewer than RBS groups are out
+# (`admission_closed`: the batch rule or the staleness bound) or RBS groups admitted
+# and unconsumed (`rbs_full`).
+SLOT_REASONS = ("busy", "chunk_end", "prefill", "loading", "colocated_training", "kv_full",
+                "version_mismatch", "held", "admission_closed", "rbs_full")
+(_BUSY, _CHUNK_END, _PREFILL, _LOADING, _COLOCATED, _KV_FULL, _MISMATCH, _HELD, _CLOSED,
+ _RBS_FULL) = range(len(SLOT_REASONS))
 
 
 class _Req:
@@ -78,6 +99,12 @@ class _Slice:
         self.chunk: Optional[tuple] = None  # (start, end, steps) of the chunk in flight
         self.exports: list = []  # (request key, destination) once the chunk ends
         self.pending: list = []  # load / reload commands once the chunk ends
+        # Slot-time accounting (ClusterSim._mark): booked up to `booked_to` by `acct`,
+        # (reason of the free slots, how many of them hold a request waiting for the
+        # chunk's end, the chunk's `rates` or None); `rates` of the chunk in flight:
+        # (end of its prefill part, busy slots, running slots); `kv_blocked`: requests
+        # were left waiting for KV memory when it began.
+        self.booked_to, self.acct, self.rates, self.kv_blocked = 0.0, (0, 0, None), None, False
 
     @property
     def num_running(self) -> int:
@@ -140,6 +167,15 @@ class ClusterSim:
         self._loads_in_progress = 0
         self._changed = True
         self._open: dict = {}  # row -> [kind, start, end, version]: back-to-back spans merge
+        # The trainer's idle time by cause, as the runtime splits it (report.WaitClock).
+        self.waits = WaitClock()
+        self._step_waits: dict = {}  # step -> (idle seconds before it, by cause)
+        # Slot-seconds by SLOT_REASONS over the run, and at the previous step's end.
+        self.slot_seconds = [0.0] * len(SLOT_REASONS)
+        self._slot_seconds_then = [0.0] * len(SLOT_REASONS)
+        self._noted = 0  # metrics records given their waits and slot-seconds
+        self._pending_versions: set = set()  # scheduler state after the last decide
+        self._rbs_full = False
 
     # ------------------------------------------------------------------ running
 
@@ -192,7 +228,73 @@ class ClusterSim:
             self._execute(a)
         for sl in self.slices:
             if sl.chunk is None:
-                self._start_chunk(sl)
+                self._begin_chunk(sl)
+        self._note_decision()  # marks every slice
+
+    def _note_decision(self):
+        """Marks the state a decision left: the trainer's wait cause (the runtime's
+        `_wait_kind`) and every slice's slot state; gives each newly finished step's
+        record its wait and its slot-seconds since the previous step."""
+        s = self.sched
+        self.waits.mark(self.now, None if s.trainer_busy else "fill" if s.next_step == 0
+                        else "guard" if s.num_finished_groups >= self.config.train_batch_size
+                        else "starvation")
+        self._pending_versions = {v for v, n in s.pending_by_version().items() if n > 0}
+        self._rbs_full = not s.admission_room(self.config.rollout_batch_size)
+        for sl in self.slices:
+            self._mark(sl)
+        while self._noted < len(self.metrics):
+            rec = self.metrics[self._noted]
+            self._noted += 1
+            wait, split = self._step_waits.pop(rec["step"])
+            then, self._slot_seconds_then = self._slot_seconds_then, list(self.slot_seconds)
+            rec.update(trainer_wait=round(wait, 4), trainer_wait_split=split,
+                       slot_idle={k: round(a - b, 3) for k, a, b
+                                  in zip(SLOT_REASONS, self.slot_seconds, then)})
+
+    def _mark(self, sl: _Slice):
+        """Books the slice's slot-seconds since its last mark by the state it then
+        left (`sl.acct`), and takes its state now. Every change of a slice's state is
+        followed by a mark at the same time (the end of `_start_chunk`, of
+        `_decide`), so the slot-time is exact at the costs of a chunk: a chunk's
+        prefill part, then its decoding at the mean number of busy slots."""
+        now, since, slots = self.now, sl.booked_to, self.config.slots_per_slice
+        if now > since:
+            T, (reason, boundary, rates) = self.slot_seconds, sl.acct
+            if rates is None:
+                T[reason] += slots * (now - since)
+            else:
+                prefill_end, busy, batch = rates
+                T[reason] += (slots - batch - boundary) * (now - since)
+                T[_CHUNK_END] += boundary * (now - since)
+                if since < prefill_end:
+                    T[_PREFILL] += batch * (min(now, prefill_end) - since)
+                    since = min(now, prefill_end)
+                T[_BUSY] += busy * (now - since)
+                T[_CHUNK_END] += (batch - busy) * (now - since)
+            sl.booked_to = now
+        reason = self._idle_reason(sl)
+        if sl.chunk is None:
+            sl.acct = (reason, 0, None)
+        else:  # requests given to the slice mid-chunk wait for its end
+            boundary = 0 if reason <= _KV_FULL or not sl.waiting else min(
+                len(sl.waiting), slots - sl.rates[2])
+            sl.acct = (reason, boundary, sl.rates)
+
+    def _idle_reason(self, sl: _Slice) -> int:
+        """Why the slice's free slots (all of them between chunks) idle now."""
+        if self.colocated and self.trainer_busy_until is not None:
+            return _COLOCATED
+        if sl.loading is not None or sl.pending:
+            return _LOADING
+        if sl.waiting and (sl.kv_blocked or sl.chunk is None):
+            return _KV_FULL
+        pending = self._pending_versions
+        if not pending:
+            return _RBS_FULL if self._rbs_full else _CLOSED
+        if self.sched.policy.keeps_c1 and (len(pending) > 1 or sl.version not in pending):
+            return _MISMATCH
+        return _HELD
 
     # ------------------------------------------------------------------ actions
 
@@ -217,6 +319,8 @@ class ClusterSim:
             if sl.chunk is None:
                 self._apply_commands(sl)
         elif isinstance(a, TrainStep):
+            idle_since = self.metrics[-1]["time"] if self.metrics else 0.0
+            self._step_waits[a.step] = (self.now - idle_since, self.waits.take(self.now))
             tokens = 0
             for gid in a.group_ids:
                 tokens += self._consume(gid, a.step)
@@ -243,8 +347,14 @@ class ClusterSim:
     def _apply_commands(self, sl: _Slice):
         """Exports and loads sent while a chunk ran (C1: a load finds no requests)."""
         self._apply_exports(sl)
+        deferred = []
         for a in sl.pending:
             sl.loading = a.version
+            # The version in training: the slice pauses, its transfer starts once the
+            # step publishes it (_on_trained). A later load supersedes it.
+            deferred = [a] if a.version > self.sched.published else []
+            if deferred:
+                continue
             self._loads_in_progress += 1
             seconds = self.cost.load_seconds(self._loads_in_progress)
             self.stats["loads"] += 1
@@ -253,7 +363,7 @@ class ClusterSim:
             self._span(f"slice {sl.i}", "load", self.now, self.now + seconds, a.version)
             self._at(self.now + seconds, "loaded", sl.i, a.version,
                      isinstance(a, InterruptReload))
-        sl.pending = []
+        sl.pending = deferred
 
     def _apply_exports(self, sl: _Slice):
         """Moves the requests the scheduler migrated away. One still on its way here
@@ -306,6 +416,9 @@ class ClusterSim:
         self.trainer_busy_until = None
         self.metrics.append(dict(step=step, time=self.now, trained_tokens=tokens))
         self.sched.step_finished(step)
+        for sl in self.slices:  # loads deferred until this version was published
+            if sl.pending and sl.chunk is None:
+                self._apply_commands(sl)
         self._changed = True
 
     def _on_chunk(self, i):
@@ -326,6 +439,11 @@ class ClusterSim:
     # ------------------------------------------------------------------ decoding
 
     def _start_chunk(self, sl: _Slice):
+        """Starts the slice's next chunk if it can; marks its state (`_mark`)."""
+        self._begin_chunk(sl)
+        self._mark(sl)
+
+    def _begin_chunk(self, sl: _Slice):
         if sl.loading is not None or (self.colocated and self.trainer_busy_until):
             return
         if sl.exports and sl.chunk is None:
@@ -365,12 +483,14 @@ class ClusterSim:
                 r.ready_at = 0.0
                 sl.waiting.insert(0, r)
                 self.stats["preemptions"] += 1
-                return self._start_chunk(sl)
+                return self._begin_chunk(sl)
         slow = cost.contention(self._busy() + 1)
         extra *= slow
         seconds = extra + slow * (cost.steps_seconds(steps, batch, used)
                                   + cost.calls_seconds(steps, batch >= self.config.slots_per_slice))
         sl.chunk = (self.now + extra, self.now + seconds, steps)
+        sl.rates = (self.now + extra, float(np.minimum(left, steps).sum()) / steps, batch)
+        sl.kv_blocked = bool(sl.waiting)
         self.stats["busy_slot_seconds"] += batch * (seconds - extra)
         self._span(f"slice {sl.i}", "decode", self.now, self.now + seconds, sl.version)
         self._at(self.now + seconds, "chunk", sl.i)

@@ -94,42 +94,82 @@ class CostModel:
                                    train_per_token=self.train_per_token / factor)
 
     @classmethod
-    def from_hardware(cls, *, params: float, kv_bytes_per_token: float, slice_devices: int,
-                      trainer_devices: int, flops: float, hbm_bytes_per_s: float,
-                      hbm_bytes: float, link_bytes_per_s: float,
+    def from_hardware(cls, *, params: float, kv_bytes_per_token: float, layers: int,
+                      hidden: int, slice_devices: int, trainer_devices: int, flops: float,
+                      hbm_bytes_per_s: float, hbm_bytes: float, link_bytes_per_s: float,
+                      slice_link_bytes_per_s: float, efficiency: "Efficiency",
                       active_params: float | None = None, param_bytes: int = 2,
-                      mfu_decode: float = 0.3, mfu_train: float = 0.35,
-                      hbm_efficiency: float = 0.3, step_overhead: float = 0.02,
-                      kv_memory_fraction: float = 0.8, recompute: float = 4 / 3) -> "CostModel":
-        """Roofline costs from public figures, scaled by achieved fractions.
+                      kv_memory_fraction: float = 0.8) -> "CostModel":
+        """Roofline costs from public figures, scaled by achieved fractions
+        (`Efficiency`).
 
         params: model parameters (`active_params` per token for an MoE: FLOPs follow
-        them, the weights read per step and moved per load are all of them);
-        kv_bytes_per_token: layers x 2 x kv_heads x
-        head_dim x bytes; flops / hbm_bytes_per_s / hbm_bytes: one accelerator's
-        peak dense bf16 FLOP/s, HBM bandwidth and capacity; link_bytes_per_s: the
-        bandwidth weights and KV cross between slices and trainer. A decode step
-        reads the weights once (`step_fixed`, plus `step_overhead`), does 2 x params
-        FLOPs per sequence and reads each context token's KV; a train step does 6 x
-        params FLOPs per token (forward + backward) times `recompute` (the old
-        policy's log-probs and remat).
+        them; the weights read per step and moved per load are all of them);
+        kv_bytes_per_token: layers x 2 x kv_heads x head_dim x bytes; layers /
+        hidden: the tensor-parallel all-reduces (two per layer, of hidden x bytes per
+        sequence); flops / hbm_bytes_per_s / hbm_bytes: one accelerator's peak dense
+        bf16 FLOP/s, HBM bandwidth and capacity; slice_link_bytes_per_s: one
+        accelerator's link inside a slice (NVLink, ICI); link_bytes_per_s: what one
+        transfer of weights or KV gets between slices and trainer.
+
+        A decode step reads the weights once, pays the per-step host overhead and
+        the collectives' latency (`step_fixed`); each sequence adds its matmuls and
+        its share of the all-reduce bytes (`step_per_seq`); each position of context
+        adds its KV read (`step_per_ctx`). A prefilled token costs its forward
+        matmuls (attention's quadratic part is left out: prompts are short and
+        re-prefills are rare). A trained token costs `efficiency.train_passes`
+        forward passes' FLOPs.
         """
+        eff = efficiency
+        n = slice_devices
         active = params if active_params is None else active_params
         weight_bytes = params * param_bytes
-        slice_bw = slice_devices * hbm_bytes_per_s * hbm_efficiency
-        kv_room = slice_devices * hbm_bytes * kv_memory_fraction - weight_bytes
+        slice_bw = n * hbm_bytes_per_s * eff.hbm
+        kv_room = n * hbm_bytes * kv_memory_fraction - weight_bytes
+        collectives = 2 * layers if n > 1 else 0
+        ring = 2 * (n - 1) / n  # bytes an all-reduce moves per byte reduced
         return cls(
-            step_fixed=weight_bytes / slice_bw + step_overhead,
-            step_per_seq=2 * active / (slice_devices * flops * mfu_decode),
+            step_fixed=(weight_bytes / slice_bw + eff.step_overhead
+                        + collectives * eff.collective_latency),
+            step_per_seq=(2 * active / (n * flops * eff.mfu_decode)
+                          + collectives * hidden * param_bytes * ring
+                          / (slice_link_bytes_per_s * eff.link)),
             step_per_ctx=kv_bytes_per_token / slice_bw,
-            prefill_fixed=step_overhead,
-            prefill_per_token=2 * active / (slice_devices * flops * mfu_train),
+            prefill_fixed=eff.step_overhead,
+            prefill_per_token=2 * active / (n * flops * eff.mfu_prefill),
             weight_bytes=weight_bytes, transfer_bandwidth=link_bytes_per_s,
             transfer_latency=1.0, kv_bytes_per_token=kv_bytes_per_token,
             migrate_bandwidth=link_bytes_per_s, migrate_latency=0.05,
             kv_tokens=int(kv_room // kv_bytes_per_token),
-            train_fixed=10.0,
-            train_per_token=6 * active * recompute / (trainer_devices * flops * mfu_train))
+            train_fixed=eff.train_fixed,
+            train_per_token=2 * active * eff.train_passes
+            / (trainer_devices * flops * eff.mfu_train))
+
+
+@dataclasses.dataclass(frozen=True)
+class Efficiency:
+    """What a real stack achieves of the hardware's peak figures (stated, or fitted
+    by `sim/fit.py`).
+
+    hbm: fraction of HBM bandwidth that decode's weight and KV reads reach;
+    mfu_decode / mfu_prefill / mfu_train: fractions of peak FLOP/s; link: fraction of
+    the slice's link bandwidth an all-reduce reaches; step_overhead: host seconds per
+    decode call step outside the kernels (sampling, scheduling, launch);
+    collective_latency: seconds per all-reduce; train_passes: forward-pass
+    equivalents per trained token — forward 1, backward 2, rematerialisation 1, the
+    proximal (old) policy's log-probs 1 and the reference model's 1; train_fixed:
+    seconds per step besides the tokens (optimizer update, batch hand-over).
+    """
+
+    hbm: float = 0.6
+    mfu_decode: float = 0.5
+    mfu_prefill: float = 0.5
+    mfu_train: float = 0.35
+    link: float = 0.7
+    step_overhead: float = 0.004
+    collective_latency: float = 15e-6
+    train_passes: float = 6.0
+    train_fixed: float = 5.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """Deployments to simulate: the paper's two GPU clusters and a TPU pod.
 
-Hardware figures are public peak numbers; what a real stack achieves of them is a
-stated assumption (`CostModel.from_hardware`'s efficiency factors), which
-`calibrate.py` replaces with figures fitted to a measured run.
+Hardware figures are public peak numbers; what a real stack achieves of them
+(`cost.Efficiency`) is fitted for the H800 presets to the paper's schedules that
+leave no policy freedom (`sim/fit.py`, `H800_FIT` below) and assumed the same for
+v5p; `calibrate.py` fits a cost model to a measured run instead.
 
 - NVIDIA H800 SXM: 989 TFLOP/s dense bf16, 80 GB HBM3 at 3.35 TB/s; weights and KV
   cross nodes over 400 Gb/s InfiniBand (50 GB/s per transfer).
@@ -13,27 +14,45 @@ stated assumption (`CostModel.from_hardware`'s efficiency factors), which
   of dim 128: 96 KiB per token.
 
 The paper's workload (DAPO-Math-17k): 512 prompts x 16 samples per step, responses
-up to 30,720 tokens with mean about 2.4K, K = 3. Its device split between trainer
-and rollout is not stated; we give half the accelerators to each, in slices of 8
-GPUs (tensor parallel 8), 256 sequences per slice. Colocated sync runs rollout and
-training on all of them in turn.
+up to 30,720 tokens with mean about 2.4K, K = 3. Its device split is not stated, but
+its figures imply one (sim/fit.py): sync is colocated (rollout, then training, on
+all the GPUs) and the asynchronous modes give half the GPUs to the trainer — the
+trainer is busy 8.0 min per step in sync and 15.4 min in one-step-off. The presets
+use that split, in slices of 8 GPUs (tensor parallel 8), 256 sequences per slice.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from dora_jax.sim.cost import CostModel, Workload
+from dora_jax.sim.cost import CostModel, Efficiency, Workload
 
-H800 = dict(flops=989e12, hbm_bytes_per_s=3.35e12, hbm_bytes=80e9, link_bytes_per_s=50e9)
-V5P = dict(flops=459e12, hbm_bytes_per_s=2.76e12, hbm_bytes=95e9, link_bytes_per_s=100e9)
-QWEN25_32B = dict(params=32.5e9, kv_bytes_per_token=64 * 2 * 8 * 128 * 2)
-QWEN3_30B_A3B = dict(params=30.5e9, active_params=3.3e9, kv_bytes_per_token=48 * 2 * 4 * 128 * 2)
+H800 = dict(flops=989e12, hbm_bytes_per_s=3.35e12, hbm_bytes=80e9, link_bytes_per_s=50e9,
+            slice_link_bytes_per_s=400e9)
+V5P = dict(flops=459e12, hbm_bytes_per_s=2.76e12, hbm_bytes=95e9, link_bytes_per_s=100e9,
+           slice_link_bytes_per_s=600e9)
+QWEN25_32B = dict(params=32.5e9, kv_bytes_per_token=64 * 2 * 8 * 128 * 2, layers=64,
+                  hidden=5120)
+QWEN3_30B_A3B = dict(params=30.5e9, active_params=3.3e9, kv_bytes_per_token=48 * 2 * 4 * 128 * 2,
+                     layers=48, hidden=2048)
+
+# Fitted by `python -m dora_jax.sim.fit --steps=20` on the paper's colocated sync (64
+# and 128 GPUs) and one-step-off (64): 25.28 / 18.25 / 23.93 min against 22.91 /
+# 20.23 / 22.94, worst error 10%. Decode reaches half the HBM bandwidth and pays
+# 15 ms of host overhead per step: a lone 30K-token stream then costs 22.6 ms a
+# token, and the paper's sync rollout (65% of 22.91 min for responses up to 30,720
+# tokens) needs at least 29 ms for a 30K response started at once. Training at
+# 28% MFU over six forward passes per token (forward, backward, remat, proximal and
+# reference log-probs) takes 8.0 min per batch on 64 GPUs, the paper's 35% of 22.91.
+H800_FIT = Efficiency(hbm=0.5, step_overhead=0.015, mfu_train=0.282)
 
 # The paper's figures (DESIGN.md §7): step minutes and rollout-only share per mode.
-PAPER_64 = {"dora": (14.67, 0.12), "sync": (22.91, 0.65), "one_step_off": (22.94, 0.33),
-            "partial_rollout": (17.38, 0.46)}
-PAPER_128 = {"dora": (10.46, None), "sync": (20.23, None), "partial_rollout": (13.95, None)}
+# The paper's sync is colocated and its partial rollout round-synchronous (sim/fit.py,
+# DESIGN.md §3): their figures stand beside those modes.
+PAPER_64 = {"dora": (14.67, 0.12), "colocated_sync": (22.91, 0.65),
+            "one_step_off": (22.94, 0.33), "partial_rollout_rounds": (17.38, 0.46)}
+PAPER_128 = {"dora": (10.46, None), "colocated_sync": (20.23, None),
+             "partial_rollout_rounds": (13.95, None)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +70,7 @@ class Preset:
     train_batch_size: int = 512
     rollout_batch_size: int = 768
     max_staleness: int = 3
+    efficiency: Efficiency = Efficiency()
     paper: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -66,7 +86,7 @@ class Preset:
         active = model.pop("active_params", model["params"])
         cost = CostModel.from_hardware(**model, slice_devices=self.slice_devices,
                                        trainer_devices=self.trainer_devices, **self.hardware,
-                                       active_params=active)
+                                       active_params=active, efficiency=self.efficiency)
         if colocated:
             cost = cost.scaled_trainer(self.total_devices / self.trainer_devices)
             # Between training and rollout the weights change layout on the same
@@ -76,40 +96,56 @@ class Preset:
         return cost
 
     def step_time_bound(self, cost: CostModel | None = None, groups: int = 4096) -> dict:
-        """Seconds per train step that no policy can beat at this split: the larger of
-        the trainer's time for one batch and the rollout's at full slots.
+        """Seconds per train step that no policy can beat at this split: the largest
+        of three floors.
 
-        Rollout decodes TBS x G responses per step; a full slice holds B sequences
-        whose context, averaged over the tokens it decodes, is P + (E[L^2]/E[L] - 1)/2
-        (a sample of length L spends one step at each of its positions), and B is
-        cut to what the KV memory holds. Prefill is left out: it is a lower bound.
+        - train: the trainer's time for one batch (prompt + response tokens).
+        - rollout: TBS x G responses decoded at full slots. A full slice holds B
+          sequences whose context, averaged over the tokens it decodes, is
+          P / G + (E[L^2]/E[L] - 1)/2: a sample of length L spends one step at each
+          of its positions, and a group's prompt is stored once per slice, as the
+          simulator stores it (at best all G samples share it). B is cut to what the
+          KV memory holds. Prefill is left out.
+        - latency: the longest response (L_max tokens) is decoded one token per step,
+          each step at least a lone sequence's (tau_1, at its mean context), within
+          K train steps: a group of version v starts once v is published (the end
+          of step v - 1) and step v + K must train it. So a step lasts at least
+          L_max x tau_1 / K; with K = 0 the batch's rollout and training run in turn,
+          L_max x tau_1 + train.
+
         Lengths are the workload's over `groups` groups; `cost` defaults to the
         preset's."""
         length = self.workload.lengths(self.group_size)
         lengths = [length(g, k) for g in range(groups) for k in range(self.group_size)]
         mean = sum(lengths) / len(lengths)
-        context = self.workload.prompt_len + (sum(x * x for x in lengths) / sum(lengths) - 1) / 2
+        prompt = self.workload.prompt_len
+        context = prompt / self.group_size + (sum(x * x for x in lengths) / sum(lengths) - 1) / 2
         cost = cost or self.cost()
         batch = max(1, min(self.slots_per_slice, int(cost.kv_tokens // context)))
         step = (cost.step_seconds(batch, batch * context)
                 + cost.calls_seconds(cost.call_steps, True) / cost.call_steps)
         responses = self.train_batch_size * self.group_size
         rollout = responses * mean / (self.num_slices * batch / step)
-        train = cost.train_seconds(round(responses * (mean + self.workload.prompt_len)))
-        return dict(step=max(train, rollout), train=train, rollout=rollout)
+        train = cost.train_seconds(round(responses * (mean + prompt)))
+        longest = max(lengths)
+        tau = cost.step_seconds(1, prompt + (longest - 1) / 2) + cost.calls_seconds(1, False)
+        k = self.max_staleness
+        latency = longest * tau / k if k else longest * tau + train
+        return dict(step=max(train, rollout, latency), train=train, rollout=rollout,
+                    latency=latency)
 
 
 PRESETS = {
     "paper64": Preset(
         "paper64", "Qwen2.5-32B on 64 H800",
         total_devices=64, trainer_devices=32, slice_devices=8, slots_per_slice=256,
-        hardware=H800, model=QWEN25_32B, paper=PAPER_64),
+        hardware=H800, model=QWEN25_32B, efficiency=H800_FIT, paper=PAPER_64),
     "paper128": Preset(
         "paper128", "Qwen2.5-32B on 128 H800",
         total_devices=128, trainer_devices=64, slice_devices=8, slots_per_slice=256,
-        hardware=H800, model=QWEN25_32B, paper=PAPER_128),
+        hardware=H800, model=QWEN25_32B, efficiency=H800_FIT, paper=PAPER_128),
     "v5p": Preset(
         "v5p", "Qwen3-30B-A3B (configs/moe.py) on a v5p pod",
         total_devices=256, trainer_devices=128, slice_devices=16, slots_per_slice=256,
-        hardware=V5P, model=QWEN3_30B_A3B),
+        hardware=V5P, model=QWEN3_30B_A3B, efficiency=H800_FIT),
 }

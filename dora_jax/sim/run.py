@@ -4,7 +4,11 @@
 summary.json, timeline.json and timeline.png into `workdir` (if given) and returns
 the summary. Figures are over the steady-state window (end of step 0 to end of the
 last step), as the runtime reports them; the ledger is audited by the project's
-auditor, and a summary says whether it passed (`audit_ok`).
+auditor, and a summary says whether it passed (`audit_ok`). As in the runtime, each
+metrics record has the trainer's wait before its step by cause (`trainer_wait_split`:
+fill / guard / starvation); it also has the slot-seconds since the previous step by
+state (`slot_idle`, cluster.SLOT_REASONS), and the summary both as fractions of the
+window.
 """
 
 from __future__ import annotations
@@ -17,13 +21,13 @@ from collections import Counter
 from dora_jax.runtime.report import rollout_only_share
 from dora_jax.scheduler.ledger import audit_run
 from dora_jax.scheduler.types import SchedulerConfig
-from dora_jax.sim.cluster import ClusterSim
+from dora_jax.sim.cluster import SLOT_REASONS, ClusterSim
 from dora_jax.sim.cost import CostModel
 from dora_jax.sim.presets import Preset
 
 # Modes as simulated: partial_rollout also without a staleness bound, reported apart.
 SIM_MODES = ("colocated_sync", "sync", "one_step_off", "partial_rollout",
-             "partial_rollout_unbounded", "dora")
+             "partial_rollout_unbounded", "partial_rollout_rounds", "dora")
 UNBOUNDED = 10**6
 
 
@@ -69,12 +73,20 @@ def summarize(sim: ClusterSim, preset: Preset, mode: str, cost: CostModel) -> di
     consumed = [r for r in sim.ledger if r["event"] == "consume"]
     staleness = Counter(r["step"] - r["version"] for r in consumed)
     slots = sim.config.num_slices * sim.config.slots_per_slice
+    # As the runtime's summary: fill in seconds (before step 0), the other causes as
+    # fractions of the window; slot-time by state (cluster.SLOT_REASONS) likewise.
+    wait_split = {"fill_seconds": round(m[0]["trainer_wait_split"]["fill"], 4),
+                  **{k: round(sum(r["trainer_wait_split"][k] for r in m[1:]) / window, 4)
+                     for k in ("guard", "starvation")}}
+    slot_idle = {k: round(sum(r["slot_idle"][k] for r in m[1:]) / (slots * window), 4)
+                 for k in SLOT_REASONS}
     return dict(
         preset=preset.name, mode=mode, steps=len(m),
         step_minutes=round(window / (len(m) - 1) / 60, 3),
         tokens_per_second=round(trained / window, 1),
         rollout_only_share=round(rollout_only_share(sim.timeline.spans, start, end), 4),
         trainer_wait_fraction=round(1 - train_busy / window, 4),
+        trainer_wait_split=wait_split, slot_idle=slot_idle,
         slot_utilisation=round(sim.stats["busy_slot_seconds"] / (slots * end), 4),
         migrations=sim.stats["migrations"], loads=sim.stats["loads"],
         interrupts=sim.stats["interrupts"], preemptions=sim.stats["preemptions"],
