@@ -78,11 +78,12 @@ class _CheckpointingRun(FakeRun):
         self.checkpoints = []
 
     def _deliver(self, ev):
-        super()._deliver(ev)
+        released = super()._deliver(ev)
         if ev[0] == "step":
             s = self.sched
             finished = {g: gs.version for g, gs in s.groups.items() if gs.trainable}
             self.checkpoints.append((ev[1] + 1, finished, s.next_group_id, len(self.ledger)))
+        return released
 
 
 def _resumed_run(old: FakeRun, checkpoint, lengths, **kw) -> FakeRun:

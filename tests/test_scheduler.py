@@ -161,11 +161,27 @@ def test_restore_rejects_unknown_format():
         Scheduler.restore(snap)
 
 
-def test_dora_migrates_and_keeps_versions_apart():
+def test_dora_drains_lazily():
+    """Old-version stragglers stay where they are unless the newest version has work
+    no slice can take: with 120-tick stragglers and K = 2 admission never outgrows
+    the newest version's slices, so nothing migrates."""
     run = FakeRun(config("dora", num_slices=8, slots_per_slice=4, rollout_batch_size=12,
                          max_staleness=2), long_tail, load_ticks=2, train_ticks=15)
     run.run(12)
-    assert run.stats["migrations"] > 0  # stragglers consolidated to free slices
+    assert run.stats["migrations"] == 0 and run.audit().ok
+
+
+def test_dora_migrates_and_keeps_versions_apart():
+    """With K = 3 the newest version outgrows its slices while 40-tick stragglers
+    hold old ones: they are consolidated to free a slice for it, and every sample
+    still has one version."""
+    def stragglers(g, k):
+        return 40 if (g % 4 == 0 and k == 0) else 6
+
+    run = FakeRun(config("dora", num_slices=4, slots_per_slice=4, rollout_batch_size=12,
+                         max_staleness=3), stragglers, load_ticks=2, train_ticks=8)
+    run.run(12)
+    assert run.stats["migrations"] > 0
     for rec in (r for r in run.ledger if r["event"] == "consume"):
         for smp in rec["samples"]:
             assert smp["versions"] == [[rec["version"], smp["response_len"]]]

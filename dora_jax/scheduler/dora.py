@@ -22,6 +22,13 @@ Choices made where the design leaves room:
   with unfinished samples always keeps at least one serving slice (liveness: its
   work is never stranded); one that lost its last slice (a slice failed) gets the
   next freed slice.
+* Drain lazily. A version's slices beyond its target are released only as far as
+  other work needs them: the slices' worth of pending samples (and admission room
+  at P) that no serving or loading slice can take. Consolidating stragglers for its
+  own sake costs twice: each remaining step of a straggler runs beside more
+  sequences and more context (slower), and the freed slice has nothing to run.
+  The deadline version (w + K <= t: the next step must train all of it) keeps
+  every slice that holds its requests: the trainer waits on its slowest straggler.
 * The staleness guard is applied in its general form: a batch (TBS oldest finished
   groups) is formed only if what stays unconsumed still satisfies FEASIBILITY for
   step t+1. For version t-K this is exactly the plain guard (every unconsumed
@@ -129,7 +136,8 @@ class DoraPolicy(Policy):
     def _balance(self, sched):
         """Return (actions, kept): kept = serving slices that may take new requests.
 
-        Serving slices of an old version w beyond its target are drained: if their
+        Serving slices of an old version w beyond its target, as far as unserved
+        work needs them (lazy drain, module docstring), are drained: if their
         requests all fit in free slots of the kept w-slices they migrate there and
         the slice loads at once (P, or an older version with an unserved backlog:
         see the module docstring); otherwise the slice takes no new work and loads
@@ -154,14 +162,25 @@ class DoraPolicy(Policy):
                 kept.add(sl.slice_id)
             else:
                 by_version[sl.version].append(sl)
+        # Lazy drain: an old slice is released only for work that needs it, the
+        # slices' worth of samples that no serving or loading slice can take.
+        holders = kept | {sl.slice_id for sls in by_version.values() for sl in sls
+                          if sl.version is not None}
+        needed = sum(-(-n // slots) for n in self._unserved(sched, holders).values() if n > 0)
         for w in sorted(by_version, key=lambda v: -1 if v is None else v):
             sls = by_version[w]
             n_keep = 0
             if w is not None and unfinished[w] > 0:
                 n_keep = max(1, min(len(sls), target.get(w, 0)))
+                n_keep = max(n_keep, len(sls) - needed)
+                if w + cfg.max_staleness <= sched.next_step:
+                    # The deadline version: the trainer waits for its stragglers, so
+                    # they keep their slices (consolidating them would slow each one).
+                    n_keep = max(n_keep, sum(bool(sl.running) for sl in sls))
             # Keep the fullest slices; the emptiest are the cheapest to drain.
             order = sorted(sls, key=lambda sl: (-len(sl.running), sl.slice_id))
             keep, drain = order[:n_keep], order[n_keep:]
+            needed -= len(drain)
             kept.update(sl.slice_id for sl in keep)
             free = {sl.slice_id: sched.free_slots(sl) for sl in keep}
             for sl in sorted(drain, key=lambda sl: (len(sl.running), sl.slice_id)):

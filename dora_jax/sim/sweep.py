@@ -1,0 +1,163 @@
+"""DORA against the baselines over the settings a user would try, on one preset.
+
+    python -m dora_jax.sim.sweep --preset=paper128 [--steps=20] [--seeds=0,1,2] \
+        [--trainer_devices=32,40,48,64] [--rbs=1,1.5,2,3] [--jobs=2] [--workdir=DIR]
+
+For every trainer split, rollout batch size (a multiple of TBS) and workload seed it
+simulates dora, streaming partial rollout and round-synchronous partial rollout;
+sync (at each split) and colocated sync (on all devices) do not depend on the
+rollout batch size and run once per split and seed. Every run's ledger is audited
+(C1 where the mode keeps it, C2, C3); a failed audit stops the sweep. With
+`--workdir` each run's outputs go to DIR/<split>/<rbs>/<seed>/<mode>/.
+
+Prints one row per (split, RBS) with each mode's median step minutes over the seeds
+and the bound (`Preset.step_time_bound`), then:
+
+    dora/partial_rollout worst: A        (min over every run of partial's step / dora's)
+    dora/partial_rollout median: B
+    dora/partial_rollout_rounds median: C
+    dora/sync median: D                  (colocated sync, the stronger sync baseline)
+    dora step / bound worst: E
+    dora step spread over rollout batch sizes worst: F
+
+F is max/min of dora's step time over the batch sizes at one split and seed, the
+worst such (split, seed). Ratios above 1 mean DORA is faster.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import itertools
+import os
+import statistics
+import time
+
+from absl import app, flags
+
+from dora_jax.sim.presets import PRESETS
+from dora_jax.sim.run import simulate
+
+_PRESET = flags.DEFINE_enum("preset", "paper128", list(PRESETS), "deployment to simulate")
+_STEPS = flags.DEFINE_integer("steps", 20, "train steps per run")
+_SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "workload seeds")
+_SPLITS = flags.DEFINE_list("trainer_devices", ["32", "40", "48", "64"],
+                            "trainer splits (devices of the trainer)")
+_RBS = flags.DEFINE_list("rbs", ["1", "1.5", "2", "3"],
+                         "rollout batch sizes, as multiples of the train batch size")
+_MODES = flags.DEFINE_list("modes", ["dora", "partial_rollout", "partial_rollout_rounds"],
+                           "modes run at every rollout batch size")
+_JOBS = flags.DEFINE_integer("jobs", os.cpu_count() or 1, "runs simulated at once")
+_WORKDIR = flags.DEFINE_string("workdir", None, "where each run's outputs go (optional)")
+
+PER_SPLIT = ("sync",)  # independent of RBS: once per split and seed
+PER_SEED = ("colocated_sync",)  # independent of the split as well
+
+
+def plan(preset, splits, factors, seeds, modes) -> list:
+    """[(key, preset, mode)] of every run; key = (split, rbs factor, seed), with
+    None where the run does not depend on it."""
+    runs = []
+    for seed in seeds:
+        seeded = dataclasses.replace(preset, workload=dataclasses.replace(preset.workload,
+                                                                          seed=seed))
+        runs += [((None, None, seed), seeded, m) for m in PER_SEED]
+        for split in splits:
+            at_split = dataclasses.replace(seeded, trainer_devices=split)
+            runs += [((split, None, seed), at_split, m) for m in PER_SPLIT]
+            for f in factors:
+                rbs = round(f * preset.train_batch_size)
+                runs += [((split, f, seed), dataclasses.replace(at_split, rollout_batch_size=rbs),
+                          m) for m in modes]
+    return runs
+
+
+def _run(key, preset, mode, steps, workdir):
+    out = None
+    if workdir:
+        out = os.path.join(workdir, *(str(k) for k in key if k is not None), mode)
+    s = simulate(preset, mode, steps, out)
+    return dict(key=key, mode=mode, minutes=s["step_minutes"], audit_ok=s["audit_ok"],
+                audit=s["audit"], bound=preset.step_time_bound()["step"] / 60
+                if mode == "dora" else None)
+
+
+def headline(results: list, splits, factors, seeds) -> dict:
+    """The sweep's summary ratios (module docstring) from `_run`'s results."""
+    at = {(r["key"], r["mode"]): r for r in results}
+
+    def minutes(split, f, seed, mode):
+        if mode in PER_SEED:
+            return at[((None, None, seed), mode)]["minutes"]
+        if mode in PER_SPLIT:
+            return at[((split, None, seed), mode)]["minutes"]
+        return at[((split, f, seed), mode)]["minutes"]
+
+    cells = list(itertools.product(splits, factors, seeds))
+    dora = {c: minutes(*c, "dora") for c in cells}
+    out = {}
+    for base in ("partial_rollout", "partial_rollout_rounds", "colocated_sync"):
+        if all(((s, f, sd), base) in at or base in PER_SEED for s, f, sd in cells):
+            ratios = [minutes(*c, base) / dora[c] for c in cells]
+            out[base] = (min(ratios), statistics.median(ratios))
+    out["bound_worst"] = max(dora[c] / at[(c, "dora")]["bound"] for c in cells)
+    out["spread_worst"] = max(
+        max(dora[(s, f, sd)] for f in factors) / min(dora[(s, f, sd)] for f in factors)
+        for s in splits for sd in seeds)
+    return out
+
+
+def main(argv):
+    del argv
+    preset = PRESETS[_PRESET.value]
+    try:
+        seeds = [int(s) for s in _SEEDS.value]
+        splits = [int(s) for s in _SPLITS.value]
+        factors = [float(f) for f in _RBS.value]
+    except ValueError as e:
+        raise app.UsageError(f"--seeds, --trainer_devices and --rbs take numbers: {e}")
+    for split in splits:
+        if not 0 < split < preset.total_devices or \
+                (preset.total_devices - split) % preset.slice_devices:
+            raise app.UsageError(f"--trainer_devices: {split} does not leave whole "
+                                 f"{preset.slice_devices}-device slices")
+    if any(f < 1 for f in factors):
+        raise app.UsageError("--rbs: a rollout batch holds at least one train batch (>= 1)")
+    if "dora" not in _MODES.value:
+        raise app.UsageError("--modes must include dora")
+    runs = plan(preset, splits, factors, seeds, _MODES.value)
+    print(f"{preset.name}: {len(runs)} runs of {_STEPS.value} steps, seeds {seeds}", flush=True)
+    start = time.perf_counter()
+    with concurrent.futures.ProcessPoolExecutor(max(1, _JOBS.value)) as pool:
+        results = list(pool.map(_run, *zip(*runs), itertools.repeat(_STEPS.value),
+                                itertools.repeat(_WORKDIR.value)))
+    bad = [(r["key"], r["mode"], r["audit"]) for r in results if not r["audit_ok"]]
+    if bad:
+        raise SystemExit(f"ledger audit failed: {bad}")
+    at = {(r["key"], r["mode"]): r for r in results}
+    cols = [*_MODES.value, *PER_SPLIT, *PER_SEED]
+    print(f"{'trainer':>7} {'RBS':>5} " + " ".join(f"{m:>22}" for m in cols) + f" {'bound':>7}")
+    for split, f in itertools.product(splits, factors):
+        def med(mode, split=split, f=f):
+            key = lambda sd: ((None, None, sd) if mode in PER_SEED else  # noqa: E731
+                              (split, None, sd) if mode in PER_SPLIT else (split, f, sd))
+            return statistics.median(at[(key(sd), mode)]["minutes"] for sd in seeds)
+        bound = statistics.median(at[((split, f, sd), "dora")]["bound"] for sd in seeds)
+        print(f"{split:>7} {round(f * preset.train_batch_size):>5} "
+              + " ".join(f"{med(m):>22.2f}" for m in cols) + f" {bound:>7.2f}")
+    h = headline(results, splits, factors, seeds)
+    print(f"step minutes, medians over {len(seeds)} seeds; {len(results)} runs audited clean "
+          f"in {time.perf_counter() - start:.0f} s")
+    for base, name in (("partial_rollout", "partial_rollout"),
+                       ("partial_rollout_rounds", "partial_rollout_rounds"),
+                       ("colocated_sync", "sync")):
+        if base in h:
+            if base == "partial_rollout":
+                print(f"dora/partial_rollout worst: {h[base][0]:.3f}")
+            print(f"dora/{name} median: {h[base][1]:.3f}")
+    print(f"dora step / bound worst: {h['bound_worst']:.3f}")
+    print(f"dora step spread over rollout batch sizes worst: {h['spread_worst']:.3f}")
+
+
+if __name__ == "__main__":
+    app.run(main)
