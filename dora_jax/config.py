@@ -159,7 +159,8 @@ class CoordinatorConfig(Section):
     mode: str = field("dora", choices=MODES)
     group_size: int = field(4, min=1)  # G samples per prompt
     train_batch_size: int = field(4, min=1)  # TBS groups per train step
-    rollout_batch_size: int = field(8, min=1)  # RBS admitted-but-unconsumed groups
+    # RBS: admitted-but-unconsumed groups; dora counts RBS x G samples in flight.
+    rollout_batch_size: int = field(8, min=1)
     max_staleness: int = field(2, min=0)  # K
     num_steps: int = field(20, min=1)
     # Train steps between checkpoints (0: only at the end). A crash loses at most

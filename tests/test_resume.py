@@ -62,10 +62,11 @@ def test_plan_keeps_finished_groups_and_regenerates_the_rest():
     assert p.next_group_id == 6 and p.admitted_since_checkpoint == 2
     assert p.prompt_ids == {1: "p1", 2: "p2", 4: "p4", 5: "p5"}
     cfg = SchedulerConfig(mode="dora", num_slices=2, slots_per_slice=2, group_size=1,
-                          train_batch_size=1, rollout_batch_size=3, max_staleness=2)
+                          train_batch_size=1, rollout_batch_size=3, max_staleness=3)
     sched = resume.scheduler_for(cfg, p, {1: 0, 2: 0})
     admits = [a for a in sched.decide() if type(a).__name__ == "Admit"]
-    # RBS 3 with the 2 kept groups in flight: one admission, the first lost group.
+    # With the 2 kept groups unconsumed, FEASIBILITY at step 1 (admitting with one
+    # step of K in reserve: 3 unconsumed) leaves room for one, the first lost group.
     assert [(a.group_id, a.version, a.readmit) for a in admits] == [(4, 1, True)]
     sched.check_invariants()
 

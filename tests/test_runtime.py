@@ -61,11 +61,14 @@ def _metrics(workdir) -> list:
 def test_dora_paths_with_slow_training_and_slow_decoding(tmp_path, small_config, monkeypatch):
     """Training and decoding both slow enough that a group outlives a publish: DORA
     keeps several versions resident, drains old slices by migration, consumes groups
-    at lag K, and every slice loads exactly the params the trainer published."""
-    # A step trains in about a quarter of a response's decoding time (in the fake
-    # driver this shape migrates on every publish), so an old version's samples are
-    # still running on several slices when a publish moves slices to the newest one.
-    cfg = small_config("dora", max_staleness=2, rollout_batch_size=6, num_steps=10,
+    at lag K - 1 or more (admission keeps one step of K = 3 in reserve), and every
+    slice loads exactly the params the trainer published."""
+    # A step trains in about a quarter of a response's decoding time, so an old
+    # version's samples are still running on several slices when a publish comes;
+    # with 32 samples in flight for 16 slots the newest version has more work than
+    # its slices, so old slices are drained for it (DORA drains only for such work).
+    cfg = small_config("dora", max_staleness=3, train_batch_size=4, rollout_batch_size=16,
+                       num_steps=10,
                        rollout=dict(max_decode_len=16, decode_steps=1))
     loads = []
     load_version, step = DecodeSlice.load_version, DecodeSlice.step
@@ -86,7 +89,7 @@ def test_dora_paths_with_slow_training_and_slow_decoding(tmp_path, small_config,
 
     events, report = audit_workdir(cfg, tmp_path)
     assert report.ok, report.summary()
-    assert max(report.staleness) == cfg.coordinator.max_staleness, summary
+    assert max(report.staleness) >= cfg.coordinator.max_staleness - 1, summary
     assert summary["max_resident_versions"] >= 2, summary
     assert summary["migrations"] > 0, summary
     assert {v for _, v, _ in loads} >= {0, 1, 2}

@@ -202,7 +202,7 @@ def test_requeue_inflight_after_restart():
 
 def test_interrupt_reload_action_shape():
     s = Scheduler(config("partial_rollout", num_slices=1, slots_per_slice=2, group_size=1,
-                         train_batch_size=1, rollout_batch_size=2))
+                         train_batch_size=1, rollout_batch_size=2, max_staleness=3))
     acts = s.decide()
     assert acts == [Admit(0, 0), Admit(1, 0), Assign(0, 0, 0, 0), Assign(1, 0, 0, 0)]
     s.sample_finished(0, 0)
@@ -277,9 +277,10 @@ def test_kv_reports_bound_assignments_by_hand():
 def test_dora_admits_for_the_slices_loading_the_new_version():
     """After step 1 is taken, two slices drain and load version 1; the two groups
     the freed room admits go to version 1, for them, not to version 0 (whose two
-    remaining slices are full: its samples would queue while the new slices idle)."""
+    remaining slices are full: its samples would queue while the new slices idle).
+    K = 3: admission keeps a step in reserve, so it admits as K = 2 would."""
     sched = Scheduler(config(num_slices=4, slots_per_slice=2, group_size=2,
-                             train_batch_size=2, rollout_batch_size=4))
+                             train_batch_size=2, rollout_batch_size=4, max_staleness=3))
     sched.decide()
     for g in (0, 1):
         for k in (0, 1):

@@ -34,6 +34,16 @@ Choices made where the design leaves room:
   step t+1. For version t-K this is exactly the plain guard (every unconsumed
   group of version t-K is in the batch); for newer versions it stops the trainer from eating young groups while
   old ones would then miss their deadline.
+* Admission is by what the rollout holds, not by what the trainer has yet to eat:
+  the rollout batch is RBS x G samples in flight (admitted, not finished), so
+  finished groups waiting for the trainer never stop the rollout (with RBS = TBS
+  counted in unconsumed groups the next batch could only start when the last one
+  was consumed: a pipeline of one). Staleness is bounded by FEASIBILITY instead,
+  checked at admission with one step of K in reserve when K >= 2 (as if K were
+  K - 1): the longest responses outlast a train step, and a group admitted with
+  no slack makes the trainer wait for it at its deadline. A group is admitted only
+  for a free slot of its version (held or being loaded): queued samples would take
+  the version of their admission and wait, older and older, for a slot.
 * Admission at a version older than P (newest resident version not yet P, or a
   top-up) also needs w + K > t: a group that the very next step would be forced to
   wait for is not worth starting.
@@ -59,6 +69,21 @@ def admission_feasible(counts: Counter, w: int, t: int, k: int, tbs: int) -> boo
         if v >= w and cum + 1 > tbs * (v + k - t + 1):
             return False
     return True
+
+
+def admission_reserve(k: int) -> int:
+    """The K that admission plans with: one step of K kept in reserve when K >= 2
+    (module docstring)."""
+    return k - 1 if k >= 2 else k
+
+
+def in_flight_room(sched: "Scheduler") -> int:
+    """Groups the rollout batch has room for: RBS x G samples in flight (admitted,
+    not finished), in whole groups, within `config.max_groups`."""
+    cfg = sched.config
+    unfinished = sum(sched.unfinished_by_version().values())
+    room = (cfg.rollout_batch_size * cfg.group_size - unfinished) // cfg.group_size
+    return min(max(room, 0), sched.admission_room(10**9))
 
 
 def form_guarded_batch(sched: "Scheduler") -> list:
@@ -147,7 +172,7 @@ class DoraPolicy(Policy):
         unfinished = sched.unfinished_by_version()
         demand = {w: n for w, n in unfinished.items() if n > 0}
         # The newest version also stands for the groups still to be admitted.
-        demand[p] = demand.get(p, 0) + sched.admission_room(cfg.rollout_batch_size) * cfg.group_size
+        demand[p] = demand.get(p, 0) + self._room_at_newest(sched) * cfg.group_size
         cap = {w: -(-n // slots) for w, n in demand.items() if w != p}
         target = apportion(cfg.num_slices, demand, p, cap)
 
@@ -213,14 +238,13 @@ class DoraPolicy(Policy):
             count[w] += 1
         return acts, kept
 
-    @staticmethod
-    def _unserved(sched, kept) -> dict:
+    def _unserved(self, sched, kept) -> dict:
         """Pending samples per version (P: with the groups it may still admit) beyond
         the free slots of its kept slices and of the slices loading it."""
         cfg = sched.config
         p, t, k = sched.published, sched.next_step, cfg.max_staleness
         need = Counter(sched.pending_by_version())
-        need[p] += sched.admission_room(cfg.rollout_batch_size) * cfg.group_size
+        need[p] += self._room_at_newest(sched) * cfg.group_size
         for sl in sched.slices:
             if sl.slice_id in kept:
                 need[sl.version] -= sched.free_slots(sl)
@@ -233,7 +257,7 @@ class DoraPolicy(Policy):
         cfg = sched.config
         p, t, k = sched.published, sched.next_step, cfg.max_staleness
         tbs, G = cfg.train_batch_size, cfg.group_size
-        room = sched.admission_room(cfg.rollout_batch_size)
+        room = self.admission_room(sched)
         if not room:
             return []
         free = Counter()
@@ -247,9 +271,10 @@ class DoraPolicy(Policy):
         if not versions:
             return []
         counts, pend = sched.unconsumed_by_version(), sched.pending_by_version()
+        reserve = admission_reserve(k)
 
         def ok(w):
-            return (w == p or w + k > t) and admission_feasible(counts, w, t, k, tbs)
+            return (w == p or w + k > t) and admission_feasible(counts, w, t, reserve, tbs)
 
         def pick():
             newest = versions[-1]  # newest resident version
@@ -258,7 +283,7 @@ class DoraPolicy(Policy):
             for w in reversed(versions[:-1]):  # top-up idle old-version slots
                 if free[w] - pend[w] >= G and ok(w):
                     return w
-            return newest if ok(newest) else None
+            return None
 
         acts = []
         for _ in range(room):
@@ -270,10 +295,23 @@ class DoraPolicy(Policy):
             pend[w] += G
         return acts
 
+    def admission_room(self, sched) -> int:
+        return in_flight_room(sched)
+
+    def _room_at_newest(self, sched) -> int:
+        """Groups that could be admitted at P now: the rollout batch's room, cut to
+        what FEASIBILITY (with the reserve, `_admit`) allows at the newest version."""
+        cfg = sched.config
+        tbs, reserve = cfg.train_batch_size, admission_reserve(cfg.max_staleness)
+        unconsumed = sum(sched.unconsumed_by_version().values())
+        feasible = tbs * (sched.published + reserve - sched.next_step + 1) - unconsumed
+        return max(0, min(self.admission_room(sched), feasible))
+
     def check(self, sched, req):
         cfg = sched.config
         k, p = cfg.max_staleness, sched.published
-        req(len(sched.groups) <= cfg.rollout_batch_size, "dora: more than RBS in flight")
+        req(sum(sched.unfinished_by_version().values()) <= cfg.rollout_batch_size * cfg.group_size,
+            "dora: more than RBS x G samples in flight")
         check_feasible(sched, req)
         lo = p - k - (0 if sched.settled else 1)  # just after a publish, before decide()
         for sl in sched.slices:

@@ -6,15 +6,16 @@ its requests under it: C1 deliberately broken, recorded per token. Every slice h
 the newest version, so a pending sample of an older group starts on it too. The
 staleness of a group is counted from its admission version, at or below every one
 of its tokens' versions; it is bounded in the manner of AReaL's admission control
-by DORA's own rules (dora.py): admission only while the backlog stays FEASIBLE for
-K, and the TBS oldest finished groups are trained unless a deadline needs the
-trainer to wait for an older group. So the comparison with `dora` at the same K is
-like for like: both bound staleness, and this mode pays its re-prefills.
+by DORA's own rules (dora.py): RBS x G samples in flight, a group admitted only
+for free slots and only while the backlog stays FEASIBLE for K (with DORA's step
+in reserve), and the TBS oldest finished groups are trained unless a deadline
+needs the trainer to wait for an older group. So the comparison with `dora` at the
+same K is like for like: both bound staleness, and this mode pays its re-prefills.
 
 partial_rollout_rounds is the round-synchronous kind, the baseline users meet in
 the paper's figures (its trainer idles about half the step): trainer and rollout
 alternate. A round runs while the trainer is idle: every slice holds the published
-version P, groups are admitted at P up to RBS (while FEASIBLE, as above) and pending
+version P, groups are admitted at P up to RBS unconsumed (while FEASIBLE for K) and pending
 samples go to any slice. The round ends when a batch can be formed (the same guarded
 batch); while that step trains the rollout pauses: each slice is told to load P+1,
 the version in training, which the driver defers until it is published (a slice
@@ -25,7 +26,8 @@ round with their per-token versions. Staleness is bounded exactly as above.
 
 from __future__ import annotations
 
-from .dora import admission_feasible, check_feasible, form_guarded_batch
+from .dora import (admission_feasible, admission_reserve, check_feasible, form_guarded_batch,
+                   in_flight_room)
 from .policies import Policy, assign_pending
 
 
@@ -46,16 +48,23 @@ class PartialRolloutPolicy(Policy):
                     acts.append(sched.do_load(sl.slice_id, sched.published))
         counts = sched.unconsumed_by_version()
         p, t = sched.published, sched.next_step
-        for _ in range(sched.admission_room(cfg.rollout_batch_size)):
-            if not admission_feasible(counts, p, t, cfg.max_staleness, cfg.train_batch_size):
+        reserve = admission_reserve(cfg.max_staleness)
+        # A group only for free slots (of any slice: versions do not matter here).
+        free = sum(sched.free_slots(sl) for sl in sched.slices if sl.version is not None) \
+            - sum(sched.pending_by_version().values())
+        for _ in range(self.admission_room(sched)):
+            if free <= 0 or not admission_feasible(counts, p, t, reserve, cfg.train_batch_size):
                 break
             acts.append(sched.do_admit(p))
             counts[p] += 1
+            free -= cfg.group_size
         acts += assign_pending(sched, match_version=False)
         return acts
 
+    def admission_room(self, sched) -> int:
+        return in_flight_room(sched)
+
     def check(self, sched, req):
-        req(len(sched.groups) <= sched.config.rollout_batch_size, "partial: more than RBS in flight")
         check_feasible(sched, req)
 
 
@@ -83,11 +92,16 @@ class RoundPartialRolloutPolicy(Policy):
             return acts  # no admission and no assignment while the trainer trains
         counts = sched.unconsumed_by_version()
         p, t = sched.published, sched.next_step
-        for _ in range(sched.admission_room(cfg.rollout_batch_size)):
-            if not admission_feasible(counts, p, t, cfg.max_staleness, cfg.train_batch_size):
+        reserve = admission_reserve(cfg.max_staleness)
+        # A group only for free slots (of any slice: versions do not matter here).
+        free = sum(sched.free_slots(sl) for sl in sched.slices if sl.version is not None) \
+            - sum(sched.pending_by_version().values())
+        for _ in range(self.admission_room(sched)):
+            if free <= 0 or not admission_feasible(counts, p, t, reserve, cfg.train_batch_size):
                 break
             acts.append(sched.do_admit(p))
             counts[p] += 1
+            free -= cfg.group_size
         acts += assign_pending(sched, match_version=False)
         return acts
 

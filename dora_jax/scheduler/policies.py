@@ -41,6 +41,11 @@ class Policy:
         """Return the actions of one decision pass (already applied to `sched`)."""
         raise NotImplementedError
 
+    def admission_room(self, sched: "Scheduler") -> int:
+        """Groups the mode's rollout batch leaves room for now (drivers report a slot
+        idle for want of it as `rbs_full`): RBS unconsumed groups."""
+        return sched.admission_room(sched.config.rollout_batch_size)
+
     def check(self, sched: "Scheduler", req: Callable[[bool, str], None]) -> None:
         """Check mode-specific invariants; `req(cond, msg)` raises if cond is false."""
 

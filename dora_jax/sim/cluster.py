@@ -180,17 +180,19 @@ class ClusterSim:
     # ------------------------------------------------------------------ running
 
     def run(self, num_steps: int, max_events: int = 50_000_000) -> None:
-        """Simulates until `num_steps` train steps finished."""
+        """Simulates until `num_steps` train steps finished (no decision follows the
+        last one: the ledger ends with exactly `num_steps` batches consumed)."""
         self._decide()
         for _ in range(max_events):
-            if len(self.metrics) >= num_steps:
-                self._flush_spans()
-                return
             if not self._events:
                 raise RuntimeError(f"simulation stalled at t={self.now:.1f}s with "
                                    f"{len(self.metrics)} of {num_steps} steps")
             self.now, _, kind, data = heapq.heappop(self._events)
             getattr(self, "_on_" + kind)(*data)
+            if len(self.metrics) >= num_steps:
+                self._note_decision()  # books the last step's waits and slot time
+                self._flush_spans()
+                return
             if self._changed:  # the scheduler saw an event: it may act
                 self._decide()
             else:  # only this slice's chunk ended: it goes on
@@ -240,7 +242,7 @@ class ClusterSim:
                         else "guard" if s.num_finished_groups >= self.config.train_batch_size
                         else "starvation")
         self._pending_versions = {v for v, n in s.pending_by_version().items() if n > 0}
-        self._rbs_full = not s.admission_room(self.config.rollout_batch_size)
+        self._rbs_full = not s.policy.admission_room(s)
         for sl in self.slices:
             self._mark(sl)
         while self._noted < len(self.metrics):
