@@ -208,10 +208,15 @@ class DoraPolicy(Policy):
             needed -= len(drain)
             kept.update(sl.slice_id for sl in keep)
             free = {sl.slice_id: sched.free_slots(sl) for sl in keep}
-            for sl in sorted(drain, key=lambda sl: (len(sl.running), sl.slice_id)):
+            drain.sort(key=lambda sl: (len(sl.running), sl.slice_id))
+            for j, sl in enumerate(drain):
                 reqs = sorted(sl.running)
                 if len(reqs) > sum(free.values()):
-                    break  # cannot empty it now (nor any fuller one); it drains by itself
+                    # It cannot be emptied now, nor any fuller one: they go on serving
+                    # (a slice that stops taking work to wait for its last straggler
+                    # would idle for as long as that straggler runs).
+                    kept.update(x.slice_id for x in drain[j:])
+                    break
                 for gid, k in reqs:
                     dst = max(free, key=lambda i: (free[i], -i))
                     acts.append(sched.do_migrate(gid, k, dst))
