@@ -166,6 +166,10 @@ def test_trainer_wait_is_split_by_cause(tmp_path, small_config):
         split = m["trainer_wait_split"]
         assert abs(sum(split.values()) - m["trainer_wait"]) < 2e-3, m
         assert (split["fill"] > 0) == (m["step"] == 0), m
+        # Per-slice prefill counters: every slice reported, each step's increase.
+        assert set(m["prefill_tokens"]) == set(m["slot_utilisation"]), m
+        assert min(m["prefill_tokens"].values()) >= 0 <= min(m["reprefill_tokens"].values())
+    assert sum(sum(m["prefill_tokens"].values()) for m in records) > 0
     s = summary["trainer_wait_split"]
     assert s["fill_seconds"] == records[0]["trainer_wait_split"]["fill"]
     assert abs(s["guard"] + s["starvation"] - summary["trainer_wait_fraction"]) < 2e-3

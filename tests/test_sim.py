@@ -194,3 +194,31 @@ def test_presets_reproduce_the_papers_fixed_schedules():
     errors = paper_errors(PRESETS["paper64"].efficiency, steps=12)
     assert [(e[0], e[1]) for e in errors] == list(FIT_ON)
     assert max(abs(e[-1]) for e in errors) <= 0.15, errors
+
+
+def test_calibration_recovers_known_costs_including_prefill():
+    """Four slices whose busy time is 10 ms a generate call + 2 ms a decode step +
+    0.5 ms a sequence-step + 0.1 ms a prefilled token (prompts and re-prefills as
+    metrics.jsonl counts them): the fit gives back those four costs."""
+    from dora_jax.sim.calibrate import fit
+
+    slots, spans, ledger, t = 4, [], [], 0.0
+    util, prefilled = {}, {}
+    for i, (calls, u, n_samples, pre) in enumerate([(10, 1.0, 20, 3000), (20, 0.5, 12, 500),
+                                                    (15, 0.75, 30, 9000), (30, 0.25, 8, 100)]):
+        tokens = n_samples * 9  # responses of 10 tokens, the first from the prefill
+        ledger += [dict(event="consume", samples=[dict(response_len=10, slices=[i])])
+                   for _ in range(n_samples)]
+        steps = tokens / (u * slots)
+        busy = 0.010 * calls + 0.002 * steps + 0.0005 * steps * u * slots + 1e-4 * pre
+        for _ in range(calls):
+            spans.append(dict(row=f"slice {i}", kind="decode", start=t, end=t + busy / calls))
+            t += busy / calls
+        util[str(i)], prefilled[str(i)] = u, pre
+    spans.append(dict(row="trainer", kind="train", start=t, end=t + 1.0))
+    metrics = [dict(time=t + 1.0, slot_utilisation=util, prefill_tokens=prefilled,
+                    reprefill_tokens=dict.fromkeys(util, 0),
+                    trainer=dict(sequence_tokens=100))]
+    cost = fit([dict(spans=spans, metrics=metrics, ledger=ledger)], slots)
+    assert (cost.call_overhead, cost.step_fixed, cost.step_per_seq,
+            cost.prefill_per_token) == pytest.approx((0.010, 0.002, 0.0005, 1e-4), rel=1e-6)

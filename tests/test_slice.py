@@ -221,6 +221,8 @@ def test_interrupt_and_reload_records_two_versions():
     sl.interrupt_and_reload(1, p1)
     assert sl.version == 1 and sl.held_versions == {1} and sl.stats.interrupts == 1
     (t,) = sl.drain()
+    # The prompt ran under each version; the 5 tokens so far ran again under v1.
+    assert (sl.stats.prefill_tokens, sl.stats.reprefill_tokens) == (2 * len(prompt), m)
     head = t.response_tokens[:m]
     assert head == ref0[i][:m]
     tail = rc.greedy_reference("dense", p1, [list(prompt) + head], rc.eos_id(),
@@ -305,6 +307,7 @@ def test_a_group_is_prefilled_once_and_samples_as_if_alone():
         sl.submit(r)
     together = {t.request_id: t for t in sl.drain()}
     assert (sl.stats.prefills, sl.stats.prefills_shared) == (1, 3)
+    assert (sl.stats.prefill_tokens, sl.stats.reprefill_tokens) == (len(rc.PROMPTS[2]), 0)
     assert len({tuple(t.response_tokens) for t in together.values()}) > 1  # distinct samples
     for r in group:
         alone = rc.make_slice(1, "dense", "sampled", 1)

@@ -366,6 +366,7 @@ class DecodeSlice(SliceMemory):
                                      true_length=P, rng=r.key_data())
             self._prompt_prefixes[key] = base
             self.stats.prefills += 1
+            self.stats.prefill_tokens += P
         # Without a prefix the whole sequence runs; with it, only the response so far.
         padded, t = engine.pad_tokens((list(r.prompt_tokens) if base is None else [])
                                       + seq.tokens)
@@ -376,10 +377,12 @@ class DecodeSlice(SliceMemory):
         n = P + len(seq.tokens)
         self.state = engine.insert(prefix, self.state, slot, length=n,
                                    shared_pages=self._prompt_pages.get(key, ()))
+        self.stats.reprefill_tokens += len(seq.tokens)
         if base is not None:
             self.stats.prefills_shared += 1
         else:
             self.stats.prefills += 1
+            self.stats.prefill_tokens += P
             self._prompt_prefixes[key] = prefix
         if engine.pages is not None and key not in self._prompt_pages:
             self._prompt_pages[key] = engine.pages.share(slot, P)

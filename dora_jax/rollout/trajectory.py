@@ -130,6 +130,8 @@ class SliceStats:
     total_slot_steps: int = 0  # S per decode step run
     prefills: int = 0  # forward passes over a prompt (+ tokens so far)
     prefills_shared: int = 0  # samples started from their group's prompt prefix
+    prefill_tokens: int = 0  # prompt positions run through a prefill
+    reprefill_tokens: int = 0  # response tokens run again (resumed, re-prefilled, moved)
     finished: int = 0
     weight_loads: int = 0
     weight_transfer_seconds: float = 0.0

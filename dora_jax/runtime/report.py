@@ -111,7 +111,8 @@ class StepReporter:
 
             self._tensorboard = TensorBoardWriter(tensorboard, purge_step)
         self.records: list[dict] = []
-        self._last = {"migrations": 0, "transfer": 0.0, "busy": {}, "total": {}}
+        self._last = {"migrations": 0, "transfer": 0.0, "busy": {}, "total": {},
+                      "prefill_tokens": {}, "reprefill_tokens": {}}
         self.staleness = Counter()
 
     def _utilisation_since_last(self, slices) -> dict:
@@ -122,6 +123,16 @@ class StepReporter:
             d_total = total - self._last["total"].get(sl.slice_id, 0)
             self._last["busy"][sl.slice_id], self._last["total"][sl.slice_id] = busy, total
             out[str(sl.slice_id)] = round(d_busy / d_total, 4) if d_total else 0.0
+        return out
+
+    def _per_slice_since_last(self, slices, counter: str) -> dict:
+        """Slice id -> the SliceStats `counter`'s increase since the previous step."""
+        out, last = {}, self._last[counter]
+        for sl in slices:
+            n = getattr(sl.stats, counter)
+            before = last.get(sl.slice_id, 0)
+            out[str(sl.slice_id)] = n - before if n >= before else n  # restarted: anew
+            last[sl.slice_id] = n
         return out
 
     def step(self, step, batch, metrics, *, wait, train_time, now, slices, scheduler,
@@ -142,6 +153,9 @@ class StepReporter:
             "trainer_wait": round(wait, 4),
             "trainer_wait_split": wait_split or {},
             "slot_utilisation": self._utilisation_since_last(slices),
+            # Per slice: prompt positions prefilled, response tokens run again.
+            "prefill_tokens": self._per_slice_since_last(slices, "prefill_tokens"),
+            "reprefill_tokens": self._per_slice_since_last(slices, "reprefill_tokens"),
             "resident_versions": sorted({sl.version for sl in scheduler.slices
                                          if sl.version is not None}),
             "staleness": {str(k): v for k, v in sorted(lags.items())},

@@ -10,8 +10,9 @@ What a run records and what is fitted from it:
   (metrics.jsonl, per step interval): it ran N = tokens / (u x slots) decode steps
   of u x slots sequences. Non-negative least squares of busy time = calls x
   `call_overhead` + N x (`step_fixed` + `step_per_seq` x u x slots) over every
-  slice (contexts on a CPU benchmark are short: `step_per_ctx` = 0; prefills are in
-  the fixed parts).
+  slice (contexts on a CPU benchmark are short: `step_per_ctx` = 0), plus the
+  tokens it prefilled — prompts and re-prefills, metrics.jsonl's per-slice
+  `prefill_tokens` and `reprefill_tokens` — x `prefill_per_token`.
 - Training: each train span against its step's trained sequence tokens
   (`train_fixed`, `train_per_token`).
 - Weight loads and migrations: their mean span (`transfer_latency`,
@@ -84,10 +85,11 @@ def _line(x, y) -> tuple:
 
 
 def decode_points(run: dict, slots: int, cores: float) -> list:
-    """(generate calls, decode steps, sequences per step, busy seconds) of each slice
-    of one run."""
+    """(generate calls, decode steps, sequences per step, prefilled tokens, busy
+    seconds) of each slice of one run; prefilled tokens are prompts and re-prefills
+    as metrics.jsonl counts them (0 for a run that predates those counters)."""
     busy, util_time, util = collections.Counter(), collections.Counter(), collections.Counter()
-    calls = collections.Counter()
+    calls, prefilled = collections.Counter(), collections.Counter()
     for s, seconds in zip(run["spans"], _alone(run["spans"], cores)):
         if s["kind"] == "decode":  # one span per slice step: one generate call
             busy[s["row"].split()[-1]] += seconds
@@ -98,6 +100,9 @@ def decode_points(run: dict, slots: int, cores: float) -> list:
         for sl, u in m.get("slot_utilisation", {}).items():
             util[sl] += u * dt
             util_time[sl] += dt
+        for key in ("prefill_tokens", "reprefill_tokens"):
+            for sl, n in m.get(key, {}).items():
+                prefilled[sl] += n
     tokens = collections.Counter()
     for rec in run["ledger"]:
         if rec["event"] == "consume":
@@ -108,7 +113,8 @@ def decode_points(run: dict, slots: int, cores: float) -> list:
     for sl, seconds in busy.items():
         u = util[sl] / util_time[sl] if util_time[sl] else 0.0
         if u > 0 and tokens[sl] > 0:
-            points.append((calls[sl], tokens[sl] / (u * slots), u * slots, seconds))
+            points.append((calls[sl], tokens[sl] / (u * slots), u * slots, prefilled[sl],
+                           seconds))
     return points
 
 
@@ -130,9 +136,10 @@ def fit(runs: list, slots: int, cores: float = 0.0, call_steps: int = 16) -> Cos
     if not points:
         raise ValueError("no decode spans with generated tokens in these runs")
     # busy = calls x call_overhead + steps x (step_fixed + step_per_seq x batch)
-    calls, steps, batch, busy = zip(*points)
-    call_overhead, step_fixed, step_per_seq = _nonnegative_fit(
-        [calls, steps, np.multiply(steps, batch)], busy)
+    #        + prefilled tokens x prefill_per_token
+    calls, steps, batch, prefilled, busy = zip(*points)
+    call_overhead, step_fixed, step_per_seq, prefill_per_token = _nonnegative_fit(
+        [calls, steps, np.multiply(steps, batch), prefilled], busy)
     train_x, train_y, loads, migrations = [], [], [], []
     for run in runs:
         alone = _alone(run["spans"], cores)
@@ -144,7 +151,8 @@ def fit(runs: list, slots: int, cores: float = 0.0, call_steps: int = 16) -> Cos
         migrations += [sec for s, sec in zip(run["spans"], alone) if s["kind"] == "migrate"]
     train_fixed, train_per_token = _line(train_x, train_y)
     return CostModel(step_fixed=step_fixed, step_per_seq=step_per_seq, step_per_ctx=0.0,
-                     prefill_fixed=0.0, prefill_per_token=0.0, weight_bytes=0.0,
+                     prefill_fixed=0.0, prefill_per_token=float(prefill_per_token),
+                     weight_bytes=0.0,
                      transfer_bandwidth=1.0, transfer_latency=float(np.mean(loads or [0.0])),
                      kv_bytes_per_token=0.0, migrate_bandwidth=1.0,
                      migrate_latency=float(np.mean(migrations or [0.0])), kv_tokens=10**12,

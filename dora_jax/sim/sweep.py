@@ -17,6 +17,7 @@ and the bound (`Preset.step_time_bound`), then:
     dora/partial_rollout median: B
     dora/partial_rollout_rounds median: C
     dora/sync median: D                  (colocated sync, the stronger sync baseline)
+    dora/sync at the same split median: D'  (sync on the trainer / rollout split)
     dora step / bound worst: E
     dora step spread over rollout batch sizes worst: F
 
@@ -72,6 +73,13 @@ def plan(preset, splits, factors, seeds, modes) -> list:
     return runs
 
 
+def run_key(split, factor, seed, mode) -> tuple:
+    """The key of the run that gives `mode`'s figure at (split, factor, seed)."""
+    if mode in PER_SEED:
+        return (None, None, seed)
+    return (split, None, seed) if mode in PER_SPLIT else (split, factor, seed)
+
+
 def _run(key, preset, mode, steps, workdir):
     out = None
     if workdir:
@@ -87,17 +95,13 @@ def headline(results: list, splits, factors, seeds) -> dict:
     at = {(r["key"], r["mode"]): r for r in results}
 
     def minutes(split, f, seed, mode):
-        if mode in PER_SEED:
-            return at[((None, None, seed), mode)]["minutes"]
-        if mode in PER_SPLIT:
-            return at[((split, None, seed), mode)]["minutes"]
-        return at[((split, f, seed), mode)]["minutes"]
+        return at.get((run_key(split, f, seed, mode), mode), {}).get("minutes")
 
     cells = list(itertools.product(splits, factors, seeds))
     dora = {c: minutes(*c, "dora") for c in cells}
     out = {}
-    for base in ("partial_rollout", "partial_rollout_rounds", "colocated_sync"):
-        if all(((s, f, sd), base) in at or base in PER_SEED for s, f, sd in cells):
+    for base in ("partial_rollout", "partial_rollout_rounds", "colocated_sync", "sync"):
+        if all(minutes(*c, base) is not None for c in cells):
             ratios = [minutes(*c, base) / dora[c] for c in cells]
             out[base] = (min(ratios), statistics.median(ratios))
     out["bound_worst"] = max(dora[c] / at[(c, "dora")]["bound"] for c in cells)
@@ -139,9 +143,8 @@ def main(argv):
     print(f"{'trainer':>7} {'RBS':>5} " + " ".join(f"{m:>22}" for m in cols) + f" {'bound':>7}")
     for split, f in itertools.product(splits, factors):
         def med(mode, split=split, f=f):
-            key = lambda sd: ((None, None, sd) if mode in PER_SEED else  # noqa: E731
-                              (split, None, sd) if mode in PER_SPLIT else (split, f, sd))
-            return statistics.median(at[(key(sd), mode)]["minutes"] for sd in seeds)
+            return statistics.median(at[(run_key(split, f, sd, mode), mode)]["minutes"]
+                                     for sd in seeds)
         bound = statistics.median(at[((split, f, sd), "dora")]["bound"] for sd in seeds)
         print(f"{split:>7} {round(f * preset.train_batch_size):>5} "
               + " ".join(f"{med(m):>22.2f}" for m in cols) + f" {bound:>7.2f}")
@@ -150,7 +153,7 @@ def main(argv):
           f"in {time.perf_counter() - start:.0f} s")
     for base, name in (("partial_rollout", "partial_rollout"),
                        ("partial_rollout_rounds", "partial_rollout_rounds"),
-                       ("colocated_sync", "sync")):
+                       ("colocated_sync", "sync"), ("sync", "sync at the same split")):
         if base in h:
             if base == "partial_rollout":
                 print(f"dora/partial_rollout worst: {h[base][0]:.3f}")
