@@ -14,7 +14,7 @@ lengths are long-tailed from RL step 0.
 Model: configs/tiny.py's (2 layers, d_model 64, 4 query / 2 KV heads of dim 16, SwiGLU
 192) with a 260-token vocabulary for the numbers: 131,968 parameters. Mesh as
 configs/tiny.py (8 fake CPU devices). Workload: groups of 4, 4 groups per step, up to
-16 admitted ahead (dora, partial_rollout), max_staleness 2, 100 steps; RL learning
+16 groups in flight (dora, partial_rollout), max_staleness 2, 100 steps; RL learning
 rate 3e-3 (from a 20-step SFT, sync raises the reward from about 0.66 to 0.76 in 150
 steps, mean of 3 seeds over the first and last 15). Measured here: SFT 300 steps, loss
 6.03 -> 0.001 (1.5 min); then 20 RL steps in dora mode: responses max 192, mean 21.1

@@ -159,7 +159,8 @@ class CoordinatorConfig(Section):
     mode: str = field("dora", choices=MODES)
     group_size: int = field(4, min=1)  # G samples per prompt
     train_batch_size: int = field(4, min=1)  # TBS groups per train step
-    # RBS: admitted-but-unconsumed groups; dora counts RBS x G samples in flight.
+    # RBS: admitted-but-unconsumed groups; the streaming modes (dora, partial_rollout)
+    # count RBS x G samples in flight instead (scheduler/dora.py).
     rollout_batch_size: int = field(8, min=1)
     max_staleness: int = field(2, min=0)  # K
     num_steps: int = field(20, min=1)

@@ -99,6 +99,11 @@ class Scheduler:
         """Pending + running samples per version (a copy)."""
         return Counter(self._unfinished_v)
 
+    @property
+    def num_unfinished_samples(self) -> int:
+        """Pending + running samples of every version (no copy)."""
+        return sum(self._unfinished_v.values())
+
     def pending_by_version(self) -> Counter:
         """Pending (not yet assigned) samples per version (a copy)."""
         return Counter(self._pending_v)
@@ -134,14 +139,12 @@ class Scheduler:
     def num_finished_groups(self) -> int:
         """Trainable (finished, and scored if the run scores), unconsumed groups (a
         counter: no scan)."""
-        return self._n_finished
+        return len(self._trainable)
 
     def finished_groups(self) -> list[GroupState]:
         """Trainable unconsumed groups, oldest version then oldest group first."""
-        if not self._n_finished:
-            return []
-        return sorted((g for g in self.groups.values() if g.trainable),
-                      key=lambda g: (g.version, g.group_id))
+        groups = [self.groups[gid] for gid in self._trainable]
+        return sorted(groups, key=lambda g: (g.version, g.group_id))
 
     def admission_room(self, target: int) -> int:
         """How many more groups may be admitted to reach `target` unconsumed groups,
@@ -168,7 +171,7 @@ class Scheduler:
         g.n_finished += 1
         self._unfinished_v[g.version] -= 1
         if g.trainable:
-            self._n_finished += 1
+            self._trainable.add(group_id)
 
     def group_scored(self, group_id: int, keep: bool):
         """The driver scored a finished group (`config.score_groups`): it becomes
@@ -179,7 +182,7 @@ class Scheduler:
             raise ValueError(f"group_scored: group {group_id} is not finished and unscored")
         g.scored = True
         if keep:
-            self._n_finished += 1
+            self._trainable.add(group_id)
         else:
             del self.groups[group_id]
             self._unconsumed_v[g.version] -= 1
@@ -321,7 +324,7 @@ class Scheduler:
             g = self.groups.pop(gid)
             assert g.trainable, "C2: only complete (and scored) groups are trained"
             self._unconsumed_v[g.version] -= 1
-            self._n_finished -= 1
+            self._trainable.discard(gid)
         step = self.next_step
         self.trainer_step = step
         self.next_step += 1
@@ -435,13 +438,14 @@ class Scheduler:
         """Rebuild the per-version counters from the groups."""
         self._unconsumed_v, self._unfinished_v, self._pending_v = Counter(), Counter(), Counter()
         self._pending_q: dict = {}  # version -> deque of (group, sample), group order
-        self._n_finished = 0
+        self._trainable: set = set()  # group ids of the trainable unconsumed groups
         for gid in sorted(self.groups):
             g = self.groups[gid]
             self._unconsumed_v[g.version] += 1
             self._unfinished_v[g.version] += g.n_pending + g.n_running
             self._pending_v[g.version] += g.n_pending
-            self._n_finished += g.trainable
+            if g.trainable:
+                self._trainable.add(gid)
             q = self._pending_q.setdefault(g.version, deque())
             q.extend((gid, k) for k, smp in enumerate(g.samples) if smp.status == PENDING)
 

@@ -81,8 +81,8 @@ def in_flight_room(sched: "Scheduler") -> int:
     """Groups the rollout batch has room for: RBS x G samples in flight (admitted,
     not finished), in whole groups, within `config.max_groups`."""
     cfg = sched.config
-    unfinished = sum(sched.unfinished_by_version().values())
-    room = (cfg.rollout_batch_size * cfg.group_size - unfinished) // cfg.group_size
+    room = (cfg.rollout_batch_size * cfg.group_size - sched.num_unfinished_samples) \
+        // cfg.group_size
     return min(max(room, 0), sched.admission_room(10**9))
 
 
@@ -151,28 +151,29 @@ class DoraPolicy(Policy):
 
     def plan(self, sched: "Scheduler") -> list:
         acts = form_guarded_batch(sched)
-        balance, kept = self._balance(sched)
+        # Groups P could still admit: demand for slices while the balance runs.
+        room_p = self._room_at_newest(sched)
+        balance, kept = self._balance(sched, room_p)
         acts += balance
         acts += self._admit(sched, kept)
         acts += assign_pending(sched, lambda sl: sl.slice_id in kept)
         return acts
 
     # -- (4)+(5) slice versions: consolidate old versions, move slices to the newest
-    def _balance(self, sched):
+    def _balance(self, sched, room_p: int):
         """Return (actions, kept): kept = serving slices that may take new requests.
 
         Serving slices of an old version w beyond its target, as far as unserved
         work needs them (lazy drain, module docstring), are drained: if their
         requests all fit in free slots of the kept w-slices they migrate there and
         the slice loads at once (P, or an older version with an unserved backlog:
-        see the module docstring); otherwise the slice takes no new work and loads
-        when its requests end."""
+        see the module docstring); otherwise it goes on serving its version."""
         cfg = sched.config
         p, slots = sched.published, cfg.slots_per_slice
         unfinished = sched.unfinished_by_version()
         demand = {w: n for w, n in unfinished.items() if n > 0}
         # The newest version also stands for the groups still to be admitted.
-        demand[p] = demand.get(p, 0) + self._room_at_newest(sched) * cfg.group_size
+        demand[p] = demand.get(p, 0) + room_p * cfg.group_size
         cap = {w: -(-n // slots) for w, n in demand.items() if w != p}
         target = apportion(cfg.num_slices, demand, p, cap)
 
@@ -189,9 +190,12 @@ class DoraPolicy(Policy):
                 by_version[sl.version].append(sl)
         # Lazy drain: an old slice is released only for work that needs it, the
         # slices' worth of samples that no serving or loading slice can take.
-        holders = kept | {sl.slice_id for sls in by_version.values() for sl in sls
-                          if sl.version is not None}
-        needed = sum(-(-n // slots) for n in self._unserved(sched, holders).values() if n > 0)
+        needed = 0
+        if by_version:
+            holders = kept | {sl.slice_id for sls in by_version.values() for sl in sls
+                              if sl.version is not None}
+            needed = sum(-(-n // slots) for n in self._unserved(sched, holders, room_p).values()
+                         if n > 0)
         for w in sorted(by_version, key=lambda v: -1 if v is None else v):
             sls = by_version[w]
             n_keep = 0
@@ -222,7 +226,9 @@ class DoraPolicy(Policy):
                     acts.append(sched.do_migrate(gid, k, dst))
                     free[dst] -= 1
                 loads.append(sl.slice_id)
-        unserved = self._unserved(sched, kept)
+        if not loads:
+            return acts, kept
+        unserved = self._unserved(sched, kept, room_p)
         # Slices each version holds or is loading: an old version gets a freed slice
         # only below its target, so that the next pass keeps it rather than drains it.
         count = Counter(sched.slices[i].version for i in kept)
@@ -243,13 +249,14 @@ class DoraPolicy(Policy):
             count[w] += 1
         return acts, kept
 
-    def _unserved(self, sched, kept) -> dict:
+    @staticmethod
+    def _unserved(sched, kept, room_p: int) -> dict:
         """Pending samples per version (P: with the groups it may still admit) beyond
         the free slots of its kept slices and of the slices loading it."""
         cfg = sched.config
         p, t, k = sched.published, sched.next_step, cfg.max_staleness
-        need = Counter(sched.pending_by_version())
-        need[p] += self._room_at_newest(sched) * cfg.group_size
+        need = sched.pending_by_version()  # a copy
+        need[p] += room_p * cfg.group_size
         for sl in sched.slices:
             if sl.slice_id in kept:
                 need[sl.version] -= sched.free_slots(sl)
@@ -308,8 +315,7 @@ class DoraPolicy(Policy):
         what FEASIBILITY (with the reserve, `_admit`) allows at the newest version."""
         cfg = sched.config
         tbs, reserve = cfg.train_batch_size, admission_reserve(cfg.max_staleness)
-        unconsumed = sum(sched.unconsumed_by_version().values())
-        feasible = tbs * (sched.published + reserve - sched.next_step + 1) - unconsumed
+        feasible = tbs * (sched.published + reserve - sched.next_step + 1) - len(sched.groups)
         return max(0, min(self.admission_room(sched), feasible))
 
     def check(self, sched, req):

@@ -49,6 +49,8 @@ def check(sched: "Scheduler") -> None:
     req(_nonzero(uncons) == _nonzero(sched._unconsumed_v)
         and _nonzero(unfin) == _nonzero(sched._unfinished_v)
         and _nonzero(pend) == _nonzero(sched._pending_v), "per-version counters drifted")
+    req(sched._trainable == {gid for gid, g in sched.groups.items() if g.trainable},
+        "trainable group set drifted")
     busy = sched.trainer_step is not None
     for sl in sched.slices:
         req(len(sl.running) <= cfg.slots_per_slice, f"slice {sl.slice_id} overfull")

@@ -29,7 +29,7 @@ class SchedulerConfig:
       group_size: samples per group G (the GRPO group).
       train_batch_size: TBS, groups consumed by one train step.
       rollout_batch_size: RBS, target number of admitted-but-unconsumed groups
-        (dora: RBS x G samples admitted and not finished; scheduler/dora.py)
+        (dora, partial_rollout: RBS x G samples admitted and not finished)
         (used by `partial_rollout` and `dora`; `sync` and `one_step_off` admit whole
         batches of TBS and ignore it).
       max_staleness: K, a group of version w may be consumed by step t only if

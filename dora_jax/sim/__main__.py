@@ -46,7 +46,8 @@ _MODES = flags.DEFINE_list("modes", list(SIM_MODES), "modes to simulate")
 _JOBS = flags.DEFINE_integer("jobs", os.cpu_count() or 1, "modes simulated at once")
 _TRAINER = flags.DEFINE_integer("trainer_devices", None,
                                 "accelerators of the trainer (the rest form rollout slices)")
-_RBS = flags.DEFINE_integer("rollout_batch_size", None, "groups admitted and not consumed")
+_RBS = flags.DEFINE_integer("rollout_batch_size", None, "RBS: groups admitted and not "
+                            "consumed (streaming modes: RBS x G samples in flight)")
 _K = flags.DEFINE_integer("max_staleness", None, "K")
 _EXPLAIN = flags.DEFINE_bool("explain", False, "after the table, per mode: the trainer's "
                              "wait by cause and the slots' time by state")

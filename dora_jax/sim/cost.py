@@ -200,8 +200,8 @@ class Workload:
                 rng = np.random.default_rng([self.seed, g])
                 z = rng.normal(mu, self.sigma_prompt) + rng.normal(0, self.sigma_sample,
                                                                    group_size)
-                cache[g] = np.clip(np.exp(z), 1, self.max_len).astype(int)
-            return int(cache[g][k])
+                cache[g] = np.clip(np.exp(z), 1, self.max_len).astype(int).tolist()
+            return cache[g][k]
 
         return length
 
