@@ -199,7 +199,9 @@ def test_presets_reproduce_the_papers_fixed_schedules():
 def test_calibration_recovers_known_costs_including_prefill():
     """Four slices whose busy time is 10 ms a generate call + 2 ms a decode step +
     0.5 ms a sequence-step + 0.1 ms a prefilled token (prompts and re-prefills as
-    metrics.jsonl counts them): the fit gives back those four costs."""
+    metrics.jsonl counts them, here half of each): the fit gives back those four
+    costs. Without re-prefills the prefill cost is not fitted (it cannot be told
+    from the decode work it grows with)."""
     from dora_jax.sim.calibrate import fit
 
     slots, spans, ledger, t = 4, [], [], 0.0
@@ -216,9 +218,11 @@ def test_calibration_recovers_known_costs_including_prefill():
             t += busy / calls
         util[str(i)], prefilled[str(i)] = u, pre
     spans.append(dict(row="trainer", kind="train", start=t, end=t + 1.0))
-    metrics = [dict(time=t + 1.0, slot_utilisation=util, prefill_tokens=prefilled,
-                    reprefill_tokens=dict.fromkeys(util, 0),
-                    trainer=dict(sequence_tokens=100))]
+    half = {sl: n // 2 for sl, n in prefilled.items()}
+    metrics = [dict(time=t + 1.0, slot_utilisation=util, prefill_tokens=half,
+                    reprefill_tokens=half, trainer=dict(sequence_tokens=100))]
     cost = fit([dict(spans=spans, metrics=metrics, ledger=ledger)], slots)
     assert (cost.call_overhead, cost.step_fixed, cost.step_per_seq,
             cost.prefill_per_token) == pytest.approx((0.010, 0.002, 0.0005, 1e-4), rel=1e-6)
+    metrics[0].update(prefill_tokens=prefilled, reprefill_tokens=dict.fromkeys(util, 0))
+    assert fit([dict(spans=spans, metrics=metrics, ledger=ledger)], slots).prefill_per_token == 0

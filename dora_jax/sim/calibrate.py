@@ -12,7 +12,9 @@ What a run records and what is fitted from it:
   `call_overhead` + N x (`step_fixed` + `step_per_seq` x u x slots) over every
   slice (contexts on a CPU benchmark are short: `step_per_ctx` = 0), plus the
   tokens it prefilled — prompts and re-prefills, metrics.jsonl's per-slice
-  `prefill_tokens` and `reprefill_tokens` — x `prefill_per_token`.
+  `prefill_tokens` and `reprefill_tokens` — x `prefill_per_token`, fitted only
+  when the runs re-prefill (otherwise prompt prefills grow with the decode work and
+  the two cannot be told apart).
 - Training: each train span against its step's trained sequence tokens
   (`train_fixed`, `train_per_token`).
 - Weight loads and migrations: their mean span (`transfer_latency`,
@@ -138,8 +140,16 @@ def fit(runs: list, slots: int, cores: float = 0.0, call_steps: int = 16) -> Cos
     # busy = calls x call_overhead + steps x (step_fixed + step_per_seq x batch)
     #        + prefilled tokens x prefill_per_token
     calls, steps, batch, prefilled, busy = zip(*points)
-    call_overhead, step_fixed, step_per_seq, prefill_per_token = _nonnegative_fit(
-        [calls, steps, np.multiply(steps, batch), prefilled], busy)
+    columns = [calls, steps, np.multiply(steps, batch)]
+    # Prompt prefills grow with the decode work (both with the groups a slice runs):
+    # their cost is told apart only where re-prefills (interrupts, preemptions) vary
+    # it independently, so the prefill column is fitted only for such runs.
+    reprefilled = any(n for run in runs for m in run["metrics"]
+                      for n in m.get("reprefill_tokens", {}).values())
+    if reprefilled:
+        columns.append(prefilled)
+    call_overhead, step_fixed, step_per_seq, *prefill = _nonnegative_fit(columns, busy)
+    prefill_per_token = prefill[0] if prefill else 0.0
     train_x, train_y, loads, migrations = [], [], [], []
     for run in runs:
         alone = _alone(run["spans"], cores)
