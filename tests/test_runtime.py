@@ -65,9 +65,9 @@ def test_dora_paths_with_slow_training_and_slow_decoding(tmp_path, small_config,
     slice loads exactly the params the trainer published."""
     # A step trains in about a quarter of a response's decoding time, so an old
     # version's samples are still running on several slices when a publish comes;
-    # with 32 samples in flight for 16 slots the newest version has more work than
+    # with 48 samples admissible for 16 slots the newest version has more work than
     # its slices, so old slices are drained for it (DORA drains only for such work).
-    cfg = small_config("dora", max_staleness=3, train_batch_size=4, rollout_batch_size=16,
+    cfg = small_config("dora", max_staleness=3, train_batch_size=8, rollout_batch_size=32,
                        num_steps=10,
                        rollout=dict(max_decode_len=16, decode_steps=1))
     loads = []
@@ -92,7 +92,8 @@ def test_dora_paths_with_slow_training_and_slow_decoding(tmp_path, small_config,
     assert max(report.staleness) >= cfg.coordinator.max_staleness - 1, summary
     assert summary["max_resident_versions"] >= 2, summary
     assert summary["migrations"] > 0, summary
-    assert {v for _, v, _ in loads} >= {0, 1, 2}
+    loaded = {v for _, v, _ in loads}  # a slice may skip a version published meanwhile
+    assert 0 in loaded and len(loaded) >= 3, loaded
     for slice_id, version, leaves in loads:
         want = trainer.published[version]
         assert all(np.array_equal(a, b) for a, b in zip(leaves, want)), (slice_id, version)

@@ -347,7 +347,7 @@ class Scheduler:
                 g.n_running -= 1
                 g.n_pending += 1
                 self._pending_v[g.version] += 1
-            sl.running = set()
+            sl.running, sl.kv_free = set(), None  # an emptied KV pool: no stale report
             if sl.loading is not None:
                 sl.version, sl.loading, sl.interrupted = None, None, False
         self._recount()  # the pending FIFOs, back in group order

@@ -15,7 +15,7 @@ same K is like for like: both bound staleness, and this mode pays its re-prefill
 partial_rollout_rounds is the round-synchronous kind, the baseline users meet in
 the paper's figures (its trainer idles about half the step): trainer and rollout
 alternate. A round runs while the trainer is idle: every slice holds the published
-version P, groups are admitted at P up to RBS unconsumed (while FEASIBLE for K) and pending
+version P, groups are admitted at P as above but up to RBS unconsumed, and pending
 samples go to any slice. The round ends when a batch can be formed (the same guarded
 batch); while that step trains the rollout pauses: each slice is told to load P+1,
 the version in training, which the driver defers until it is published (a slice
@@ -31,6 +31,25 @@ from .dora import (admission_feasible, admission_reserve, check_feasible, form_g
 from .policies import Policy, assign_pending
 
 
+def admit_at_published(sched, room: int) -> list:
+    """Admissions at P, at most `room`, each for G free slots of any slice (versions
+    do not matter here), while the backlog stays FEASIBLE with DORA's reserve."""
+    cfg = sched.config
+    counts = sched.unconsumed_by_version()
+    p, t = sched.published, sched.next_step
+    reserve = admission_reserve(cfg.max_staleness)
+    free = sum(sched.free_slots(sl) for sl in sched.slices if sl.version is not None) \
+        - sum(sched.pending_by_version().values())
+    acts = []
+    for _ in range(room):
+        if free <= 0 or not admission_feasible(counts, p, t, reserve, cfg.train_batch_size):
+            break
+        acts.append(sched.do_admit(p))
+        counts[p] += 1
+        free -= cfg.group_size
+    return acts
+
+
 class PartialRolloutPolicy(Policy):
     """Interrupt-and-reload rollout at the newest version, staleness bounded by K."""
 
@@ -38,7 +57,6 @@ class PartialRolloutPolicy(Policy):
     keeps_c1 = False
 
     def plan(self, sched):
-        cfg = sched.config
         acts = form_guarded_batch(sched)
         for sl in sched.slices:
             if sl.loading is None and sl.version != sched.published:
@@ -46,18 +64,7 @@ class PartialRolloutPolicy(Policy):
                     acts.append(sched.do_interrupt_reload(sl.slice_id, sched.published))
                 else:
                     acts.append(sched.do_load(sl.slice_id, sched.published))
-        counts = sched.unconsumed_by_version()
-        p, t = sched.published, sched.next_step
-        reserve = admission_reserve(cfg.max_staleness)
-        # A group only for free slots (of any slice: versions do not matter here).
-        free = sum(sched.free_slots(sl) for sl in sched.slices if sl.version is not None) \
-            - sum(sched.pending_by_version().values())
-        for _ in range(self.admission_room(sched)):
-            if free <= 0 or not admission_feasible(counts, p, t, reserve, cfg.train_batch_size):
-                break
-            acts.append(sched.do_admit(p))
-            counts[p] += 1
-            free -= cfg.group_size
+        acts += admit_at_published(sched, self.admission_room(sched))
         acts += assign_pending(sched, match_version=False)
         return acts
 
@@ -77,7 +84,6 @@ class RoundPartialRolloutPolicy(Policy):
     keeps_c1 = False
 
     def plan(self, sched):
-        cfg = sched.config
         acts = form_guarded_batch(sched)
         # Idle trainer: the round runs at P. Busy trainer: the slices pause for P+1.
         target = sched.published + sched.trainer_busy
@@ -90,18 +96,7 @@ class RoundPartialRolloutPolicy(Policy):
                     acts.append(sched.do_load(sl.slice_id, target))
         if sched.trainer_busy:
             return acts  # no admission and no assignment while the trainer trains
-        counts = sched.unconsumed_by_version()
-        p, t = sched.published, sched.next_step
-        reserve = admission_reserve(cfg.max_staleness)
-        # A group only for free slots (of any slice: versions do not matter here).
-        free = sum(sched.free_slots(sl) for sl in sched.slices if sl.version is not None) \
-            - sum(sched.pending_by_version().values())
-        for _ in range(self.admission_room(sched)):
-            if free <= 0 or not admission_feasible(counts, p, t, reserve, cfg.train_batch_size):
-                break
-            acts.append(sched.do_admit(p))
-            counts[p] += 1
-            free -= cfg.group_size
+        acts += admit_at_published(sched, self.admission_room(sched))
         acts += assign_pending(sched, match_version=False)
         return acts
 

@@ -36,12 +36,6 @@ from dora_jax.sim.run import simulate
 FIT_ON = (("paper64", "colocated_sync"), ("paper128", "colocated_sync"),
           ("paper64", "one_step_off"))
 
-_STEPS = flags.DEFINE_integer("steps", 12, "train steps per simulated run")
-_JOBS = flags.DEFINE_integer("jobs", os.cpu_count() or 1, "runs simulated at once")
-_HBM = flags.DEFINE_list("hbm", ["0.25", "0.35", "0.5"], "grid of `hbm` efficiencies")
-_OVERHEAD = flags.DEFINE_list("step_overhead", ["0.008", "0.012", "0.016", "0.02"],
-                              "grid of per-step overheads (seconds)")
-
 
 def paper_errors(efficiency, steps: int, pool=None) -> list:
     """[(preset, mode, simulated minutes, paper minutes, relative error)] of the
@@ -86,15 +80,16 @@ def train_mfu(preset: Preset) -> float:
 
 def main(argv):
     del argv
+    f = flags.FLAGS
     base = PRESETS["paper64"].efficiency
     mfu = train_mfu(PRESETS["paper64"])
     print(f"mfu_train fitted: {mfu:.3f}")
     best = None
-    with concurrent.futures.ProcessPoolExecutor(max(1, _JOBS.value)) as pool:
-        for hbm, overhead in itertools.product(map(float, _HBM.value),
-                                               map(float, _OVERHEAD.value)):
+    with concurrent.futures.ProcessPoolExecutor(max(1, f.jobs)) as pool:
+        for hbm, overhead in itertools.product(map(float, f.hbm),
+                                               map(float, f.step_overhead)):
             eff = dataclasses.replace(base, hbm=hbm, step_overhead=overhead, mfu_train=mfu)
-            errs = paper_errors(eff, _STEPS.value, pool)
+            errs = paper_errors(eff, f.steps, pool)
             worst = max(abs(e[-1]) for e in errs)
             print(f"hbm {hbm:.2f} step_overhead {overhead * 1e3:5.1f} ms: " + "  ".join(
                 f"{n}/{m} {s:.2f} ({p:.2f}, {e:+.0%})" for n, m, s, p, e in errs)
@@ -104,5 +99,10 @@ def main(argv):
     print(f"best: {best[1]}  worst error {best[0]:.1%}")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # flags only here: tests import this module
+    flags.DEFINE_integer("steps", 12, "train steps per simulated run")
+    flags.DEFINE_integer("jobs", os.cpu_count() or 1, "runs simulated at once")
+    flags.DEFINE_list("hbm", ["0.25", "0.35", "0.5"], "grid of `hbm` efficiencies")
+    flags.DEFINE_list("step_overhead", ["0.008", "0.012", "0.016", "0.02"],
+                      "grid of per-step overheads (seconds)")
     app.run(main)

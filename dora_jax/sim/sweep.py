@@ -39,18 +39,6 @@ from absl import app, flags
 from dora_jax.sim.presets import PRESETS
 from dora_jax.sim.run import simulate
 
-_PRESET = flags.DEFINE_enum("preset", "paper128", list(PRESETS), "deployment to simulate")
-_STEPS = flags.DEFINE_integer("steps", 20, "train steps per run")
-_SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "workload seeds")
-_SPLITS = flags.DEFINE_list("trainer_devices", ["32", "40", "48", "64"],
-                            "trainer splits (devices of the trainer)")
-_RBS = flags.DEFINE_list("rbs", ["1", "1.5", "2", "3"],
-                         "rollout batch sizes, as multiples of the train batch size")
-_MODES = flags.DEFINE_list("modes", ["dora", "partial_rollout", "partial_rollout_rounds"],
-                           "modes run at every rollout batch size")
-_JOBS = flags.DEFINE_integer("jobs", os.cpu_count() or 1, "runs simulated at once")
-_WORKDIR = flags.DEFINE_string("workdir", None, "where each run's outputs go (optional)")
-
 PER_SPLIT = ("sync",)  # independent of RBS: once per split and seed
 PER_SEED = ("colocated_sync",)  # independent of the split as well
 
@@ -113,11 +101,12 @@ def headline(results: list, splits, factors, seeds) -> dict:
 
 def main(argv):
     del argv
-    preset = PRESETS[_PRESET.value]
+    f = flags.FLAGS
+    preset = PRESETS[f.preset]
     try:
-        seeds = [int(s) for s in _SEEDS.value]
-        splits = [int(s) for s in _SPLITS.value]
-        factors = [float(f) for f in _RBS.value]
+        seeds = [int(s) for s in f.seeds]
+        splits = [int(s) for s in f.trainer_devices]
+        factors = [float(f) for f in f.rbs]
     except ValueError as e:
         raise app.UsageError(f"--seeds, --trainer_devices and --rbs take numbers: {e}")
     for split in splits:
@@ -127,19 +116,19 @@ def main(argv):
                                  f"{preset.slice_devices}-device slices")
     if any(f < 1 for f in factors):
         raise app.UsageError("--rbs: a rollout batch holds at least one train batch (>= 1)")
-    if "dora" not in _MODES.value:
+    if "dora" not in f.modes:
         raise app.UsageError("--modes must include dora")
-    runs = plan(preset, splits, factors, seeds, _MODES.value)
-    print(f"{preset.name}: {len(runs)} runs of {_STEPS.value} steps, seeds {seeds}", flush=True)
+    runs = plan(preset, splits, factors, seeds, f.modes)
+    print(f"{preset.name}: {len(runs)} runs of {f.steps} steps, seeds {seeds}", flush=True)
     start = time.perf_counter()
-    with concurrent.futures.ProcessPoolExecutor(max(1, _JOBS.value)) as pool:
-        results = list(pool.map(_run, *zip(*runs), itertools.repeat(_STEPS.value),
-                                itertools.repeat(_WORKDIR.value)))
+    with concurrent.futures.ProcessPoolExecutor(max(1, f.jobs)) as pool:
+        results = list(pool.map(_run, *zip(*runs), itertools.repeat(f.steps),
+                                itertools.repeat(f.workdir)))
     bad = [(r["key"], r["mode"], r["audit"]) for r in results if not r["audit_ok"]]
     if bad:
         raise SystemExit(f"ledger audit failed: {bad}")
     at = {(r["key"], r["mode"]): r for r in results}
-    cols = [*_MODES.value, *PER_SPLIT, *PER_SEED]
+    cols = [*f.modes, *PER_SPLIT, *PER_SEED]
     print(f"{'trainer':>7} {'RBS':>5} " + " ".join(f"{m:>22}" for m in cols) + f" {'bound':>7}")
     for split, f in itertools.product(splits, factors):
         def med(mode, split=split, f=f):
@@ -162,5 +151,22 @@ def main(argv):
     print(f"dora step spread over rollout batch sizes worst: {h['spread_worst']:.3f}")
 
 
+def define_flags():
+    """The command line's flags (defined only when run as a program: tests import
+    this module beside others that define flags of the same names)."""
+    flags.DEFINE_enum("preset", "paper128", list(PRESETS), "deployment to simulate")
+    flags.DEFINE_integer("steps", 20, "train steps per run")
+    flags.DEFINE_list("seeds", ["0", "1", "2"], "workload seeds")
+    flags.DEFINE_list("trainer_devices", ["32", "40", "48", "64"],
+                      "trainer splits (devices of the trainer)")
+    flags.DEFINE_list("rbs", ["1", "1.5", "2", "3"],
+                      "rollout batch sizes, as multiples of the train batch size")
+    flags.DEFINE_list("modes", ["dora", "partial_rollout", "partial_rollout_rounds"],
+                      "modes run at every rollout batch size")
+    flags.DEFINE_integer("jobs", os.cpu_count() or 1, "runs simulated at once")
+    flags.DEFINE_string("workdir", None, "where each run's outputs go (optional)")
+
+
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
