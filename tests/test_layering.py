@@ -30,6 +30,20 @@ def test_config_imports_only_its_own_modules_from_the_package():
     assert out == "['dora_jax.config', 'dora_jax.config_model', 'dora_jax.schema']"
 
 
+def test_versions_encoding_is_ground_floor_and_decode_needs_no_scheduler():
+    """One run-length encoding of per-token versions (dora_jax.versions) with no
+    dependency; the decode slices and the train batch use it without pulling in the
+    scheduling core."""
+    code = ("import sys, dora_jax.versions\n"
+            "a = sorted(m for m in sys.modules if m.startswith('dora_jax.'))\n"
+            "import dora_jax.rollout.slice, dora_jax.rl.batch\n"
+            "b = sorted(m for m in sys.modules if m.startswith('dora_jax.scheduler'))\n"
+            "print(a, b)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "['dora_jax.versions'] []"
+
+
 def test_mode_registry_is_the_config_list():
     from dora_jax import config
     from dora_jax.scheduler import POLICIES

@@ -19,6 +19,7 @@ from typing import Any, Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from dora_jax import versions
 from dora_jax.buckets import BucketError, pick_bucket
 
 # Behaviour log-probs come from the decode engine in float32; allow rounding above 0.
@@ -60,8 +61,7 @@ def _token_versions(runs, version: int, n: int) -> np.ndarray:
     """Run-length encoded [[version, count], ...] -> one version per token."""
     if runs is None:
         return np.full(n, version, np.int32)
-    out = np.concatenate([np.full(int(c), int(v), np.int32) for v, c in runs] or [
-        np.zeros(0, np.int32)])
+    out = np.asarray(versions.expand(runs), np.int32)
     if out.size != n:
         raise BatchError(f"per-token versions cover {out.size} tokens, the response has {n}")
     return out

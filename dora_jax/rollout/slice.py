@@ -38,11 +38,11 @@ from typing import Callable, Iterable, Optional
 import jax
 import numpy as np
 
+from dora_jax import versions as versions_lib
 from dora_jax.rollout.engine import Engine, ResultTokens
 from dora_jax.rollout.slice_memory import SliceMemory
 from dora_jax.rollout.trajectory import (InFlight, Request, RolloutError, SliceStats,
                                          SlotOverflowError, Trajectory, VersionMismatchError)
-from dora_jax.scheduler.ledger import rle_extend
 
 
 class _Seq:
@@ -414,7 +414,7 @@ class DecodeSlice(SliceMemory):
         n = int(self._count[s])
         seq.tokens.extend(self._tok_buf[s, m:n].tolist())
         seq.logprobs.extend(self._lp_buf[s, m:n].tolist())
-        rle_extend(seq.runs, seq.version, n - m)
+        versions_lib.extend(seq.runs, seq.version, n - m)
 
     def _record(self, seq, step, token, logprob, finished):
         s = seq.slot

@@ -12,8 +12,8 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
+from dora_jax import versions as versions_lib
 from dora_jax.rollout.sampling import key_data_from_seed
-from dora_jax.scheduler.ledger import rle_expand
 
 
 class RolloutError(RuntimeError):
@@ -104,7 +104,7 @@ class Trajectory:
         return len(self.versions) == 1
 
     def token_versions(self) -> list:
-        return rle_expand(self.versions)
+        return versions_lib.expand(self.versions)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
 from .core import Scheduler
-from .ledger import AuditReport, audit_run, rle_extend, unconsumed_records
+from dora_jax import versions
+
+from .ledger import AuditReport, audit_run, unconsumed_records
 from .types import (Admit, Assign, InterruptReload, LoadVersion, Migrate,
                     SchedulerConfig, TrainStep)
 
@@ -296,10 +298,7 @@ class FakeRun:
         for k in range(self.config.group_size):
             r = self.done[(gid, k)]  # KeyError = an unfinished sample was trained (C2)
             assert r.produced == r.length, "C2: incomplete trajectory trained"
-            rle = []
-            for v, n in r.segments:
-                rle_extend(rle, v, n)
-            samples.append(dict(sample=k, versions=rle, slices=list(r.slices),
+            samples.append(dict(sample=k, versions=versions.encode(r.segments), slices=list(r.slices),
                                 response_len=r.length, finish="eos"))
         self.ledger.append(dict(event="consume", group_id=gid, prompt_id=gid, step=step,
                                 version=self.group_version[gid], time=self.tick,

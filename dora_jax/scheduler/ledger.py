@@ -16,7 +16,7 @@ A `resume` at step s voids every earlier `consume` of step s or later (that trai
 was lost with the crash) and every earlier `unconsumed`; a group admitted again after
 it has another `admit` with "readmit": true, and its latest admission is the one
 that counts (`standing`).
-`versions` is run-length encoded (`rle_extend` builds it). The runtime and the fake
+`versions` is run-length encoded (`dora_jax.versions`). The runtime and the fake
 driver (fake.py) write the same format, so one auditor serves both.
 A kill mid-write can only cut the last line short: `read` leaves such a line out and
 `LedgerWriter` removes it before appending (that event never happened). A bad line
@@ -32,6 +32,8 @@ import logging
 import os
 import threading
 from typing import Iterable
+
+from dora_jax.versions import num_tokens
 
 from .modes import policy_for
 from .types import SchedulerConfig
@@ -108,22 +110,6 @@ def _cut_partial_last_line(path: str) -> int:
             f.flush()
             os.fsync(f.fileno())
         return end - keep
-
-
-def rle_extend(runs: list, version: int, n: int) -> list:
-    """Appends n tokens of `version` to run-length encoded [[version, n], ...]."""
-    if n <= 0:
-        return runs
-    if runs and runs[-1][0] == version:
-        runs[-1][1] += n
-    else:
-        runs.append([version, n])
-    return runs
-
-
-def rle_expand(runs) -> list:
-    """[[v, n], ...] -> one version per token."""
-    return [v for v, n in runs for _ in range(n)]
 
 
 def unconsumed_records(groups: dict, queued=()) -> list[dict]:
@@ -238,7 +224,7 @@ def audit(events: Iterable[dict], *, train_batch_size: int, group_size: int,
                 if check_c1 and versions != {e["version"]}:
                     c1.append(f"group {gid} sample {s['sample']} versions {s['versions']} "
                               f"!= group version {e['version']}")
-                n_tokens = sum(n for _, n in s["versions"])
+                n_tokens = num_tokens(s["versions"])
                 if n_tokens != s["response_len"]:
                     c2.append(f"group {gid} sample {s['sample']}: {n_tokens} versioned "
                               f"tokens != response_len {s['response_len']}")

@@ -31,7 +31,8 @@ from typing import Callable, Optional
 import numpy as np
 
 from dora_jax.scheduler.core import Scheduler
-from dora_jax.scheduler.ledger import rle_extend, unconsumed_records
+from dora_jax import versions
+from dora_jax.scheduler.ledger import unconsumed_records
 from dora_jax.scheduler.types import (Admit, Assign, InterruptReload, LoadVersion, Migrate,
                                       SchedulerConfig, TrainStep)
 from dora_jax.runtime.report import WaitClock
@@ -72,11 +73,8 @@ class _Req:
 
     def runs(self) -> list:
         """Per-token versions, run-length encoded."""
-        out = []
         ends = [p for _, p in self.segments[1:]] + [self.length]
-        for (v, p), e in zip(self.segments, ends):
-            rle_extend(out, v, e - p)
-        return out
+        return versions.encode((v, e - p) for (v, p), e in zip(self.segments, ends))
 
 
 class _Slice:
