@@ -258,3 +258,15 @@ def test_batch_errors(simple, multi):
 def test_micro_batch_must_split_over_batch_shards(sharded):
     with pytest.raises(BatchError, match="divisible by the 4 batch shards"):
         sharded.train_step(batch_of(trajectories(6, 2, 4), 4))  # b = 8 / 4 = 2 rows
+
+
+def test_golden_metrics_of_one_step(tiny_config):
+    """Pins one train step of a fresh tiny policy (configs/tiny.py, one layer, one
+    device) on a fixed batch: a change anywhere in the model, the objective or the
+    optimizer that moves these numbers is a change of behaviour, to be explained.
+    Figures as printed by this step on CPU with the pinned dependencies."""
+    tr = Trainer(tiny_config(), trainer_mesh())
+    m = jax.device_get(tr.train_step(batch_of(trajectories(7, 2, 4), 4)))
+    got = {k: float(m[k]) for k in ("loss", "grad_norm", "entropy", "approx_kl")}
+    assert got == pytest.approx(dict(loss=0.0833042, grad_norm=1.569503, entropy=4.378455,
+                                     approx_kl=0.4644768), rel=1e-4)
