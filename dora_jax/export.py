@@ -42,33 +42,24 @@ def export(cfg: Config, workdir: str, out: str, *, dtype: str | None = None) -> 
 
 if __name__ == "__main__":
     from absl import app, flags, logging
-    from ml_collections import config_flags
 
-    _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/x.py[:variant]")
+    from dora_jax import cli
+
+    _CONFIG = cli.define_config_flag()
     _WORKDIR = flags.DEFINE_string("workdir", None, "the run's workdir")
     _OUT = flags.DEFINE_string("out", None, "the Hugging Face checkpoint directory to write")
     _DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"],
                                "stored dtype (default: the params')")
-    flags.mark_flags_as_required(["config", "workdir", "out"])
+    flags.mark_flags_as_required(["workdir", "out"])
 
     def main(argv):
         del argv
         logging.set_verbosity(logging.WARNING)
-        from dora_jax import config as config_lib
-        from dora_jax.runtime import host
-
-        try:  # the run's meshes: on a CPU host, its devices are faked before JAX starts
-            cfg = config_lib.validate(_CONFIG.value)
-            note = host.fake_cpu_devices_if_needed(cfg.mesh.total_devices)
-            if note:
-                print(note)
-            import jax
-
-            config_lib.check_devices(cfg, jax.device_count())
+        cfg = cli.validated_config(_CONFIG)
+        cli.start_devices(cfg)  # the run's meshes: faked on a CPU host before JAX starts
+        with cli.one_line_errors():
             result = export(cfg, _WORKDIR.value, _OUT.value, dtype=_DTYPE.value)
-        except (config_lib.ConfigError, FileNotFoundError) as e:
-            raise SystemExit(f"error: {e}") from None
         print(f"wrote step {result['step']} of {_WORKDIR.value} to {result['out']}/ "
               f"({', '.join(result['files'])})")
 
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

@@ -86,29 +86,24 @@ def train(cfg: Config, workdir: str, *, steps: int, batch_size: int, learning_ra
 
 if __name__ == "__main__":
     from absl import app, flags, logging
-    from ml_collections import config_flags
 
-    _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/x.py[:variant]")
+    from dora_jax import cli
+
+    _CONFIG = cli.define_config_flag()
     _WORKDIR = flags.DEFINE_string("workdir", None, "checkpoints/ and sft_metrics.jsonl")
     _STEPS = flags.DEFINE_integer("steps", 300, "teacher-forced updates")
     _BATCH = flags.DEFINE_integer("batch_size", 32, "demonstrations per update")
     _LR = flags.DEFINE_float("learning_rate", 3e-3, "AdamW learning rate")
-    flags.mark_flags_as_required(["config", "workdir"])
+    flags.mark_flag_as_required("workdir")
 
     def main(argv):
         del argv
         logging.set_verbosity(logging.WARNING)
-        from dora_jax import config as config_lib
-
-        from dora_jax.data.prompts import DataError
-
-        try:
-            cfg = config_lib.validate(_CONFIG.value)
+        cfg = cli.validated_config(_CONFIG)
+        with cli.one_line_errors():
             out = train(cfg, _WORKDIR.value, steps=_STEPS.value, batch_size=_BATCH.value,
                         learning_rate=_LR.value)
-        except (config_lib.ConfigError, DataError, FileNotFoundError) as e:
-            raise SystemExit(f"error: {e}") from None
         print(f"sft: loss {out['loss_first']:.4f} -> {out['loss_last']:.4f}; start RL with "
               f"--config.init_checkpoint={out['checkpoint']}")
 
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

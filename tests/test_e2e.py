@@ -188,6 +188,28 @@ def test_bad_input_stops_with_one_line_and_no_traceback(args, says, tmp_path):
     assert not os.path.exists(tmp_path / "ledger.jsonl")
 
 
+@pytest.mark.parametrize("entry, extra", [
+    ("dora_jax.sft", []), ("dora_jax.export", ["--out=/tmp/never_written"])])
+@pytest.mark.parametrize("args, says", [
+    (["--config=configs/nope.py"], "No such file or directory: 'configs/nope.py'"),
+    (["--config=configs/tiny.py", "--config.coordinator.mode=dorra"],
+     "config.coordinator.mode: must be one of"),
+    (["--config=configs/tiny.py", "--config.coordinator.modee=dora"],
+     '--config.coordinator.modee: no such config field (did you mean "mode"?)'),
+])
+def test_every_entry_point_reports_bad_input_in_one_line(entry, extra, args, says, tmp_path):
+    """sft and export share main's command line (dora_jax/cli.py): the same bad input
+    ends each of them with the same one line, before any compute."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-m", entry, *args, *extra,
+                          f"--workdir={tmp_path}"], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=REPO)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode != 0
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], out.stderr
+    assert not os.listdir(tmp_path)
+
+
 def test_bad_data_stops_with_one_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "2 + 2?", "answer": "four"}\n')
