@@ -88,12 +88,12 @@ def start_devices(cfg) -> None:
     JAX starts; a note says so), starts Pathways when proxied, and checks the device
     count the config needs."""
     from dora_jax import config as config_lib
-    from dora_jax.runtime import host
+    from dora_jax import devices
 
-    note = host.fake_cpu_devices_if_needed(cfg.mesh.total_devices)
+    note = devices.fake_cpu_devices_if_needed(cfg.mesh.total_devices)
     if note:
         print(note)
-    host.start_pathways_if_proxied()
+    devices.start_pathways_if_proxied()
     import jax
 
     with one_line_errors():

@@ -16,7 +16,8 @@ from dora_jax.checkpointing import Checkpointer, load_params
 from dora_jax.config import Config
 from dora_jax.data import prompts as prompts_lib
 from dora_jax.data import sources
-from dora_jax.model import sharding, transformer
+from dora_jax import devices
+from dora_jax.model import transformer
 from dora_jax.rl.trainer import Trainer
 from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.rollout.warmup import warm_engine
@@ -90,7 +91,7 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     if records is None:
         records, skipped = sources.prompt_records(cfg, tokenizer)
     reward_fn = sources.reward_for(cfg, tokenizer)  # an unknown name fails before compute
-    trainer_mesh, slice_meshes = sharding.make_meshes(cfg.mesh)
+    trainer_mesh, slice_meshes = devices.make_meshes(cfg.mesh)
     graphdef, params = initial_params(cfg, trainer_mesh)
     # Without lookahead a slice reports a finished sample in the step that ends it,
     # so the scheduler never migrates or reloads around a request that has in fact

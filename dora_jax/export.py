@@ -21,13 +21,14 @@ def export(cfg: Config, workdir: str, out: str, *, dtype: str | None = None) -> 
     {"step", "files", "out"}. FileNotFoundError if the run has no checkpoint."""
     from dora_jax.checkpointing import Checkpointer
     from dora_jax.data import sources
-    from dora_jax.model import hf, sharding
+    from dora_jax import devices
+    from dora_jax.model import hf
     from dora_jax.rl.trainer import Trainer
 
     directory = os.path.join(workdir, "checkpoints")
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"{workdir}: no checkpoints/ (has the run saved a step?)")
-    trainer_mesh, _ = sharding.make_meshes(cfg.mesh)
+    trainer_mesh, _ = devices.make_meshes(cfg.mesh)
     trainer = Trainer(cfg, trainer_mesh)
     with Checkpointer(directory, async_save=False) as checkpointer:
         step = checkpointer.latest_step()

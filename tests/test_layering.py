@@ -12,7 +12,8 @@ HEAVY = ("jax", "jaxlib", "flax", "grain", "orbax", "optax")
 
 @pytest.mark.parametrize("module", ["dora_jax.config", "dora_jax.scheduler",
                                     "dora_jax.scheduler.ledger", "dora_jax.timeline",
-                                    "dora_jax.sim", "dora_jax.sim.__main__"])
+                                    "dora_jax.sim", "dora_jax.sim.__main__",
+                                    "dora_jax.devices", "dora_jax.versions"])
 def test_pure_modules_import_no_jax(module):
     code = (f"import sys, {module}\n"
             f"heavy = sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r}))\n"

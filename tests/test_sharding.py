@@ -6,6 +6,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from dora_jax import config as config_lib
+from dora_jax import devices
 from dora_jax.model import sharding, transformer as tf
 
 
@@ -87,7 +88,7 @@ def test_decode_rules_on_two_device_slice(tiny_cfg):
 
 def test_make_meshes_disjoint_devices(load_config):
     cfg = load_config("configs/tiny.py", num_devices=8)
-    trainer, slices = sharding.make_meshes(cfg.mesh)
+    trainer, slices = devices.make_meshes(cfg.mesh)
     ids = [set(d.id for d in m.devices.flat) for m in [trainer, *slices]]
     assert sum(len(s) for s in ids) == len(set().union(*ids)) == 8
     assert trainer.shape == {"data": 2, "fsdp": 2, "tensor": 1, "expert": 1}
@@ -97,6 +98,6 @@ def test_make_meshes_colocated_slices_cover_the_trainer_devices(load_config):
     c = load_config("configs/tiny.py", validate=False)
     c.coordinator.mode = "colocated_sync"
     cfg = config_lib.validate(c, num_devices=8)
-    trainer, slices = sharding.make_meshes(cfg.mesh)
+    trainer, slices = devices.make_meshes(cfg.mesh)
     slice_ids = [d.id for m in slices for d in m.devices.flat]
     assert sorted(slice_ids) == sorted(d.id for d in trainer.devices.flat) == list(range(8))

@@ -18,8 +18,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dora_jax.config import SLICE_MESH_AXES, TRAINER_MESH_AXES, MeshConfig
-
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
 
@@ -120,29 +118,3 @@ def copy_tree(tree):
     must outlive a jitted step that donates the original (published params, a
     frozen reference, a throwaway state for compiling)."""
     return jax.tree.map(jnp.copy, tree)
-
-
-def make_meshes(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None):
-    """Builds the trainer mesh and the decode-slice meshes.
-
-    The trainer takes the first devices; each slice the next block, or with
-    `mesh_cfg.colocated` a block of the trainer's own devices. Returns
-    `(trainer_mesh, [slice_mesh, ...])`.
-    """
-    from dora_jax.runtime.host import require_single_controller
-
-    require_single_controller(jax.process_count())
-    devices = list(jax.devices() if devices is None else devices)
-    if mesh_cfg.total_devices > len(devices):
-        raise ValueError(f"mesh needs {mesh_cfg.total_devices} devices, have {len(devices)}")
-    n = mesh_cfg.trainer_devices
-    shape = tuple(mesh_cfg.trainer[a] for a in TRAINER_MESH_AXES)
-    trainer = Mesh(np.array(devices[:n]).reshape(shape), TRAINER_MESH_AXES)
-    slices = []
-    k = mesh_cfg.slice_devices
-    sshape = tuple(mesh_cfg.slice[a] for a in SLICE_MESH_AXES)
-    for i in range(mesh_cfg.num_slices):
-        start = (0 if mesh_cfg.colocated else n) + i * k
-        block = devices[start: start + k]
-        slices.append(Mesh(np.array(block).reshape(sshape), SLICE_MESH_AXES))
-    return trainer, slices

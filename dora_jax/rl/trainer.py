@@ -39,9 +39,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dora_jax.config import Config
+from dora_jax.devices import make_meshes
 from dora_jax.model import transformer
 from dora_jax.model.sharding import (activation_rules, copy_tree, logical_to_spec,
-                                     make_meshes, param_shardings)
+                                     param_shardings)
 from dora_jax.rl import losses, objective
 from dora_jax.rl.batch import BATCH_KEYS, BatchError, TrainBatch
 from dora_jax.rl.objective import MAX_KEYS, MIN_KEYS, SUM_KEYS, TOKEN_KEYS

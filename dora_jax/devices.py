@@ -1,5 +1,6 @@
-"""What the process runs on, settled before JAX starts: fake CPU devices on a host
-without an accelerator, Pathways when the job runs under it, and one controller.
+"""What the process runs on: fake CPU devices on a host without an accelerator,
+Pathways when the job runs under it, one controller, and the meshes built from
+the devices (the trainer's and each decode slice's).
 
 dora_jax is single-controller: one Python process sees every device and moves
 params between the trainer's mesh and each slice's (device_put across meshes). At
@@ -18,6 +19,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+from typing import Sequence
 
 _FLAG = "--xla_force_host_platform_device_count"
 
@@ -66,3 +68,34 @@ def require_single_controller(process_count: int) -> None:
             "single-controller: it moves params between the trainer's and the slices' "
             "meshes from one process that sees every device. Run it under Pathways "
             "(python -m dora_jax.launch.gke renders the job) rather than one process per host.")
+
+
+def make_meshes(mesh_cfg, devices: Sequence | None = None):
+    """Builds the trainer mesh and the decode-slice meshes from `mesh_cfg` (a
+    config.MeshConfig) over `devices` (default: every device JAX sees).
+
+    The trainer takes the first devices; each slice the next block, or with
+    `mesh_cfg.colocated` a block of the trainer's own devices. Returns
+    `(trainer_mesh, [slice_mesh, ...])`.
+    """
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from dora_jax.config import SLICE_MESH_AXES, TRAINER_MESH_AXES
+
+    require_single_controller(jax.process_count())
+    devices = list(jax.devices() if devices is None else devices)
+    if mesh_cfg.total_devices > len(devices):
+        raise ValueError(f"mesh needs {mesh_cfg.total_devices} devices, have {len(devices)}")
+    n = mesh_cfg.trainer_devices
+    shape = tuple(mesh_cfg.trainer[a] for a in TRAINER_MESH_AXES)
+    trainer = Mesh(np.array(devices[:n]).reshape(shape), TRAINER_MESH_AXES)
+    slices = []
+    k = mesh_cfg.slice_devices
+    sshape = tuple(mesh_cfg.slice[a] for a in SLICE_MESH_AXES)
+    for i in range(mesh_cfg.num_slices):
+        start = (0 if mesh_cfg.colocated else n) + i * k
+        block = devices[start: start + k]
+        slices.append(Mesh(np.array(block).reshape(sshape), SLICE_MESH_AXES))
+    return trainer, slices
