@@ -321,7 +321,7 @@ class DoraPolicy(Policy):
     def check(self, sched, req):
         cfg = sched.config
         k, p = cfg.max_staleness, sched.published
-        req(sum(sched.unfinished_by_version().values()) <= cfg.rollout_batch_size * cfg.group_size,
+        req(sched.num_unfinished_samples <= cfg.rollout_batch_size * cfg.group_size,
             "dora: more than RBS x G samples in flight")
         check_feasible(sched, req)
         lo = p - k - (0 if sched.settled else 1)  # just after a publish, before decide()

@@ -50,6 +50,20 @@ def admit_at_published(sched, room: int) -> list:
     return acts
 
 
+def move_slices_to(sched, version: int) -> list:
+    """Every slice not holding `version` loads it, an occupied one keeping its
+    requests to re-prefill under it; a slice loading (an earlier target) finishes
+    first and moves on in a later pass."""
+    acts = []
+    for sl in sched.slices:
+        if sl.loading is None and sl.version != version:
+            if sl.running:
+                acts.append(sched.do_interrupt_reload(sl.slice_id, version))
+            else:
+                acts.append(sched.do_load(sl.slice_id, version))
+    return acts
+
+
 class PartialRolloutPolicy(Policy):
     """Interrupt-and-reload rollout at the newest version, staleness bounded by K."""
 
@@ -58,12 +72,7 @@ class PartialRolloutPolicy(Policy):
 
     def plan(self, sched):
         acts = form_guarded_batch(sched)
-        for sl in sched.slices:
-            if sl.loading is None and sl.version != sched.published:
-                if sl.running:
-                    acts.append(sched.do_interrupt_reload(sl.slice_id, sched.published))
-                else:
-                    acts.append(sched.do_load(sl.slice_id, sched.published))
+        acts += move_slices_to(sched, sched.published)
         acts += admit_at_published(sched, self.admission_room(sched))
         acts += assign_pending(sched, match_version=False)
         return acts
@@ -86,14 +95,7 @@ class RoundPartialRolloutPolicy(Policy):
     def plan(self, sched):
         acts = form_guarded_batch(sched)
         # Idle trainer: the round runs at P. Busy trainer: the slices pause for P+1.
-        target = sched.published + sched.trainer_busy
-        for sl in sched.slices:
-            # A slice loading (an earlier target) finishes first, then moves on.
-            if sl.loading is None and sl.version != target:
-                if sl.running:
-                    acts.append(sched.do_interrupt_reload(sl.slice_id, target))
-                else:
-                    acts.append(sched.do_load(sl.slice_id, target))
+        acts += move_slices_to(sched, sched.published + sched.trainer_busy)
         if sched.trainer_busy:
             return acts  # no admission and no assignment while the trainer trains
         acts += admit_at_published(sched, self.admission_room(sched))

@@ -40,25 +40,14 @@ FIT_ON = (("paper64", "colocated_sync"), ("paper128", "colocated_sync"),
 def paper_errors(efficiency, steps: int, pool=None) -> list:
     """[(preset, mode, simulated minutes, paper minutes, relative error)] of the
     fitted schedules under `efficiency`."""
-    runs = []
-    for name, mode in FIT_ON:
-        preset = dataclasses.replace(PRESETS[name], efficiency=efficiency)
-        runs.append((preset, mode, PRESETS[name].paper[mode][0]))
-    submit = pool.submit if pool else (lambda f, *a: _Done(f(*a)))
-    futures = [submit(_step_minutes, preset, mode, steps) for preset, mode, _ in runs]
+    presets = [dataclasses.replace(PRESETS[name], efficiency=efficiency) for name, _ in FIT_ON]
+    modes = [mode for _, mode in FIT_ON]
+    sims = (pool.map if pool else map)(_step_minutes, presets, modes, [steps] * len(FIT_ON))
     out = []
-    for (preset, mode, paper), fut in zip(runs, futures):
-        sim = fut.result()
-        out.append((preset.name, mode, sim, paper, sim / paper - 1))
+    for (name, mode), sim in zip(FIT_ON, sims):
+        paper = PRESETS[name].paper[mode][0]
+        out.append((name, mode, sim, paper, sim / paper - 1))
     return out
-
-
-class _Done:
-    def __init__(self, value):
-        self.value = value
-
-    def result(self):
-        return self.value
 
 
 def _step_minutes(preset: Preset, mode: str, steps: int) -> float:
