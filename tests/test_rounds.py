@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from dora_jax.runtime.events import Failed, VersionLoaded
 from dora_jax.runtime.worker import SliceWorker
 from dora_jax.scheduler import (Admit, Assign, FakeRun, InterruptReload, LoadVersion,
                                 Scheduler, SchedulerConfig, TrainStep)
@@ -183,7 +184,7 @@ class PausableSlice:
 def test_worker_pauses_on_a_deferred_load_until_the_params_arrive():
     events = queue.Queue()
     sl = PausableSlice()
-    w = SliceWorker(sl, events, Timeline(), refill_wait=0.01)
+    w = SliceWorker(sl, events, Timeline())
     w.start()
     time.sleep(0.05)
     box = concurrent.futures.Future()
@@ -199,7 +200,7 @@ def test_worker_pauses_on_a_deferred_load_until_the_params_arrive():
     w.stop(timeout=5)
     assert sl.reloads == [(1, "params of v1")] and sl.steps > paused_at
     ev = events.get_nowait()
-    assert (ev.kind, ev.data) == ("loaded", 1)
+    assert ev == VersionLoaded(sl.slice_id, 1)
 
 
 def test_a_stopping_worker_does_not_wait_for_a_deferred_load():
@@ -212,4 +213,4 @@ def test_a_stopping_worker_does_not_wait_for_a_deferred_load():
     start = time.time()
     w.stop(timeout=5)
     assert time.time() - start < 2 and not w._thread.is_alive()
-    assert sl.reloads == [] and all(e.kind != "failed" for e in list(events.queue))
+    assert sl.reloads == [] and all(not isinstance(e, Failed) for e in list(events.queue))

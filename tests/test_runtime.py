@@ -238,18 +238,19 @@ def test_overlong_punishment_shapes_the_trained_rewards(small_config):
     import types
 
     from dora_jax import config as config_lib
-    from dora_jax.runtime import scoring
-    from dora_jax.runtime.loop import _Group
+    from dora_jax.runtime.groups import Group
 
     c = small_config("dora", validate=False)
     c.trainer.update(dict(overlong_buffer=4, overlong_penalty=2.0))
     cfg = config_lib.validate(c, num_devices=8)
-    g = _Group(record={}, version=0)
+    g = Group(record={}, version=0)
     for k, n in enumerate([3, 5, 8]):
         g.trajectories[k] = types.SimpleNamespace(response_tokens=[7] * n)
         g.rewards[k] = concurrent.futures.Future()
         g.rewards[k].set_result((1.0, None))
-    assert scoring.shaped_rewards(cfg, g) == pytest.approx([1.0, 0.5, -1.0])
+    shaped, penalties = g.shape(cfg)
+    assert shaped == pytest.approx([1.0, 0.5, -1.0])
+    assert penalties == pytest.approx([0.0, -0.5, -2.0])
 
 
 def test_a_failed_run_resumes_and_the_whole_ledger_audits(tmp_path, small_config):

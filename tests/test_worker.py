@@ -6,6 +6,7 @@ import threading
 import time
 
 from dora_jax.rollout.trajectory import VersionMismatchError
+from dora_jax.runtime.events import Failed
 from dora_jax.runtime.worker import SliceWorker
 from dora_jax.timeline import Timeline
 
@@ -51,7 +52,7 @@ def test_chained_migration_then_load_applies_in_order():
     events = queue.Queue()
     a, b, c = FakeSlice(0, held={"R", "S"}), FakeSlice(1), FakeSlice(2)
     a.gate.clear()  # A is inside a long generate call: its export comes late
-    workers = [SliceWorker(s, events, Timeline(), refill_wait=0.01) for s in (a, b, c)]
+    workers = [SliceWorker(s, events, Timeline()) for s in (a, b, c)]
     for w in workers:
         w.start()
     wa, wb, wc = workers
@@ -68,8 +69,8 @@ def test_chained_migration_then_load_applies_in_order():
     failures = []
     while not events.empty():
         ev = events.get()
-        if ev.kind == "failed":
-            failures.append(ev.data)
+        if isinstance(ev, Failed):
+            failures.append(ev.error)
     assert not failures, failures
     assert (a.held, b.held, c.held, b.version) == ({"S"}, set(), {"R"}, 1)
 

@@ -164,7 +164,11 @@ class PromptStream:
     """The next prompt on demand, with Grain's checkpointable iterator state."""
 
     def __init__(self, dataset: grain.MapDataset):
-        self._iter = iter(dataset.to_iter_dataset())
+        # Read in the caller's thread: a prompt is wanted one at a time, at admission,
+        # and a prefetching pool's hand-off costs the coordinator more than the read
+        # (~0.1 ms against ~0.6 ms per prompt); the iterator state is the same.
+        self._iter = iter(dataset.to_iter_dataset(
+            grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))
 
     def next(self) -> Record | None:
         """The next prompt, or None once a finite dataset is exhausted."""

@@ -8,7 +8,10 @@ filling; whole-run figures are given too.
 
 from __future__ import annotations
 
+import bisect
 import json
+import queue
+import threading
 from collections import Counter
 
 import numpy as np
@@ -31,11 +34,21 @@ def load_overlap_fraction(spans) -> float | None:
     """Of the weight loads in `spans` (timeline.Span), the fraction during which
     another slice was decoding; None without loads."""
     loads = [s for s in spans if s.kind == "load"]
-    decodes = [s for s in spans if s.kind == "decode"]
     if not loads:
         return None
-    overlapped = sum(any(d.row != ld.row and d.start < ld.end and ld.start < d.end
-                         for d in decodes) for ld in loads)
+    decoding: dict = {}  # row -> (starts, ends) of its decode time, disjoint, sorted
+    for s in spans:
+        if s.kind == "decode":
+            decoding.setdefault(s.row, []).append((s.start, s.end))
+    decoding = {row: list(zip(*_union(iv))) for row, iv in decoding.items()}
+
+    def overlaps(ld, starts, ends) -> bool:
+        # The last interval starting before the load ends has the latest end.
+        i = bisect.bisect_left(starts, ld.end) - 1
+        return i >= 0 and ends[i] > ld.start
+
+    overlapped = sum(any(row != ld.row and overlaps(ld, *se) for row, se in decoding.items())
+                     for ld in loads)
     return round(overlapped / len(loads), 4)
 
 
@@ -96,20 +109,65 @@ class WaitClock:
         return out
 
 
+class _RecordWriter:
+    """Appends records to metrics.jsonl and TensorBoard on its own thread, so that a
+    step's file writes never hold the coordinator. `close` writes what is queued."""
+
+    def __init__(self, path: str | None, tensorboard):
+        self._file = open(path, "a") if path else None
+        self._tensorboard = tensorboard
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="metrics writer",
+                                        daemon=True)
+        self._thread.start()
+
+    def put(self, record: dict) -> None:
+        if self._error is not None:  # a full disk: say so at the next step
+            raise self._error
+        self._queue.put(record)
+
+    def _loop(self):
+        while (record := self._queue.get()) is not None:
+            if self._error is not None:
+                continue
+            try:
+                if self._file:
+                    self._file.write(json.dumps(record) + "\n")
+                    self._file.flush()
+                if self._tensorboard:
+                    self._tensorboard.write(record)
+            except BaseException as e:  # noqa: BLE001 - raised in the coordinator
+                self._error = e
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        try:
+            if self._file:
+                self._file.close()
+            if self._tensorboard:
+                self._tensorboard.close()
+        finally:
+            if self._error is not None:
+                raise self._error
+
+
 class StepReporter:
-    """Turns each finished step into a metrics record and keeps run totals."""
+    """Turns each finished step into a metrics record and keeps run totals; the
+    records are written on a thread of their own."""
 
     def __init__(self, path: str | None, *, tensorboard: str | None = None,
                  purge_step: int | None = None):
         """`path`: metrics.jsonl (appended); `tensorboard`: a directory that gets the
         same records as TensorBoard scalars (runtime/tensorboard.py), with the events
         of steps >= `purge_step` dropped (a resumed run trains them again)."""
-        self._file = open(path, "a") if path else None
-        self._tensorboard = None
+        board = None
         if tensorboard:
             from dora_jax.runtime.tensorboard import TensorBoardWriter
 
-            self._tensorboard = TensorBoardWriter(tensorboard, purge_step)
+            board = TensorBoardWriter(tensorboard, purge_step)
+        self._writer = _RecordWriter(path, board)
         self.records: list[dict] = []
         self._last = {"migrations": 0, "transfer": 0.0, "busy": {}, "total": {},
                       "prefill_tokens": {}, "reprefill_tokens": {}}
@@ -166,11 +224,7 @@ class StepReporter:
         }
         self._last["migrations"], self._last["transfer"] = migrations, transfer
         self.records.append(record)
-        if self._file:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
-        if self._tensorboard:
-            self._tensorboard.write(record)
+        self._writer.put(record)
         return record
 
     def summary(self, slices, timeline=None) -> dict:
@@ -212,7 +266,5 @@ class StepReporter:
         return out
 
     def close(self):
-        if self._file:
-            self._file.close()
-        if self._tensorboard:
-            self._tensorboard.close()
+        """Writes every queued record, then closes the files."""
+        self._writer.close()

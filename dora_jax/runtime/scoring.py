@@ -18,13 +18,6 @@ def penalties(cfg, group) -> list:
         cfg.rollout.max_decode_len, t.overlong_buffer, t.overlong_penalty)]
 
 
-def shaped_rewards(cfg, group) -> list:
-    """The rewards the trainer sees, in sample order: each sample's reward (its
-    future in `group.rewards` holds (reward, error)) plus its punishment."""
-    return [group.rewards[k].result()[0] + p
-            for k, p in zip(sorted(group.trajectories), penalties(cfg, group))]
-
-
 def when_all_done(futures: list, callback: Callable[[], None]) -> None:
     """Calls `callback` once, in the thread that completes the last of `futures`."""
     left, lock = [len(futures)], threading.Lock()

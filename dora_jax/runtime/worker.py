@@ -8,11 +8,17 @@ coordinator's queue: samples finished, version loaded, failure.
 A slice loading weights or receiving a migration never pauses another slice, and
 the coordinator never waits on a slice's device work.
 
-Refill: after posting finished samples the worker waits (at most `refill_wait`
-seconds) for the coordinator's `ack`, which follows every command the coordinator
-sent in answer, so slots freed by finished samples are refilled before the next
-generate call instead of decoding empty. Only this slice waits, for the
-coordinator's reaction time, never for another slice.
+Refill: after posting finished samples the worker takes no generate call until the
+coordinator's `ack`, which follows every command the coordinator sent in answer, so
+slots freed by finished samples are refilled before the next generate call instead
+of decoding empty. The coordinator answers every such event in its next decision
+pass and never waits on a slice, so only this slice waits, for the coordinator's
+reaction time, never for another slice.
+
+Weights: a `load` carries the params as published on the trainer's mesh (or a future
+of them, for the version in training); this loop places them on the slice's devices
+(`DecodeSlice.load_version`), so a transfer holds neither the coordinator nor another
+slice.
 
 A migration goes from worker to worker: the source exports the request (KV cache,
 tokens so far, RNG state) into a hand-over box that the coordinator queued, at the
@@ -28,33 +34,15 @@ finished on the source before the export arrived is simply not exported: its
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import queue
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
 from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.rollout.trajectory import Request
+from dora_jax.runtime.events import Failed, SamplesFinished, VersionLoaded
 from dora_jax.timeline import Timeline
-
-
-@dataclasses.dataclass(frozen=True)
-class Event:
-    """What a worker (or the trainer) tells the coordinator.
-
-    kind: "finished" (data: list of Trajectory), "loaded" (data: version),
-    "failed" (data: the exception), "step" (the trainer: data is its step record),
-    "scored" (the reward pool: data is a group id whose every sample is scored).
-    Migrations post nothing: the slices' own counters record them.
-    source: the slice id, "trainer" or "rewards".
-    kv_free: with "finished", the slice's free KV positions (paged cache) after them.
-    """
-
-    kind: str
-    source: Any
-    data: Any = None
-    kv_free: Any = None
 
 
 _STOP = object()
@@ -75,7 +63,7 @@ class SliceWorker:
     """
 
     def __init__(self, slice_: DecodeSlice, events: queue.Queue, timeline: Timeline,
-                 clock: Callable[[], float] = time.perf_counter, refill_wait: float = 0.05,
+                 clock: Callable[[], float] = time.perf_counter,
                  fail_at_version: int | None = None):
         self.slice = slice_
         # Fault injection (coordinator.fail_slice): raise once this version is resident.
@@ -84,7 +72,6 @@ class SliceWorker:
         # box -> (request ids, destination worker).
         self.unfilled: dict = {}
         self._events, self._timeline, self._clock = events, timeline, clock
-        self._refill_wait = refill_wait
         self._awaiting_ack = False
         self._commands: queue.Queue = queue.Queue()
         self._stopping = threading.Event()
@@ -105,10 +92,10 @@ class SliceWorker:
 
     def load(self, version: int, params, *, interrupt: bool = False) -> None:
         """Make `version` resident; with `interrupt`, keep and re-prefill in-flight
-        requests under it (partial_rollout). `params` may be a
-        `concurrent.futures.Future` (the version in training, partial_rollout_rounds):
-        the slice then pauses, decoding nothing, until the coordinator fills it with
-        the placed params on publication."""
+        requests under it (partial_rollout). `params`: the version's params on any
+        devices (this loop places them), or a `concurrent.futures.Future` of them (the
+        version in training, partial_rollout_rounds): the slice then pauses, decoding
+        nothing, until they are published."""
         self._commands.put(("reload" if interrupt else "load", (version, params)))
 
     def ack(self) -> None:
@@ -134,16 +121,13 @@ class SliceWorker:
         sl = self.slice
         try:
             while True:
-                # Block for a command when there is nothing to decode, or (briefly)
-                # while the coordinator answers finished samples.
+                # Block for a command when there is nothing to decode, or while the
+                # coordinator answers finished samples.
                 while True:
-                    idle = sl.num_requests == 0
                     try:
                         kind, arg = self._commands.get(
-                            block=idle or self._awaiting_ack,
-                            timeout=None if idle else self._refill_wait)
+                            block=sl.num_requests == 0 or self._awaiting_ack)
                     except queue.Empty:
-                        self._awaiting_ack = False
                         break
                     if kind is _STOP:
                         return
@@ -157,10 +141,10 @@ class SliceWorker:
                 self._timeline.add(self._row, "decode", start, self._clock(), version)
                 if finished:
                     self._awaiting_ack = True
-                    self._events.put(Event("finished", self.slice_id, finished,
-                                           sl.kv_free_tokens))
+                    self._events.put(SamplesFinished(self.slice_id, finished,
+                                                     sl.kv_free_tokens))
         except BaseException as e:  # noqa: BLE001 - reported, the coordinator decides
-            self._events.put(Event("failed", self.slice_id, e))
+            self._events.put(Failed(self.slice_id, e))
 
     def _apply(self, kind: str, arg):
         sl = self.slice
@@ -180,7 +164,7 @@ class SliceWorker:
             else:
                 sl.load_version(version, params)
             self._timeline.add(self._row, "load", start, self._clock(), version)
-            self._events.put(Event("loaded", self.slice_id, version))
+            self._events.put(VersionLoaded(self.slice_id, version))
         elif kind == "export":
             request_ids, box = arg
             start = self._clock()
@@ -202,8 +186,8 @@ class SliceWorker:
             raise ValueError(f"unknown command {kind!r}")
 
     def _wait_for_params(self, box: concurrent.futures.Future):
-        """The params the coordinator puts in `box` on publication (None if this
-        worker stops first; its exception if placing them failed)."""
+        """The params the weight book puts in `box` on publication (None if this
+        worker stops first)."""
         while not self._stopping.is_set():
             try:
                 return box.result(timeout=0.05)

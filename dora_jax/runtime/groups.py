@@ -1,0 +1,147 @@
+"""The group book: a group's host-side life, from its prompt to its ledger line.
+
+The scheduler knows a group's samples by status; this book holds what the host keeps
+for it: the prompt record, the finished trajectories, each sample's reward future (the
+reward pool scores samples as they finish), the shaped rewards (computed once, when the
+last reward is in), and the forms it leaves in — a `consume` or `filter` ledger line,
+a checkpoint entry, an `unconsumed` line at exit.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+from typing import Callable, Iterable
+
+from dora_jax.rollout.trajectory import Trajectory
+from dora_jax.runtime import scoring
+from dora_jax.scheduler import driver
+from dora_jax.scheduler.types import Admit
+
+
+@dataclasses.dataclass
+class Group:
+    """One admitted group on the host."""
+
+    record: dict  # the prompt record (prompt_id, tokens, ...)
+    version: int  # the policy version it was admitted under
+    trajectories: dict = dataclasses.field(default_factory=dict)  # sample -> Trajectory
+    rewards: dict = dataclasses.field(default_factory=dict)  # sample -> Future((r, err))
+    _penalties: list | None = None
+    _shaped: list | None = None
+
+    def shape(self, cfg) -> tuple[list, list]:
+        """(rewards the trainer sees, overlong penalties), in sample order; computed
+        on the first call, which must come after every reward is in."""
+        if self._shaped is None:
+            self._penalties = scoring.penalties(cfg, self)
+            self._shaped = [self.rewards[k].result()[0] + p
+                            for k, p in zip(sorted(self.trajectories), self._penalties)]
+        return self._shaped, self._penalties
+
+    def samples(self) -> list[Trajectory]:
+        return [self.trajectories[k] for k in sorted(self.trajectories)]
+
+
+class GroupBook:
+    """Every admitted, not yet consumed or filtered group, by id.
+
+    Args:
+      cfg: the validated run config (reward shaping reads it).
+      rewards: the reward pool (`submit(record, response) -> Future`).
+      write: writes one ledger line (`LedgerWriter.write`).
+      clock: seconds since the run started.
+    """
+
+    def __init__(self, cfg, rewards, write: Callable[..., None], clock: Callable[[], float]):
+        self.cfg, self._rewards, self._write, self._clock = cfg, rewards, write, clock
+        self.groups: dict[int, Group] = {}
+
+    def __getitem__(self, gid: int) -> Group:
+        return self.groups[gid]
+
+    def admit(self, gid: int, version: int, record: dict, readmit: bool = False) -> None:
+        self.groups[gid] = Group(record, version)
+        self._write(**driver.admit_record(Admit(gid, version, readmit), record["prompt_id"],
+                                          self._clock()))
+
+    def finished(self, t: Trajectory) -> None:
+        """Keeps a finished sample and sends it to the reward pool."""
+        g = self.groups[t.group_id]
+        g.trajectories[t.sample_index] = t
+        g.rewards[t.sample_index] = self._rewards.submit(g.record, t.response_tokens)
+
+    def when_scored(self, gid: int, callback: Callable[[], None]) -> None:
+        """Calls `callback` once every reward of the (finished) group is in, in the
+        thread that completes the last one: the coordinator never waits."""
+        scoring.when_all_done(list(self.groups[gid].rewards.values()), callback)
+
+    def keeps_signal(self, gid: int) -> bool:
+        """False (and the group leaves with a `filter` line) if every shaped reward is
+        equal: every advantage would be 0 (DAPO's dynamic sampling)."""
+        g = self.groups[gid]
+        shaped, _ = g.shape(self.cfg)
+        if max(shaped) != min(shaped):
+            return True
+        del self.groups[gid]
+        self._write(**driver.filter_record(gid, g.record["prompt_id"], g.version,
+                                           self._clock(), reward=shaped[0]))
+        return False
+
+    def batch(self, group_ids: Iterable[int]) -> list[Trajectory]:
+        """The trajectories of a train step's groups, each carrying its shaped reward."""
+        out = []
+        for gid in group_ids:
+            g = self.groups[gid]
+            for t, reward in zip(g.samples(), g.shape(self.cfg)[0]):
+                t.reward = reward
+                out.append(t)
+        return out
+
+    def consume(self, group_ids: Iterable[int], step: int, time: float) -> None:
+        """The groups were trained by `step`: their `consume` lines, and they leave."""
+        for gid in group_ids:
+            g = self.groups.pop(gid)
+            self._write(**driver.consume_record(gid, g.record["prompt_id"], g.version, step,
+                                                time, self._sample_entries(g)))
+
+    def _sample_entries(self, g: Group) -> list:
+        shaped, penalties = g.shape(self.cfg)
+        entries = []
+        for t, penalty in zip(g.samples(), penalties):
+            reward, error = g.rewards[t.sample_index].result()
+            entries.append(driver.sample_entry(
+                t.sample_index, t.versions, t.slice_ids, len(t.response_tokens),
+                t.finish_reason, reward, overlong_penalty=penalty, reward_error=error))
+        return entries
+
+    # ------------------------------------------------------------ recovery
+
+    def checkpoint_form(self, group_ids: Iterable[int]) -> dict:
+        """The finished (scored) groups a checkpoint keeps, as JSON."""
+        out = {}
+        for gid in group_ids:
+            g = self.groups[gid]
+            out[str(gid)] = {"version": g.version, "record": g.record,
+                             "samples": [dataclasses.asdict(t) for t in g.samples()],
+                             "rewards": [list(g.rewards[t.sample_index].result())
+                                         for t in g.samples()]}
+        return out
+
+    def restore(self, kept: dict) -> None:
+        """Takes back the finished groups a checkpoint kept (`checkpoint_form`)."""
+        for gid, saved in kept.items():
+            g = self.groups[gid] = Group(saved["record"], saved["version"])
+            for d, (reward, error) in zip(saved["samples"], saved["rewards"]):
+                t = Trajectory(**d)
+                g.trajectories[t.sample_index] = t
+                g.rewards[t.sample_index] = done = concurrent.futures.Future()
+                done.set_result((reward, error))
+
+    def write_unconsumed(self, readmit_queue: Iterable[int] = ()) -> None:
+        """At exit: an `unconsumed` line for every group still here, and for every
+        lost one not admitted again yet (its version: None)."""
+        for gid, g in sorted(self.groups.items()):
+            self._write("unconsumed", group_id=gid, version=g.version)
+        for gid in readmit_queue:
+            self._write("unconsumed", group_id=gid, version=None)
