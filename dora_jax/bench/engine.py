@@ -115,10 +115,8 @@ def make_fixed_batch(engine: Engine):
             tokens_SD, _, firsts = jax.device_get((tokens_SD, logprobs_SD, firsts))
             for slot, (r, f) in enumerate(zip(batch, firsts)):
                 row = [int(f.tokens[0])] + tokens_SD[slot, 1:].tolist()
-                n = D
-                if engine.rollout_cfg.eos_id in row:
-                    n = row.index(engine.rollout_cfg.eos_id) + 1
-                out[r.group_id] = row[:n]
+                stops = [i for i, t in enumerate(row) if t in engine.stop_ids]
+                out[r.group_id] = row[:stops[0] + 1 if stops else D]
         return time.perf_counter() - t0, out
 
     return run

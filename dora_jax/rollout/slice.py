@@ -39,7 +39,7 @@ import jax
 import numpy as np
 
 from dora_jax import versions as versions_lib
-from dora_jax.rollout.engine import Engine, ResultTokens
+from dora_jax.rollout.engine import Engine
 from dora_jax.rollout.slice_memory import SliceMemory
 from dora_jax.rollout.trajectory import (InFlight, Request, RolloutError, SliceStats,
                                          SlotOverflowError, Trajectory, VersionMismatchError)
@@ -238,7 +238,7 @@ class DecodeSlice(SliceMemory):
             n = self.engine.decode_steps if self._owned.all() else 1
             if self.engine.pages is not None:
                 self._reserve_pages(n)
-            self.state, result = self.engine.generate(self.params, self.state, n)
+            self.state, result = self.engine.generate_steps(self.params, self.state, n)
             if self.engine.pages is not None:
                 self.stats.peak_pages = max(self.stats.peak_pages, self.engine.pages.num_used)
             self.stats.generate_calls += 1
@@ -432,7 +432,7 @@ class DecodeSlice(SliceMemory):
                              bool(r.finished[0]))
         if result is None:
             return
-        host = ResultTokens(np.asarray(result.data))  # the one host sync per call
+        host = result.convert_to_numpy()  # the one host sync per call
         steps_run = int(host.valid.any(axis=1).sum())  # the call may end early
         self.stats.generate_steps += steps_run
         self.stats.total_slot_steps += self.num_slots * steps_run
@@ -470,8 +470,7 @@ class DecodeSlice(SliceMemory):
         self._flush(seq)
         self._free(seq)
         del self._held[seq.request.request_id]
-        eos = self.engine.rollout_cfg.eos_id
-        reason = "eos" if eos >= 0 and seq.tokens[-1] == eos else "length"
+        reason = "eos" if seq.tokens[-1] in self.engine.stop_ids else "length"
         r = seq.request
         self._done.append(Trajectory(
             group_id=r.group_id, prompt_id=r.prompt_id, sample_index=r.sample_index,
