@@ -228,7 +228,7 @@ def test_interrupt_and_reload_records_two_versions():
     tail = rc.greedy_reference("dense", p1, [list(prompt) + head], rc.eos_id(),
                                steps=rc.MAX_DECODE - m)[0]
     assert t.response_tokens[m:] == tail
-    assert t.versions == [[0, m], [1, len(tail)]] and not t.single_version and t.version == 0
+    assert t.versions == [[0, m], [1, len(tail)]] and t.version == 0
     assert t.token_versions() == [0] * m + [1] * len(tail)
     want = rc.logprob_reference("dense", p1, list(prompt) + head, tail, 1.0)
     np.testing.assert_allclose(t.behaviour_logprobs[m:], want, rtol=0, atol=2e-5)
@@ -318,4 +318,4 @@ def test_a_group_is_prefilled_once_and_samples_as_if_alone():
         np.testing.assert_allclose(together[r.request_id].behaviour_logprobs,
                                    t.behaviour_logprobs, rtol=0, atol=1e-6)
     # The prefix is forgotten once the group has left the slice.
-    assert not sl._prompt_prefixes
+    assert not sl.memory.prefixes
