@@ -77,7 +77,8 @@ class DecodeSlice:
     @classmethod
     def create(cls, slice_id, mesh, model_cfg, rollout_cfg, *, lookahead: bool = True,
                **engine_kwargs) -> "DecodeSlice":
-        """A slice with its own Engine (engine kwargs: rules, sampling_params, greedy)."""
+        """A slice with its own Engine (engine kwargs: rules, sampling_params, greedy,
+        tokenizer_path, stop_ids)."""
         return cls(slice_id, Engine(model_cfg, rollout_cfg, mesh, **engine_kwargs),
                    lookahead=lookahead)
 
@@ -139,10 +140,11 @@ class DecodeSlice:
     # ------------------------------------------------------------ versions
 
     def load_version(self, version: int, params) -> float:
-        """Makes `(version, params)` resident: reshards params onto the slice mesh
-        (jax.device_put to the decode rules) and waits for the transfer. Refuses
-        (VersionMismatchError, slice unchanged) while holding requests of another
-        version. Returns the transfer time in seconds."""
+        """Makes `(version, params)` resident: params on any devices (an nnx.State or
+        its pure dict, e.g. the trainer's published copy) or EngineParams of this
+        engine, placed by one `engine.load_params` (no transfer if already placed),
+        waiting for the transfer. Refuses (VersionMismatchError, slice unchanged)
+        while holding requests of another version. Returns the seconds waited."""
         self._sync()  # requests that finished in flight no longer count
         other = sorted(self.held_versions - {version})
         if other:
@@ -153,9 +155,10 @@ class DecodeSlice:
         return self._load(version, params)
 
     def interrupt_and_reload(self, version: int, params) -> float:
-        """partial_rollout: loads `version` with requests in flight, re-prefills each
-        running one (prompt + tokens so far) under the new params and continues it;
-        waiting ones will start under the new version. Returns the transfer time."""
+        """partial_rollout: loads `version` (params as for `load_version`) with
+        requests in flight, re-prefills each running one (prompt + tokens so far)
+        under the new params and continues it; waiting ones will start under the new
+        version. Returns the seconds waited for the params."""
         self._sync()
         running = self.slots.holders()
         for seq in running:
