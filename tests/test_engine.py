@@ -12,7 +12,7 @@ from dora_jax.rollout.sampling import truncated_logprobs
 
 def run_engine(eng, p, prompts, slots, seeds=None):
     """Drives the raw Engine API: prefill + insert each prompt into its slot, then
-    generate until every slot finished. Returns [(tokens, logprobs, positions)]."""
+    generate_steps until every slot finished. Returns [(tokens, logprobs, positions)]."""
     params = eng.load_params(p)
     state = eng.init_decode_state()
     out = {}
@@ -26,7 +26,7 @@ def run_engine(eng, p, prompts, slots, seeds=None):
                      [int(first.positions[0])], bool(first.finished[0]))
     running = {s for s, v in out.items() if not v[3]}
     while running:
-        state, res = eng.generate(params, state)
+        state, res = eng.generate_steps(params, state)
         res = jax.device_get(res)
         assert res.data.shape[:2] == (eng.decode_steps, eng.max_concurrent_decodes)
         # Token i of this call for every running slot; the call ends after the first
@@ -162,7 +162,7 @@ def test_prefill_extending_a_prefix_equals_a_full_forward():
     state = eng.init_decode_state()
     state = eng.insert(whole, state, 0, length=n)
     state = eng.insert(ext, state, 1, length=n)
-    state, res = eng.generate(params, state)
+    state, res = eng.generate_steps(params, state)
     res = jax.device_get(res)
     rows = res.valid[:, 0]
     assert rows.sum() >= 3 and (res.valid[:, 1] == rows).all()

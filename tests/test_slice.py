@@ -228,7 +228,7 @@ def test_interrupt_and_reload_records_two_versions():
     tail = rc.greedy_reference("dense", p1, [list(prompt) + head], rc.eos_id(),
                                steps=rc.MAX_DECODE - m)[0]
     assert t.response_tokens[m:] == tail
-    assert t.versions == [[0, m], [1, len(tail)]] and not t.single_version and t.version == 0
+    assert t.versions == [[0, m], [1, len(tail)]] and t.version == 0
     assert t.token_versions() == [0] * m + [1] * len(tail)
     want = rc.logprob_reference("dense", p1, list(prompt) + head, tail, 1.0)
     np.testing.assert_allclose(t.behaviour_logprobs[m:], want, rtol=0, atol=2e-5)
@@ -318,4 +318,41 @@ def test_a_group_is_prefilled_once_and_samples_as_if_alone():
         np.testing.assert_allclose(together[r.request_id].behaviour_logprobs,
                                    t.behaviour_logprobs, rtol=0, atol=1e-6)
     # The prefix is forgotten once the group has left the slice.
-    assert not sl._prompt_prefixes
+    assert not sl.memory.prefixes
+
+
+def test_a_load_places_params_once(monkeypatch):
+    """load_version and interrupt_and_reload place params on the slice's mesh with
+    one load_params call and at most one device_put: none for params already placed
+    for this engine, none of the path check for a tree structure seen before."""
+    from dora_jax.rollout import placement
+
+    eng = rc.engine("dense", "greedy", 0)
+    p0 = rc.params("dense", 0)
+    trainer_mesh = rc.meshes()[0]
+    on_trainer = jax.device_put(p0, param_shardings(p0, trainer_mesh, TRAINER_RULES))
+    placed = eng.load_params(on_trainer)
+    sl = DecodeSlice(9, eng)
+    counts = {"load_params": 0, "device_put": 0, "paths": 0}
+
+    def counting(name, fn):
+        def wrapped(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(eng, "load_params", counting("load_params", eng.load_params))
+    monkeypatch.setattr(jax, "device_put", counting("device_put", jax.device_put))
+    monkeypatch.setattr(placement, "_leaf_paths", counting("paths", placement._leaf_paths))
+    sl.load_version(0, on_trainer)
+    assert counts == {"load_params": 1, "device_put": 1, "paths": 0}
+    sl.load_version(1, placed)
+    assert counts == {"load_params": 2, "device_put": 1, "paths": 0} and sl.params is placed
+    sl.submit(Request(group_id=0, prompt_id="p", sample_index=0, prompt_tokens=rc.PROMPTS[0],
+                      seed=1, version=1))
+    sl.step()
+    sl.interrupt_and_reload(2, on_trainer)
+    assert counts == {"load_params": 3, "device_put": 2, "paths": 0}
+    assert sl.version == 2 and sl.stats.weight_loads == 3
+    (t,) = sl.drain()
+    assert [v for v, _ in t.versions] == [1, 2]

@@ -3,6 +3,7 @@ BPE tokenizer round-trips through save/load, chat templates render as hand-writt
 expectations (and as transformers renders them, when it is installed), errors name
 what is missing, and the Engine API hands the tokenizer out."""
 
+import dataclasses
 import json
 import random
 import subprocess
@@ -252,9 +253,11 @@ def test_engine_hands_out_its_tokenizer(trained, saved):
 
     cfg = rc.config("dense")
     mesh = rc.meshes()[1][0]
-    engine = Engine(cfg.model, cfg.rollout, mesh, tokenizer_path=str(saved))
+    rollout = dataclasses.replace(cfg.rollout, eos_id=trained.eos_id)
+    engine = Engine(cfg.model, rollout, mesh, tokenizer_path=str(saved))
     params = engine.get_tokenizer()
-    assert params == TokenizerParameters(str(saved))
+    assert params == TokenizerParameters(str(saved), stop_ids=trained.stop_ids)
+    assert engine.stop_ids == trained.stop_ids
     tok = engine.build_tokenizer(params)
     for text in SAMPLES:
         assert tok.encode(text) == trained.encode(text)

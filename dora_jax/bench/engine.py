@@ -14,7 +14,9 @@ RNG is per request):
 First, a sweep of `rollout.decode_steps` (tokens per generate call) with all slots
 busy shows what the configs' default is chosen from.
 Both samplers use the engine's prefill/insert and its decode step (`generate_fn`),
-so the difference is the loop: host-driven continuous batching vs one device loop.
+so the difference is the loop: host-driven continuous batching vs one device loop
+(both on the dense KV cache, which a plain device loop can decode without page
+tables).
 Ends with `slice/fixed-batch tokens/s ratio: X.XX` for the all-busy case: the lower
 of the two models at the largest slot count (`--slots`, default 8 — the configs' —
 and 32; at S=8 a tiny model's decode step is a few hundred microseconds, so fixed
@@ -115,10 +117,8 @@ def make_fixed_batch(engine: Engine):
             tokens_SD, _, firsts = jax.device_get((tokens_SD, logprobs_SD, firsts))
             for slot, (r, f) in enumerate(zip(batch, firsts)):
                 row = [int(f.tokens[0])] + tokens_SD[slot, 1:].tolist()
-                n = D
-                if engine.rollout_cfg.eos_id in row:
-                    n = row.index(engine.rollout_cfg.eos_id) + 1
-                out[r.group_id] = row[:n]
+                stops = [i for i, t in enumerate(row) if t in engine.stop_ids]
+                out[r.group_id] = row[:stops[0] + 1 if stops else D]
         return time.perf_counter() - t0, out
 
     return run
@@ -167,7 +167,7 @@ def sweep_decode_steps(name: str, slots: int, decode_len: int, per_slot: int, re
     for n in _SWEEP.value:
         rollout = dataclasses.replace(cfg.rollout, slots_per_slice=slots,
                                       max_decode_len=decode_len, eos_id=-1,
-                                      decode_steps=int(n))
+                                      decode_steps=int(n), kv_cache="dense")
         sl = DecodeSlice(0, Engine(cfg.model, rollout, mesh))
         sl.load_version(0, params)
         fixed = make_fixed_batch(sl.engine)
@@ -191,7 +191,7 @@ def bench_model(name: str, slots: int, decode_len: int, per_slot: int, repeats: 
     for label, eos in (("all slots busy (no EOS)", -1),
                        (f"long-tailed lengths (EOS={eos_long_tail})", eos_long_tail)):
         rollout = dataclasses.replace(cfg.rollout, slots_per_slice=S, max_decode_len=decode_len,
-                                      eos_id=eos)
+                                      eos_id=eos, kv_cache="dense")
         engine = Engine(cfg.model, rollout, mesh)
         sl = DecodeSlice(0, engine)
         sl.load_version(0, params)

@@ -148,7 +148,7 @@ def decode_tokens_per_second(reps: int, slots: int, calls: int = 4) -> dict:
             padded, n = eng.pad_tokens(tokens)
             prefix, _ = eng.prefill(params=p, padded_tokens=padded, true_length=n, rng=slot)
             state = eng.insert(prefix, state, slot, length=n)
-        state, _ = eng.generate(p, state)  # compile
+        state, _ = eng.generate_steps(p, state)  # compile
         runs[layout] = [eng, p, jax.block_until_ready(state)]
     times = {layout: [] for layout in runs}
     for _ in range(reps):  # interleaved
@@ -156,7 +156,7 @@ def decode_tokens_per_second(reps: int, slots: int, calls: int = 4) -> dict:
             eng, p, state = run
             start = time.perf_counter()
             for _ in range(calls):
-                state, result = eng.generate(p, state)
+                state, result = eng.generate_steps(p, state)
             steps = int(np.asarray(result.valid).any(axis=1).sum())
             assert steps == eng.decode_steps  # nothing finished: every slot busy
             run[2] = jax.block_until_ready(state)

@@ -64,8 +64,17 @@ def _one_line(text: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class TokenizerParameters:
-    """What the Engine API hands out for building a tokenizer: its directory."""
+    """What the Engine API hands out for building a tokenizer: JetStream's
+    TokenizerParameters as far as a local Hugging Face directory needs them, plus the
+    stop ids the engine decodes with.
+
+    path: the tokenizer's directory. extra_ids: sentinel ids beyond the vocabulary
+    (a SentencePiece notion; 0 here). stop_ids: token ids that end a sequence (the
+    tokenizer built from these parameters stops on them too).
+    """
     path: str
+    extra_ids: int = 0
+    stop_ids: tuple = ()
 
 
 def _read_text(path: str) -> str:
@@ -244,6 +253,14 @@ class Tokenizer:
                        chat_template_file=source_file)
         except TokenizerError as e:
             raise TokenizerError(f"{cfg_file}: {e}") from None
+
+    @classmethod
+    def from_parameters(cls, params: TokenizerParameters) -> Tokenizer:
+        """The tokenizer of `params.path`, stopping on its own stop ids and on
+        `params.stop_ids`."""
+        tok = cls.from_pretrained(params.path)
+        tok.stop_ids = tuple(dict.fromkeys([*tok.stop_ids, *params.stop_ids]))
+        return tok
 
     def save_pretrained(self, path: str) -> None:
         """Writes tokenizer.json and tokenizer_config.json (loadable by

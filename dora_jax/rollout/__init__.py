@@ -3,6 +3,7 @@ resident policy version, migration, interrupt-and-reload)."""
 
 from dora_jax.rollout.engine import (DecodeState, Engine, EngineParams, Prefix, ResultTokens,
                                      prefill_buckets)
+from dora_jax.rollout.state import SlotData
 from dora_jax.rollout.sampling import SamplingParams, key_data_from_seed
 from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.rollout.trajectory import (InFlight, Request, RolloutError, SliceStats,
@@ -10,6 +11,7 @@ from dora_jax.rollout.trajectory import (InFlight, Request, RolloutError, SliceS
 
 __all__ = [
     "DecodeSlice", "DecodeState", "Engine", "EngineParams", "InFlight", "Prefix", "Request",
-    "ResultTokens", "RolloutError", "SamplingParams", "SliceStats", "SlotOverflowError",
+    "ResultTokens", "RolloutError", "SamplingParams", "SliceStats", "SlotData",
+    "SlotOverflowError",
     "Trajectory", "VersionMismatchError", "key_data_from_seed", "prefill_buckets",
 ]

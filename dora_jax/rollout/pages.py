@@ -120,8 +120,9 @@ class PagePool:
     def assign(self, slot: int, tokens: int, shared=()) -> np.ndarray:
         """Maps `slot` (released first, if it held pages) to hold `tokens` positions:
         its first pages are `shared` (one more reference each), the rest fresh.
-        Raises PagesExhausted, changing nothing, if the pool is short. Returns the fresh pages' positions as a write list: int32[pages for tokens],
-        page id where the slot's content must be written, 0 where it is shared."""
+        Raises PagesExhausted, changing nothing, if the pool is short. Returns the
+        write list, int32[pages for tokens]: the page id where the slot's content
+        must be written, 0 where it is shared."""
         shared = [int(p) for p in shared]
         n = min(self.pages_for(tokens), self.pages_per_slot)
         if len(shared) > n:

@@ -1,12 +1,11 @@
 """A decode slice: a sub-mesh, an engine, one resident (version, params) and S slots.
 
 Continuous batching: `step()` prefills waiting requests into free slots, runs one
-generate call (`rollout.decode_steps` tokens per slot) and returns the trajectories
-that finished; a freed slot takes the next waiting request on the next call. The
-only host sync per call is one read of its packed tokens / log-probs / finished
-flags (plus one for the prefill results of that call's inserts, if any); tokens are
-kept in host buffers indexed by (slot, response index), written with vectorised
-numpy.
+`generate_steps` call (up to `rollout.decode_steps` tokens per slot) and returns the
+trajectories that finished; a freed slot takes the next waiting request on the next
+call. The only host sync per call is one read of its packed results (plus one for
+the prefill results of that call's inserts, if any), written into the slots' host
+buffers (`slots.SlotTable`) with vectorised numpy.
 
 Lookahead (default): `step()` dispatches generate call k and only then reads the
 results of call k-1, so the device never waits for the host (JetStream's generate /
@@ -17,9 +16,9 @@ the exact state (`load_version`, `export_requests`, `interrupt_and_reload`) firs
 read what is in flight; the counts (`num_free_slots`, ...) are the host's view, in
 which a request that finished in the last generate step is still held.
 
-Paged KV cache (`rollout.kv_cache="paged"`): a slot holds pages for the positions
-it has; admission by free pages, preemption and the group prompt cache are in
-slice_memory.py.
+Paged KV cache: a slot holds pages for the positions it has; the group prompt cache
+and admission by free pages are the slice's `memory` (slice_memory.py); when a
+call does not fit, the slice preempts its most recently started request.
 
 Constraint C1 is enforced here: `submit`, `import_requests` and `load_version` refuse
 anything that would make the slice serve a request under a version other than its
@@ -39,27 +38,14 @@ import jax
 import numpy as np
 
 from dora_jax import versions as versions_lib
-from dora_jax.rollout.engine import Engine, ResultTokens
-from dora_jax.rollout.slice_memory import SliceMemory
-from dora_jax.rollout.trajectory import (InFlight, Request, RolloutError, SliceStats,
-                                         SlotOverflowError, Trajectory, VersionMismatchError)
+from dora_jax.rollout.engine import Engine
+from dora_jax.rollout.slice_memory import SliceMemory, prompt_key
+from dora_jax.rollout.slots import SlotTable
+from dora_jax.rollout.trajectory import (Held, InFlight, Request, RolloutError, SliceStats,
+                                         SlotOverflowError, VersionMismatchError)
 
 
-class _Seq:
-    """A held request's host-side state. Tokens of a running request live in the
-    slice's slot buffers until `_flush` copies them here."""
-
-    __slots__ = ("request", "version", "tokens", "logprobs", "runs", "slice_ids",
-                 "t_submit", "t_start", "slot")
-
-    def __init__(self, request, version, tokens, logprobs, runs, slice_ids, t_submit, t_start):
-        self.request, self.version = request, version
-        self.tokens, self.logprobs, self.runs = tokens, logprobs, runs
-        self.slice_ids, self.t_submit, self.t_start = slice_ids, t_submit, t_start
-        self.slot = None
-
-
-class DecodeSlice(SliceMemory):
+class DecodeSlice:
     """S slots of continuous batching on one engine, serving one resident version.
 
     Args:
@@ -77,35 +63,22 @@ class DecodeSlice(SliceMemory):
         self.params = None
         self.stats = SliceStats()
         self.load_log: list = []  # (version, seconds) per weight load
-        S, D = engine.max_concurrent_decodes, engine.max_decode_len
         self.state = engine.init_decode_state()
         self._pool_epoch = None if engine.pages is None else engine.pages.epoch
-        self._slots: list = [None] * S
-        self._owned = np.zeros(S, bool)
-        self._tok_buf = np.zeros((S, D), np.int32)
-        self._lp_buf = np.zeros((S, D), np.float32)
-        self._count = np.zeros(S, np.int64)
-        # Paged cache: positions written when placed, prompt lengths (to tighten the
-        # page pool's bounds at each read).
-        self._placed = np.zeros(S, np.int64)  # positions written when placed
-        self._prompt_len = np.zeros(S, np.int64)
-        self._order = np.zeros(S, np.int64)  # start order of each slot's request
-        self._starts = 0
-        self._held: dict = {}  # request_id -> _Seq (waiting and running)
+        self.slots = SlotTable(engine.max_concurrent_decodes, engine.max_decode_len)
+        self.memory = SliceMemory(engine)
+        self._held: dict = {}  # request_id -> Held (waiting and running)
         self._waiting: collections.deque = collections.deque()
         self._pending: list = []  # (seq, prefill ResultTokens on device) not yet dispatched
         # (pending prefills, generate ResultTokens, its step count) not yet read
         self._inflight = None
         self._done: list = []  # finished Trajectories not yet returned by step()
-        # Prompt prefixes of the groups held here, under the resident params: a
-        # group's later samples start from them without another forward pass.
-        self._prompt_prefixes: dict = {}  # (group_id, prompt) -> Prefix
-        self._prompt_pages: dict = {}  # (group_id, prompt) -> its whole prompt pages
 
     @classmethod
     def create(cls, slice_id, mesh, model_cfg, rollout_cfg, *, lookahead: bool = True,
                **engine_kwargs) -> "DecodeSlice":
-        """A slice with its own Engine (engine kwargs: rules, sampling_params, greedy)."""
+        """A slice with its own Engine (engine kwargs: rules, sampling_params, greedy,
+        tokenizer_path, stop_ids)."""
         return cls(slice_id, Engine(model_cfg, rollout_cfg, mesh, **engine_kwargs),
                    lookahead=lookahead)
 
@@ -113,7 +86,7 @@ class DecodeSlice(SliceMemory):
 
     @property
     def num_slots(self) -> int:
-        return len(self._slots)
+        return len(self.slots)
 
     @property
     def num_requests(self) -> int:
@@ -126,12 +99,14 @@ class DecodeSlice(SliceMemory):
         return self.num_slots - len(self._held)
 
     @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
-
-    @property
     def num_running(self) -> int:
         return len(self._held) - len(self._waiting)
+
+    @property
+    def kv_free_tokens(self):
+        """Paged cache: KV positions free beyond what the running requests' next call
+        and the waiting requests' start need (may be negative); None if dense."""
+        return self.memory.kv_free_tokens(self._waiting)
 
     def holds(self, request_id) -> bool:
         """The request is waiting or running here (not finished, not exported)."""
@@ -148,9 +123,7 @@ class DecodeSlice(SliceMemory):
         self._held.clear()
         self._waiting.clear()
         self._pending, self._inflight, self._done = [], None, []
-        self._slots = [None] * self.num_slots
-        for buf in (self._owned, self._count, self._placed, self._prompt_len, self._order):
-            buf[:] = 0
+        self.slots.clear()
         self.params = self.version = None
         self.reset_decode_state()
 
@@ -162,16 +135,16 @@ class DecodeSlice(SliceMemory):
                                f"{self.num_requests} request(s)")
         self.state = self.engine.init_decode_state()
         self._pool_epoch = None if self.engine.pages is None else self.engine.pages.epoch
-        self._prompt_prefixes.clear()
-        self._prompt_pages.clear()  # pages of the pool just reset
+        self.memory.reset()
 
     # ------------------------------------------------------------ versions
 
     def load_version(self, version: int, params) -> float:
-        """Makes `(version, params)` resident: reshards params onto the slice mesh
-        (jax.device_put to the decode rules) and waits for the transfer. Refuses
-        (VersionMismatchError, slice unchanged) while holding requests of another
-        version. Returns the transfer time in seconds."""
+        """Makes `(version, params)` resident: params on any devices (an nnx.State or
+        its pure dict, e.g. the trainer's published copy) or EngineParams of this
+        engine, placed by one `engine.load_params` (no transfer if already placed),
+        waiting for the transfer. Refuses (VersionMismatchError, slice unchanged)
+        while holding requests of another version. Returns the seconds waited."""
         self._sync()  # requests that finished in flight no longer count
         other = sorted(self.held_versions - {version})
         if other:
@@ -182,11 +155,12 @@ class DecodeSlice(SliceMemory):
         return self._load(version, params)
 
     def interrupt_and_reload(self, version: int, params) -> float:
-        """partial_rollout: loads `version` with requests in flight, re-prefills each
-        running one (prompt + tokens so far) under the new params and continues it;
-        waiting ones will start under the new version. Returns the transfer time."""
+        """partial_rollout: loads `version` (params as for `load_version`) with
+        requests in flight, re-prefills each running one (prompt + tokens so far)
+        under the new params and continues it; waiting ones will start under the new
+        version. Returns the seconds waited for the params."""
         self._sync()
-        running = [seq for seq in self._slots if seq is not None]
+        running = self.slots.holders()
         for seq in running:
             self._flush(seq)
         seconds = self._load(version, params)
@@ -202,7 +176,7 @@ class DecodeSlice(SliceMemory):
         loaded = jax.block_until_ready(self.engine.load_params(params))
         seconds = time.perf_counter() - t0
         self.params, self.version = loaded, version
-        self._forget_prompts(list(self._prompt_prefixes))  # computed under the old params
+        self.memory.forget(list(self.memory.prefixes))  # computed under the old params
         self.stats.weight_loads += 1
         self.stats.weight_transfer_seconds += seconds
         self.load_log.append((version, seconds))
@@ -215,9 +189,8 @@ class DecodeSlice(SliceMemory):
         unchanged) on a version other than the resident one (C1), a bad prompt, a
         duplicate id or no free slot."""
         self._check_accepts([request.request_id], [request.version])
-        self._check_prompt(request)
-        request.key_data()  # validates the seed
-        seq = _Seq(request, request.version, [], [], [], [self.slice_id], self.clock(), None)
+        request.check(self.engine.max_prefill_length, self.engine.model_cfg.vocab_size)
+        seq = Held(request, request.version, [], [], [], [self.slice_id], self.clock(), None)
         self._held[request.request_id] = seq
         self._waiting.append(seq)
 
@@ -227,18 +200,17 @@ class DecodeSlice(SliceMemory):
         if self._pool_epoch is not None and self.engine.pages.epoch != self._pool_epoch:
             raise RolloutError(f"slice {self.slice_id}: its engine's KV page pool was reset "
                                f"by another decode state; give each slice its own Engine")
-        while (self._waiting and not self._owned.all()
-               and self._has_pages_for(self._waiting[0])):
-            slot = int(np.argmin(self._owned))  # lowest free slot
-            self._start(self._waiting.popleft(), slot)
+        while (self._waiting and not self.slots.full
+               and self.memory.has_pages_for(self._waiting[0])):
+            self._start(self._waiting.popleft(), self.slots.lowest_free())
         result, n = None, 0
-        if self._owned.any():
+        if self.slots.busy:
             # With a free slot, new work may arrive at any moment: one token, then look
             # again. A full slice runs the whole call (it ends early when a slot frees).
-            n = self.engine.decode_steps if self._owned.all() else 1
+            n = self.engine.decode_steps if self.slots.full else 1
             if self.engine.pages is not None:
                 self._reserve_pages(n)
-            self.state, result = self.engine.generate(self.params, self.state, n)
+            self.state, result = self.engine.generate_steps(self.params, self.state, n)
             if self.engine.pages is not None:
                 self.stats.peak_pages = max(self.stats.peak_pages, self.engine.pages.num_used)
             self.stats.generate_calls += 1
@@ -249,7 +221,7 @@ class DecodeSlice(SliceMemory):
         if record is not None:
             self._read(*record)
         done, self._done = self._done, []
-        self._forget_gone_groups()
+        self.memory.forget_groups_except({rid[0] for rid in self._held})
         return done
 
     def drain(self, max_steps: int | None = None) -> list:
@@ -284,12 +256,9 @@ class DecodeSlice(SliceMemory):
                 prefix = self.engine.extract(  # only the positions written so far
                     self.state, seq.slot, used=len(seq.request.prompt_tokens) + len(seq.tokens))
                 self._free(seq)
-            out.append(InFlight(
-                request=seq.request, version=seq.version, response_tokens=seq.tokens,
-                behaviour_logprobs=seq.logprobs, versions=seq.runs, slice_ids=seq.slice_ids,
-                t_submit=seq.t_submit, t_start=seq.t_start, prefix=prefix))
+            out.append(seq.to_inflight(prefix))
         self.stats.migrated_out += len(out)
-        self._forget_gone_groups()
+        self.memory.forget_groups_except({rid[0] for rid in self._held})
         return out
 
     def import_requests(self, inflights: Iterable[InFlight]) -> None:
@@ -306,14 +275,12 @@ class DecodeSlice(SliceMemory):
                                    f"{self.engine.cache_length}")
         dst = self.engine.get_prefix_destination_sharding()
         for f in inflights:
-            seq = _Seq(f.request, f.version, list(f.response_tokens),
-                       list(f.behaviour_logprobs), [list(r) for r in f.versions],
-                       list(f.slice_ids) + [self.slice_id], f.t_submit, f.t_start)
+            seq = Held.from_inflight(f, self.slice_id)
             self._held[f.request.request_id] = seq
             if f.prefix is None:
                 self._waiting.append(seq)
                 continue
-            slot = int(np.argmin(self._owned))
+            slot = self.slots.lowest_free()
             used = len(f.request.prompt_tokens) + len(f.response_tokens)
             self.state = self.engine.insert(jax.device_put(f.prefix, dst), self.state, slot,
                                             length=used)
@@ -338,33 +305,20 @@ class DecodeSlice(SliceMemory):
                 f"slice {self.slice_id}: {len(ids)} request(s) but only "
                 f"{self.num_free_slots} free slot(s) of {self.num_slots}")
 
-    def _check_prompt(self, request: Request):
-        n, limit = len(request.prompt_tokens), self.engine.max_prefill_length
-        if n == 0:
-            raise ValueError(f"request {request.request_id}: empty prompt")
-        if n > limit:
-            raise ValueError(f"request {request.request_id}: prompt of {n} tokens exceeds "
-                             f"max_prefill_length {limit}")
-        vocab = self.engine.model_cfg.vocab_size
-        if min(request.prompt_tokens) < 0 or max(request.prompt_tokens) >= vocab:
-            raise ValueError(f"request {request.request_id}: prompt token ids must be in "
-                             f"[0, {vocab})")
-
-    def _start(self, seq: _Seq, slot: int):
+    def _start(self, seq: Held, slot: int):
         """Prefills prompt + tokens so far into `slot`; the result is read at the next
         sync. The group's prompt is run once under the resident params: a fresh
         sample draws its first token from the prompt's prefix, a resumed one
         (preempted, or re-prefilled under new params) runs only its own tokens on top
         of it, and on a paged cache they all map the prompt's pages."""
-        r, engine = seq.request, self.engine
-        P = len(r.prompt_tokens)
-        key = (r.group_id, tuple(r.prompt_tokens))
-        base = self._prompt_prefixes.get(key)
+        r, engine, memory = seq.request, self.engine, self.memory
+        P, key = len(r.prompt_tokens), prompt_key(r)
+        base = memory.prefixes.get(key)
         if base is None and seq.tokens:  # the group's prompt, once
             padded, _ = engine.pad_tokens(r.prompt_tokens)
             base, _ = engine.prefill(params=self.params, padded_tokens=padded,
                                      true_length=P, rng=r.key_data())
-            self._prompt_prefixes[key] = base
+            memory.prefixes[key] = base
             self.stats.prefills += 1
             self.stats.prefill_tokens += P
         # Without a prefix the whole sequence runs; with it, only the response so far.
@@ -376,85 +330,81 @@ class DecodeSlice(SliceMemory):
                                         max_new_tokens=r.max_new_tokens)
         n = P + len(seq.tokens)
         self.state = engine.insert(prefix, self.state, slot, length=n,
-                                   shared_pages=self._prompt_pages.get(key, ()))
+                                   shared_pages=memory.pages.get(key, ()))
         self.stats.reprefill_tokens += len(seq.tokens)
         if base is not None:
             self.stats.prefills_shared += 1
         else:
             self.stats.prefills += 1
             self.stats.prefill_tokens += P
-            self._prompt_prefixes[key] = prefix
-        if engine.pages is not None and key not in self._prompt_pages:
-            self._prompt_pages[key] = engine.pages.share(slot, P)
+        memory.remember(key, prefix if base is None else base, slot, P)
         if seq.t_start is None:
             seq.t_start = self.clock()
         self._place(seq, slot, n)
         self._pending.append((seq, result))
 
-    def _place(self, seq: _Seq, slot: int, written: int):
-        m = len(seq.tokens)
-        self._tok_buf[slot, :m] = seq.tokens
-        self._lp_buf[slot, :m] = seq.logprobs
-        self._count[slot] = m
-        self._placed[slot] = written
-        self._prompt_len[slot] = len(seq.request.prompt_tokens)
-        self._starts += 1
-        self._order[slot] = self._starts
-        self._slots[slot], self._owned[slot], seq.slot = seq, True, slot
+    def _place(self, seq: Held, slot: int, written: int):
+        self.slots.place(seq, slot, len(seq.request.prompt_tokens), written)
         if self.engine.pages is not None:
             self.stats.peak_pages = max(self.stats.peak_pages, self.engine.pages.num_used)
 
-    def _free(self, seq: _Seq):
+    def _free(self, seq: Held):
         self.engine.free_resource(seq.slot)
-        self._slots[seq.slot], self._owned[seq.slot], seq.slot = None, False, None
+        self.slots.free(seq.slot)
 
-    def _flush(self, seq: _Seq):
-        """Copies the slot buffer's new tokens into the seq, tagged with its version."""
-        s, m = seq.slot, len(seq.tokens)
-        n = int(self._count[s])
-        seq.tokens.extend(self._tok_buf[s, m:n].tolist())
-        seq.logprobs.extend(self._lp_buf[s, m:n].tolist())
-        versions_lib.extend(seq.runs, seq.version, n - m)
+    def _flush(self, seq: Held):
+        """Copies the slot's new tokens into the seq, tagged with its version."""
+        tokens, logprobs = self.slots.new_tokens(seq.slot, len(seq.tokens))
+        seq.tokens.extend(tokens)
+        seq.logprobs.extend(logprobs)
+        versions_lib.extend(seq.runs, seq.version, len(tokens))
 
-    def _record(self, seq, step, token, logprob, finished):
-        s = seq.slot
-        self._tok_buf[s, step], self._lp_buf[s, step] = token, logprob
-        self._count[s] = step + 1
-        if finished:
-            self._finish(seq)
+    def _reserve_pages(self, n: int):
+        """Makes room in the pool for a call of n steps of every running slot: lets the
+        prompt pages go, then sends the most recently started request back to the head
+        of the queue with its tokens (resumed under the same version: C1)."""
+        if self.memory.short(n):
+            self._sync()  # finished requests give their pages back
+        while self.memory.short(n):
+            if self.memory.drop_prompt_pages():
+                continue
+            if self.slots.owned.sum() <= 1:
+                raise RolloutError(f"slice {self.slice_id}: KV pool of "
+                                   f"{self.engine.pages.num_pages} pages cannot hold one "
+                                   f"request")
+            victim = self.slots.owner(self.slots.latest_started())
+            self._flush(victim)
+            self._free(victim)
+            self._waiting.appendleft(victim)
+            self.stats.preempted += 1
 
     def _read(self, pending, result, n=0):
         """Records prefill results (first, they precede any generate result of the
         same slot) and one generate call's results; finishes what finished."""
         if pending:
             for (seq, _), r in zip(pending, jax.device_get([r for _, r in pending])):
-                self._record(seq, int(r.steps[0]), r.tokens[0], r.logprobs[0],
-                             bool(r.finished[0]))
+                self.slots.record(seq.slot, int(r.steps[0]), r.tokens[0], r.logprobs[0])
+                if r.finished[0]:
+                    self._finish(seq)
         if result is None:
             return
-        host = ResultTokens(np.asarray(result.data))  # the one host sync per call
+        host = result.convert_to_numpy()  # the one host sync per call
         steps_run = int(host.valid.any(axis=1).sum())  # the call may end early
         self.stats.generate_steps += steps_run
         self.stats.total_slot_steps += self.num_slots * steps_run
         # [n, S]: rows of slots that finished earlier (or were never filled) are not
         # valid; a slot refilled since this call was dispatched was inactive in it.
-        valid_NS = host.valid & self._owned
+        valid_NS = host.valid & self.slots.owned
         n_idx, slots = np.nonzero(valid_NS)
-        steps = host.steps[n_idx, slots]
-        self._tok_buf[slots, steps] = host.tokens[n_idx, slots]
-        self._lp_buf[slots, steps] = host.logprobs[n_idx, slots]
-        np.maximum.at(self._count, slots, steps + 1)
+        self.slots.record(slots, host.steps[n_idx, slots], host.tokens[n_idx, slots],
+                          host.logprobs[n_idx, slots])
         self.stats.busy_slot_steps += len(slots)
         for s in np.flatnonzero((host.finished & valid_NS).any(axis=0)):
-            self._finish(self._slots[s])
+            self._finish(self.slots.owner(s))
         if self.engine.pages is not None:
-            # Written so far: prompt + all but the last sampled token; plus what the
-            # call still in flight (if any) may write.
+            # What the call still in flight (if any) may write comes on top.
             ahead = self._inflight[2] if self._inflight is not None else 0
-            # A slot whose prefill is not read yet has written what it was placed with.
-            owned = np.flatnonzero(self._owned)
-            written = np.maximum(self._prompt_len[owned] + self._count[owned] - 1,
-                                 self._placed[owned])
+            owned, written = self.slots.written()
             self.engine.pages.tighten(owned, written + ahead)
 
     def _sync(self):
@@ -466,18 +416,10 @@ class DecodeSlice(SliceMemory):
         pending, self._pending = self._pending, []
         self._read(pending, None)
 
-    def _finish(self, seq: _Seq):
+    def _finish(self, seq: Held):
         self._flush(seq)
         self._free(seq)
         del self._held[seq.request.request_id]
-        eos = self.engine.rollout_cfg.eos_id
-        reason = "eos" if eos >= 0 and seq.tokens[-1] == eos else "length"
-        r = seq.request
-        self._done.append(Trajectory(
-            group_id=r.group_id, prompt_id=r.prompt_id, sample_index=r.sample_index,
-            version=r.version if r.group_version is None else r.group_version,
-            prompt_tokens=list(r.prompt_tokens), response_tokens=seq.tokens,
-            behaviour_logprobs=seq.logprobs, versions=seq.runs, slice_ids=seq.slice_ids,
-            finish_reason=reason, t_submit=seq.t_submit, t_start=seq.t_start,
-            t_finish=self.clock()))
+        reason = "eos" if seq.tokens[-1] in self.engine.stop_ids else "length"
+        self._done.append(seq.to_trajectory(reason, self.clock()))
         self.stats.finished += 1

@@ -1,6 +1,7 @@
 """The engine's pytrees: params as it takes them, the decode state of S slots, one
-request's prefix (what prefill returns, insert takes and migration moves), and the
-packed per-slot results of prefill and generate calls."""
+prompt's prefix for N samples (what prefill returns, insert takes and migration
+moves), and the packed per-sample results of prefill and generate calls, shaped as
+JetStream's `engine_api.ResultTokens`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from dora_jax.model import transformer
 
@@ -36,68 +38,119 @@ class DecodeState(NamedTuple):
 
 
 class Prefix(NamedTuple):
-    """One request's decode state, ready for `insert` (from prefill or extract)."""
+    """One prompt's decode state for N samples of it, ready for `insert` (N=1) or
+    `bulk_insert` (N slots): from prefill (N=1), prefill_multisampling or extract.
+    The samples share the KV cache; each has its own first token and RNG key."""
 
     cache: transformer.KVCache  # [layers, 1, T, kv_heads, head_dim], T <= cache_length
-    token: jax.Array  # int32[] last sampled token (next decode input)
+    token: jax.Array  # int32[N] last sampled token of each sample (next decode input)
     position: jax.Array  # int32[] its position
     step: jax.Array  # int32[] response index of the next token to sample
-    key: jax.Array  # uint32[2] request RNG key data
-    active: jax.Array  # bool[] False if the request has already finished
+    key: jax.Array  # uint32[N, 2] each sample's RNG key data
+    active: jax.Array  # bool[N] False where the sample has already finished
     limit: jax.Array  # int32[] the request's response-length limit
     # f32[V] logits that sampled `token`: another sample of the same prompt draws its
     # first token from them (`prefill(existing_prefix=...)`); zeros once extracted.
     logits: jax.Array
 
+    @property
+    def num_samples(self) -> int:
+        return self.token.shape[0]
 
-class ResultTokens(NamedTuple):
-    """Per-slot output of one prefill (B=1) or generate call (n steps x S slots).
 
-    Packed in one int32[..., B, 6] array (as JetStream packs its ResultTokens) so that
-    a host read is one transfer, not six; the properties below give the columns (with
-    the leading step axis of a generate call), on device arrays or on the numpy
-    arrays `jax.device_get` returns.
-    """
+# Columns of ResultTokens.data: JetStream's three (tokens, valid, lengths) and ours.
+TOKEN, LOGPROB, POSITION, LENGTH, VALID, FINISHED = range(6)
 
-    data: jax.Array  # int32[B, 6] or [n, S, 6]: the columns below, log-prob as f32 bits
+
+@struct.dataclass
+class SlotData:
+    """One slot's rows of a ResultTokens (JetStream's SlotData): tokens and valid
+    [samples_per_slot, 1], lengths [samples_per_slot], log_prob [samples_per_slot, 1]
+    (f32); a leading step axis for `generate_steps` results."""
+
+    tokens: jax.Array | np.ndarray
+    valid: jax.Array | np.ndarray
+    lengths: jax.Array | np.ndarray
+    log_prob: jax.Array | np.ndarray | None = None
+
+
+@struct.dataclass
+class ResultTokens:
+    """Per-sample output of a prefill (B = samples) or generate call (B = S slots),
+    JetStream's ResultTokens: everything in one int32 array `data` [B, 6], so a host
+    read is one transfer, with the column ranges of tokens, validity and lengths
+    (response tokens so far, this one included). Our columns beyond JetStream's:
+    log-prob (f32 bits), position, finished. `Engine.generate_steps` (extension)
+    returns [n, S, 6]: one row block per step. The properties read the columns on
+    device arrays or on numpy ones (`convert_to_numpy`)."""
+
+    data: jax.Array | np.ndarray
+    tokens_idx: tuple = struct.field(pytree_node=False, default=(TOKEN, TOKEN + 1))
+    valid_idx: tuple = struct.field(pytree_node=False, default=(VALID, VALID + 1))
+    length_idx: tuple = struct.field(pytree_node=False, default=(LENGTH, LENGTH + 1))
+    samples_per_slot: int = struct.field(pytree_node=False, default=1)
+
+    def copy_to_host_async(self) -> None:
+        if not isinstance(self.data, np.ndarray):
+            self.data.copy_to_host_async()
+
+    def convert_to_numpy(self) -> "ResultTokens":
+        return self.replace(data=np.asarray(self.data))
+
+    def get_result_at_slot(self, slot: int) -> SlotData:
+        """The rows of `slot` (its `samples_per_slot` samples), as JetStream gives them."""
+        rows = slice(slot * self.samples_per_slot, (slot + 1) * self.samples_per_slot)
+        block = self.data[..., rows, :]
+        return SlotData(tokens=block[..., slice(*self.tokens_idx)],
+                        valid=block[..., slice(*self.valid_idx)],
+                        lengths=block[..., slice(*self.length_idx)][..., 0],
+                        log_prob=_as_f32(block[..., LOGPROB:LOGPROB + 1]))
 
     @property
     def tokens(self):
         """Sampled token per row."""
-        return self.data[..., 0]
+        return self.data[..., TOKEN]
 
     @property
     def logprobs(self):
         """f32 log-prob of the token under the sampling distribution actually used."""
-        col = self.data[..., 1]
-        if isinstance(col, np.ndarray):
-            return col.view(np.float32)
-        return jax.lax.bitcast_convert_type(col, jnp.float32)
+        return _as_f32(self.data[..., LOGPROB])
 
     @property
     def positions(self):
         """Position of the token in prompt + response."""
-        return self.data[..., 2]
+        return self.data[..., POSITION]
+
+    @property
+    def lengths(self):
+        """Response tokens so far, this one included."""
+        return self.data[..., LENGTH]
 
     @property
     def steps(self):
         """Index of the token in the response (0 = first response token)."""
-        return self.data[..., 3]
+        return self.data[..., LENGTH] - 1
 
     @property
     def valid(self):
         """Row holds a real token (the slot was active); ignore other rows."""
-        return self.data[..., 4] != 0
+        return self.data[..., VALID] != 0
 
     @property
     def finished(self):
-        """The token ends its request (EOS or max_decode_len)."""
-        return self.data[..., 5] != 0
+        """The token ends its sequence (a stop id, or the length limit)."""
+        return self.data[..., FINISHED] != 0
 
     @staticmethod
-    def pack(tokens_B, logprobs_B, positions_B, steps_B, valid_B, finished_B) -> "ResultTokens":
+    def pack(tokens_B, logprobs_B, positions_B, lengths_B, valid_B, finished_B) -> "ResultTokens":
         i32 = jnp.int32
         return ResultTokens(jnp.stack(
             [tokens_B.astype(i32), jax.lax.bitcast_convert_type(logprobs_B, i32),
-             positions_B.astype(i32), steps_B.astype(i32), valid_B.astype(i32),
-             finished_B.astype(i32)], axis=1))
+             positions_B.astype(i32), lengths_B.astype(i32), valid_B.astype(i32),
+             finished_B.astype(i32)], axis=-1))
+
+
+def _as_f32(bits):
+    if isinstance(bits, np.ndarray):
+        return bits.view(np.float32)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)

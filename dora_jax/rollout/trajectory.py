@@ -2,7 +2,9 @@
 the records a scheduler reads (slice counters, exported in-flight requests).
 
 Host-side records. A `Trajectory` is one ledger row's rollout part: `to_dict()`
-gives plain JSON types and `from_dict` reads it back.
+gives plain JSON types and `from_dict` reads it back. A slice keeps each request it
+holds as a `Held` record, which becomes a Trajectory when it finishes or an
+InFlight when it is exported.
 """
 
 from __future__ import annotations
@@ -61,6 +63,19 @@ class Request:
     def key_data(self) -> np.ndarray:
         return key_data_from_seed(self.seed)
 
+    def check(self, max_prefill_length: int, vocab_size: int) -> None:
+        """Raises ValueError on an empty or too long prompt, a prompt id outside the
+        vocabulary, or a bad seed."""
+        n, rid = len(self.prompt_tokens), self.request_id
+        if n == 0:
+            raise ValueError(f"request {rid}: empty prompt")
+        if n > max_prefill_length:
+            raise ValueError(f"request {rid}: prompt of {n} tokens exceeds "
+                             f"max_prefill_length {max_prefill_length}")
+        if min(self.prompt_tokens) < 0 or max(self.prompt_tokens) >= vocab_size:
+            raise ValueError(f"request {rid}: prompt token ids must be in [0, {vocab_size})")
+        self.key_data()
+
 
 @dataclasses.dataclass
 class Trajectory:
@@ -97,11 +112,6 @@ class Trajectory:
     @property
     def request_id(self) -> tuple:
         return (self.group_id, self.sample_index)
-
-    @property
-    def single_version(self) -> bool:
-        """Every token came from one version (C1)."""
-        return len(self.versions) == 1
 
     def token_versions(self) -> list:
         return versions_lib.expand(self.versions)
@@ -163,3 +173,42 @@ class InFlight:
     t_submit: float
     t_start: Optional[float]
     prefix: Optional[Any]  # engine.Prefix
+
+
+@dataclasses.dataclass(slots=True)
+class Held:
+    """A request held by a slice: its tokens so far (a running request's newest
+    ones live in the slice's SlotTable until flushed here) and its provenance.
+    `slot` is None while it waits."""
+
+    request: Request
+    version: int
+    tokens: list
+    logprobs: list
+    runs: list  # run-length encoded versions of `tokens`
+    slice_ids: list
+    t_submit: float
+    t_start: Optional[float]
+    slot: Optional[int] = None
+
+    @classmethod
+    def from_inflight(cls, f: InFlight, slice_id: int) -> "Held":
+        return cls(f.request, f.version, list(f.response_tokens), list(f.behaviour_logprobs),
+                   [list(r) for r in f.versions], list(f.slice_ids) + [slice_id], f.t_submit,
+                   f.t_start)
+
+    def to_inflight(self, prefix) -> InFlight:
+        return InFlight(request=self.request, version=self.version,
+                        response_tokens=self.tokens, behaviour_logprobs=self.logprobs,
+                        versions=self.runs, slice_ids=self.slice_ids, t_submit=self.t_submit,
+                        t_start=self.t_start, prefix=prefix)
+
+    def to_trajectory(self, finish_reason: str, t_finish: float) -> Trajectory:
+        r = self.request
+        return Trajectory(
+            group_id=r.group_id, prompt_id=r.prompt_id, sample_index=r.sample_index,
+            version=r.version if r.group_version is None else r.group_version,
+            prompt_tokens=list(r.prompt_tokens), response_tokens=self.tokens,
+            behaviour_logprobs=self.logprobs, versions=self.runs, slice_ids=self.slice_ids,
+            finish_reason=finish_reason, t_submit=self.t_submit, t_start=self.t_start,
+            t_finish=t_finish)

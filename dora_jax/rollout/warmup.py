@@ -50,7 +50,7 @@ def warm_engine(engine: Engine, params, *, reprefills: bool) -> None:
             padded, _ = engine.pad_tokens([_FILL] * so_far)
             engine.prefill(params=params, rng=0, padded_tokens=padded, true_length=so_far,
                            num_generated=so_far, existing_prefix=base)
-    state, _ = engine.generate(params, state)
+    state, _ = engine.generate_steps(params, state)
     # A migrated request moves the bucket holding its positions: every length's
     # extract and insert compile too.
     for used in sorted(set(engine.buckets) | {r.cache_length}):
@@ -68,7 +68,7 @@ def warm_engine(engine: Engine, params, *, reprefills: bool) -> None:
                 n = min(left, pool.pages_per_slot)
                 pool.assign(slot, n * pool.page_size - 1)  # the step's token fits too
                 left, slot = left - n, slot + 1
-            state, _ = engine.generate(params, state, 1)
+            state, _ = engine.generate_steps(params, state, 1)
             if bucket >= pool.num_pages:
                 break
     jax.block_until_ready(state)

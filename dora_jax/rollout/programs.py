@@ -1,0 +1,179 @@
+"""The engine's device programs: pure functions of params and pytrees, which
+`engine.Engine` compiles (and `generate_fn` exposes for other jitted loops).
+
+Stopping: a sequence finishes on the token after which it has `limit` response
+tokens, or on any of the engine's stop ids (a tokenizer may carry several).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dora_jax.model import transformer
+from dora_jax.model.sharding import activation_rules
+from dora_jax.rollout import sampling
+from dora_jax.rollout.state import DecodeState, EngineParams, Prefix, ResultTokens
+
+
+class Programs:
+    """What the engine runs on device, for one model, mesh and sampling setting.
+
+    stop_ids: token ids that end a sequence (none: only the length limit does).
+    pool_pages: pages of the paged KV pool (page 0 excluded), or None for the
+      dense cache.
+    """
+
+    def __init__(self, model_cfg, rollout_cfg, mesh, rules, sampling_params, graphdef,
+                 treedef, *, stop_ids, pool_pages: int | None):
+        self.model_cfg, self.rollout_cfg, self.mesh, self.rules = (model_cfg, rollout_cfg,
+                                                                   mesh, rules)
+        self.sampling_params, self.graphdef, self.treedef = sampling_params, graphdef, treedef
+        self.stop_ids, self.pool_pages = np.asarray(sorted(stop_ids), np.int32), pool_pages
+
+    def _params(self, params: EngineParams):
+        return jax.tree.unflatten(self.treedef, list(params.leaves))
+
+    def finished(self, tokens_B, steps_B, limits_B):
+        """steps_B: the response index of each token just sampled."""
+        stop_B = (jnp.isin(tokens_B, self.stop_ids) if self.stop_ids.size
+                  else jnp.zeros(tokens_B.shape, bool))
+        return stop_B | (steps_B + 1 >= limits_B)
+
+    def init(self):
+        r, S = self.rollout_cfg, self.rollout_cfg.slots_per_slice
+        if self.pool_pages is None:
+            cache = transformer.init_cache(self.model_cfg, S, r.cache_length)
+        else:
+            cache = transformer.init_pool(self.model_cfg, self.pool_pages + 1, r.page_size)
+        return DecodeState(cache, jnp.zeros(S, jnp.int32), jnp.zeros(S, jnp.int32),
+                           jnp.zeros(S, jnp.int32), jnp.zeros((S, 2), jnp.uint32),
+                           jnp.zeros(S, bool), jnp.zeros(S, jnp.int32))
+
+    def prefill(self, params, tokens_T, true_length, keys_N2, num_generated, limit):
+        """A prompt (+ tokens so far) from position 0; N first tokens, one per key."""
+        with activation_rules(self.mesh, self.rules):
+            logits_1TV, _, kv = transformer.apply(
+                self.graphdef, self._params(params), tokens_T[None], dropless=True,
+                return_kv=True)
+        dtype = jnp.dtype(self.model_cfg.dtype)
+        kv = jax.tree.map(lambda x: x.astype(dtype), kv)
+        logits_1V = jax.lax.dynamic_slice_in_dim(logits_1TV[0], true_length - 1, 1, axis=0)
+        return self._first_tokens(kv, logits_1V, true_length, keys_N2, num_generated, limit)
+
+    def extend(self, params, prefix: Prefix, chunk_C, count, keys_N2, num_generated, limit,
+               length: int):
+        """Prefill of `count` tokens (chunk_C, padded) after the prefix's positions,
+        attending to them; the result's KV has `length` positions."""
+        held = prefix.position
+        with activation_rules(self.mesh, self.rules):
+            logits_1CV, _, kv = transformer.apply(
+                self.graphdef, self._params(params), chunk_C[None], dropless=True,
+                return_kv=True, past=prefix.cache, past_length=held)
+        C, T0 = chunk_C.shape[0], prefix.cache.length
+
+        def assemble(old, new):  # room for the whole chunk wherever it starts, then cut
+            buf = jnp.zeros((*old.shape[:2], max(T0, length) + C, *old.shape[3:]), old.dtype)
+            buf = jax.lax.dynamic_update_slice_in_dim(buf, old, 0, axis=2)
+            buf = jax.lax.dynamic_update_slice_in_dim(buf, new.astype(old.dtype), held, axis=2)
+            return buf[:, :, :length]
+
+        kv = jax.tree.map(assemble, prefix.cache, kv)
+        logits_1V = jax.lax.dynamic_slice_in_dim(logits_1CV[0], count - 1, 1, axis=0)
+        return self._first_tokens(kv, logits_1V, held + count, keys_N2, num_generated, limit)
+
+    def resample(self, prefix: Prefix, keys_N2, num_generated, limit):
+        """N more samples of `prefix`'s text: first tokens from its logits."""
+        return self._first_tokens(prefix.cache, prefix.logits[None], prefix.position, keys_N2,
+                                  num_generated, limit)
+
+    def _first_tokens(self, kv, logits_1V, true_length, keys_N2, num_generated, limit):
+        N = keys_N2.shape[0]
+        step_N = jnp.full(N, num_generated, jnp.int32)
+        logits_NV = jnp.broadcast_to(logits_1V, (N, logits_1V.shape[-1]))
+        token_N, logprob_N = sampling.sample(logits_NV, sampling.step_keys(keys_N2, step_N),
+                                             self.sampling_params)
+        finished_N = self.finished(token_N, step_N, limit)
+        prefix = Prefix(kv, token_N, true_length, num_generated + 1, keys_N2, ~finished_N,
+                        limit, logits_1V[0].astype(jnp.float32))
+        result = ResultTokens.pack(token_N, logprob_N, jnp.full(N, true_length), step_N + 1,
+                                   jnp.ones(N, bool), finished_N)
+        return prefix, result
+
+    def insert(self, prefix: Prefix, state: DecodeState, slot, sample, write_pages):
+        """Sample `sample` of the prefix into `slot`; paged: the prefix's chunk j goes to
+        page write_pages[j] (0, the null page, for shared and unused chunks)."""
+        def put_dense(cache_LSCKD, new_L1TKD):
+            return jax.lax.dynamic_update_slice(
+                cache_LSCKD, new_L1TKD.astype(cache_LSCKD.dtype), (0, slot, 0, 0, 0))
+
+        def put_paged(pool_LKPpD, new_L1TKD):
+            L, _, T, K, D = new_L1TKD.shape
+            n, ps = write_pages.shape[0], pool_LKPpD.shape[3]
+            x = jnp.pad(new_L1TKD[:, 0], ((0, 0), (0, n * ps - T), (0, 0), (0, 0)))
+            x_LKnpD = x.reshape(L, n, ps, K, D).transpose(0, 3, 1, 2, 4)
+            return pool_LKPpD.at[:, :, write_pages].set(x_LKnpD.astype(pool_LKPpD.dtype))
+
+        put = put_dense if write_pages is None else put_paged
+        cache = jax.tree.map(put, state.cache, prefix.cache)
+        return DecodeState(cache, state.tokens.at[slot].set(prefix.token[sample]),
+                           state.positions.at[slot].set(prefix.position),
+                           state.steps.at[slot].set(prefix.step),
+                           state.keys.at[slot].set(prefix.key[sample]),
+                           state.active.at[slot].set(prefix.active[sample]),
+                           state.limits.at[slot].set(prefix.limit))
+
+    def extract(self, state: DecodeState, slot, pages, length: int):
+        def take_dense(c):
+            return jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=1)[:, :, :length]
+
+        def take_paged(pool_LKPpD):
+            x_LKnpD = pool_LKPpD[:, :, pages]
+            L, K, n, ps, D = x_LKnpD.shape
+            return x_LKnpD.transpose(0, 2, 3, 1, 4).reshape(L, 1, n * ps, K, D)[:, :, :length]
+
+        cache = jax.tree.map(take_dense if pages is None else take_paged, state.cache)
+        return Prefix(cache, state.tokens[slot][None], state.positions[slot],
+                      state.steps[slot], state.keys[slot][None], state.active[slot][None],
+                      state.limits[slot], jnp.zeros(self.model_cfg.vocab_size, jnp.float32))
+
+    def step(self, params: EngineParams, state: DecodeState, view=None):
+        """One decode step of every slot. Paged cache: `view` maps pages for every
+        position the step writes; slots without pages are idle."""
+        with activation_rules(self.mesh, self.rules):
+            logits_SV, cache = transformer.decode(
+                self.graphdef, self._params(params), state.tokens, state.positions,
+                state.cache, view, self.rollout_cfg.paged_attention)
+        tokens_S, logprobs_S = sampling.sample(
+            logits_SV, sampling.step_keys(state.keys, state.steps), self.sampling_params)
+        active_S = state.active if view is None else state.active & view.owned
+        finished_S = active_S & self.finished(tokens_S, state.steps, state.limits)
+        inc_S = active_S.astype(jnp.int32)
+        # Inactive slots keep their token and position: their (ignored) decode just
+        # rewrites one cache entry of their own (dense) or of the null page (paged).
+        new_state = DecodeState(cache, jnp.where(active_S, tokens_S, state.tokens),
+                                state.positions + inc_S, state.steps + inc_S, state.keys,
+                                active_S & ~finished_S, state.limits)
+        result = ResultTokens.pack(tokens_S, logprobs_S, state.positions + 1, state.steps + 1,
+                                   active_S, finished_S)
+        return new_state, result
+
+    def steps(self, params: EngineParams, state: DecodeState, max_steps, view):
+        """Up to `max_steps` (at most decode_steps) steps in a while_loop, ending after
+        the first step in which a slot finishes; rows of steps not run stay zero."""
+        n, S = self.rollout_cfg.decode_steps, self.rollout_cfg.slots_per_slice
+
+        def cond(carry):
+            state, i, _, any_finished = carry
+            return (i < max_steps) & ~any_finished & jnp.any(state.active)
+
+        def body(carry):
+            state, i, data_NS6, _ = carry
+            state, result = self.step(params, state, view)
+            data_NS6 = jax.lax.dynamic_update_slice_in_dim(data_NS6, result.data[None], i, 0)
+            return state, i + 1, data_NS6, jnp.any(result.finished)
+
+        init = (state, jnp.int32(0), jnp.zeros((n, S, 6), jnp.int32), jnp.bool_(False))
+        state, _, data_NS6, _ = jax.lax.while_loop(cond, body, init)
+        return state, ResultTokens(data_NS6)

@@ -1,0 +1,99 @@
+"""The host side of a decode slice's S slots: which request holds each slot, and
+the tokens and log-probs read back for it, by response index, until they are
+flushed into the request (so a generate call's results are written with one
+vectorised numpy assignment, not per token)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class SlotTable:
+    """S slots of at most D response tokens each.
+
+    Per slot: `seqs` (the holder, or None; the holder's `.slot` is kept in step),
+    `owned`, `tokens_SD` / `logprobs_SD` and `count_S` (response tokens known),
+    `placed_S` (positions written when placed), `prompt_len_S`, and `order_S`
+    (when its request started here: the latest is the first preempted).
+    """
+
+    def __init__(self, num_slots: int, max_decode_len: int):
+        S, D = num_slots, max_decode_len
+        self.seqs: list = [None] * S
+        self.owned = np.zeros(S, bool)
+        self.tokens_SD = np.zeros((S, D), np.int32)
+        self.logprobs_SD = np.zeros((S, D), np.float32)
+        self.count_S = np.zeros(S, np.int64)
+        self.placed_S = np.zeros(S, np.int64)
+        self.prompt_len_S = np.zeros(S, np.int64)
+        self.order_S = np.zeros(S, np.int64)
+        self._starts = 0
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def full(self) -> bool:
+        return bool(self.owned.all())
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.owned.any())
+
+    def lowest_free(self) -> int:
+        return int(np.argmin(self.owned))
+
+    def owner(self, slot: int):
+        return self.seqs[slot]
+
+    def holders(self) -> list:
+        """The requests in slots, in slot order."""
+        return [seq for seq in self.seqs if seq is not None]
+
+    def latest_started(self) -> int:
+        """The owned slot whose request started last."""
+        owned = np.flatnonzero(self.owned)
+        return int(owned[np.argmax(self.order_S[owned])])
+
+    def place(self, seq, slot: int, prompt_len: int, written: int) -> None:
+        """`seq` (with its tokens and log-probs so far) now holds `slot`, which has
+        `written` positions of KV."""
+        m = len(seq.tokens)
+        self.tokens_SD[slot, :m] = seq.tokens
+        self.logprobs_SD[slot, :m] = seq.logprobs
+        self.count_S[slot], self.placed_S[slot] = m, written
+        self.prompt_len_S[slot] = prompt_len
+        self._starts += 1
+        self.order_S[slot] = self._starts
+        self.seqs[slot], self.owned[slot], seq.slot = seq, True, slot
+
+    def free(self, slot: int) -> None:
+        seq = self.seqs[slot]
+        self.seqs[slot], self.owned[slot] = None, False
+        if seq is not None:
+            seq.slot = None
+
+    def clear(self) -> None:
+        for slot in np.flatnonzero(self.owned):
+            self.free(slot)
+        for buf in (self.count_S, self.placed_S, self.prompt_len_S, self.order_S):
+            buf[:] = 0
+
+    def record(self, slots, steps, tokens, logprobs) -> None:
+        """Response token `steps[i]` of `slots[i]` (arrays, or one of each)."""
+        self.tokens_SD[slots, steps] = tokens
+        self.logprobs_SD[slots, steps] = logprobs
+        np.maximum.at(self.count_S, np.atleast_1d(slots), np.atleast_1d(steps) + 1)
+
+    def new_tokens(self, slot: int, known: int) -> tuple:
+        """(tokens, log-probs) of `slot` from response index `known` on."""
+        n = int(self.count_S[slot])
+        return (self.tokens_SD[slot, known:n].tolist(),
+                self.logprobs_SD[slot, known:n].tolist())
+
+    def written(self) -> tuple:
+        """(owned slots, KV positions written in each): prompt + all but the last
+        sampled token, or what was written when placed if no result is read yet."""
+        owned = np.flatnonzero(self.owned)
+        return owned, np.maximum(self.prompt_len_S[owned] + self.count_S[owned] - 1,
+                                 self.placed_S[owned])
