@@ -8,9 +8,8 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dora_jax.scheduler import MODES, FakeRun, SchedulerConfig, lengths_from_seed, ledger
-from dora_jax.scheduler import resume
-from dora_jax.scheduler.fake import _Request
+from _fake_run import FakeRun, _Request, lengths_from_seed
+from dora_jax.scheduler import MODES, SchedulerConfig, ledger, resume
 
 
 def _admit(g, v, **kw):

@@ -8,7 +8,8 @@ import math
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dora_jax.scheduler import MODES, FakeRun, SchedulerConfig, lengths_from_seed
+from _fake_run import FakeRun, lengths_from_seed
+from dora_jax.scheduler import MODES, SchedulerConfig
 
 
 @st.composite
