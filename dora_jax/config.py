@@ -22,12 +22,14 @@ from dora_jax.config_model import (  # noqa: F401 - the config's public names
     ATTENTION_IMPLS, DECODE_RULES, DTYPES, MOE_DISPATCH, REMAT_POLICIES, ROPE_SCALINGS,
     SLICE_MESH_AXES, TRAINER_MESH_AXES, TRAINER_RULES, MeshConfig, ModelConfig, MoEConfig,
     _axes_of, colocate, decode_rules_from)
-from dora_jax.schema import Section, fail, field, schema
+from dora_jax.schema import Section, check, fail, field, schema
 from dora_jax.schema import ConfigError  # noqa: F401 - callers catch config.ConfigError
 
 # Allowed values: each list has its one owner here.
-MODES = ("colocated_sync", "sync", "one_step_off", "partial_rollout", "partial_rollout_rounds",
-         "dora")
+MODES = ("sync", "one_step_off", "partial_rollout", "partial_rollout_rounds", "dora")
+# Mode names of older configs, with what replaces them.
+RETIRED_MODES = {"colocated_sync": "colocation is a device layout, not a schedule: use "
+                                   "coordinator.mode=sync with mesh.colocated=True"}
 ADVANTAGES = ("grpo", "drgrpo", "rloo")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                   "seq-mean-token-sum-norm", "seq-mean-token-sum-over-max-len")
@@ -190,10 +192,25 @@ class CoordinatorConfig(Section):
     reward_max_response: int = field(1 << 20, min=1)
 
     def __post_init__(self):
+        check_not_retired(self.mode)
         super().__post_init__()
-        if self.rollout_batch_size < self.train_batch_size:
-            fail(self._f("rollout_batch_size"), f"must be >= coordinator.train_batch_size "
-                  f"({self.train_batch_size}), got {self.rollout_batch_size}")
+        check_rollout_batch(self.rollout_batch_size, self.train_batch_size)
+
+
+# The rules on a schedule's shape, as plain functions: the sections above run them on a
+# whole config, and `check_schedule` on a scheduler config built without one.
+
+def check_not_retired(mode) -> None:
+    """An older config's mode name fails with what replaces it."""
+    if mode in RETIRED_MODES:
+        fail("coordinator.mode", f"{mode!r} is no longer a mode; {RETIRED_MODES[mode]}")
+
+
+def check_rollout_batch(rollout_batch_size: int, train_batch_size: int) -> None:
+    """RBS >= TBS: the rollout must hold at least one train batch."""
+    if rollout_batch_size < train_batch_size:
+        fail("coordinator.rollout_batch_size", f"must be >= coordinator.train_batch_size "
+              f"({train_batch_size}), got {rollout_batch_size}")
 
 
 def check_group_fits(group_size: int, num_slices: int, slots_per_slice: int):
@@ -202,6 +219,30 @@ def check_group_fits(group_size: int, num_slices: int, slots_per_slice: int):
         fail("coordinator.group_size",
               f"{group_size} samples per group do not fit in {num_slices * slots_per_slice} "
               f"slots (mesh.num_slices x rollout.slots_per_slice)")
+
+
+def check_declared(section, name: str, value) -> None:
+    """Checks `value` against the constraint `section` declares for its field `name`
+    (schema.field), naming the field as the section's own validation does."""
+    f = next(f for f in dataclasses.fields(section) if f.name == name)
+    check(f"{section.PATH}.{name}", value, **f.metadata)
+
+
+def check_schedule(*, mode, num_slices, slots_per_slice, group_size, train_batch_size,
+                   rollout_batch_size, max_staleness) -> None:
+    """Every rule a run config places on the scheduler's shape, for a scheduler
+    config built directly (the tests, the simulator); one derived from a validated
+    `Config` has passed them already (`SchedulerConfig.from_config`)."""
+    check_not_retired(mode)
+    for name, value in (("mode", mode), ("group_size", group_size),
+                        ("train_batch_size", train_batch_size),
+                        ("rollout_batch_size", rollout_batch_size),
+                        ("max_staleness", max_staleness)):
+        check_declared(CoordinatorConfig, name, value)
+    check_rollout_batch(rollout_batch_size, train_batch_size)
+    check_declared(MeshConfig, "num_slices", num_slices)
+    check_declared(RolloutConfig, "slots_per_slice", slots_per_slice)
+    check_group_fits(group_size, num_slices, slots_per_slice)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,10 +333,15 @@ class Config(Section):
         for name in ("eos_id", "pad_id"):
             if not 0 <= getattr(r, name) < m.vocab_size:
                 fail(f"rollout.{name}", f"must be a token id < vocab_size ({m.vocab_size})")
-        if t.filter_zero_variance and c.mode == "one_step_off":
-            fail("trainer.filter_zero_variance", "one_step_off trains fixed batches of group "
-                  "ids and cannot replace a filtered group; use sync, partial_rollout, "
-                  "partial_rollout_rounds or dora")
+        # The policies' capabilities (class attributes): the scheduler is pure Python,
+        # imported here because it imports this module.
+        from dora_jax.scheduler.modes import POLICIES
+
+        policy = POLICIES[c.mode]
+        if t.filter_zero_variance and not policy.replaces_filtered_groups:
+            fail("trainer.filter_zero_variance", f"{c.mode} trains fixed batches of group "
+                  "ids and cannot replace a filtered group; use "
+                  + _modes_with(POLICIES, "replaces_filtered_groups"))
         if t.overlong_buffer >= r.max_decode_len:
             fail("trainer.overlong_buffer", f"must be < rollout.max_decode_len "
                   f"({r.max_decode_len}), got {t.overlong_buffer}")
@@ -303,9 +349,10 @@ class Config(Section):
             fail("trainer.length_buckets",
                   f"largest bucket {t.length_buckets[-1]} must hold a whole trajectory "
                   f"(rollout.max_prefill_length + rollout.max_decode_len = {r.cache_length})")
-        if mesh.colocated != (c.mode == "colocated_sync"):
-            fail("mesh.colocated", "slices share the trainer's devices in mode colocated_sync "
-                  f"and only there (mode {c.mode!r}, colocated {mesh.colocated})")
+        if mesh.colocated and not policy.allows_colocation:
+            turns = _modes_with(POLICIES, "allows_colocation")
+            fail("mesh.colocated", "slices share the trainer's devices only in a mode that "
+                  f"takes turns between rollout and training ({turns}), not in {c.mode!r}")
         check_group_fits(c.group_size, mesh.num_slices, r.slots_per_slice)
         if c.reward_max_response < r.max_decode_len:
             fail("coordinator.reward_max_response", f"must be >= rollout.max_decode_len "
@@ -332,6 +379,12 @@ class Config(Section):
         if d.source == "countdown" and not d.max_count < min(r.max_decode_len, m.vocab_size - 3):
             fail("data.max_count", f"must be < rollout.max_decode_len and vocab_size - 3 (a "
                   f"countdown is max_count + 1 tokens of numbers 0..), got {d.max_count}")
+
+
+def _modes_with(policies: dict, capability: str) -> str:
+    """'sync, partial_rollout or dora': the modes whose policy has `capability`."""
+    names = [m for m in MODES if getattr(policies[m], capability)]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
 def _with_pretrained(d: dict) -> dict:
@@ -377,8 +430,6 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     if d["model"].get("vocab_size") is None and not d["model"].get("checkpoint"):
         fail("model.checkpoint", "this config takes the model's architecture from a Hugging "
               "Face checkpoint: set --config.model.checkpoint=DIR")
-    if d.get("coordinator", {}).get("mode") == "colocated_sync":
-        d["mesh"] = colocate(d.get("mesh", {}))
     cfg = Config.from_dict(d)
     if num_devices is not None:
         check_devices(cfg, num_devices)

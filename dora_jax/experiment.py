@@ -29,7 +29,7 @@ from dora_jax.runtime.report import StepReporter
 from dora_jax.scheduler import resume
 from dora_jax.scheduler.core import Scheduler
 from dora_jax.scheduler.ledger import LedgerWriter
-from dora_jax.scheduler.modes import policy_for
+from dora_jax.scheduler.modes import POLICIES
 from dora_jax.scheduler.types import SchedulerConfig
 from dora_jax.timeline import Timeline
 
@@ -59,7 +59,7 @@ def warm_up(slices, trainer, cfg: Config) -> None:
     throughput and waits measure steady state."""
     batch_size = cfg.coordinator.train_batch_size * cfg.coordinator.group_size
     trainer.warmup(batch_size, cfg.coordinator.group_size)
-    reprefills = not policy_for(cfg.coordinator.mode).keeps_c1
+    reprefills = not POLICIES[cfg.coordinator.mode].keeps_c1
     for sl in slices:
         warm_engine(sl.engine, sl.params, reprefills=reprefills)
         sl.reset_decode_state()

@@ -54,9 +54,12 @@ def tiny_cfg(request, load_config):
 def small_config(load_config):
     """`small_config(mode, **coordinator)`: configs/tiny.py shrunk so that a run
     compiles and trains in seconds (1 layer, 4 slices x 4 slots, 8-token responses);
-    `validate=False` gives the ConfigDict."""
-    def make(mode: str, *, rollout=None, validate=True, **coordinator):
+    `validate=False` gives the ConfigDict; `colocated=True` spreads the trainer and
+    the slices over the same 8 devices (config_model.colocate)."""
+    def make(mode: str, *, rollout=None, validate=True, colocated=False, **coordinator):
         c = load_config("configs/tiny.py", validate=False)
+        if colocated:
+            c.mesh.update(config_lib.colocate(c.mesh.to_dict()))
         c.model.num_layers = 1
         c.rollout.update(dict(slots_per_slice=4, max_prefill_length=8, max_decode_len=8,
                               prefill_buckets=(8,), decode_steps=4))

@@ -221,33 +221,41 @@ def test_countdown_must_fit_the_decode_limit_and_vocab(load_config):
         config_lib.validate(c)
 
 
-def test_colocated_sync_spreads_trainer_and_slices_over_the_same_devices(load_config):
-    """colocated_sync on a disaggregated layout: the same 8 devices, the trainer's
-    data axis grown to span them all, slices of the same shape covering them too."""
+def test_colocate_spreads_trainer_and_slices_over_the_same_devices(load_config):
+    """colocate() of a disaggregated layout: the same 8 devices, the trainer's data
+    axis grown to span them all, slices of the same shape covering them too; sync
+    runs on it, the modes that overlap rollout and training refuse it."""
     c = load_config("configs/tiny.py", validate=False)
-    c.coordinator.mode = "colocated_sync"
+    c.coordinator.mode = "sync"
+    c.mesh.update(config_lib.colocate(c.mesh.to_dict()))
     cfg = config_lib.validate(c, num_devices=8)
     assert cfg.mesh.colocated and cfg.mesh.total_devices == 8
     assert cfg.mesh.trainer == {"data": 4, "fsdp": 2, "tensor": 1, "expert": 1}
     assert cfg.mesh.num_slices == 8 and cfg.mesh.slice_devices == 1
-    # The same explicit layout validates as written; other modes refuse it.
-    c.mesh.update(dict(colocated=True, num_slices=8))
-    c.mesh.trainer.data = 4
-    assert config_lib.validate(c).mesh == cfg.mesh
     c.coordinator.mode = "dora"
-    with pytest.raises(config_lib.ConfigError, match=r"config\.mesh\.colocated"):
+    with pytest.raises(config_lib.ConfigError, match=r"config\.mesh\.colocated: .* \(sync\)"):
+        config_lib.validate(c)
+
+
+def test_colocated_sync_is_no_longer_a_mode(load_config):
+    c = load_config("configs/tiny.py", validate=False)
+    c.coordinator.mode = "colocated_sync"
+    with pytest.raises(config_lib.ConfigError, match=r"config\.coordinator\.mode: "
+                       r"'colocated_sync' is no longer a mode; .* coordinator\.mode=sync "
+                       r"with mesh\.colocated=True"):
         config_lib.validate(c)
 
 
 @pytest.mark.parametrize("change, named", [
-    (dict(num_slices=3), r"mesh\.trainer: colocated_sync .* must divide 7"),  # 4 + 3 devices
+    (dict(num_slices=3), r"mesh\.trainer: colocation .* must divide 7"),  # 4 + 3 devices
     (dict(colocated=True, num_slices=3), r"mesh\.num_slices: colocated: 3 slices x 1 devices"),
 ])
 def test_colocated_layout_errors_name_the_field(change, named, load_config):
     c = load_config("configs/tiny.py", validate=False)
-    c.coordinator.mode = "colocated_sync"
+    c.coordinator.mode = "sync"
     c.mesh.update(change)
     with pytest.raises(config_lib.ConfigError, match=named):
+        c.mesh.update(config_lib.colocate(c.mesh.to_dict()))
         config_lib.validate(c)
 
 

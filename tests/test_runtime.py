@@ -129,9 +129,7 @@ def test_rollout_batch_beyond_all_slots(mode, factor, tmp_path, small_config):
     """rollout_batch_size x group_size = 2x and 4x the 16 slots: pending samples of
     old groups wait while slices move on; partial_rollout starts them on the newest
     version (recorded per token) and never mixes versions where C1 is kept."""
-    # colocated_sync's trainer spans 8 devices: its batch needs 8 samples.
-    tbs = 4 if mode == "colocated_sync" else 2
-    cfg = small_config(mode, rollout_batch_size=16 * factor // 2, train_batch_size=tbs,
+    cfg = small_config(mode, rollout_batch_size=16 * factor // 2, train_batch_size=2,
                        num_steps=3)
     _run(cfg, tmp_path)
     events, report = audit_workdir(cfg, tmp_path)
@@ -139,10 +137,11 @@ def test_rollout_batch_beyond_all_slots(mode, factor, tmp_path, small_config):
 
 
 def test_colocated_sync_time_shares_every_device(tmp_path, small_config):
-    """colocated_sync: the trainer and the slices share all 8 devices and take turns
-    (no decode span overlaps a train span); every slice reloads the trainer's
-    params, resharded onto its own device."""
-    cfg = small_config("colocated_sync", train_batch_size=4, rollout_batch_size=4,
+    """sync on the colocated layout: the trainer and the slices share all 8 devices
+    and take turns (no decode span overlaps a train span); every slice reloads the
+    trainer's params, resharded onto its own device. The trainer spans 8 devices:
+    its batch needs 8 samples."""
+    cfg = small_config("sync", colocated=True, train_batch_size=4, rollout_batch_size=4,
                        num_steps=3)
     summary, trainer = _run(cfg, tmp_path)
     _, report = audit_workdir(cfg, tmp_path)

@@ -8,6 +8,11 @@ import json
 import os
 import shutil
 
+# A run spec that is no mode: sync on the colocated layout (config_model.colocate),
+# the trainer and the slices taking turns on all the devices the config's
+# disaggregated layout uses, so it is compared on the same device count.
+COLOCATED = "colocated_sync"
+
 
 def parse_spec(spec: str) -> tuple[str, int | None]:
     """'dora_k2' -> ('dora', 2); 'sync' -> ('sync', None)."""
@@ -19,10 +24,15 @@ def parse_spec(spec: str) -> tuple[str, int | None]:
 
 def run_config(base, spec: str, *, steps: int, seed: int | None = None,
                init_checkpoint: str | None = None):
-    """The ConfigDict of one measured run: `base` with the spec's mode and staleness
-    bound, and no periodic checkpoints."""
+    """The ConfigDict of one measured run: `base` with the spec's mode (and layout, for
+    COLOCATED) and staleness bound, and no periodic checkpoints."""
+    from dora_jax.config_model import colocate
+
     c = base.copy_and_resolve_references()
     mode, k = parse_spec(spec)
+    if mode == COLOCATED:
+        mode = "sync"
+        c.mesh.update(colocate(c.mesh.to_dict()))
     c.coordinator.mode = mode
     if k is not None:
         c.coordinator.max_staleness = k
