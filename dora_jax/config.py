@@ -6,14 +6,13 @@ written once: `base()` is generated from them, each field declares its constrain
 (`config.rollout.temperature: must be > 0, got 0.0`) before any compute. The model and
 mesh sections live in config_model.py (re-exported here). No JAX: the pure scheduling
 core depends on this module; a Hugging Face checkpoint or tokenizer named by the config
-is read (its config files only) through modules that import none either."""
+is read before validation, by model/hf_checks.py; `validate` itself reads no file."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
 import math
-import os
 from typing import ClassVar, Mapping
 
 import ml_collections
@@ -387,46 +386,23 @@ def _modes_with(policies: dict, capability: str) -> str:
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
-def _with_pretrained(d: dict) -> dict:
-    """Fills what a Hugging Face checkpoint or tokenizer determines: the model's
-    architecture from model.checkpoint, data.tokenizer (default: the checkpoint's),
-    rollout.eos_id / pad_id from the tokenizer. Set values must agree."""
-    model, data = d.setdefault("model", {}), d.setdefault("data", {})
-    checkpoint = model.get("checkpoint")
-    if checkpoint:
-        from dora_jax.model import hf_config  # no JAX
-
-        d["model"] = hf_config.resolve(model, schema(ModelConfig).to_dict(), checkpoint)
-        if not data.get("tokenizer") and os.path.exists(os.path.join(checkpoint,
-                                                                     "tokenizer.json")):
-            data["tokenizer"] = checkpoint
-    if not data.get("tokenizer"):
-        return d
-    from dora_jax.data.tokenizer import Tokenizer  # no JAX
-
-    try:
-        tokenizer = Tokenizer.from_pretrained(data["tokenizer"])
-    except ValueError as e:
-        fail("data.tokenizer", str(e))
-    vocab = d["model"].get("vocab_size")
-    if vocab is not None and tokenizer.vocab_size > vocab:
-        fail("data.tokenizer", f"{tokenizer.vocab_size} tokens do not fit model.vocab_size "
-              f"({vocab})")
-    rollout = d.setdefault("rollout", {})
-    for name, value in (("eos_id", tokenizer.eos_id), ("pad_id", tokenizer.pad_id)):
-        default = getattr(RolloutConfig, name)
-        if rollout.get(name, default) not in (default, value):
-            fail(f"rollout.{name}", f"{rollout[name]}, but tokenizer {data['tokenizer']} has "
-                  f"{value} (leave it unset: the tokenizer sets it)")
-        rollout[name] = value
-    return d
-
-
-def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> Config:
+def validate(config: ml_collections.ConfigDict, num_devices: int | None = None, *,
+             pretrained=None) -> Config:
     """Validates a whole ConfigDict into a `Config`; `num_devices` is checked when
-    given. A model.checkpoint / data.tokenizer is read (config files only) to fill
-    what it determines."""
-    d = _with_pretrained(config.to_dict())
+    given. Pure: no file is read. What a Hugging Face checkpoint or tokenizer named by
+    the config determines comes in `pretrained` (`model.hf_checks.check_pretrained`,
+    which reads them once; `hf_checks.validated` does both); a config that names
+    them without it fails, naming the field."""
+    d = config.to_dict()
+    if pretrained is not None:
+        d = pretrained.apply(d)
+    else:
+        for path in ("model.checkpoint", "data.tokenizer"):
+            section, name = path.split(".")
+            if d.get(section, {}).get(name):
+                fail(path, "names files this pure check does not read: validate with "
+                           "pretrained=dora_jax.model.hf_checks.check_pretrained(config) "
+                           "(or hf_checks.validated(config))")
     if d["model"].get("vocab_size") is None and not d["model"].get("checkpoint"):
         fail("model.checkpoint", "this config takes the model's architecture from a Hugging "
               "Face checkpoint: set --config.model.checkpoint=DIR")

@@ -67,14 +67,16 @@ def warm_up(slices, trainer, cfg: Config) -> None:
 
 def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
         on_step: Callable[[dict], None] = lambda record: None,
-        make_trainer: Callable[..., Trainer] = Trainer, fresh: bool = False) -> dict:
+        make_trainer: Callable[..., Trainer] = Trainer, fresh: bool = False,
+        tokenizer=None) -> dict:
     """Runs `cfg.coordinator.num_steps` train steps end to end; returns the summary.
 
     A workdir holding a run of this config continues it (runtime/restart.py); one
     holding another config is refused unless `fresh`, which starts over there.
     `make_trainer(cfg, mesh, params=, graphdef=)` builds the trainer (a subclass can
-    instrument it). Raises `runtime.loop.RunError` if any part fails; the ledger
-    then still accounts for every admitted group."""
+    instrument it). `tokenizer`: the one `model.hf_checks.check_pretrained` read
+    for this config (None: read here). Raises `runtime.loop.RunError` if any part
+    fails; the ledger then still accounts for every admitted group."""
     restart.prepare(workdir, cfg, fresh)
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"))
     trained = checkpointer.latest_step()
@@ -86,7 +88,8 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
         except (OSError, files.DamagedFile):
             summary = {}
         return dict(summary, already_trained=trained, mode=cfg.coordinator.mode)
-    tokenizer = sources.tokenizer_for(cfg)
+    if tokenizer is None:
+        tokenizer = sources.tokenizer_for(cfg)
     skipped = []
     if records is None:
         records, skipped = sources.prompt_records(cfg, tokenizer)

@@ -38,7 +38,8 @@ flags.mark_flag_as_required("workdir")
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
-    cfg = cli.validated_config(_CONFIG)  # before JAX: it says how many devices to fake
+    # Before JAX: it says how many devices to fake; the tokenizer read is reused.
+    cfg, pretrained = cli.validated_config(_CONFIG, with_pretrained=True)
     cli.start_devices(cfg)
     import tqdm
 
@@ -58,7 +59,8 @@ def main(argv):
 
     try:
         with cli.one_line_errors():
-            summary = experiment.run(cfg, _WORKDIR.value, on_step=on_step, fresh=_FRESH.value)
+            summary = experiment.run(cfg, _WORKDIR.value, on_step=on_step, fresh=_FRESH.value,
+                                     tokenizer=pretrained.tokenizer)
     finally:
         if bar is not None:
             bar.close()

@@ -18,6 +18,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import pytest  # noqa: E402
 
 from dora_jax import config as config_lib  # noqa: E402  (imports no JAX)
+from dora_jax.model import hf_checks
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = {"dense": "configs/tiny.py", "moe": "configs/moe.py:tiny"}
@@ -35,7 +36,7 @@ def load_repo_config(spec: str, *, validate: bool = True, num_devices: int | Non
         for p in parents:
             node = node[p]
         node[leaf] = value
-    return config_lib.validate(c, num_devices) if validate else c
+    return hf_checks.validated(c, num_devices) if validate else c
 
 
 @pytest.fixture(scope="session")
@@ -69,7 +70,7 @@ def small_config(load_config):
                                   rollout_batch_size=4, max_staleness=1, num_steps=4))
         c.coordinator.update(coordinator)
         c.data.num_prompts = 64
-        return config_lib.validate(c, num_devices=8) if validate else c
+        return hf_checks.validated(c, num_devices=8) if validate else c
     return make
 
 

@@ -16,6 +16,7 @@ from conftest import REPO, load_repo_config
 from dora_jax import config as config_lib
 from dora_jax.data.word_problems import PROBLEMS_FILE
 from dora_jax.launch import jobset, tpu
+from dora_jax.model import hf_checks
 
 GENERATIONS = ("v4", "v5p", "v5e", "v6e")
 # ml_collections loads config files with importlib's deprecated load_module.
@@ -145,14 +146,14 @@ def test_every_config_renders_a_jobset_that_parses_back(spec, needs_overrides):
         assert env == {"JAX_PLATFORMS": "proxy", "JAX_BACKEND_TARGET": "grpc://localhost:29000"}
         assert main["command"] == ["python", "-m", "dora_jax.main", f"--config={spec}",
                                    "--workdir=gs://b/run", *overrides]
-        back = config_lib.validate(jobset.parse_command(main["command"], root=str(REPO)))
+        back = hf_checks.validated(jobset.parse_command(main["command"], root=str(REPO)))
         assert back == cfg
 
 
 def test_parse_command_applies_the_overrides():
     cmd = jobset.main_command("configs/moe.py:tiny", "/w", ["--config.coordinator.max_staleness=1",
                                                             "--config.rollout.prefill_buckets=(8,32)"])
-    back = config_lib.validate(jobset.parse_command(cmd, root=str(REPO)))
+    back = hf_checks.validated(jobset.parse_command(cmd, root=str(REPO)))
     assert back.coordinator.max_staleness == 1 and back.rollout.prefill_buckets == (8, 32)
     assert back == load_repo_config("configs/moe.py:tiny", coordinator__max_staleness=1,
                                     rollout__prefill_buckets=(8, 32))
@@ -187,7 +188,7 @@ def test_gke_command_line():
     assert _chips(js) == 256
     command = _main(js)["command"]
     assert command[-1] == "--config.coordinator.max_staleness=1"
-    back = config_lib.validate(jobset.parse_command(command, root=str(REPO)))
+    back = hf_checks.validated(jobset.parse_command(command, root=str(REPO)))
     assert back.coordinator.max_staleness == 1
     assert back == load_repo_config("configs/moe.py", coordinator__max_staleness=1)
 

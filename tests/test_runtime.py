@@ -15,6 +15,7 @@ from dora_jax.rl.trainer import Trainer
 from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.runtime.loop import RunError
 from conftest import audit_workdir
+from dora_jax.model import hf_checks
 
 
 def _host_leaves(params) -> list:
@@ -209,7 +210,7 @@ def test_dynamic_sampling_filters_and_replaces_groups(tmp_path, small_config):
 
     c = small_config("dora", validate=False, num_steps=4)
     c.trainer.update(dict(filter_zero_variance=True, objective="decoupled", is_cap=2.0))
-    cfg = config_lib.validate(c, num_devices=8)
+    cfg = hf_checks.validated(c, num_devices=8)
     records = [dict(r, modulus=1, target=0) if i % 2 == 0 else r
                for i, r in enumerate(prompt_records(cfg)[0])]
     made = []
@@ -242,7 +243,7 @@ def test_overlong_punishment_shapes_the_trained_rewards(small_config):
 
     c = small_config("dora", validate=False)
     c.trainer.update(dict(overlong_buffer=4, overlong_penalty=2.0))
-    cfg = config_lib.validate(c, num_devices=8)
+    cfg = hf_checks.validated(c, num_devices=8)
     g = _Group(record={}, version=0)
     for k, n in enumerate([3, 5, 8]):
         g.trajectories[k] = types.SimpleNamespace(response_tokens=[7] * n)
@@ -260,7 +261,7 @@ def test_a_failed_run_resumes_and_the_whole_ledger_audits(tmp_path, small_config
 
     def cfg_with(steps, mode="dora"):
         c = small_config(mode, validate=False, num_steps=steps, checkpoint_every=2)
-        return config_lib.validate(c, num_devices=8)
+        return hf_checks.validated(c, num_devices=8)
 
     class FailAt3(RecordingTrainer):
         fail_at_step = 3

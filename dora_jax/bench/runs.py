@@ -52,11 +52,12 @@ def run_config(base, spec: str, *, steps: int, seed: int | None = None,
 def warm_start(base, workdir: str, steps: int) -> str:
     """The supervised checkpoint RL starts from: trained into `workdir` unless it is
     already there."""
-    from dora_jax import config as config_lib, sft
+    from dora_jax import sft
+    from dora_jax.model import hf_checks
 
     directory = os.path.join(workdir, "checkpoints")
     if not os.path.isdir(directory):
-        out = sft.train(config_lib.validate(base), workdir, steps=steps, batch_size=32,
+        out = sft.train(hf_checks.validated(base), workdir, steps=steps, batch_size=32,
                         learning_rate=3e-3)
         print(f"supervised warm start: loss {out['loss_first']:.3f} -> "
               f"{out['loss_last']:.4f} in {steps} steps ({directory})", flush=True)
@@ -67,11 +68,12 @@ def audited_run(c, workdir: str) -> dict:
     """Runs one config into a fresh `workdir`; returns its summary with the audit."""
     import jax
 
-    from dora_jax import config as config_lib, experiment
+    from dora_jax import experiment
+    from dora_jax.model import hf_checks
     from dora_jax.scheduler import ledger
     from dora_jax.scheduler.types import SchedulerConfig
 
-    cfg = config_lib.validate(c, num_devices=jax.device_count())
+    cfg = hf_checks.validated(c, num_devices=jax.device_count())
     shutil.rmtree(workdir, ignore_errors=True)
     summary = experiment.run(cfg, workdir)
     report = ledger.audit_run(ledger.read(os.path.join(workdir, "ledger.jsonl")),
