@@ -38,8 +38,8 @@ KL_KINDS = ("k1", "k2", "k3")
 SCHEDULES = ("constant", "cosine")
 DATA_SOURCES = ("residue", "countdown", "jsonl", "gsm8k", "math", "reasoning_gym", "tfds")
 TEXT_SOURCES = ("gsm8k", "math", "reasoning_gym", "tfds")  # prompts built by a tokenizer
-# Rewards by name: of response tokens (data/tasks.py) and of decoded text
-# (data/verifiers.py; "by_record": the verifier each record names); "auto": the
+# Rewards by name: of response tokens (rewards/tokens.py) and of decoded text
+# (rewards/verifiers.py; "by_record": the verifier each record names); "auto": the
 # source's own (AUTO_REWARDS).
 TOKEN_REWARDS = ("residue", "exact_match", "countdown")
 TEXT_REWARDS = ("gsm8k", "math", "countdown_expr", "reasoning_gym", "by_record")

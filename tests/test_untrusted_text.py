@@ -9,7 +9,8 @@ import pytest
 
 from _char_tokenizer import CharTokenizer
 from dora_jax import config as config_lib
-from dora_jax.data import reasoning_gym_tasks, text_tasks, verifiers
+from dora_jax.data import reasoning_gym_tasks, text_tasks
+from dora_jax.rewards import verifiers
 from dora_jax.model import hf_checks
 
 TOK = CharTokenizer()
