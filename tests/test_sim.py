@@ -185,7 +185,7 @@ def test_command_line_refuses_bad_input_with_one_line():
 def test_presets_reproduce_the_papers_fixed_schedules():
     """The H800 presets' fitted efficiencies (`sim.fit`) put the schedules that leave
     a scheduler no freedom (colocated sync at 64 and 128 GPUs, one-step-off at 64)
-    within 15% of the paper's step times (DESIGN.md section 7)."""
+    within 15% of the paper's step times (presets.PAPER_64 / PAPER_128)."""
     from dora_jax.sim.fit import FIT_ON, paper_errors
 
     errors = paper_errors(PRESETS["paper64"].efficiency, steps=12)
