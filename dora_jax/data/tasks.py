@@ -62,6 +62,11 @@ def countdown_target(record: dict) -> list[int]:
     return [FIRST_SYMBOL + k for k in range(record["count"] - 1, -1, -1)] + [EOS]
 
 
+# The correct response of a record, by task (reward name): what a supervised warm
+# start imitates.
+DEMONSTRATIONS: dict[str, Callable[[dict], list]] = {"countdown": countdown_target}
+
+
 def demonstration_fn(name: str) -> Callable[[dict], list]:
     """The correct response of a record of task `name`, for a supervised warm start."""
     if name not in DEMONSTRATIONS:
