@@ -12,7 +12,7 @@ embeddings, Qwen3-1.7B 1,720,574,976; nothing is downloaded). Prompts are GSM8K-
 JSONL (`question`, `answer` ending `#### N`) from `--config.data.path`, each a chat
 turn built by the checkpoint's chat template (non-thinking: enable_thinking=False)
 asking for the answer after "####"; the reward is 1 when the response's final number
-equals N (data/verifiers.py). EOS and pad ids come from the tokenizer.
+equals N (dora_jax/rewards/verifiers.py). EOS and pad ids come from the tokenizer.
 
 Hardware: 8 accelerators (a TPU v5e-8 host, or one 8-GPU machine): trainer fsdp=4
 on 4 chips (fp32 params and Adam: ~2.4 GB per chip for 0.6B), 4 decode slices of one

@@ -69,10 +69,15 @@ def one_line_errors():
         raise SystemExit(f"error: {e}") from None
 
 
-def validated_config(holder):
-    """The --config ConfigDict validated into a Config, before any compute; a file
-    that does not load or a config that does not validate ends in one line."""
+def validated_config(holder, *, with_pretrained: bool = False):
+    """The --config ConfigDict validated into a Config, before any compute: the
+    Hugging Face checkpoint and tokenizer it names are read once
+    (model/hf_checks.check_pretrained), then the config is validated (a pure check).
+    A file that does not load or a config that does not validate ends in one line.
+    With `with_pretrained`, returns (Config, hf_checks.Pretrained): the run reuses
+    the tokenizer read here."""
     from dora_jax import config as config_lib
+    from dora_jax.model import hf_checks
 
     try:
         value = holder.value
@@ -80,7 +85,9 @@ def validated_config(holder):
     except (OSError, ValueError, SyntaxError) as e:
         raise SystemExit(f"error: --config could not be loaded: {_last_line(e)}") from None
     with one_line_errors():
-        return config_lib.validate(value)
+        pretrained = hf_checks.check_pretrained(value)
+        cfg = config_lib.validate(value, pretrained=pretrained)
+    return (cfg, pretrained) if with_pretrained else cfg
 
 
 def start_devices(cfg) -> None:

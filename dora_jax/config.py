@@ -6,14 +6,13 @@ written once: `base()` is generated from them, each field declares its constrain
 (`config.rollout.temperature: must be > 0, got 0.0`) before any compute. The model and
 mesh sections live in config_model.py (re-exported here). No JAX: the pure scheduling
 core depends on this module; a Hugging Face checkpoint or tokenizer named by the config
-is read (its config files only) through modules that import none either."""
+is read before validation, by model/hf_checks.py; `validate` itself reads no file."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
 import math
-import os
 from typing import ClassVar, Mapping
 
 import ml_collections
@@ -22,12 +21,14 @@ from dora_jax.config_model import (  # noqa: F401 - the config's public names
     ATTENTION_IMPLS, DECODE_RULES, DTYPES, MOE_DISPATCH, REMAT_POLICIES, ROPE_SCALINGS,
     SLICE_MESH_AXES, TRAINER_MESH_AXES, TRAINER_RULES, MeshConfig, ModelConfig, MoEConfig,
     _axes_of, colocate, decode_rules_from)
-from dora_jax.schema import Section, fail, field, schema
+from dora_jax.schema import Section, check, fail, field, schema
 from dora_jax.schema import ConfigError  # noqa: F401 - callers catch config.ConfigError
 
 # Allowed values: each list has its one owner here.
-MODES = ("colocated_sync", "sync", "one_step_off", "partial_rollout", "partial_rollout_rounds",
-         "dora")
+MODES = ("sync", "one_step_off", "partial_rollout", "partial_rollout_rounds", "dora")
+# Mode names of older configs, with what replaces them.
+RETIRED_MODES = {"colocated_sync": "colocation is a device layout, not a schedule: use "
+                                   "coordinator.mode=sync with mesh.colocated=True"}
 ADVANTAGES = ("grpo", "drgrpo", "rloo")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                   "seq-mean-token-sum-norm", "seq-mean-token-sum-over-max-len")
@@ -37,8 +38,8 @@ KL_KINDS = ("k1", "k2", "k3")
 SCHEDULES = ("constant", "cosine")
 DATA_SOURCES = ("residue", "countdown", "jsonl", "gsm8k", "math", "reasoning_gym", "tfds")
 TEXT_SOURCES = ("gsm8k", "math", "reasoning_gym", "tfds")  # prompts built by a tokenizer
-# Rewards by name: of response tokens (data/tasks.py) and of decoded text
-# (data/verifiers.py; "by_record": the verifier each record names); "auto": the
+# Rewards by name: of response tokens (rewards/tokens.py) and of decoded text
+# (rewards/verifiers.py; "by_record": the verifier each record names); "auto": the
 # source's own (AUTO_REWARDS).
 TOKEN_REWARDS = ("residue", "exact_match", "countdown")
 TEXT_REWARDS = ("gsm8k", "math", "countdown_expr", "reasoning_gym", "by_record")
@@ -190,10 +191,25 @@ class CoordinatorConfig(Section):
     reward_max_response: int = field(1 << 20, min=1)
 
     def __post_init__(self):
+        check_not_retired(self.mode)
         super().__post_init__()
-        if self.rollout_batch_size < self.train_batch_size:
-            fail(self._f("rollout_batch_size"), f"must be >= coordinator.train_batch_size "
-                  f"({self.train_batch_size}), got {self.rollout_batch_size}")
+        check_rollout_batch(self.rollout_batch_size, self.train_batch_size)
+
+
+# The rules on a schedule's shape, as plain functions: the sections above run them on a
+# whole config, and `check_schedule` on a scheduler config built without one.
+
+def check_not_retired(mode) -> None:
+    """An older config's mode name fails with what replaces it."""
+    if mode in RETIRED_MODES:
+        fail("coordinator.mode", f"{mode!r} is no longer a mode; {RETIRED_MODES[mode]}")
+
+
+def check_rollout_batch(rollout_batch_size: int, train_batch_size: int) -> None:
+    """RBS >= TBS: the rollout must hold at least one train batch."""
+    if rollout_batch_size < train_batch_size:
+        fail("coordinator.rollout_batch_size", f"must be >= coordinator.train_batch_size "
+              f"({train_batch_size}), got {rollout_batch_size}")
 
 
 def check_group_fits(group_size: int, num_slices: int, slots_per_slice: int):
@@ -202,6 +218,30 @@ def check_group_fits(group_size: int, num_slices: int, slots_per_slice: int):
         fail("coordinator.group_size",
               f"{group_size} samples per group do not fit in {num_slices * slots_per_slice} "
               f"slots (mesh.num_slices x rollout.slots_per_slice)")
+
+
+def check_declared(section, name: str, value) -> None:
+    """Checks `value` against the constraint `section` declares for its field `name`
+    (schema.field), naming the field as the section's own validation does."""
+    f = next(f for f in dataclasses.fields(section) if f.name == name)
+    check(f"{section.PATH}.{name}", value, **f.metadata)
+
+
+def check_schedule(*, mode, num_slices, slots_per_slice, group_size, train_batch_size,
+                   rollout_batch_size, max_staleness) -> None:
+    """Every rule a run config places on the scheduler's shape, for a scheduler
+    config built directly (the tests, the simulator); one derived from a validated
+    `Config` has passed them already (`SchedulerConfig.from_config`)."""
+    check_not_retired(mode)
+    for name, value in (("mode", mode), ("group_size", group_size),
+                        ("train_batch_size", train_batch_size),
+                        ("rollout_batch_size", rollout_batch_size),
+                        ("max_staleness", max_staleness)):
+        check_declared(CoordinatorConfig, name, value)
+    check_rollout_batch(rollout_batch_size, train_batch_size)
+    check_declared(MeshConfig, "num_slices", num_slices)
+    check_declared(RolloutConfig, "slots_per_slice", slots_per_slice)
+    check_group_fits(group_size, num_slices, slots_per_slice)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,10 +332,15 @@ class Config(Section):
         for name in ("eos_id", "pad_id"):
             if not 0 <= getattr(r, name) < m.vocab_size:
                 fail(f"rollout.{name}", f"must be a token id < vocab_size ({m.vocab_size})")
-        if t.filter_zero_variance and c.mode == "one_step_off":
-            fail("trainer.filter_zero_variance", "one_step_off trains fixed batches of group "
-                  "ids and cannot replace a filtered group; use sync, partial_rollout, "
-                  "partial_rollout_rounds or dora")
+        # The policies' capabilities (class attributes): the scheduler is pure Python,
+        # imported here because it imports this module.
+        from dora_jax.scheduler.modes import POLICIES
+
+        policy = POLICIES[c.mode]
+        if t.filter_zero_variance and not policy.replaces_filtered_groups:
+            fail("trainer.filter_zero_variance", f"{c.mode} trains fixed batches of group "
+                  "ids and cannot replace a filtered group; use "
+                  + _modes_with(POLICIES, "replaces_filtered_groups"))
         if t.overlong_buffer >= r.max_decode_len:
             fail("trainer.overlong_buffer", f"must be < rollout.max_decode_len "
                   f"({r.max_decode_len}), got {t.overlong_buffer}")
@@ -303,9 +348,10 @@ class Config(Section):
             fail("trainer.length_buckets",
                   f"largest bucket {t.length_buckets[-1]} must hold a whole trajectory "
                   f"(rollout.max_prefill_length + rollout.max_decode_len = {r.cache_length})")
-        if mesh.colocated != (c.mode == "colocated_sync"):
-            fail("mesh.colocated", "slices share the trainer's devices in mode colocated_sync "
-                  f"and only there (mode {c.mode!r}, colocated {mesh.colocated})")
+        if mesh.colocated and not policy.allows_colocation:
+            turns = _modes_with(POLICIES, "allows_colocation")
+            fail("mesh.colocated", "slices share the trainer's devices only in a mode that "
+                  f"takes turns between rollout and training ({turns}), not in {c.mode!r}")
         check_group_fits(c.group_size, mesh.num_slices, r.slots_per_slice)
         if c.reward_max_response < r.max_decode_len:
             fail("coordinator.reward_max_response", f"must be >= rollout.max_decode_len "
@@ -334,51 +380,32 @@ class Config(Section):
                   f"countdown is max_count + 1 tokens of numbers 0..), got {d.max_count}")
 
 
-def _with_pretrained(d: dict) -> dict:
-    """Fills what a Hugging Face checkpoint or tokenizer determines: the model's
-    architecture from model.checkpoint, data.tokenizer (default: the checkpoint's),
-    rollout.eos_id / pad_id from the tokenizer. Set values must agree."""
-    model, data = d.setdefault("model", {}), d.setdefault("data", {})
-    checkpoint = model.get("checkpoint")
-    if checkpoint:
-        from dora_jax.model import hf_config  # no JAX
-
-        d["model"] = hf_config.resolve(model, schema(ModelConfig).to_dict(), checkpoint)
-        if not data.get("tokenizer") and os.path.exists(os.path.join(checkpoint,
-                                                                     "tokenizer.json")):
-            data["tokenizer"] = checkpoint
-    if not data.get("tokenizer"):
-        return d
-    from dora_jax.data.tokenizer import Tokenizer  # no JAX
-
-    try:
-        tokenizer = Tokenizer.from_pretrained(data["tokenizer"])
-    except ValueError as e:
-        fail("data.tokenizer", str(e))
-    vocab = d["model"].get("vocab_size")
-    if vocab is not None and tokenizer.vocab_size > vocab:
-        fail("data.tokenizer", f"{tokenizer.vocab_size} tokens do not fit model.vocab_size "
-              f"({vocab})")
-    rollout = d.setdefault("rollout", {})
-    for name, value in (("eos_id", tokenizer.eos_id), ("pad_id", tokenizer.pad_id)):
-        default = getattr(RolloutConfig, name)
-        if rollout.get(name, default) not in (default, value):
-            fail(f"rollout.{name}", f"{rollout[name]}, but tokenizer {data['tokenizer']} has "
-                  f"{value} (leave it unset: the tokenizer sets it)")
-        rollout[name] = value
-    return d
+def _modes_with(policies: dict, capability: str) -> str:
+    """'sync, partial_rollout or dora': the modes whose policy has `capability`."""
+    names = [m for m in MODES if getattr(policies[m], capability)]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
-def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> Config:
+def validate(config: ml_collections.ConfigDict, num_devices: int | None = None, *,
+             pretrained=None) -> Config:
     """Validates a whole ConfigDict into a `Config`; `num_devices` is checked when
-    given. A model.checkpoint / data.tokenizer is read (config files only) to fill
-    what it determines."""
-    d = _with_pretrained(config.to_dict())
+    given. Pure: no file is read. What a Hugging Face checkpoint or tokenizer named by
+    the config determines comes in `pretrained` (`model.hf_checks.check_pretrained`,
+    which reads them once; `hf_checks.validated` does both); a config that names
+    them without it fails, naming the field."""
+    d = config.to_dict()
+    if pretrained is not None:
+        d = pretrained.apply(d)
+    else:
+        for path in ("model.checkpoint", "data.tokenizer"):
+            section, name = path.split(".")
+            if d.get(section, {}).get(name):
+                fail(path, "names files this pure check does not read: validate with "
+                           "pretrained=dora_jax.model.hf_checks.check_pretrained(config) "
+                           "(or hf_checks.validated(config))")
     if d["model"].get("vocab_size") is None and not d["model"].get("checkpoint"):
         fail("model.checkpoint", "this config takes the model's architecture from a Hugging "
               "Face checkpoint: set --config.model.checkpoint=DIR")
-    if d.get("coordinator", {}).get("mode") == "colocated_sync":
-        d["mesh"] = colocate(d.get("mesh", {}))
     cfg = Config.from_dict(d)
     if num_devices is not None:
         check_devices(cfg, num_devices)

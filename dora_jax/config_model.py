@@ -161,7 +161,8 @@ def _mesh_shape(axes):
 @dataclasses.dataclass(frozen=True)
 class MeshConfig(Section):
     """Device layout: a trainer mesh and `num_slices` decode-slice meshes, on disjoint
-    devices, or with `colocated` all on the trainer's devices (colocated_sync)."""
+    devices, or with `colocated` all on the trainer's devices (rollout and training
+    then take turns: a mode whose policy `allows_colocation`, i.e. sync)."""
 
     PATH: ClassVar[str] = "mesh"
     trainer: Mapping[str, int] = _mesh_shape(TRAINER_MESH_AXES)
@@ -195,13 +196,14 @@ class MeshConfig(Section):
 def colocate(mesh: Mapping) -> dict:
     """The colocated layout on the same devices as disaggregated `mesh` (a dict): the
     trainer's data axis grows to span every device and slices of the same shape
-    cover them all, so colocated_sync is compared on the same device count."""
+    cover them all, so sync on it is compared on the same device count (bench.runs'
+    `colocated_sync` runs)."""
     m = MeshConfig.from_dict(mesh)
     if m.colocated:
         return dict(mesh)
     n, k = m.total_devices, m.slice_devices
     if n % m.trainer_devices or n % k:
-        fail("mesh.trainer", f"colocated_sync spreads trainer ({m.trainer_devices} devices) "
+        fail("mesh.trainer", f"colocation spreads trainer ({m.trainer_devices} devices) "
               f"and slices ({k} each) over all {n}: both must divide {n}")
     trainer = dict(m.trainer, data=m.trainer["data"] * n // m.trainer_devices)
     return dict(mesh, trainer=trainer, num_slices=n // k, colocated=True)

@@ -29,7 +29,7 @@ from dora_jax.runtime.report import StepReporter
 from dora_jax.scheduler import resume
 from dora_jax.scheduler.core import Scheduler
 from dora_jax.scheduler.ledger import LedgerWriter
-from dora_jax.scheduler.modes import policy_for
+from dora_jax.scheduler.modes import POLICIES
 from dora_jax.scheduler.types import SchedulerConfig
 from dora_jax.timeline import Timeline
 
@@ -59,7 +59,7 @@ def warm_up(slices, trainer, cfg: Config) -> None:
     throughput and waits measure steady state."""
     batch_size = cfg.coordinator.train_batch_size * cfg.coordinator.group_size
     trainer.warmup(batch_size, cfg.coordinator.group_size)
-    reprefills = not policy_for(cfg.coordinator.mode).keeps_c1
+    reprefills = not POLICIES[cfg.coordinator.mode].keeps_c1
     for sl in slices:
         warm_engine(sl.engine, sl.params, reprefills=reprefills)
         sl.reset_decode_state()
@@ -67,14 +67,16 @@ def warm_up(slices, trainer, cfg: Config) -> None:
 
 def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
         on_step: Callable[[dict], None] = lambda record: None,
-        make_trainer: Callable[..., Trainer] = Trainer, fresh: bool = False) -> dict:
+        make_trainer: Callable[..., Trainer] = Trainer, fresh: bool = False,
+        tokenizer=None) -> dict:
     """Runs `cfg.coordinator.num_steps` train steps end to end; returns the summary.
 
     A workdir holding a run of this config continues it (runtime/restart.py); one
     holding another config is refused unless `fresh`, which starts over there.
     `make_trainer(cfg, mesh, params=, graphdef=)` builds the trainer (a subclass can
-    instrument it). Raises `runtime.loop.RunError` if any part fails; the ledger
-    then still accounts for every admitted group."""
+    instrument it). `tokenizer`: the one `model.hf_checks.check_pretrained` read
+    for this config (None: read here). Raises `runtime.loop.RunError` if any part
+    fails; the ledger then still accounts for every admitted group."""
     restart.prepare(workdir, cfg, fresh)
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"))
     trained = checkpointer.latest_step()
@@ -86,7 +88,8 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
         except (OSError, files.DamagedFile):
             summary = {}
         return dict(summary, already_trained=trained, mode=cfg.coordinator.mode)
-    tokenizer = sources.tokenizer_for(cfg)
+    if tokenizer is None:
+        tokenizer = sources.tokenizer_for(cfg)
     skipped = []
     if records is None:
         records, skipped = sources.prompt_records(cfg, tokenizer)

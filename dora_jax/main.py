@@ -7,8 +7,10 @@ resumes it (after a crash too); --fresh starts over. On a host without an
 accelerator the config's devices are faked on the CPU (unless XLA_FLAGS is set).
 
 Every config field can be overridden; the main ones:
-  --config.coordinator.mode=dora        colocated_sync | sync | one_step_off |
-                                        partial_rollout | partial_rollout_rounds | dora
+  --config.coordinator.mode=dora        sync | one_step_off | partial_rollout |
+                                        partial_rollout_rounds | dora
+  --config.mesh.colocated=True          trainer and slices take turns on the same
+                                        devices (mode sync)
   --config.coordinator.max_staleness=2  K: how many versions a trajectory may lag
   --config.coordinator.num_steps=100    train steps (raise it to extend a run)
   --config.coordinator.train_batch_size=4 / rollout_batch_size=8 / group_size=4
@@ -36,7 +38,8 @@ flags.mark_flag_as_required("workdir")
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
-    cfg = cli.validated_config(_CONFIG)  # before JAX: it says how many devices to fake
+    # Before JAX: it says how many devices to fake; the tokenizer read is reused.
+    cfg, pretrained = cli.validated_config(_CONFIG, with_pretrained=True)
     cli.start_devices(cfg)
     import tqdm
 
@@ -56,7 +59,8 @@ def main(argv):
 
     try:
         with cli.one_line_errors():
-            summary = experiment.run(cfg, _WORKDIR.value, on_step=on_step, fresh=_FRESH.value)
+            summary = experiment.run(cfg, _WORKDIR.value, on_step=on_step, fresh=_FRESH.value,
+                                     tokenizer=pretrained.tokenizer)
     finally:
         if bar is not None:
             bar.close()

@@ -18,6 +18,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import pytest  # noqa: E402
 
 from dora_jax import config as config_lib  # noqa: E402  (imports no JAX)
+from dora_jax.model import hf_checks
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = {"dense": "configs/tiny.py", "moe": "configs/moe.py:tiny"}
@@ -35,7 +36,7 @@ def load_repo_config(spec: str, *, validate: bool = True, num_devices: int | Non
         for p in parents:
             node = node[p]
         node[leaf] = value
-    return config_lib.validate(c, num_devices) if validate else c
+    return hf_checks.validated(c, num_devices) if validate else c
 
 
 @pytest.fixture(scope="session")
@@ -54,9 +55,12 @@ def tiny_cfg(request, load_config):
 def small_config(load_config):
     """`small_config(mode, **coordinator)`: configs/tiny.py shrunk so that a run
     compiles and trains in seconds (1 layer, 4 slices x 4 slots, 8-token responses);
-    `validate=False` gives the ConfigDict."""
-    def make(mode: str, *, rollout=None, validate=True, **coordinator):
+    `validate=False` gives the ConfigDict; `colocated=True` spreads the trainer and
+    the slices over the same 8 devices (config_model.colocate)."""
+    def make(mode: str, *, rollout=None, validate=True, colocated=False, **coordinator):
         c = load_config("configs/tiny.py", validate=False)
+        if colocated:
+            c.mesh.update(config_lib.colocate(c.mesh.to_dict()))
         c.model.num_layers = 1
         c.rollout.update(dict(slots_per_slice=4, max_prefill_length=8, max_decode_len=8,
                               prefill_buckets=(8,), decode_steps=4))
@@ -66,7 +70,7 @@ def small_config(load_config):
                                   rollout_batch_size=4, max_staleness=1, num_steps=4))
         c.coordinator.update(coordinator)
         c.data.num_prompts = 64
-        return config_lib.validate(c, num_devices=8) if validate else c
+        return hf_checks.validated(c, num_devices=8) if validate else c
     return make
 
 

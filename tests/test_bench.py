@@ -112,7 +112,7 @@ def test_adversarial_corpus_scores_zero_without_running_code(tmp_path):
     """A slice of the shipped corpus through the run's reward pool: code payloads for
     each verifier and a bomb; the summary line counts what happened."""
     from dora_jax.bench import adversarial, adversarial_corpus
-    from dora_jax.data import verifiers
+    from dora_jax.rewards import verifiers
     from dora_jax.runtime.reward_pool import RewardPool
 
     cases = adversarial_corpus.cases()

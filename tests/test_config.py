@@ -10,6 +10,7 @@ import pytest
 from dora_jax import config as config_lib
 from dora_jax.model import transformer as tf
 from conftest import REPO
+from dora_jax.model import hf_checks
 
 CONFIG_FILES = sorted(str(p.relative_to(REPO)) for p in REPO.glob("configs/*.py"))
 
@@ -138,37 +139,37 @@ INVALID = [
 def test_invalid_value_names_field(base, field, value, named, load_config):
     c = _set(load_config(base, validate=False), field, value)
     with pytest.raises(config_lib.ConfigError, match=re.escape(f"config.{named}")):
-        config_lib.validate(c)  # device count is its own rule, below
+        hf_checks.validated(c)  # device count is its own rule, below
 
 
 def test_mesh_larger_than_devices(load_config):
     c = load_config(_tiny, validate=False)
     c.mesh.num_slices = 5  # 4 trainer + 5 slices = 9 > 8
     with pytest.raises(config_lib.ConfigError, match=r"config\.mesh: .*9.*only 8 devices"):
-        config_lib.validate(c, num_devices=8)
-    config_lib.validate(c)  # without a device count the shape alone is fine
+        hf_checks.validated(c, num_devices=8)
+    hf_checks.validated(c)  # without a device count the shape alone is fine
 
 
 def test_mesh_missing_axis_and_bad_rule(load_config):
     c = load_config(_tiny, validate=False)
     del c.mesh.trainer["expert"]
     with pytest.raises(config_lib.ConfigError, match=r"config\.mesh\.trainer"):
-        config_lib.validate(c)
+        hf_checks.validated(c)
     c = load_config(_tiny, validate=False)
     c.mesh.decode_rules = (("embed", "fsdp"),)  # slices have no fsdp axis
     with pytest.raises(config_lib.ConfigError, match=r"config\.mesh\.decode_rules"):
-        config_lib.validate(c)
+        hf_checks.validated(c)
 
 
 def test_unknown_fields_are_rejected(load_config):
     c = load_config(_tiny, validate=False)
     c.model.num_head = 4  # typo
     with pytest.raises(config_lib.ConfigError, match=r"num_head"):
-        config_lib.validate(c)
+        hf_checks.validated(c)
     c = load_config(_tiny, validate=False)
     c.trainer.lr = 0.1
     with pytest.raises(config_lib.ConfigError, match=r"config\.trainer.*lr"):
-        config_lib.validate(c)
+        hf_checks.validated(c)
 
 
 def test_unknown_variant(load_config):
@@ -190,10 +191,10 @@ def test_base_is_the_schema():
     assert c.model.vocab_size is None
     # No architecture and no checkpoint to take it from: the way to set it is named.
     with pytest.raises(config_lib.ConfigError, match=r"config\.model\.checkpoint: this config"):
-        config_lib.validate(c)
+        hf_checks.validated(c)
     c.model.vocab_size = 128
     with pytest.raises(config_lib.ConfigError, match=r"config\.model\.d_model: must be set"):
-        config_lib.validate(c)
+        hf_checks.validated(c)
     c.model.vocab_size = None
     # None-default fields accept a typed value (a command-line override parses).
     c.trainer.dual_clip = 3.0
@@ -212,53 +213,61 @@ def test_countdown_must_fit_the_decode_limit_and_vocab(load_config):
     c.data.source = "countdown"
     c.data.max_count = 16  # a countdown of 16 is 17 tokens > max_decode_len 16
     with pytest.raises(config_lib.ConfigError, match=r"config\.data\.max_count"):
-        config_lib.validate(c)
+        hf_checks.validated(c)
     c.data.max_count = 15
-    config_lib.validate(c)
+    hf_checks.validated(c)
     c.rollout.max_decode_len, c.trainer.length_buckets = 256, (272,)
     c.data.max_count = 200  # numbers up to 199 need more than vocab 128 - 3
     with pytest.raises(config_lib.ConfigError, match=r"config\.data\.max_count"):
-        config_lib.validate(c)
+        hf_checks.validated(c)
 
 
-def test_colocated_sync_spreads_trainer_and_slices_over_the_same_devices(load_config):
-    """colocated_sync on a disaggregated layout: the same 8 devices, the trainer's
-    data axis grown to span them all, slices of the same shape covering them too."""
+def test_colocate_spreads_trainer_and_slices_over_the_same_devices(load_config):
+    """colocate() of a disaggregated layout: the same 8 devices, the trainer's data
+    axis grown to span them all, slices of the same shape covering them too; sync
+    runs on it, the modes that overlap rollout and training refuse it."""
     c = load_config("configs/tiny.py", validate=False)
-    c.coordinator.mode = "colocated_sync"
-    cfg = config_lib.validate(c, num_devices=8)
+    c.coordinator.mode = "sync"
+    c.mesh.update(config_lib.colocate(c.mesh.to_dict()))
+    cfg = hf_checks.validated(c, num_devices=8)
     assert cfg.mesh.colocated and cfg.mesh.total_devices == 8
     assert cfg.mesh.trainer == {"data": 4, "fsdp": 2, "tensor": 1, "expert": 1}
     assert cfg.mesh.num_slices == 8 and cfg.mesh.slice_devices == 1
-    # The same explicit layout validates as written; other modes refuse it.
-    c.mesh.update(dict(colocated=True, num_slices=8))
-    c.mesh.trainer.data = 4
-    assert config_lib.validate(c).mesh == cfg.mesh
     c.coordinator.mode = "dora"
-    with pytest.raises(config_lib.ConfigError, match=r"config\.mesh\.colocated"):
-        config_lib.validate(c)
+    with pytest.raises(config_lib.ConfigError, match=r"config\.mesh\.colocated: .* \(sync\)"):
+        hf_checks.validated(c)
+
+
+def test_colocated_sync_is_no_longer_a_mode(load_config):
+    c = load_config("configs/tiny.py", validate=False)
+    c.coordinator.mode = "colocated_sync"
+    with pytest.raises(config_lib.ConfigError, match=r"config\.coordinator\.mode: "
+                       r"'colocated_sync' is no longer a mode; .* coordinator\.mode=sync "
+                       r"with mesh\.colocated=True"):
+        hf_checks.validated(c)
 
 
 @pytest.mark.parametrize("change, named", [
-    (dict(num_slices=3), r"mesh\.trainer: colocated_sync .* must divide 7"),  # 4 + 3 devices
+    (dict(num_slices=3), r"mesh\.trainer: colocation .* must divide 7"),  # 4 + 3 devices
     (dict(colocated=True, num_slices=3), r"mesh\.num_slices: colocated: 3 slices x 1 devices"),
 ])
 def test_colocated_layout_errors_name_the_field(change, named, load_config):
     c = load_config("configs/tiny.py", validate=False)
-    c.coordinator.mode = "colocated_sync"
+    c.coordinator.mode = "sync"
     c.mesh.update(change)
     with pytest.raises(config_lib.ConfigError, match=named):
-        config_lib.validate(c)
+        c.mesh.update(config_lib.colocate(c.mesh.to_dict()))
+        hf_checks.validated(c)
 
 
 def test_batch_must_divide_over_the_trainer_batch_shards(load_config):
     c = load_config("configs/tiny.py", validate=False)
     c.coordinator.train_batch_size = 3  # 12 samples over data 2 x fsdp 2 = 4: fine
-    config_lib.validate(c)
+    hf_checks.validated(c)
     c.coordinator.group_size = 3  # 9 samples: not
     with pytest.raises(config_lib.ConfigError,
                        match=r"coordinator\.train_batch_size: .* 4 batch shards"):
-        config_lib.validate(c)
+        hf_checks.validated(c)
 
 
 def test_host_fakes_cpu_devices_only_when_it_should(monkeypatch):
@@ -277,3 +286,20 @@ def test_host_fakes_cpu_devices_only_when_it_should(monkeypatch):
     with pytest.raises(RuntimeError, match="single-controller.*Pathways"):
         host.require_single_controller(4)
     host.require_single_controller(1)
+
+
+def test_validate_is_pure(load_config, monkeypatch):
+    """validate reads no file: a checkpoint or tokenizer it names is read beforehand
+    (model/hf_checks.py), and without what they determine it refuses, naming the field."""
+    import builtins
+
+    c = load_config("configs/tiny.py", validate=False)
+
+    def no_files(*a, **kw):
+        raise AssertionError("validate opened a file")
+
+    monkeypatch.setattr(builtins, "open", no_files)
+    config_lib.validate(c)
+    c.data.tokenizer = "/some/tokenizer"
+    with pytest.raises(config_lib.ConfigError, match=r"config\.data\.tokenizer: names files"):
+        config_lib.validate(c)

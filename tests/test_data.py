@@ -6,14 +6,15 @@ import numpy as np
 import pytest
 
 from dora_jax.data import prompts, tasks
+from dora_jax.rewards import tokens
 
 
 def test_residue_reward_by_hand():
     record = {"target": 1, "modulus": 4}
     # 5 % 4 = 1 (hit), 6 % 4 = 2, 9 % 4 = 1 (hit); EOS (1) is not a response token.
-    assert tasks.residue_reward(record, [5, 6, 9, tasks.EOS]) == pytest.approx(2 / 3)
-    assert tasks.residue_reward(record, [tasks.EOS]) == 0.0
-    assert tasks.residue_reward(record, [13, 17]) == 1.0
+    assert tokens.residue_reward(record, [5, 6, 9, tasks.EOS]) == pytest.approx(2 / 3)
+    assert tokens.residue_reward(record, [tasks.EOS]) == 0.0
+    assert tokens.residue_reward(record, [13, 17]) == 1.0
 
 
 def test_residue_prompts_are_stable_and_valid():
@@ -91,17 +92,17 @@ def test_tfds_style_source_through_grain():
 
 def test_unknown_reward_name():
     with pytest.raises(ValueError, match="unknown reward"):
-        tasks.reward_fn("nope")
+        tokens.reward_fn("nope")
 
 
 def test_countdown_reward_by_hand():
     record = {"count": 3}  # the countdown 2, 1, 0 then EOS: tokens 5, 4, 3, 1
     assert tasks.countdown_target(record) == [5, 4, 3, tasks.EOS]
-    assert tasks.countdown_reward(record, [5, 4, 3, tasks.EOS]) == 1.0
-    assert tasks.countdown_reward(record, [5, 4, tasks.EOS]) == pytest.approx(2 / 4)  # early
-    assert tasks.countdown_reward(record, [5, 4, 3, 9, 9, tasks.EOS]) == pytest.approx(3 / 6)
-    assert tasks.countdown_reward(record, [9, 4, 3, tasks.EOS]) == pytest.approx(3 / 4)
-    assert tasks.countdown_reward(record, []) == 0.0
+    assert tokens.countdown_reward(record, [5, 4, 3, tasks.EOS]) == 1.0
+    assert tokens.countdown_reward(record, [5, 4, tasks.EOS]) == pytest.approx(2 / 4)  # early
+    assert tokens.countdown_reward(record, [5, 4, 3, 9, 9, tasks.EOS]) == pytest.approx(3 / 6)
+    assert tokens.countdown_reward(record, [9, 4, 3, tasks.EOS]) == pytest.approx(3 / 4)
+    assert tokens.countdown_reward(record, []) == 0.0
 
 
 def test_countdown_lengths_are_long_tailed_and_fit_the_decode_limit():

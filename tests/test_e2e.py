@@ -11,6 +11,7 @@ import pytest
 from dora_jax import experiment
 from dora_jax.scheduler import ledger
 from conftest import REPO, audit_workdir
+from dora_jax.model import hf_checks
 
 
 @pytest.mark.parametrize("mode", ["sync", "one_step_off", "partial_rollout", "dora"])
@@ -59,7 +60,7 @@ def test_countdown_task_end_to_end(tmp_path, load_config):
     c.data.update(dict(source="countdown", reward="countdown", max_count=7, num_prompts=32))
     from dora_jax import config as config_lib
 
-    cfg = config_lib.validate(c, num_devices=8)
+    cfg = hf_checks.validated(c, num_devices=8)
     experiment.run(cfg, str(tmp_path))
     events, report = audit_workdir(cfg, str(tmp_path))
     assert report.ok and report.steps == 2, report.summary()

@@ -13,9 +13,9 @@ import pytest
 import yaml
 
 from conftest import REPO, load_repo_config
-from dora_jax import config as config_lib
 from dora_jax.data.word_problems import PROBLEMS_FILE
 from dora_jax.launch import jobset, tpu
+from dora_jax.model import hf_checks
 
 GENERATIONS = ("v4", "v5p", "v5e", "v6e")
 # ml_collections loads config files with importlib's deprecated load_module.
@@ -102,14 +102,14 @@ def test_slices_must_tile_the_devices():
     with pytest.raises(ValueError) as e:
         tpu.num_slices(256, tpu.parse("v5p-1024"))
     assert "256" in str(e.value) and "512 chips" in str(e.value) and "v5p-512" in str(e.value)
-    assert tpu.smallest_fitting(8).chips == 1 and tpu.largest_fitting(256, "v5p").name == "v5p-512"
+    assert tpu.fitting(8)[0].chips == 1 and tpu.largest_fitting(256, "v5p").name == "v5p-512"
 
 
 def _types_for(devices):
     """A slice type per generation that tiles `devices` (the largest), and the
     smallest of all."""
     found = {tpu.largest_fitting(devices, g) for g in GENERATIONS if tpu.fitting(devices, g)}
-    return sorted(found | {tpu.smallest_fitting(devices)}, key=lambda t: t.name)
+    return sorted(found | {tpu.fitting(devices)[0]}, key=lambda t: t.name)
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -145,14 +145,14 @@ def test_every_config_renders_a_jobset_that_parses_back(spec, needs_overrides):
         assert env == {"JAX_PLATFORMS": "proxy", "JAX_BACKEND_TARGET": "grpc://localhost:29000"}
         assert main["command"] == ["python", "-m", "dora_jax.main", f"--config={spec}",
                                    "--workdir=gs://b/run", *overrides]
-        back = config_lib.validate(jobset.parse_command(main["command"], root=str(REPO)))
+        back = hf_checks.validated(jobset.parse_command(main["command"], root=str(REPO)))
         assert back == cfg
 
 
 def test_parse_command_applies_the_overrides():
     cmd = jobset.main_command("configs/moe.py:tiny", "/w", ["--config.coordinator.max_staleness=1",
                                                             "--config.rollout.prefill_buckets=(8,32)"])
-    back = config_lib.validate(jobset.parse_command(cmd, root=str(REPO)))
+    back = hf_checks.validated(jobset.parse_command(cmd, root=str(REPO)))
     assert back.coordinator.max_staleness == 1 and back.rollout.prefill_buckets == (8, 32)
     assert back == load_repo_config("configs/moe.py:tiny", coordinator__max_staleness=1,
                                     rollout__prefill_buckets=(8, 32))
@@ -187,7 +187,7 @@ def test_gke_command_line():
     assert _chips(js) == 256
     command = _main(js)["command"]
     assert command[-1] == "--config.coordinator.max_staleness=1"
-    back = config_lib.validate(jobset.parse_command(command, root=str(REPO)))
+    back = hf_checks.validated(jobset.parse_command(command, root=str(REPO)))
     assert back.coordinator.max_staleness == 1
     assert back == load_repo_config("configs/moe.py", coordinator__max_staleness=1)
 

@@ -1,12 +1,16 @@
 """The layering the package promises: the scheduling core and the config load without
-JAX (the scheduler's tests, the fake driver and a future simulator need no
-accelerator stack), and the mode registry matches the config's list of modes."""
+JAX (the scheduler's tests, its fake driver and the simulator need no accelerator
+stack); each layer imports only the layers below it (the directions below); the mode
+registry matches the config's list of modes."""
 
+import ast
+import pathlib
 import subprocess
 import sys
 
 import pytest
 
+REPO = pathlib.Path(__file__).resolve().parents[1]
 HEAVY = ("jax", "jaxlib", "flax", "grain", "orbax", "optax")
 
 
@@ -63,3 +67,61 @@ def test_readme_layout_matches_the_package():
     actual = {p.name + ("/" if p.is_dir() else "") for p in (repo / "dora_jax").iterdir()
               if p.name not in ("__init__.py", "__pycache__")}
     assert listed == actual
+
+
+def _loaded(code: str) -> list:
+    """The project modules loaded once `code` ran, in a fresh interpreter."""
+    code += "\nimport sys\nprint(sorted(m for m in sys.modules if m.startswith('dora_jax')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip().splitlines()[-1]
+    return ast.literal_eval(out)
+
+
+def _heavy_loaded(code: str) -> list:
+    code += (f"\nimport sys\nprint(sorted({{m.split('.')[0] for m in sys.modules}} & "
+             f"set({HEAVY!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip().splitlines()[-1]
+    return ast.literal_eval(out)
+
+
+SCHEDULER = ("core", "driver", "dora", "invariants", "ledger", "modes", "partial",
+             "policies", "resume", "snapshot", "types")
+
+
+def test_scheduler_imports_no_jax_runtime_or_rollout():
+    code = "import " + ", ".join(f"dora_jax.scheduler.{m}" for m in SCHEDULER)
+    loaded = _loaded(code)
+    assert not [m for m in loaded if m.startswith(("dora_jax.runtime", "dora_jax.rollout",
+                                                   "dora_jax.sim", "dora_jax.model"))], loaded
+    assert _heavy_loaded(code) == []
+
+
+def test_rewards_import_no_runtime_rollout_or_scheduler():
+    loaded = _loaded("import dora_jax.rewards.tokens, dora_jax.rewards.verifiers, "
+                     "dora_jax.rewards.shaping")
+    assert not [m for m in loaded if m.startswith(("dora_jax.runtime", "dora_jax.rollout",
+                                                   "dora_jax.scheduler"))], loaded
+    assert _heavy_loaded("import dora_jax.rewards.tokens, dora_jax.rewards.shaping") == []
+
+
+def test_config_is_the_ground_floor_even_when_validating():
+    """Validating reads no file and reaches no wing: nothing of model/, rollout/,
+    runtime/ or data/'s file readers (the pretrained files are model/hf_checks.py's);
+    only the pure scheduler, whose policies say what each mode can do."""
+    loaded = _loaded("from dora_jax import config\n"
+                     f"config.validate(config.load({str(REPO / 'configs' / 'tiny.py')!r}))")
+    assert not [m for m in loaded if m.startswith(("dora_jax.model", "dora_jax.rollout",
+                                                   "dora_jax.runtime", "dora_jax.data"))], loaded
+    assert not [m for m in loaded if m.startswith("dora_jax.")
+                and not m.startswith(("dora_jax.config", "dora_jax.schema",
+                                      "dora_jax.scheduler", "dora_jax.versions"))], loaded
+
+
+def test_versions_imports_nothing_of_the_project():
+    assert _loaded("import dora_jax.versions") == ["dora_jax", "dora_jax.versions"]
+
+
+def test_sharding_imports_no_runtime():
+    loaded = _loaded("import dora_jax.model.sharding")
+    assert not [m for m in loaded if m.startswith("dora_jax.runtime")], loaded

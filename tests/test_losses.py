@@ -17,10 +17,10 @@ from dora_jax.rl.losses import (
     group_advantages,
     kl_divergence,
     masked_mean,
-    overlong_penalty,
     ppo_clip_loss,
     rloo_advantages,
 )
+from dora_jax.rewards.shaping import overlong_penalty
 
 RTOL = 1e-6
 ATOL = 1e-7

@@ -15,6 +15,7 @@ from dora_jax.data import sources, word_problems
 from dora_jax.data.tokenizer import Tokenizer
 from dora_jax.model import hf
 from conftest import audit_workdir
+from dora_jax.model import hf_checks
 
 QWEN3_FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "hf", "qwen3")
 
@@ -25,10 +26,10 @@ def test_checkpoint_sets_the_architecture(load_config):
     c.data.tokenizer = word_problems.TOKENIZER_DIR
     with pytest.raises(config_lib.ConfigError, match=r"data.tokenizer: 512 tokens do not fit "
                                                      r"model.vocab_size \(61\)"):
-        config_lib.validate(c)
+        hf_checks.validated(c)
     c.data.source, c.data.reward, c.data.tokenizer = "residue", "residue", ""
     c.data.update(dict(prompt_len=4, modulus=4))
-    cfg = config_lib.validate(c)
+    cfg = hf_checks.validated(c)
     m = cfg.model
     assert (m.vocab_size, m.d_model, m.num_layers, m.head_dim, m.rope_theta) == (
         61, 48, 3, 20, 1_000_000.0)
@@ -40,19 +41,19 @@ def test_a_field_set_against_the_checkpoint_is_named(load_config):
     c.model.checkpoint = QWEN3_FIXTURE  # configs/tiny.py sets vocab 128, d_model 64 ...
     with pytest.raises(config_lib.ConfigError,
                        match=r"config.model.vocab_size: 128, but checkpoint .* has 61"):
-        config_lib.validate(c)
+        hf_checks.validated(c)
 
 
 def test_tokenizer_sets_eos_and_pad_and_refuses_others(load_config, tiny_hf_checkpoint):
     c = load_config("configs/qwen3_gsm8k.py", validate=False)
     c.model.checkpoint, c.data.path = tiny_hf_checkpoint, word_problems.PROBLEMS_FILE
-    cfg = config_lib.validate(c)
+    cfg = hf_checks.validated(c)
     tok = Tokenizer.from_pretrained(tiny_hf_checkpoint)
     assert cfg.data.tokenizer == tiny_hf_checkpoint
     assert (cfg.rollout.eos_id, cfg.rollout.pad_id) == (tok.eos_id, tok.pad_id) == (3, 0)
     c.rollout.eos_id = 7
     with pytest.raises(config_lib.ConfigError, match=r"config.rollout.eos_id: 7, but tokenizer"):
-        config_lib.validate(c)
+        hf_checks.validated(c)
 
 
 def test_shipped_assets_rebuild_identically(tmp_path):
@@ -97,7 +98,7 @@ def test_a_run_from_a_checkpoint_trains_audits_and_exports(load_config, tiny_hf_
     c.model.checkpoint = tiny_hf_checkpoint
     c.data.tokenizer = ""  # from the checkpoint
     c.coordinator.num_steps = 3
-    cfg = config_lib.validate(c, num_devices=8)
+    cfg = hf_checks.validated(c, num_devices=8)
     workdir = str(tmp_path / "run")
     from dora_jax.rl.trainer import Trainer
 
@@ -158,7 +159,7 @@ def test_moe_config_loads_the_qwen3_30b_a3b_architecture(load_config, tmp_path):
     hub = os.path.join(os.path.dirname(__file__), "fixtures", "hf", "qwen3_30b_a3b")
     c = load_config("configs/moe.py", validate=False)
     c.model.checkpoint = hub
-    cfg = config_lib.validate(c)
+    cfg = hf_checks.validated(c)
     assert cfg.model.moe.num_experts == 128 and cfg.model.num_layers == 48
     other = json.load(open(os.path.join(hub, "config.json")))
     other["num_experts"] = 64
@@ -166,7 +167,7 @@ def test_moe_config_loads_the_qwen3_30b_a3b_architecture(load_config, tmp_path):
     c.model.checkpoint = str(tmp_path)
     with pytest.raises(config_lib.ConfigError,
                        match=r"config.model.moe.num_experts: 128, but checkpoint .* has 64"):
-        config_lib.validate(c)
+        hf_checks.validated(c)
 
 
 def test_tfds_source_from_the_command_line_config(load_config, tmp_path):

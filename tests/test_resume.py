@@ -8,9 +8,8 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dora_jax.scheduler import MODES, FakeRun, SchedulerConfig, lengths_from_seed, ledger
-from dora_jax.scheduler import resume
-from dora_jax.scheduler.fake import _Request
+from _fake_run import FakeRun, _Request, lengths_from_seed
+from dora_jax.scheduler import MODES, POLICIES, SchedulerConfig, ledger, resume
 
 
 def _admit(g, v, **kw):
@@ -111,7 +110,7 @@ def _resumed_run(old: FakeRun, checkpoint, lengths, **kw) -> FakeRun:
 
 @settings(max_examples=120, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
-@given(st.sampled_from([m for m in MODES if m != "one_step_off"]), st.integers(1, 4), st.integers(1, 3), st.integers(1, 3),
+@given(st.sampled_from([m for m in MODES if POLICIES[m].resumable]), st.integers(1, 4), st.integers(1, 3), st.integers(1, 3),
        st.integers(0, 2), st.integers(0, 2**16), st.integers(1, 3))
 def test_crashes_at_random_points_lose_and_duplicate_nothing(mode, slices, G, tbs, extra,
                                                               seed, crashes):

@@ -11,8 +11,9 @@ import pytest
 
 from dora_jax.runtime.events import Failed, VersionLoaded
 from dora_jax.runtime.worker import SliceWorker
-from dora_jax.scheduler import (Admit, Assign, FakeRun, InterruptReload, LoadVersion,
-                                Scheduler, SchedulerConfig, TrainStep)
+from _fake_run import FakeRun
+from dora_jax.scheduler import (Admit, Assign, InterruptReload, LoadVersion, Scheduler,
+                                SchedulerConfig, TrainStep)
 from dora_jax.timeline import Timeline
 
 MODE = "partial_rollout_rounds"

@@ -15,6 +15,7 @@ from dora_jax.rl.trainer import Trainer
 from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.runtime.loop import RunError
 from conftest import audit_workdir
+from dora_jax.model import hf_checks
 
 
 def _host_leaves(params) -> list:
@@ -129,9 +130,7 @@ def test_rollout_batch_beyond_all_slots(mode, factor, tmp_path, small_config):
     """rollout_batch_size x group_size = 2x and 4x the 16 slots: pending samples of
     old groups wait while slices move on; partial_rollout starts them on the newest
     version (recorded per token) and never mixes versions where C1 is kept."""
-    # colocated_sync's trainer spans 8 devices: its batch needs 8 samples.
-    tbs = 4 if mode == "colocated_sync" else 2
-    cfg = small_config(mode, rollout_batch_size=16 * factor // 2, train_batch_size=tbs,
+    cfg = small_config(mode, rollout_batch_size=16 * factor // 2, train_batch_size=2,
                        num_steps=3)
     _run(cfg, tmp_path)
     events, report = audit_workdir(cfg, tmp_path)
@@ -139,10 +138,11 @@ def test_rollout_batch_beyond_all_slots(mode, factor, tmp_path, small_config):
 
 
 def test_colocated_sync_time_shares_every_device(tmp_path, small_config):
-    """colocated_sync: the trainer and the slices share all 8 devices and take turns
-    (no decode span overlaps a train span); every slice reloads the trainer's
-    params, resharded onto its own device."""
-    cfg = small_config("colocated_sync", train_batch_size=4, rollout_batch_size=4,
+    """sync on the colocated layout: the trainer and the slices share all 8 devices
+    and take turns (no decode span overlaps a train span); every slice reloads the
+    trainer's params, resharded onto its own device. The trainer spans 8 devices:
+    its batch needs 8 samples."""
+    cfg = small_config("sync", colocated=True, train_batch_size=4, rollout_batch_size=4,
                        num_steps=3)
     summary, trainer = _run(cfg, tmp_path)
     _, report = audit_workdir(cfg, tmp_path)
@@ -210,7 +210,7 @@ def test_dynamic_sampling_filters_and_replaces_groups(tmp_path, small_config):
 
     c = small_config("dora", validate=False, num_steps=4)
     c.trainer.update(dict(filter_zero_variance=True, objective="decoupled", is_cap=2.0))
-    cfg = config_lib.validate(c, num_devices=8)
+    cfg = hf_checks.validated(c, num_devices=8)
     records = [dict(r, modulus=1, target=0) if i % 2 == 0 else r
                for i, r in enumerate(prompt_records(cfg)[0])]
     made = []
@@ -237,12 +237,11 @@ def test_overlong_punishment_shapes_the_trained_rewards(small_config):
     import concurrent.futures
     import types
 
-    from dora_jax import config as config_lib
     from dora_jax.runtime.groups import Group
 
     c = small_config("dora", validate=False)
     c.trainer.update(dict(overlong_buffer=4, overlong_penalty=2.0))
-    cfg = config_lib.validate(c, num_devices=8)
+    cfg = hf_checks.validated(c, num_devices=8)
     g = Group(record={}, version=0)
     for k, n in enumerate([3, 5, 8]):
         g.trajectories[k] = types.SimpleNamespace(response_tokens=[7] * n)
@@ -262,7 +261,7 @@ def test_a_failed_run_resumes_and_the_whole_ledger_audits(tmp_path, small_config
 
     def cfg_with(steps, mode="dora"):
         c = small_config(mode, validate=False, num_steps=steps, checkpoint_every=2)
-        return config_lib.validate(c, num_devices=8)
+        return hf_checks.validated(c, num_devices=8)
 
     class FailAt3(RecordingTrainer):
         fail_at_step = 3

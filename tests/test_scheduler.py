@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from dora_jax.scheduler import (MODES, Admit, Assign, FakeRun, InterruptReload,
-                                  LoadVersion, Scheduler, SchedulerConfig, TrainStep,
-                                  lengths_from_seed, policy_for)
+from _fake_run import FakeRun, lengths_from_seed
+from dora_jax.scheduler import (MODES, Admit, Assign, InterruptReload, LoadVersion, Scheduler,
+                                SchedulerConfig, TrainStep, policy_for)
 
 
 def config(mode="dora", **kw):

@@ -8,7 +8,8 @@ import math
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dora_jax.scheduler import MODES, FakeRun, SchedulerConfig, lengths_from_seed
+from _fake_run import FakeRun, lengths_from_seed
+from dora_jax.scheduler import MODES, POLICIES, SchedulerConfig
 
 
 @st.composite
@@ -136,7 +137,8 @@ def test_restart_engines_loses_nothing(sc, restart_at):
 
 @settings(max_examples=150, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
-@given(scenarios(modes=[m for m in MODES if m != "one_step_off"]), st.integers(2, 5),
+@given(scenarios(modes=[m for m in MODES if POLICIES[m].replaces_filtered_groups]),
+       st.integers(2, 5),
        st.integers(0, 4))
 def test_filtered_groups_are_replaced_and_accounted(sc, period, phase):
     """Groups scored before training, every `period`-th one filtered out: each step

@@ -16,6 +16,7 @@ from dora_jax.data import sources, tasks
 from dora_jax.model import transformer
 from dora_jax.rollout.slice import DecodeSlice
 from conftest import REPO, audit_workdir
+from dora_jax.model import hf_checks
 
 
 def _countdown(load_config, **rollout):
@@ -45,7 +46,7 @@ def test_sft_learns_demonstrations_and_rl_starts_from_them(tmp_path, load_config
                                                           monkeypatch):
     from dora_jax import config as config_lib
 
-    cfg = config_lib.validate(_countdown(load_config), num_devices=8)
+    cfg = hf_checks.validated(_countdown(load_config), num_devices=8)
     out = sft.train(cfg, str(tmp_path / "sft"), steps=150, batch_size=32, learning_rate=3e-3)
     assert out["loss_last"] < 0.1 * out["loss_first"], out
     log = [json.loads(line) for line in open(tmp_path / "sft" / "sft_metrics.jsonl")]
@@ -70,7 +71,7 @@ def test_sft_learns_demonstrations_and_rl_starts_from_them(tmp_path, load_config
         return seconds
 
     monkeypatch.setattr(DecodeSlice, "load_version", recording)
-    rl = config_lib.validate(_countdown(load_config), num_devices=8)
+    rl = hf_checks.validated(_countdown(load_config), num_devices=8)
     rl = dataclasses.replace(rl, init_checkpoint=out["checkpoint"])
     summary = experiment.run(rl, str(tmp_path / "rl"))
     want = [np.asarray(x) for x in jax.tree.leaves(params)]
@@ -88,14 +89,14 @@ def test_missing_init_checkpoint_fails_before_compute(tmp_path, load_config):
     c = _countdown(load_config)
     c.init_checkpoint = str(tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError, match="config.init_checkpoint"):
-        experiment.run(config_lib.validate(c, num_devices=8), str(tmp_path / "rl"))
+        experiment.run(hf_checks.validated(c, num_devices=8), str(tmp_path / "rl"))
     assert not os.path.exists(tmp_path / "rl" / "ledger.jsonl")
 
 
 def test_task_without_demonstrations_is_refused(tmp_path, load_config):
     from dora_jax import config as config_lib
 
-    cfg = config_lib.validate(load_config("configs/tiny.py", validate=False), num_devices=8)
+    cfg = hf_checks.validated(load_config("configs/tiny.py", validate=False), num_devices=8)
     with pytest.raises(ValueError, match="'residue' has no demonstrations"):
         sft.train(cfg, str(tmp_path), steps=1, batch_size=1, learning_rate=1e-3)
 

@@ -96,7 +96,8 @@ def test_make_meshes_disjoint_devices(load_config):
 
 def test_make_meshes_colocated_slices_cover_the_trainer_devices(load_config):
     c = load_config("configs/tiny.py", validate=False)
-    c.coordinator.mode = "colocated_sync"
+    c.coordinator.mode = "sync"
+    c.mesh.update(config_lib.colocate(c.mesh.to_dict()))
     cfg = config_lib.validate(c, num_devices=8)
     trainer, slices = devices.make_meshes(cfg.mesh)
     slice_ids = [d.id for m in slices for d in m.devices.flat]

@@ -14,7 +14,6 @@ import pytest
 from dora_jax.scheduler.types import SchedulerConfig
 from dora_jax.sim import PRESETS, SIM_MODES, CostModel, Workload, simulate
 from dora_jax.sim.cluster import ClusterSim
-from dora_jax.sim.cost import replay_lengths
 
 ZERO = CostModel(step_fixed=0.0, step_per_seq=0.0, step_per_ctx=0.0, prefill_fixed=0.0,
                  prefill_per_token=0.0, weight_bytes=0.0, transfer_bandwidth=1.0,
@@ -36,9 +35,7 @@ def test_workload_lengths_have_the_stated_mean_and_cap():
     assert abs(x.mean() / 2400 - 1) < 0.05 and x.max() <= 30_720 and x.min() >= 1
     assert x.max() / x.mean() > 8  # long-tailed
     assert length(5, 3) == Workload(mean_len=2400, seed=3).lengths(16)(5, 3)
-    records = [dict(event="consume", samples=[dict(sample=1, response_len=7),
-                                              dict(sample=0, response_len=4)])]
-    assert Workload(replay=replay_lengths(records)).lengths(2)(0, 1) == 7
+    assert Workload(replay=(4, 7)).lengths(2)(0, 1) == 7
 
 
 def _one_group(cost, lengths, mode="sync", slots=2, prompt_len=2, steps=2):
@@ -188,7 +185,7 @@ def test_command_line_refuses_bad_input_with_one_line():
 def test_presets_reproduce_the_papers_fixed_schedules():
     """The H800 presets' fitted efficiencies (`sim.fit`) put the schedules that leave
     a scheduler no freedom (colocated sync at 64 and 128 GPUs, one-step-off at 64)
-    within 15% of the paper's step times (DESIGN.md section 7)."""
+    within 15% of the paper's step times (presets.PAPER_64 / PAPER_128)."""
     from dora_jax.sim.fit import FIT_ON, paper_errors
 
     errors = paper_errors(PRESETS["paper64"].efficiency, steps=12)

@@ -9,7 +9,9 @@ import pytest
 
 from _char_tokenizer import CharTokenizer
 from dora_jax import config as config_lib
-from dora_jax.data import reasoning_gym_tasks, text_tasks, verifiers
+from dora_jax.data import reasoning_gym_tasks, text_tasks
+from dora_jax.rewards import verifiers
+from dora_jax.model import hf_checks
 
 TOK = CharTokenizer()
 MARKER = "__pwn_marker__"
@@ -132,7 +134,7 @@ def test_config_refuses_unsafe_tasks_by_name(task, named, load_config):
     c = load_config("configs/tiny.py", validate=False)
     c.data.source, c.data.task = "reasoning_gym", task
     with pytest.raises(config_lib.ConfigError, match=re.escape("config.data.task")) as e:
-        config_lib.validate(c)
+        hf_checks.validated(c)
     assert task in str(e.value) and named in str(e.value)
 
 

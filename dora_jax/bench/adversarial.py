@@ -140,7 +140,7 @@ def _table(results: list[dict]) -> list[str]:
 def main(argv):
     del argv
     from dora_jax.bench import adversarial_corpus
-    from dora_jax.data import verifiers
+    from dora_jax.rewards import verifiers
     from dora_jax.runtime.reward_pool import RewardPool
 
     cases = adversarial_corpus.cases()

@@ -65,10 +65,10 @@ def count(events: list, train_batch_size: int) -> dict:
 
 def main(argv):
     del argv
-    from dora_jax import config as config_lib
+    from dora_jax.model import hf_checks
     from dora_jax.scheduler import SchedulerConfig, ledger
 
-    cfg = config_lib.validate(_CONFIG.value)
+    cfg = hf_checks.validated(_CONFIG.value)
     config_arg = next(a for a in sys.argv if a.startswith("--config="))
     cmd = [sys.executable, "-m", "dora_jax.main", config_arg, f"--workdir={_WORKDIR.value}",
            *_overrides(sys.argv[1:])]

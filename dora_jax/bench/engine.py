@@ -40,6 +40,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dora_jax import config as config_lib
+from dora_jax.model import hf_checks
 from dora_jax.bench import CONFIGS
 from dora_jax.model import transformer
 from dora_jax.rollout import DecodeSlice, Engine, Request
@@ -158,7 +159,7 @@ def frequent_token(graphdef, params, vocab: int) -> int:
 
 def sweep_decode_steps(name: str, slots: int, decode_len: int, per_slot: int, repeats: int):
     """All slots busy: slice/fixed-batch ratio for each tokens-per-call setting."""
-    cfg = config_lib.validate(_MODEL_CONFIGS[name].value)
+    cfg = hf_checks.validated(_MODEL_CONFIGS[name].value)
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), config_lib.SLICE_MESH_AXES)
     _, params = transformer.create(cfg.model, cfg.seed)
     reqs = make_requests(per_slot * slots, cfg.rollout.max_prefill_length, cfg.model.vocab_size)
@@ -180,7 +181,7 @@ def sweep_decode_steps(name: str, slots: int, decode_len: int, per_slot: int, re
 
 
 def bench_model(name: str, slots: int, decode_len: int, per_slot: int, repeats: int) -> float:
-    cfg = config_lib.validate(_MODEL_CONFIGS[name].value)
+    cfg = hf_checks.validated(_MODEL_CONFIGS[name].value)
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), config_lib.SLICE_MESH_AXES)
     graphdef, params = transformer.create(cfg.model, cfg.seed)
     S, max_prompt = slots, cfg.rollout.max_prefill_length

@@ -3,9 +3,9 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
         python -m dora_jax.bench.modes --config=configs/longtail.py --workdir=/tmp/modes
 
-Runs colocated_sync, sync, one_step_off, partial_rollout (streaming),
-partial_rollout_rounds (round-synchronous) and dora at K = 1, 2, 3 on
-the same config, prompts, seed and total device count, interleaved (the order
+Runs colocated_sync (sync on the colocated layout: bench/runs.py), sync,
+one_step_off, partial_rollout (streaming), partial_rollout_rounds
+(round-synchronous) and dora at K = 1, 2, 3 on the same config, prompts, seed and total device count, interleaved (the order
 rotates each repetition) and repeated `--reps` times; the table gives medians. Each
 run goes to DIR/<mode>/<rep>/ (ledger.jsonl, metrics.jsonl, summary.json,
 timeline.png) and counts only if its ledger audits clean under the mode's own
@@ -33,7 +33,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from dora_jax.bench import CONFIGS
-from dora_jax.bench.runs import audited_run, parse_spec, run_config, warm_start
+from dora_jax.bench.runs import COLOCATED, audited_run, parse_spec, run_config, warm_start
 
 _CONFIG = config_flags.DEFINE_config_file("config", str(CONFIGS / "longtail.py"), "config file")
 _WORKDIR = flags.DEFINE_string("workdir", None, "where every run is kept")
@@ -53,7 +53,7 @@ _CURVE_SEEDS = flags.DEFINE_integer("curve_seeds", 3, "seeds per curve")
 _CURVE_SFT_STEPS = flags.DEFINE_integer("curve_sft_steps", 20,
                                         "supervised steps before the curve runs (0: none)")
 
-SYNC_MODES = ("colocated_sync", "sync")
+SYNC_MODES = (COLOCATED, "sync")
 
 
 COLUMNS = (  # (header, summary key or function, format)

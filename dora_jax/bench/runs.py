@@ -8,6 +8,11 @@ import json
 import os
 import shutil
 
+# A run spec that is no mode: sync on the colocated layout (config_model.colocate),
+# the trainer and the slices taking turns on all the devices the config's
+# disaggregated layout uses, so it is compared on the same device count.
+COLOCATED = "colocated_sync"
+
 
 def parse_spec(spec: str) -> tuple[str, int | None]:
     """'dora_k2' -> ('dora', 2); 'sync' -> ('sync', None)."""
@@ -19,10 +24,15 @@ def parse_spec(spec: str) -> tuple[str, int | None]:
 
 def run_config(base, spec: str, *, steps: int, seed: int | None = None,
                init_checkpoint: str | None = None):
-    """The ConfigDict of one measured run: `base` with the spec's mode and staleness
-    bound, and no periodic checkpoints."""
+    """The ConfigDict of one measured run: `base` with the spec's mode (and layout, for
+    COLOCATED) and staleness bound, and no periodic checkpoints."""
+    from dora_jax.config_model import colocate
+
     c = base.copy_and_resolve_references()
     mode, k = parse_spec(spec)
+    if mode == COLOCATED:
+        mode = "sync"
+        c.mesh.update(colocate(c.mesh.to_dict()))
     c.coordinator.mode = mode
     if k is not None:
         c.coordinator.max_staleness = k
@@ -42,11 +52,12 @@ def run_config(base, spec: str, *, steps: int, seed: int | None = None,
 def warm_start(base, workdir: str, steps: int) -> str:
     """The supervised checkpoint RL starts from: trained into `workdir` unless it is
     already there."""
-    from dora_jax import config as config_lib, sft
+    from dora_jax import sft
+    from dora_jax.model import hf_checks
 
     directory = os.path.join(workdir, "checkpoints")
     if not os.path.isdir(directory):
-        out = sft.train(config_lib.validate(base), workdir, steps=steps, batch_size=32,
+        out = sft.train(hf_checks.validated(base), workdir, steps=steps, batch_size=32,
                         learning_rate=3e-3)
         print(f"supervised warm start: loss {out['loss_first']:.3f} -> "
               f"{out['loss_last']:.4f} in {steps} steps ({directory})", flush=True)
@@ -57,11 +68,12 @@ def audited_run(c, workdir: str) -> dict:
     """Runs one config into a fresh `workdir`; returns its summary with the audit."""
     import jax
 
-    from dora_jax import config as config_lib, experiment
+    from dora_jax import experiment
+    from dora_jax.model import hf_checks
     from dora_jax.scheduler import ledger
     from dora_jax.scheduler.types import SchedulerConfig
 
-    cfg = config_lib.validate(c, num_devices=jax.device_count())
+    cfg = hf_checks.validated(c, num_devices=jax.device_count())
     shutil.rmtree(workdir, ignore_errors=True)
     summary = experiment.run(cfg, workdir)
     report = ledger.audit_run(ledger.read(os.path.join(workdir, "ledger.jsonl")),

@@ -31,6 +31,7 @@ from jax.sharding import Mesh
 from ml_collections import config_flags
 
 from dora_jax import config as config_lib
+from dora_jax.model import hf_checks
 from dora_jax.bench import CONFIGS
 from dora_jax.model import transformer
 from dora_jax.rl import losses
@@ -89,7 +90,7 @@ def plain_optax_step(cfg: config_lib.Config, graphdef, group_size: int):
 def main(argv):
     del argv
     mesh_choice, steps, rounds = _MESH.value, _STEPS.value, _ROUNDS.value
-    cfg = config_lib.validate(_CONFIG.value, len(jax.devices()))
+    cfg = hf_checks.validated(_CONFIG.value, len(jax.devices()))
     # One optimizer update per step on both sides; no optional terms the plain loop lacks.
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(
         cfg.trainer, micro_batches=1, num_minibatches=1, kl_coef=0.0,

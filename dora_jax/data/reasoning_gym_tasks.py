@@ -134,7 +134,7 @@ def arithmetic_score(task: str, answer: str, metadata: dict) -> float:
     expression (integers, + - * /, parentheses) over the entry's numbers that reaches
     the target exactly (countdown: each number at most as often as given; puzzle24:
     all four numbers, each once, making 24); else 0.0."""
-    from dora_jax.data.verifiers import literals_used, safe_arithmetic
+    from dora_jax.rewards.verifiers import literals_used, safe_arithmetic
 
     numbers = [int(n) for n in metadata["numbers"]]
     value = safe_arithmetic(answer, numbers)

@@ -4,8 +4,8 @@ function and the demonstrations a supervised warm start imitates.
 Token tasks (residue, countdown, JSONL of token ids) need no tokenizer. Text tasks
 (GSM8K / MATH JSONL, reasoning_gym, a prepared TFDS dataset) build each prompt with
 the tokenizer's chat template and score the decoded response with a verifier
-(verifiers.py); a reward call that raises or times out is recorded, never fatal
-(tasks.RewardPool).
+(rewards/verifiers.py); a reward call that raises or times out is recorded, never
+fatal (runtime/reward_pool.py).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from typing import Callable
 
 from dora_jax.config import TEXT_REWARDS, Config
 from dora_jax.data import prompts, tasks
+from dora_jax.rewards import tokens
+from dora_jax.rewards.tokens import RewardFn
 
 
 class _WithTemplateArgs:
@@ -108,13 +110,13 @@ def prompt_records(cfg: Config, tokenizer=None) -> tuple[list[dict], list[str]]:
     return [r for r in records if r["prompt_id"] not in skipped], too_long
 
 
-def reward_for(cfg: Config, tokenizer=None) -> tasks.RewardFn:
+def reward_for(cfg: Config, tokenizer=None) -> RewardFn:
     """The reward function `data.reward` names (token-level, or a text verifier
     applied to the decoded response). An unknown name fails here, before compute."""
     name = cfg.data.reward_name
     if name not in TEXT_REWARDS:
-        return tasks.reward_fn(name)
-    from dora_jax.data import verifiers
+        return tokens.reward_fn(name)
+    from dora_jax.rewards import verifiers
 
     return verifiers.token_reward(verifiers.text_reward(name), tokenizer or tokenizer_for(cfg))
 

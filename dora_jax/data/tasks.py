@@ -1,5 +1,6 @@
-"""Token-level tasks with verifiable rewards (the reward pool that scores them in
-worker processes is runtime/reward_pool.py).
+"""Token-level tasks with verifiable rewards: their prompts and correct responses (their
+rewards are rewards/tokens.py's; the reward pool that scores them in worker processes
+is runtime/reward_pool.py).
 
 Token ids 0, 1, 2 are PAD, EOS and BOS in every built-in task; symbols start at 3.
 
@@ -13,15 +14,12 @@ must read the cue.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 
 PAD, EOS, BOS = 0, 1, 2
 FIRST_SYMBOL = 3
-
-RewardFn = Callable[[dict, Sequence[int]], float]
-
 
 def residue_prompts(num_prompts: int, vocab_size: int, *, prompt_len: int = 6,
                     modulus: int = 4, seed: int = 0) -> list[dict]:
@@ -36,21 +34,6 @@ def residue_prompts(num_prompts: int, vocab_size: int, *, prompt_len: int = 6,
         records.append({"prompt_id": f"residue-{i}", "tokens": [BOS, cue, *map(int, filler)],
                         "target": cue % modulus, "modulus": modulus})
     return records
-
-
-def residue_reward(record: dict, response: Sequence[int]) -> float:
-    """Fraction of response tokens (EOS excluded) with id % modulus == target."""
-    tokens = [t for t in response if t != EOS]
-    if not tokens:
-        return 0.0
-    hits = sum(1 for t in tokens if t % record["modulus"] == record["target"])
-    return hits / len(tokens)
-
-
-def exact_match_reward(record: dict, response: Sequence[int]) -> float:
-    """1.0 iff the response (EOS excluded) equals the record's `answer` tokens."""
-    tokens = [t for t in response if t != EOS]
-    return float(tokens == list(record["answer"]))
 
 
 def countdown_prompts(num_prompts: int, vocab_size: int, *, median: float = 12.0,
@@ -79,29 +62,14 @@ def countdown_target(record: dict) -> list[int]:
     return [FIRST_SYMBOL + k for k in range(record["count"] - 1, -1, -1)] + [EOS]
 
 
-def countdown_reward(record: dict, response: Sequence[int]) -> float:
-    """Positions agreeing with the correct countdown (EOS included), over the longer of
-    the two: 1.0 exactly for the countdown; stopping early or running on both cost."""
-    target = countdown_target(record)
-    hits = sum(a == b for a, b in zip(response, target))
-    return hits / max(len(response), len(target))
-
-
-REWARDS: dict[str, RewardFn] = {"residue": residue_reward, "exact_match": exact_match_reward,
-                                "countdown": countdown_reward}
 # The correct response of a record, by task (reward name): what a supervised warm
 # start imitates.
 DEMONSTRATIONS: dict[str, Callable[[dict], list]] = {"countdown": countdown_target}
 
 
 def demonstration_fn(name: str) -> Callable[[dict], list]:
+    """The correct response of a record of task `name`, for a supervised warm start."""
     if name not in DEMONSTRATIONS:
         raise ValueError(f"task {name!r} has no demonstrations to imitate; tasks with "
                          f"them: {sorted(DEMONSTRATIONS)}")
     return DEMONSTRATIONS[name]
-
-
-def reward_fn(name: str) -> RewardFn:
-    if name not in REWARDS:
-        raise ValueError(f"unknown reward {name!r}; known: {sorted(REWARDS)}")
-    return REWARDS[name]

@@ -17,7 +17,7 @@ import json
 import os
 from typing import Any, Iterator
 
-from dora_jax.data import verifiers
+from dora_jax.rewards import verifiers
 from dora_jax.data.prompts import DataError, Record, check_record, jsonl_objects
 from dora_jax.data.tokenizer import TokenizerError
 

@@ -20,7 +20,8 @@ from typing import Mapping
 
 import tensorflow_datasets as tfds
 
-from dora_jax.data import prompts, text_tasks, verifiers
+from dora_jax.data import prompts, text_tasks
+from dora_jax.rewards import verifiers
 
 DATASET = "jsonl_qa"
 

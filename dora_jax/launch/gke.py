@@ -76,11 +76,11 @@ def spec_from_flags(argv: list[str]) -> dict:
     """The job (`jobset.job_spec`) that the parsed flags and `argv`'s overrides
     describe, checked: the config validates, the TPU slices tile its devices, and
     the container's command parses back to the same config."""
-    from dora_jax import config as config_lib  # no JAX
+    from dora_jax.model import hf_checks  # no JAX
 
     spec, overrides = config_spec(), collect_overrides(argv)
     try:
-        cfg = config_lib.validate(_CONFIG.value)
+        cfg = hf_checks.validated(_CONFIG.value)
         name = _NAME.value or jobset.default_name(spec)
         job = jobset.job_spec(spec, overrides, cfg, _TPU.value, image=_IMAGE.value,
                               workdir=_WORKDIR.value or f"/gcs/BUCKET/dora/{name}",
@@ -89,7 +89,7 @@ def spec_from_flags(argv: list[str]) -> dict:
     except (ValueError, OSError) as e:  # ConfigError is a ValueError
         error(e)
     try:
-        forwarded = config_lib.validate(jobset.parse_command(job["command"]))
+        forwarded = hf_checks.validated(jobset.parse_command(job["command"]))
     except Exception as e:  # noqa: BLE001 - any failure here is the same user error
         error(f"the container's command does not parse back ({e}); write overrides as "
               "--config.x.y=value")

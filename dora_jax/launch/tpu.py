@@ -107,14 +107,6 @@ def fitting(devices: int, generation: str | None = None) -> list[TpuType]:
             if devices % t.chips == 0 and generation in (None, t.generation)]
 
 
-def smallest_fitting(devices: int, generation: str | None = None) -> TpuType:
-    """The type with the smallest slice that tiles `devices` chips exactly."""
-    found = fitting(devices, generation)
-    if not found:
-        raise ValueError(f"no {generation or 'TPU'} slice type tiles {devices} chips")
-    return found[0]
-
-
 def largest_fitting(devices: int, generation: str | None = None) -> TpuType:
     """The type with the largest slice that tiles `devices` chips exactly (fewest
     slices, so the least traffic over the data-centre network)."""

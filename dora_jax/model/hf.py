@@ -261,10 +261,3 @@ def save_pretrained(cfg: ModelConfig, params, path: str, *, dtype: str | None = 
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     return files
-
-
-def same_architecture(a: ModelConfig, b: ModelConfig) -> list[str]:
-    """The architecture fields (hf_config.ARCH_FIELDS) on which `a` and `b` differ."""
-    diff = [f for f in hf_config.ARCH_FIELDS if getattr(a, f) != getattr(b, f)]
-    return diff + [f"moe.{f}" for f in hf_config.MOE_ARCH_FIELDS
-                   if a.moe.enabled and getattr(a.moe, f) != getattr(b.moe, f)]

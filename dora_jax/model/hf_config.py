@@ -262,30 +262,3 @@ def to_hf(model, *, dtype: str, eos_id: int | None = None, bos_id: int | None = 
                   norm_topk_prob=m.normalize_topk, mlp_only_layers=[],
                   router_aux_loss_coef=m.aux_loss_coef, output_router_logits=False)
     return hf
-
-
-def resolve(model: dict, defaults: dict, directory: str) -> dict:
-    """The `model` section (a plain dict) with the architecture of the checkpoint in
-    `directory`: a field left unset or at its default takes the checkpoint's value;
-    one set to anything else must agree with it (a ConfigError names it)."""
-    from dora_jax.schema import fail
-
-    try:
-        ckpt = model_fields(read(directory), os.path.join(directory, "config.json"))
-    except CheckpointError as e:
-        fail("model.checkpoint", str(e))
-    out, moe = dict(model), dict(model.get("moe") or {})
-    for section, given, prefix, names, base in (
-            (ckpt, out, "model.", ARCH_FIELDS, defaults),
-            (ckpt["moe"], moe, "model.moe.", MOE_ARCH_FIELDS, defaults.get("moe", {}))):
-        for name in names:
-            if name not in section:
-                continue
-            value, want = given.get(name), section[name]
-            if value is None or value == base.get(name) or value == want:
-                given[name] = want
-            else:
-                fail(prefix + name, f"{value!r}, but checkpoint {directory} has {want!r} "
-                                    "(leave it unset: model.checkpoint sets it)")
-    out["moe"] = moe
-    return out

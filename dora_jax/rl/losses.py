@@ -1,6 +1,6 @@
 """Policy-gradient objectives for RL post-training: advantages, PPO clip (against the
 behaviour policy, or decoupled against a proximal policy with an importance weight),
-KL, loss aggregation and DAPO's overlong shaping.
+KL and loss aggregation (reward shaping is rewards/shaping.py's).
 
 Everything here is a pure JAX function of arrays, safe to call under ``jit``
 (string options such as ``mode`` / ``kind`` and ``group_size`` must be static).
@@ -18,9 +18,10 @@ import operator
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dora_jax.config import IS_MODES, KL_KINDS, LOSS_AGG_MODES
+# Only for runtime/scoring.py's import until it reads dora_jax.rewards.shaping; delete then.
+from dora_jax.rewards.shaping import overlong_penalty  # noqa: F401
 
 # Log-ratios are clamped before exp (as verl does): a log-ratio above 88.7 overflows
 # float32, and inf * 0 advantages or gradients would turn the step into NaN.
@@ -362,16 +363,3 @@ def kl_divergence(logp, ref_logp, kind):
     # Written via -diff = log(ref/pi) so that it is the exact k3 formula.
     diff = jnp.clip(diff, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return jnp.clip(jnp.exp(-diff) + diff - 1.0, 0.0, KL_CLAMP)
-
-
-def overlong_penalty(response_lens, max_len: int, buffer: int, factor: float = 1.0):
-    """DAPO's soft overlong punishment, added to a sample's reward.
-
-    0 up to ``max_len - buffer`` tokens, then falling linearly to ``-factor`` at
-    ``max_len`` (``factor * ((max_len - buffer) - L) / buffer``); ``buffer = 0``
-    switches it off. numpy in, numpy out (host-side reward shaping)."""
-    lens = np.asarray(response_lens, np.float64)
-    if not buffer:
-        return np.zeros_like(lens, np.float32)
-    over = np.clip(lens - (max_len - buffer), 0, buffer)
-    return (-factor * over / buffer).astype(np.float32)

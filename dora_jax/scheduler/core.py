@@ -9,10 +9,11 @@ published version) and exposes two kinds of calls:
   applies their effect to the state as if already issued, and returns them in the
   order the runtime must execute them.
 
-There is no clock, no thread, no randomness and no engine in here, so the real JAX
-runtime and the fake driver (fake.py) drive the very same object, and a `snapshot()`
-is all a checkpoint needs. The core has no mode-specific branch: the mode's policy
-(modes.py) decides, and says which constraints it keeps.
+There is no clock, no thread, no randomness and no engine in here, so the JAX
+runtime, the simulator (sim/cluster.py) and the tests' fake engine drive the very same
+object, each through the one driver shape of driver.py. The core has no
+mode-specific branch: the mode's policy (modes.py) decides, and says which
+constraints it keeps.
 
 Choices the runtime must know:
 * Migrate is instantaneous for the core: the request leaves its source slot and takes
@@ -31,16 +32,14 @@ Choices the runtime must know:
 from __future__ import annotations
 
 from collections import Counter, deque
-from dataclasses import asdict
 from typing import Iterator, Optional
 
 from . import invariants
+from . import snapshot as snapshot_lib
 from .modes import policy_for
 from .types import (FINISHED, PENDING, RUNNING, Admit, Assign, GroupState,
                     InterruptReload, LoadVersion, Migrate, SampleState,
                     SchedulerConfig, SliceState, TrainStep)
-
-SNAPSHOT_FORMAT = 1
 
 
 class Scheduler:
@@ -78,10 +77,6 @@ class Scheduler:
     @property
     def trainer_busy(self) -> bool:
         return self.trainer_step is not None
-
-    @property
-    def num_unconsumed(self) -> int:
-        return len(self.groups)
 
     def free_slots(self, sl: SliceState) -> int:
         """Samples the slice can take now: its free slots, and with a paged KV cache
@@ -380,58 +375,18 @@ class Scheduler:
     # ------------------------------------------------------------------ checkpoint
 
     def snapshot(self) -> dict:
-        """All state as plain JSON-serialisable data.
+        """All state as plain JSON-serialisable data (snapshot.py).
 
         Take it right after `step_finished(t)` and before `decide()`, together with
-        the trainer checkpoint of version t+1, for a consistent resume."""
-        return {
-            "format": SNAPSHOT_FORMAT,
-            "config": asdict(self.config),
-            "published": self.published,
-            "next_step": self.next_step,
-            "trainer_step": self.trainer_step,
-            "next_group_id": self.next_group_id,
-            "readmit_queue": list(self.readmit_queue),
-            "settled": self.settled,
-            "filtered": self.filtered,
-            "groups": [{
-                "id": g.group_id, "version": g.version, "scored": g.scored,
-                "samples": [[smp.status, smp.slice_id, list(smp.versions), list(smp.slices),
-                             smp.num_tokens] for smp in g.samples],
-            } for g in self.groups.values()],
-            "slices": [{
-                "id": sl.slice_id, "version": sl.version, "loading": sl.loading,
-                "interrupted": sl.interrupted, "running": sorted(map(list, sl.running)),
-                "kv_free": sl.kv_free,
-            } for sl in self.slices],
-        }
+        the trainer checkpoint of version t+1, for a consistent state."""
+        return snapshot_lib.snapshot(self)
 
     @classmethod
     def restore(cls, snap: dict) -> "Scheduler":
         """Rebuild a Scheduler from `snapshot()` output (possibly JSON round-tripped)."""
-        if snap.get("format") != SNAPSHOT_FORMAT:
-            raise ValueError(f"unsupported snapshot format {snap.get('format')!r}")
+        snapshot_lib.check_format(snap)
         self = cls(SchedulerConfig(**snap["config"]))
-        self.published = snap["published"]
-        self.next_step = snap["next_step"]
-        self.trainer_step = snap["trainer_step"]
-        self.next_group_id = snap["next_group_id"]
-        self.readmit_queue = deque(snap.get("readmit_queue", ()))
-        self.settled = snap["settled"]
-        self.filtered = snap.get("filtered", 0)
-        self.groups = {}
-        for gd in snap["groups"]:
-            samples = [SampleState(st, sid, list(vs), list(ss), nt)
-                       for st, sid, vs, ss, nt in gd["samples"]]
-            g = GroupState(gd["id"], gd["version"], samples, scored=gd.get("scored", True))
-            g.n_pending = sum(smp.status == PENDING for smp in samples)
-            g.n_running = sum(smp.status == RUNNING for smp in samples)
-            g.n_finished = sum(smp.status == FINISHED for smp in samples)
-            self.groups[g.group_id] = g
-        self.slices = [SliceState(d["id"], d["version"], d["loading"], d["interrupted"],
-                                  {tuple(r) for r in d["running"]}, d.get("kv_free"))
-                       for d in snap["slices"]]
-        self._recount()
+        snapshot_lib.restore_into(self, snap)
         return self
 
     def _recount(self):

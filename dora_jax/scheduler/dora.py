@@ -159,7 +159,7 @@ class DoraPolicy(Policy):
         acts += assign_pending(sched, lambda sl: sl.slice_id in kept)
         return acts
 
-    # -- (4)+(5) slice versions: consolidate old versions, move slices to the newest
+    # -- slice versions: consolidate old versions (lazy drain), move freed slices on
     def _balance(self, sched, room_p: int):
         """Return (actions, kept): kept = serving slices that may take new requests.
 
@@ -264,7 +264,7 @@ class DoraPolicy(Policy):
                 need[sl.loading] -= cfg.slots_per_slice
         return {w: n for w, n in need.items() if w == p or w + k >= t}
 
-    # -- (1)+(6) admission and staleness-aware top-up
+    # -- admission by in-flight samples, and the staleness-aware top-up
     def _admit(self, sched, kept):
         cfg = sched.config
         p, t, k = sched.published, sched.next_step, cfg.max_staleness

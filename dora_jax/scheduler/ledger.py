@@ -16,8 +16,9 @@ A `resume` at step s voids every earlier `consume` of step s or later (that trai
 was lost with the crash) and every earlier `unconsumed`; a group admitted again after
 it has another `admit` with "readmit": true, and its latest admission is the one
 that counts (`standing`).
-`versions` is run-length encoded (`dora_jax.versions`). The runtime and the fake
-driver (fake.py) write the same format, so one auditor serves both.
+`versions` is run-length encoded (`dora_jax.versions`). The runtime, the simulator
+(sim/cluster.py) and the tests' fake engine write the same format (their lines come
+from driver.py), so one auditor serves all three.
 A kill mid-write can only cut the last line short: `read` leaves such a line out and
 `LedgerWriter` removes it before appending (that event never happened). A bad line
 anywhere else is an error naming the file and line, never skipped.

@@ -8,10 +8,12 @@ from dora_jax.config import MODES
 
 from .dora import DoraPolicy
 from .partial import PartialRolloutPolicy, RoundPartialRolloutPolicy
-from .policies import ColocatedSyncPolicy, OneStepOffPolicy, Policy, SyncPolicy
+from .policies import OneStepOffPolicy, Policy, SyncPolicy
 
+# Capabilities are class attributes (Policy): read them here, with no instance, e.g.
+# `POLICIES[mode].keeps_c1`.
 POLICIES: dict[str, type[Policy]] = {
-    p.name: p for p in (ColocatedSyncPolicy, SyncPolicy, OneStepOffPolicy, PartialRolloutPolicy,
+    p.name: p for p in (SyncPolicy, OneStepOffPolicy, PartialRolloutPolicy,
                         RoundPartialRolloutPolicy, DoraPolicy)}
 
 if tuple(POLICIES) != MODES:  # pragma: no cover - caught by any import in the tests

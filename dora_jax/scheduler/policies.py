@@ -22,13 +22,21 @@ if TYPE_CHECKING:  # pragma: no cover
 class Policy:
     """Base class: one decision pass plus the mode's own invariants.
 
-    A policy also says which constraints it keeps, so the core and the auditor need
+    A policy also says which constraints it keeps and what it can do, as class
+    attributes, so the core, the auditor, the config's validation and the runtime need
     no mode-specific branch: `keeps_c1` (every trajectory from one version; a policy
-    that does not keep it may issue InterruptReload) and `staleness_bound`.
+    that does not keep it may issue InterruptReload), `staleness_bound`,
+    `replaces_filtered_groups` (a group filtered after scoring is replaced by a new
+    one: `config.score_groups` works), `resumable` (a crashed run continues from its
+    checkpoint: scheduler/resume.py) and `allows_colocation` (rollout and training
+    take turns, so they may share the devices: `mesh.colocated`).
     """
 
     name = ""
     keeps_c1 = True
+    replaces_filtered_groups = True
+    resumable = True
+    allows_colocation = False
     # The staleness the mode guarantees: "K" (config.max_staleness), a fixed number,
     # or None (not bounded by the mode).
     bound: Union[int, str, None] = "K"
@@ -127,6 +135,10 @@ class SyncPolicy(Policy):
 
     name = "sync"
     bound = 0
+    # The slices decode only while the trainer waits for the batch: on one set of
+    # devices (verl's default deployment) the two take turns, and the new weights are
+    # resharded in place for the slices.
+    allows_colocation = True
 
     def plan(self, sched):
         tbs = sched.config.train_batch_size
@@ -155,6 +167,10 @@ class OneStepOffPolicy(Policy):
 
     name = "one_step_off"
     bound = 1
+    # Its batches are fixed runs of group ids with fixed versions: a filtered group
+    # cannot be replaced, and a crash cannot be resumed by re-admitting groups.
+    replaces_filtered_groups = False
+    resumable = False
 
     def plan(self, sched):
         tbs, t = sched.config.train_batch_size, sched.next_step
@@ -177,11 +193,3 @@ class OneStepOffPolicy(Policy):
                 f"one_step_off: group {gid} has version {g.version}")
         check_uniform_slices(sched, req)
 
-
-class ColocatedSyncPolicy(SyncPolicy):
-    """Sync on one set of devices (verl's default deployment): the slices and the
-    trainer share every device and take turns — the batch is generated on all of
-    them, then trained on all of them, then the new weights are resharded in place
-    for the slices. The schedule is sync's; the layout (`config.colocate`) differs."""
-
-    name = "colocated_sync"

@@ -18,7 +18,8 @@ What stands is read from the ledger (`ledger.standing`) once the resume at step 
 
 Group ids never restart: the next new group gets the id after every one admitted.
 one_step_off, whose batches are fixed runs of group ids with fixed versions, does not
-resume (config validation says so).
+resume: its policy is not `resumable` (policies.py), and the runtime's restart refuses
+such a workdir.
 """
 
 from __future__ import annotations

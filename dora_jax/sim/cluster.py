@@ -25,114 +25,25 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import Counter
 from typing import Callable, Optional
 
 import numpy as np
 
+from dora_jax.runtime.report import WaitClock
 from dora_jax.scheduler.core import Scheduler
-from dora_jax import versions
+from dora_jax.scheduler.driver import Driver, admit_record, consume_record, sample_entry
 from dora_jax.scheduler.ledger import unconsumed_records
 from dora_jax.scheduler.types import (Admit, Assign, InterruptReload, LoadVersion, Migrate,
                                       SchedulerConfig, TrainStep)
-from dora_jax.runtime.report import WaitClock
 from dora_jax.sim.cost import CostModel
+from dora_jax.sim.slice import Request, Slice
+from dora_jax.sim.slots import SLOT_REASONS, SlotTime, idle_reason
 from dora_jax.timeline import Timeline
 
-# Slot-time by state (`ClusterSim.slot_seconds`): exhaustive and exclusive, so over a
-# run they sum to slots x time. A running slot is `busy` decoding, `chunk_end` (its
-# request finished mid-chunk; it idles to the chunk's end) or in `prefill` (the
-# chunk's prefill, re-prefill or KV-arrival part). A free slot, or every slot of a
-# slice between chunks, is idle because the slice is `loading` weights (has a load
-# waiting for its chunk, or, in partial_rollout_rounds, for the version in training to
-# be published), the trainer trains on the same devices
-# (`colocated_training`), requests wait on the slice for KV memory or were preempted
-# (`kv_full`), only other versions have pending work (`version_mismatch`: a mode
-# that keeps C1 cannot run it here), work the slice could run is pending but the
-# scheduler holds the slot (`held`: reserved for a request migrating in, or the slice
-# drained to switch version), or nothing is pending at all: the batch's tail, with
-# the mode refusing to admit though fewer than RBS groups are out
-# (`admission_closed`: the batch rule or the staleness bound) or RBS groups admitted
-# and unconsumed (`rbs_full`).
-SLOT_REASONS = ("busy", "chunk_end", "prefill", "loading", "colocated_training", "kv_full",
-                "version_mismatch", "held", "admission_closed", "rbs_full")
-(_BUSY, _CHUNK_END, _PREFILL, _LOADING, _COLOCATED, _KV_FULL, _MISMATCH, _HELD, _CLOSED,
- _RBS_FULL) = range(len(SLOT_REASONS))
+__all__ = ["SLOT_REASONS", "ClusterSim"]
 
 
-class _Req:
-    __slots__ = ("gid", "k", "length", "produced", "segments", "slices", "reprefill",
-                 "ready_at")
-
-    def __init__(self, gid, k, length, version, slice_id):
-        self.gid, self.k, self.length, self.produced = gid, k, length, 0
-        self.segments = [(version, 0)]  # (version, tokens produced when it began)
-        self.slices = [slice_id]
-        self.reprefill = 0  # tokens so far to prefill again before decoding on
-        self.ready_at = 0.0  # a migrated request decodes once its KV has arrived
-
-    def runs(self) -> list:
-        """Per-token versions, run-length encoded."""
-        ends = [p for _, p in self.segments[1:]] + [self.length]
-        return versions.encode((v, e - p) for (v, p), e in zip(self.segments, ends))
-
-
-class _Slice:
-    """A slice's requests: the decoding ones in fixed slots of numpy arrays (tokens
-    produced and left), so a chunk advances them all at once."""
-
-    def __init__(self, i, slots):
-        self.i, self.version = i, 0
-        self.loading: Optional[int] = None
-        self.reqs: list = [None] * slots
-        self.active = np.zeros(slots, bool)
-        self.produced = np.zeros(slots, np.int64)
-        self.left = np.zeros(slots, np.int64)
-        self.free = list(range(slots - 1, -1, -1))
-        self.where: dict = {}  # request key -> slot
-        self.groups: Counter = Counter()  # running requests per group (prompt KV shared)
-        self.waiting: list = []
-        self.prompts: set = set()  # groups whose prompt this slice has prefilled
-        self.fresh: list = []  # running requests owed a re-prefill or a KV arrival
-        self.chunk: Optional[tuple] = None  # (start, end, steps) of the chunk in flight
-        self.exports: list = []  # (request key, destination) once the chunk ends
-        self.pending: list = []  # load / reload commands once the chunk ends
-        # Slot-time accounting (ClusterSim._mark): booked up to `booked_to` by `acct`,
-        # (reason of the free slots, how many of them hold a request waiting for the
-        # chunk's end, the chunk's `rates` or None); `rates` of the chunk in flight:
-        # (end of its prefill part, busy slots, running slots); `kv_blocked`: requests
-        # were left waiting for KV memory when it began.
-        self.booked_to, self.acct, self.rates, self.kv_blocked = 0.0, (0, 0, None), None, False
-
-    @property
-    def num_running(self) -> int:
-        return len(self.where)
-
-    def add(self, r: _Req):
-        j = self.free.pop()
-        self.reqs[j], self.active[j] = r, True
-        self.produced[j], self.left[j] = r.produced, r.length - r.produced
-        self.where[(r.gid, r.k)] = j
-        self.groups[r.gid] += 1
-        if r.reprefill or r.ready_at:
-            self.fresh.append(r)
-
-    def remove(self, key) -> _Req:
-        j = self.where.pop(key)
-        r = self.reqs[j]
-        r.produced = int(self.produced[j])
-        self.reqs[j], self.active[j], self.left[j] = None, False, 0
-        self.free.append(j)
-        self.groups[r.gid] -= 1
-        if not self.groups[r.gid]:
-            del self.groups[r.gid]
-        return r
-
-    def newest(self):
-        return next(reversed(self.where))
-
-
-class ClusterSim:
+class ClusterSim(Driver):
     """Drives `Scheduler(config)` with simulated slices and trainer.
 
     Args:
@@ -150,7 +61,7 @@ class ClusterSim:
         self.config, self.cost, self.length = config, cost, length
         self.prompt_len, self.colocated, self.max_chunk = prompt_len, colocated, max_chunk
         self.sched = Scheduler(config)
-        self.slices = [_Slice(i, config.slots_per_slice) for i in range(config.num_slices)]
+        self.slices = [Slice(i, config.slots_per_slice) for i in range(config.num_slices)]
         self.now = 0.0
         self._events: list = []
         self._seq = itertools.count()
@@ -168,9 +79,7 @@ class ClusterSim:
         # The trainer's idle time by cause, as the runtime splits it (report.WaitClock).
         self.waits = WaitClock()
         self._step_waits: dict = {}  # step -> (idle seconds before it, by cause)
-        # Slot-seconds by SLOT_REASONS over the run, and at the previous step's end.
-        self.slot_seconds = [0.0] * len(SLOT_REASONS)
-        self._slot_seconds_then = [0.0] * len(SLOT_REASONS)
+        self.slot_time = SlotTime(config.slots_per_slice)  # slot-seconds by state
         self._noted = 0  # metrics records given their waits and slot-seconds
         self._pending_versions: set = set()  # scheduler state after the last decide
         self._rbs_full = False
@@ -224,8 +133,7 @@ class ClusterSim:
 
     def _decide(self):
         self._changed = False
-        for a in self.sched.decide():
-            self._execute(a)
+        self.execute(self.sched.decide())
         for sl in self.slices:
             if sl.chunk is None:
                 self._begin_chunk(sl)
@@ -247,104 +155,67 @@ class ClusterSim:
             rec = self.metrics[self._noted]
             self._noted += 1
             wait, split = self._step_waits.pop(rec["step"])
-            then, self._slot_seconds_then = self._slot_seconds_then, list(self.slot_seconds)
             rec.update(trainer_wait=round(wait, 4), trainer_wait_split=split,
-                       slot_idle={k: round(a - b, 3) for k, a, b
-                                  in zip(SLOT_REASONS, self.slot_seconds, then)})
+                       slot_idle=self.slot_time.since_last_step())
 
-    def _mark(self, sl: _Slice):
-        """Books the slice's slot-seconds since its last mark by the state it then
-        left (`sl.acct`), and takes its state now. Every change of a slice's state is
-        followed by a mark at the same time (the end of `_start_chunk`, of
-        `_decide`), so the slot-time is exact at the costs of a chunk: a chunk's
-        prefill part, then its decoding at the mean number of busy slots."""
-        now, since, slots = self.now, sl.booked_to, self.config.slots_per_slice
-        if now > since:
-            T, (reason, boundary, rates) = self.slot_seconds, sl.acct
-            if rates is None:
-                T[reason] += slots * (now - since)
-            else:
-                prefill_end, busy, batch = rates
-                T[reason] += (slots - batch - boundary) * (now - since)
-                T[_CHUNK_END] += boundary * (now - since)
-                if since < prefill_end:
-                    T[_PREFILL] += batch * (min(now, prefill_end) - since)
-                    since = min(now, prefill_end)
-                T[_BUSY] += busy * (now - since)
-                T[_CHUNK_END] += (batch - busy) * (now - since)
-            sl.booked_to = now
-        reason = self._idle_reason(sl)
-        if sl.chunk is None:
-            sl.acct = (reason, 0, None)
-        else:  # requests given to the slice mid-chunk wait for its end
-            boundary = 0 if reason <= _KV_FULL or not sl.waiting else min(
-                len(sl.waiting), slots - sl.rates[2])
-            sl.acct = (reason, boundary, sl.rates)
-
-    def _idle_reason(self, sl: _Slice) -> int:
-        """Why the slice's free slots (all of them between chunks) idle now."""
-        if self.colocated and self.trainer_busy_until is not None:
-            return _COLOCATED
-        if sl.loading is not None or sl.pending:
-            return _LOADING
-        if sl.waiting and (sl.kv_blocked or sl.chunk is None):
-            return _KV_FULL
-        pending = self._pending_versions
-        if not pending:
-            return _RBS_FULL if self._rbs_full else _CLOSED
-        if self.sched.policy.keeps_c1 and (len(pending) > 1 or sl.version not in pending):
-            return _MISMATCH
-        return _HELD
+    def _mark(self, sl: Slice):
+        """Books the slice's slot time up to now and takes its state now (every change
+        of a slice's state is followed by a mark at the same time: the end of
+        `_start_chunk`, of `_decide`)."""
+        s = self.sched
+        reason = idle_reason(sl, colocated_training=(self.colocated
+                                                     and self.trainer_busy_until is not None),
+                             pending_versions=self._pending_versions, rbs_full=self._rbs_full,
+                             keeps_c1=s.policy.keeps_c1)
+        self.slot_time.book(sl, self.now, reason)
 
     # ------------------------------------------------------------------ actions
 
-    def _execute(self, a):
-        if isinstance(a, Admit):
-            self.group_version[a.group_id] = a.version
-            self.ledger.append(dict(event="admit", group_id=a.group_id, prompt_id=a.group_id,
-                                    version=a.version, time=self.now))
-        elif isinstance(a, Assign):
-            sl = self.slices[a.slice_id]
-            sl.waiting.append(_Req(a.group_id, a.sample,
-                                   max(1, int(self.length(a.group_id, a.sample))),
-                                   sl.version, a.slice_id))
-        elif isinstance(a, Migrate):
-            src = self.slices[a.src_slice]
-            src.exports.append(((a.group_id, a.sample), a.dst_slice))
-            if src.chunk is None:
-                self._apply_commands(src)
-        elif isinstance(a, (LoadVersion, InterruptReload)):
-            sl = self.slices[a.slice_id]
-            sl.pending.append(a)
-            if sl.chunk is None:
-                self._apply_commands(sl)
-        elif isinstance(a, TrainStep):
-            idle_since = self.metrics[-1]["time"] if self.metrics else 0.0
-            self._step_waits[a.step] = (self.now - idle_since, self.waits.take(self.now))
-            tokens = 0
-            for gid in a.group_ids:
-                tokens += self._consume(gid, a.step)
-            seconds = (self.cost.train_seconds(tokens) * self.cost.contention(self._busy() + 1)
-                       + (self.cost.reshard if self.colocated else 0.0))
-            self.trainer_busy_until = self.now + seconds
-            self._span("trainer", "train", self.now, self.now + seconds, a.step)
-            self._at(self.now + seconds, "trained", a.step, tokens)
-        else:  # pragma: no cover
-            raise TypeError(a)
+    def admit(self, a: Admit):
+        self.group_version[a.group_id] = a.version
+        self.ledger.append(admit_record(a, a.group_id, self.now))
+
+    def assign(self, a: Assign):
+        sl = self.slices[a.slice_id]
+        sl.waiting.append(Request(a.group_id, a.sample,
+                                  max(1, int(self.length(a.group_id, a.sample))),
+                                  sl.version, a.slice_id))
+
+    def migrate(self, a: Migrate):
+        src = self.slices[a.src_slice]
+        src.exports.append(((a.group_id, a.sample), a.dst_slice))
+        if src.chunk is None:
+            self._apply_commands(src)
+
+    def load(self, a: LoadVersion | InterruptReload, *, interrupt: bool):
+        sl = self.slices[a.slice_id]
+        sl.pending.append(a)
+        if sl.chunk is None:
+            self._apply_commands(sl)
+
+    def train(self, a: TrainStep):
+        idle_since = self.metrics[-1]["time"] if self.metrics else 0.0
+        self._step_waits[a.step] = (self.now - idle_since, self.waits.take(self.now))
+        tokens = 0
+        for gid in a.group_ids:
+            tokens += self._consume(gid, a.step)
+        seconds = (self.cost.train_seconds(tokens) * self.cost.contention(self._busy() + 1)
+                   + (self.cost.reshard if self.colocated else 0.0))
+        self.trainer_busy_until = self.now + seconds
+        self._span("trainer", "train", self.now, self.now + seconds, a.step)
+        self._at(self.now + seconds, "trained", a.step, tokens)
 
     def _consume(self, gid, step) -> int:
         samples, tokens = [], 0
         for k in range(self.config.group_size):
             r = self.done.pop((gid, k))
-            samples.append(dict(sample=k, versions=r.runs(), slices=r.slices,
-                                response_len=r.length, finish="eos"))
+            samples.append(sample_entry(k, r.runs(), r.slices, r.length, "eos"))
             tokens += r.length + self.prompt_len
-        self.ledger.append(dict(event="consume", group_id=gid, prompt_id=gid, step=step,
-                                version=self.group_version[gid], time=self.now,
-                                samples=samples))
+        self.ledger.append(consume_record(gid, gid, self.group_version[gid], step, self.now,
+                                          samples))
         return tokens
 
-    def _apply_commands(self, sl: _Slice):
+    def _apply_commands(self, sl: Slice):
         """Exports and loads sent while a chunk ran (C1: a load finds no requests)."""
         self._apply_exports(sl)
         deferred = []
@@ -365,7 +236,7 @@ class ClusterSim:
                      isinstance(a, InterruptReload))
         sl.pending = deferred
 
-    def _apply_exports(self, sl: _Slice):
+    def _apply_exports(self, sl: Slice):
         """Moves the requests the scheduler migrated away. One still on its way here
         (migrated twice before it arrived) keeps its export until it arrives; one
         that finished first is gone (its event already told the scheduler)."""
@@ -438,12 +309,12 @@ class ClusterSim:
 
     # ------------------------------------------------------------------ decoding
 
-    def _start_chunk(self, sl: _Slice):
+    def _start_chunk(self, sl: Slice):
         """Starts the slice's next chunk if it can; marks its state (`_mark`)."""
         self._begin_chunk(sl)
         self._mark(sl)
 
-    def _begin_chunk(self, sl: _Slice):
+    def _begin_chunk(self, sl: Slice):
         if sl.loading is not None or (self.colocated and self.trainer_busy_until):
             return
         if sl.exports and sl.chunk is None:

@@ -204,14 +204,3 @@ class Workload:
             return cache[g][k]
 
         return length
-
-
-def replay_lengths(ledger_records) -> tuple:
-    """Response lengths of a real run's consumed samples, group by group."""
-    out = []
-    for rec in ledger_records:
-        if rec.get("event") == "consume":
-            out += [s["response_len"] for s in sorted(rec["samples"], key=lambda s: s["sample"])]
-    if not out:
-        raise ValueError("the ledger holds no consumed samples to replay")
-    return tuple(out)

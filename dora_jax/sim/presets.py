@@ -46,9 +46,10 @@ QWEN3_30B_A3B = dict(params=30.5e9, active_params=3.3e9, kv_bytes_per_token=48 *
 # reference log-probs) takes 8.0 min per batch on 64 GPUs, the paper's 35% of 22.91.
 H800_FIT = Efficiency(hbm=0.5, step_overhead=0.015, mfu_train=0.282)
 
-# The paper's figures (DESIGN.md §7): step minutes and rollout-only share per mode.
-# The paper's sync is colocated and its partial rollout round-synchronous (sim/fit.py,
-# DESIGN.md §3): their figures stand beside those modes.
+# The paper's figures (the DORA paper, arXiv 2604.26256, cited in the README): step
+# minutes and rollout-only share per run. The paper's sync is colocated (our
+# `colocated_sync` run: mode sync on the colocated layout) and its partial rollout
+# round-synchronous (sim/fit.py): their figures stand beside those runs.
 PAPER_64 = {"dora": (14.67, 0.12), "colocated_sync": (22.91, 0.65),
             "one_step_off": (22.94, 0.33), "partial_rollout_rounds": (17.38, 0.46)}
 PAPER_128 = {"dora": (10.46, None), "colocated_sync": (20.23, None),

@@ -25,16 +25,25 @@ from dora_jax.sim.cluster import SLOT_REASONS, ClusterSim
 from dora_jax.sim.cost import CostModel
 from dora_jax.sim.presets import Preset
 
-# Modes as simulated: partial_rollout also without a staleness bound, reported apart.
+# Modes as simulated, by the name a run is reported under: partial_rollout also
+# without a staleness bound, reported apart, and sync on the colocated layout (slices
+# and trainer take turns on every device: the paper's synchronous baseline).
 SIM_MODES = ("colocated_sync", "sync", "one_step_off", "partial_rollout",
              "partial_rollout_unbounded", "partial_rollout_rounds", "dora")
+COLOCATED = "colocated_sync"  # a run's name: mode sync, mesh.colocated
 UNBOUNDED = 10**6
 
 
+def scheduler_mode(name: str) -> str:
+    """The scheduling mode of a simulated run's name (SIM_MODES)."""
+    return {COLOCATED: "sync", "partial_rollout_unbounded": "partial_rollout"}.get(name, name)
+
+
 def scheduler_config(preset: Preset, mode: str) -> SchedulerConfig:
-    colocated = mode == "colocated_sync"
+    """The scheduler's config of `preset` run as `mode` (a name of SIM_MODES)."""
+    colocated = mode == COLOCATED
     return SchedulerConfig(
-        mode="partial_rollout" if mode == "partial_rollout_unbounded" else mode,
+        mode=scheduler_mode(mode),
         num_slices=preset.colocated_slices if colocated else preset.num_slices,
         slots_per_slice=preset.slots_per_slice, group_size=preset.group_size,
         train_batch_size=preset.train_batch_size,
@@ -49,7 +58,7 @@ def simulate(preset: Preset, mode: str, steps: int, workdir: str | None = None, 
         raise ValueError(f"mode must be one of {SIM_MODES}, got {mode!r}")
     if steps < 2:
         raise ValueError("steps must be >= 2 (figures are over steps 1..N-1)")
-    colocated = mode == "colocated_sync"
+    colocated = mode == COLOCATED
     config = scheduler_config(preset, mode)
     cost = cost or preset.cost(colocated)
     sim = ClusterSim(config, cost, preset.workload.lengths(preset.group_size),

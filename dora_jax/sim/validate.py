@@ -29,6 +29,7 @@ from absl import app, flags
 from dora_jax.scheduler.types import SchedulerConfig
 from dora_jax.sim.calibrate import fit, load_run
 from dora_jax.sim.cluster import ClusterSim
+from dora_jax.sim.run import COLOCATED, scheduler_mode
 
 
 def mode_of(name: str) -> tuple:
@@ -53,9 +54,9 @@ def replayed_lengths(ledger: list, group_size: int):
 def predict(run: dict, cfg, mode: str, k, cost, steps: int) -> dict:
     """Step seconds and response tokens/s of one simulated repetition."""
     c = cfg.coordinator
-    colocated = mode == "colocated_sync"
+    colocated = mode == COLOCATED
     sched = SchedulerConfig(
-        mode=mode, num_slices=cfg.mesh.num_slices * (2 if colocated else 1),
+        mode=scheduler_mode(mode), num_slices=cfg.mesh.num_slices * (2 if colocated else 1),
         slots_per_slice=cfg.rollout.slots_per_slice, group_size=c.group_size,
         train_batch_size=c.train_batch_size, rollout_batch_size=c.rollout_batch_size,
         max_staleness=c.max_staleness if k is None else k)

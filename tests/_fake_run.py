@@ -1,4 +1,4 @@
-"""`FakeRun`: a deterministic, tick-based driver of the Scheduler with a fake engine.
+"""`FakeRun`: the tests' deterministic, tick-based driver of the Scheduler with a fake engine.
 
 Each busy slot produces one token per tick; a sample of length L finishes after L
 ticks of decoding; LoadVersion / InterruptReload take `load_ticks` (a slice being
@@ -19,12 +19,13 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
-from .core import Scheduler
 from dora_jax import versions
-
-from .ledger import AuditReport, audit_run, unconsumed_records
-from .types import (Admit, Assign, InterruptReload, LoadVersion, Migrate,
-                    SchedulerConfig, TrainStep)
+from dora_jax.scheduler.core import Scheduler
+from dora_jax.scheduler.driver import (Driver, admit_record, consume_record, filter_record,
+                                       sample_entry)
+from dora_jax.scheduler.ledger import AuditReport, audit_run, unconsumed_records
+from dora_jax.scheduler.types import (Admit, Assign, InterruptReload, LoadVersion, Migrate,
+                                      SchedulerConfig, TrainStep)
 
 
 class LivenessError(RuntimeError):
@@ -67,7 +68,7 @@ def lengths_from_seed(seed: int, kind: str = "long_tail", max_len: int = 64) -> 
     return length
 
 
-class FakeRun:
+class FakeRun(Driver):
     """Drive a `Scheduler` with a fake engine and trainer.
 
     Args:
@@ -106,6 +107,7 @@ class FakeRun:
         self.trainer: Optional[list] = None  # [step, ticks left]
         self.steps_done = 0
         self.ledger: list[dict] = []
+        self._released: list = []  # events an action completes at once (zero-tick loads)
         self.stats = dict(trainer_wait_ticks=0, busy_slot_ticks=0, migrations=0,
                           loads=0, interrupt_reloads=0, max_resident_versions=0)
 
@@ -196,9 +198,9 @@ class FakeRun:
             acts = self.sched.decide()
             if self.check:
                 self.sched.check_invariants()
-            events = []
-            for a in acts:
-                events += self._execute(a)
+            self._released = []  # zero-tick loads that complete at once
+            self.execute(acts)
+            events = self._released
             self._observe()
             if not events:
                 return
@@ -224,8 +226,8 @@ class FakeRun:
                 kept = bool(self.keep(gid))
                 self.sched.group_scored(gid, kept)
                 if not kept:
-                    self.ledger.append(dict(event="filter", group_id=gid, time=self.tick,
-                                            reason="zero reward variance"))
+                    self.ledger.append(filter_record(gid, gid, self.group_version[gid],
+                                                     self.tick))
             if self.kv_capacity is not None:
                 used = sum(self.config.admit_tokens + q.produced
                            for q in self.slices[i].requests.values())
@@ -245,64 +247,59 @@ class FakeRun:
 
     # ------------------------------------------------------------------ actions
 
-    def _execute(self, a) -> list:
-        """Apply one action to the fake engine; return immediate events."""
-        keeps_c1 = self.sched.policy.keeps_c1
-        if isinstance(a, Admit):
-            self.group_version[a.group_id] = a.version
-            self.ledger.append(dict(event="admit", group_id=a.group_id, prompt_id=a.group_id,
-                                    version=a.version, time=self.tick,
-                                    **({"readmit": True} if a.readmit else {})))
-        elif isinstance(a, Assign):
-            sl = self.slices[a.slice_id]
-            assert sl.loading is None and len(sl.requests) < self.config.slots_per_slice
-            if keeps_c1:  # engine-level C1
-                assert sl.version == self.group_version[a.group_id], a
-            length = int(self._length(a.group_id, a.sample))
-            assert length >= 1, "sample lengths must be >= 1"
-            sl.requests[(a.group_id, a.sample)] = _Request(
-                a.group_id, a.sample, length, segments=[[sl.version, 0]], slices=[a.slice_id])
-        elif isinstance(a, Migrate):
-            src, dst = self.slices[a.src_slice], self.slices[a.dst_slice]
-            assert src.loading is None and dst.loading is None, a
-            assert src.version == dst.version, f"C1: migrate across versions {a}"
-            assert len(dst.requests) < self.config.slots_per_slice, a
-            r = src.requests.pop((a.group_id, a.sample))
-            r.slices.append(a.dst_slice)
-            dst.requests[(a.group_id, a.sample)] = r
-            self.stats["migrations"] += 1
-        elif isinstance(a, (LoadVersion, InterruptReload)):
-            sl = self.slices[a.slice_id]
-            if isinstance(a, LoadVersion):
-                assert not sl.requests, f"C1: params changed under running requests {a}"
-                self.stats["loads"] += 1
-            else:
-                assert not keeps_c1, a
-                self.stats["interrupt_reloads"] += 1
-            sl.loading, sl.load_left = a.version, self.load_ticks
-            # The version in training: the load waits for its publish (core.py).
-            sl.deferred = a.version > self.sched.published
-            if self.load_ticks == 0 and not sl.deferred:
-                return [("loaded", a.slice_id, a.version)]
-        elif isinstance(a, TrainStep):
-            assert self.trainer is None and len(a.group_ids) == self.config.train_batch_size
-            self.trainer = [a.step, self.train_ticks]
-            for gid in a.group_ids:
-                self._record_consume(gid, a.step)
-        else:  # pragma: no cover
-            raise TypeError(a)
-        return []
+    def admit(self, a: Admit):
+        self.group_version[a.group_id] = a.version
+        self.ledger.append(admit_record(a, a.group_id, self.tick))
+
+    def assign(self, a: Assign):
+        sl = self.slices[a.slice_id]
+        assert sl.loading is None and len(sl.requests) < self.config.slots_per_slice
+        if self.sched.policy.keeps_c1:  # engine-level C1
+            assert sl.version == self.group_version[a.group_id], a
+        length = int(self._length(a.group_id, a.sample))
+        assert length >= 1, "sample lengths must be >= 1"
+        sl.requests[(a.group_id, a.sample)] = _Request(
+            a.group_id, a.sample, length, segments=[[sl.version, 0]], slices=[a.slice_id])
+
+    def migrate(self, a: Migrate):
+        src, dst = self.slices[a.src_slice], self.slices[a.dst_slice]
+        assert src.loading is None and dst.loading is None, a
+        assert src.version == dst.version, f"C1: migrate across versions {a}"
+        assert len(dst.requests) < self.config.slots_per_slice, a
+        r = src.requests.pop((a.group_id, a.sample))
+        r.slices.append(a.dst_slice)
+        dst.requests[(a.group_id, a.sample)] = r
+        self.stats["migrations"] += 1
+
+    def load(self, a: LoadVersion | InterruptReload, *, interrupt: bool):
+        sl = self.slices[a.slice_id]
+        if not interrupt:
+            assert not sl.requests, f"C1: params changed under running requests {a}"
+            self.stats["loads"] += 1
+        else:
+            assert not self.sched.policy.keeps_c1, a
+            self.stats["interrupt_reloads"] += 1
+        sl.loading, sl.load_left = a.version, self.load_ticks
+        # The version in training: the load waits for its publish (core.py).
+        sl.deferred = a.version > self.sched.published
+        if self.load_ticks == 0 and not sl.deferred:
+            self._released.append(("loaded", a.slice_id, a.version))
+
+    def train(self, a: TrainStep):
+        assert self.trainer is None and len(a.group_ids) == self.config.train_batch_size
+        self.trainer = [a.step, self.train_ticks]
+        for gid in a.group_ids:
+            self._record_consume(gid, a.step)
 
     def _record_consume(self, gid: int, step: int):
         samples = []
         for k in range(self.config.group_size):
             r = self.done[(gid, k)]  # KeyError = an unfinished sample was trained (C2)
             assert r.produced == r.length, "C2: incomplete trajectory trained"
-            samples.append(dict(sample=k, versions=versions.encode(r.segments), slices=list(r.slices),
-                                response_len=r.length, finish="eos"))
-        self.ledger.append(dict(event="consume", group_id=gid, prompt_id=gid, step=step,
-                                version=self.group_version[gid], time=self.tick,
-                                samples=samples))
+            samples.append(sample_entry(k, versions.encode(r.segments), list(r.slices),
+                                        r.length, "eos"))
+        self.ledger.append(consume_record(gid, gid, self.group_version[gid], step, self.tick,
+                                          samples))
 
     def _observe(self):
         vs = {sl.loading if sl.loading is not None else sl.version for sl in self.slices}

@@ -1,7 +1,7 @@
 """Answer extraction and verifiers for text tasks with checkable answers.
 
 A text reward is `(record, response_text) -> float`; `TokenReward` adapts one to the
-token-level `tasks.RewardFn` the reward pool calls. The response is untrusted: a
+token-level `rewards.tokens.RewardFn` the reward pool calls. The response is untrusted: a
 verifier never executes it (no eval, exec or sympy string parsing of it; arithmetic
 goes through our own `ast`-checked parser), reads it in linear time, and returns a
 score on any text, never an exception. A malformed record (a gold answer that cannot

@@ -1,0 +1,84 @@
+"""The simulator's slot-time accounting: every slot-second of a run booked to one state.
+
+States (`SLOT_REASONS`) are exhaustive and exclusive, so over a run they sum to
+slots x time. A running slot is `busy` decoding, `chunk_end` (its request finished
+mid-chunk; it idles to the chunk's end) or in `prefill` (the chunk's prefill,
+re-prefill or KV-arrival part). A free slot, or every slot of a slice between chunks,
+is idle because the slice is `loading` weights (has a load waiting for its chunk, or,
+in partial_rollout_rounds, for the version in training to be published), the trainer
+trains on the same devices (`colocated_training`), requests wait on the slice for KV
+memory or were preempted (`kv_full`), only other versions have pending work
+(`version_mismatch`: a mode that keeps C1 cannot run it here), work the slice could
+run is pending but the scheduler holds the slot (`held`: reserved for a request
+migrating in, or the slice drained to switch version), or nothing is pending at all:
+the batch's tail, with the mode refusing to admit though fewer than RBS groups are out
+(`admission_closed`: the batch rule or the staleness bound) or RBS groups admitted
+and unconsumed (`rbs_full`).
+"""
+
+from __future__ import annotations
+
+from dora_jax.sim.slice import Slice
+
+SLOT_REASONS = ("busy", "chunk_end", "prefill", "loading", "colocated_training", "kv_full",
+                "version_mismatch", "held", "admission_closed", "rbs_full")
+(BUSY, CHUNK_END, PREFILL, LOADING, COLOCATED, KV_FULL, MISMATCH, HELD, CLOSED,
+ RBS_FULL) = range(len(SLOT_REASONS))
+
+
+def idle_reason(sl: Slice, *, colocated_training: bool, pending_versions: set,
+                rbs_full: bool, keeps_c1: bool) -> int:
+    """Why the slice's free slots (all of them between chunks) idle now."""
+    if colocated_training:
+        return COLOCATED
+    if sl.loading is not None or sl.pending:
+        return LOADING
+    if sl.waiting and (sl.kv_blocked or sl.chunk is None):
+        return KV_FULL
+    if not pending_versions:
+        return RBS_FULL if rbs_full else CLOSED
+    if keeps_c1 and (len(pending_versions) > 1 or sl.version not in pending_versions):
+        return MISMATCH
+    return HELD
+
+
+class SlotTime:
+    """Slot-seconds by SLOT_REASONS over the run, and the share of each step."""
+
+    def __init__(self, slots_per_slice: int):
+        self.slots = slots_per_slice
+        self.seconds = [0.0] * len(SLOT_REASONS)
+        self._then = [0.0] * len(SLOT_REASONS)  # at the previous step's end
+
+    def book(self, sl: Slice, now: float, reason: int) -> None:
+        """Books the slice's slot-seconds since its last booking by the state it then
+        left (`sl.acct`), and takes its state now (`reason`, the chunk in flight).
+        Every change of a slice's state is followed by a booking at the same time,
+        so the slot-time is exact at the costs of a chunk: a chunk's prefill part,
+        then its decoding at the mean number of busy slots."""
+        since, slots = sl.booked_to, self.slots
+        if now > since:
+            T, (was, boundary, rates) = self.seconds, sl.acct
+            if rates is None:
+                T[was] += slots * (now - since)
+            else:
+                prefill_end, busy, batch = rates
+                T[was] += (slots - batch - boundary) * (now - since)
+                T[CHUNK_END] += boundary * (now - since)
+                if since < prefill_end:
+                    T[PREFILL] += batch * (min(now, prefill_end) - since)
+                    since = min(now, prefill_end)
+                T[BUSY] += busy * (now - since)
+                T[CHUNK_END] += (batch - busy) * (now - since)
+            sl.booked_to = now
+        if sl.chunk is None:
+            sl.acct = (reason, 0, None)
+        else:  # requests given to the slice mid-chunk wait for its end
+            boundary = 0 if reason <= KV_FULL or not sl.waiting else min(
+                len(sl.waiting), slots - sl.rates[2])
+            sl.acct = (reason, boundary, sl.rates)
+
+    def since_last_step(self) -> dict:
+        """Slot-seconds by state since the previous call (a step's `slot_idle`)."""
+        then, self._then = self._then, list(self.seconds)
+        return {k: round(a - b, 3) for k, a, b in zip(SLOT_REASONS, self.seconds, then)}
