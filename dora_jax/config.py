@@ -178,7 +178,7 @@ class CoordinatorConfig(Section):
     fail_slice: int = field(-1, min=-1)
     fail_slice_at: int = field(1, min=0)
     # Rewards run in this many worker processes, never in the coordinator's
-    # (runtime/reward_pool.py): model text is untrusted input.
+    # (rewards/pool.py): model text is untrusted input.
     reward_workers: int = field(2, min=1)
     # Seconds a reward call may run (0: no limit); past it the worker is killed and
     # replaced, the sample scores 0 with the reason in the ledger, and the run goes on.

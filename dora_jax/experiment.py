@@ -22,11 +22,10 @@ from dora_jax.rl.trainer import Trainer
 from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.rollout.warmup import warm_engine
 from dora_jax.model.sharding import copy_tree
-from dora_jax.runtime import files, restart
+from dora_jax.runtime import files, recovery
 from dora_jax.runtime.loop import Runtime
-from dora_jax.runtime.reward_pool import RewardPool
+from dora_jax.rewards.pool import RewardPool
 from dora_jax.runtime.report import StepReporter
-from dora_jax.scheduler import resume
 from dora_jax.scheduler.core import Scheduler
 from dora_jax.scheduler.ledger import LedgerWriter
 from dora_jax.scheduler.modes import POLICIES
@@ -71,13 +70,13 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
         tokenizer=None) -> dict:
     """Runs `cfg.coordinator.num_steps` train steps end to end; returns the summary.
 
-    A workdir holding a run of this config continues it (runtime/restart.py); one
+    A workdir holding a run of this config continues it (runtime/recovery.py); one
     holding another config is refused unless `fresh`, which starts over there.
     `make_trainer(cfg, mesh, params=, graphdef=)` builds the trainer (a subclass can
     instrument it). `tokenizer`: the one `model.hf_checks.check_pretrained` read
     for this config (None: read here). Raises `runtime.loop.RunError` if any part
     fails; the ledger then still accounts for every admitted group."""
-    restart.prepare(workdir, cfg, fresh)
+    recovery.prepare(workdir, cfg, fresh)
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"))
     trained = checkpointer.latest_step()
     if trained is not None and trained >= cfg.coordinator.num_steps:
@@ -105,7 +104,7 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     for sl in slices:  # every slice starts on version 0, as the scheduler assumes
         sl.load_version(0, params)
     trainer = make_trainer(cfg, trainer_mesh, params=params, graphdef=graphdef)
-    resumed = restart.load(workdir, cfg, checkpointer, trainer, records)
+    resumed = recovery.load(workdir, cfg, checkpointer, trainer, records)
     if trainer.version:  # every slice holds the version resumed from
         for sl in slices:
             sl.load_version(trainer.version, copy_tree(trainer.params))
@@ -122,9 +121,9 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
             stream.set_state(resumed.stream_state)
         for _ in range(resumed.plan.admitted_since_checkpoint):  # prompts given out since
             stream.next()
-        scheduler = resume.scheduler_for(sched_cfg, resumed.plan,
+        scheduler = recovery.scheduler_for(sched_cfg, resumed.plan,
                                          {g: d["version"] for g, d in resumed.kept.items()})
-        restart.truncate_metrics(workdir, trainer.version)
+        recovery.truncate_metrics(workdir, trainer.version)
     c = cfg.coordinator
     rewards = RewardPool(reward_fn, c.reward_workers, c.reward_timeout,
                          memory_mb=c.reward_memory_mb, max_response=c.reward_max_response)

@@ -168,17 +168,6 @@ class FakeRun(Driver):
                 events.append(("step", self.trainer[0]))
         self._settle(events)
 
-    def restart_engines(self):
-        """Model a runtime restart: all in-flight requests and loads are lost, the
-        scheduler requeues them (`Scheduler.requeue_inflight`), and decoding resumes."""
-        for sl in self.slices:
-            sl.requests.clear()
-            if sl.loading is not None:
-                sl.version, sl.loading, sl.load_left, sl.deferred = None, None, 0, False
-        self.sched.requeue_inflight()
-        self._started = True
-        self._settle([])
-
     def fail_slice(self, i: int):
         """Model a slice failure: it loses its requests and its params
         (`Scheduler.slice_failed`), and the run goes on."""

@@ -113,7 +113,7 @@ def test_adversarial_corpus_scores_zero_without_running_code(tmp_path):
     each verifier and a bomb; the summary line counts what happened."""
     from dora_jax.bench import adversarial, adversarial_corpus
     from dora_jax.rewards import verifiers
-    from dora_jax.runtime.reward_pool import RewardPool
+    from dora_jax.rewards.pool import RewardPool
 
     cases = adversarial_corpus.cases()
     picked = [c for c in cases if c["kind"].startswith("code/")][::25]
@@ -134,7 +134,7 @@ def test_adversarial_counts_code_that_ran(tmp_path):
     """The count is not vacuous: a response whose sentinel exists, or whose scoring
     was blocked, counts as code executed."""
     from dora_jax.bench import adversarial
-    from dora_jax.runtime.reward_pool import RewardPool
+    from dora_jax.rewards.pool import RewardPool
 
     (tmp_path / "case-0").write_text("made")  # as if case 0's payload had run
     cases = [{"record": {}, "text": "x", "kind": "k"}, {"record": {}, "text": "y", "kind": "k"}]

@@ -127,9 +127,9 @@ def test_main_refuses_a_workdir_of_another_config_with_one_line(tmp_path):
     import sys
 
     from conftest import REPO, load_repo_config
-    from dora_jax.runtime import restart
+    from dora_jax.runtime import recovery
 
-    (tmp_path / "config.json").write_text(json.dumps(restart.config_json(
+    (tmp_path / "config.json").write_text(json.dumps(recovery.config_json(
         load_repo_config("configs/tiny.py", num_devices=8))))
     out = subprocess.run(
         [sys.executable, "-m", "dora_jax.main", "--config=configs/tiny.py",

@@ -86,7 +86,7 @@ def _heavy_loaded(code: str) -> list:
 
 
 SCHEDULER = ("core", "driver", "dora", "invariants", "ledger", "modes", "partial",
-             "policies", "resume", "snapshot", "types")
+             "policies", "types")
 
 
 def test_scheduler_imports_no_jax_runtime_or_rollout():
@@ -99,7 +99,7 @@ def test_scheduler_imports_no_jax_runtime_or_rollout():
 
 def test_rewards_import_no_runtime_rollout_or_scheduler():
     loaded = _loaded("import dora_jax.rewards.tokens, dora_jax.rewards.verifiers, "
-                     "dora_jax.rewards.shaping")
+                     "dora_jax.rewards.shaping, dora_jax.rewards.pool")
     assert not [m for m in loaded if m.startswith(("dora_jax.runtime", "dora_jax.rollout",
                                                    "dora_jax.scheduler"))], loaded
     assert _heavy_loaded("import dora_jax.rewards.tokens, dora_jax.rewards.shaping") == []

@@ -1,7 +1,7 @@
 """Resume after a crash, on the pure scheduling core: the ledger contract over any
 number of crashes (hand-written ledgers), and a property test that crashes the fake
 driver at random points after random checkpoints, resumes by the plan
-(scheduler/resume.py) and audits the whole ledger, in every mode."""
+(runtime/recovery.py) and audits the whole ledger, in every mode."""
 
 import random
 
@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from _fake_run import FakeRun, _Request, lengths_from_seed
-from dora_jax.scheduler import MODES, POLICIES, SchedulerConfig, ledger, resume
+from dora_jax.runtime import recovery
+from dora_jax.scheduler import MODES, POLICIES, SchedulerConfig, ledger
 
 
 def _admit(g, v, **kw):
@@ -56,13 +57,13 @@ def test_plan_keeps_finished_groups_and_regenerates_the_rest():
         _consume(1, 0, 1), _admit(5, 2)]
     # Checkpoint at version 1 (step 0 trained), taken when groups 1 and 2 were
     # finished and 3 still running; 4 and 5 were admitted after it.
-    p = resume.plan(events, 1, {1: 0, 2: 0}, checkpoint_next_group_id=4)
+    p = recovery.plan(events, 1, {1: 0, 2: 0}, checkpoint_next_group_id=4)
     assert (p.step, p.kept, p.readmit) == (1, (1, 2), (4, 5))
     assert p.next_group_id == 6 and p.admitted_since_checkpoint == 2
     assert p.prompt_ids == {1: "p1", 2: "p2", 4: "p4", 5: "p5"}
     cfg = SchedulerConfig(mode="dora", num_slices=2, slots_per_slice=2, group_size=1,
                           train_batch_size=1, rollout_batch_size=3, max_staleness=3)
-    sched = resume.scheduler_for(cfg, p, {1: 0, 2: 0})
+    sched = recovery.scheduler_for(cfg, p, {1: 0, 2: 0})
     admits = [a for a in sched.decide() if type(a).__name__ == "Admit"]
     # With the 2 kept groups unconsumed, FEASIBILITY at step 1 (admitting with one
     # step of K in reserve: 3 unconsumed) leaves room for one, the first lost group.
@@ -91,10 +92,10 @@ def _resumed_run(old: FakeRun, checkpoint, lengths, **kw) -> FakeRun:
     ledger lines a resume writes, and the finished samples the checkpoint kept."""
     step, finished, next_id, _ = checkpoint
     cfg = old.config
-    p = resume.plan(old.ledger, step, finished, next_id)
+    p = recovery.plan(old.ledger, step, finished, next_id)
     run = _CheckpointingRun(cfg, lengths, **kw)
     run.checkpoints = list(old.checkpoints)  # still on disk
-    run.sched = resume.scheduler_for(cfg, p, finished)
+    run.sched = recovery.scheduler_for(cfg, p, finished)
     for sl in run.slices:
         sl.version = step
     run.ledger = list(old.ledger) + [dict(event="resume", step=step, time=0)]

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from dora_jax.bench.adversarial import StallMeter
-from dora_jax.runtime.reward_pool import RewardPool
+from dora_jax.rewards.pool import RewardPool
 
 
 def length_or_explode(record, response):

@@ -13,8 +13,8 @@ import os
 import pytest
 
 from dora_jax.config import ConfigError
-from dora_jax.runtime import files, restart
-from dora_jax.scheduler import ledger, resume
+from dora_jax.runtime import files, recovery
+from dora_jax.scheduler import ledger
 from test_resume import _admit, _consume  # the same hand-made events
 
 
@@ -76,7 +76,7 @@ def test_a_bad_line_before_the_last_is_an_error_naming_file_and_line(tmp_path, b
     assert str(e.value) == f"{path}:3: {says}"
     # Resuming there stops with that line (main prints it after "error: ").
     with pytest.raises(ConfigError, match=f"^{path}:3: "):
-        restart.load(str(tmp_path), None, None, None, [])
+        recovery.load(str(tmp_path), None, None, None, [])
 
 
 def test_a_cut_consume_is_a_group_not_consumed_and_the_resume_redoes_it(tmp_path):
@@ -89,7 +89,7 @@ def test_a_cut_consume_is_a_group_not_consumed_and_the_resume_redoes_it(tmp_path
               _consume(1, 0, 1), _consume(2, 0, 1)]
     _write(path, before, cut_last=40)
     events = ledger.read(str(path))
-    p = resume.plan(events, 1, {}, checkpoint_next_group_id=3)
+    p = recovery.plan(events, 1, {}, checkpoint_next_group_id=3)
     # Group 2's consume never completed and group 1's is void (step 1 >= the resume).
     assert p.readmit == (1, 2, 3) and p.next_group_id == 4
     writer = ledger.LedgerWriter(str(path))
@@ -109,7 +109,7 @@ def test_a_cut_admit_never_happened_and_its_id_and_prompt_are_given_again(tmp_pa
     # the prompt stream gives its prompt again (nothing admitted since the checkpoint).
     path = tmp_path / "ledger.jsonl"
     _write(path, [_admit(0, 0), _admit(1, 0), _consume(0, 0, 0), _admit(2, 1)], cut_last=30)
-    p = resume.plan(ledger.read(str(path)), 1, {}, checkpoint_next_group_id=2)
+    p = recovery.plan(ledger.read(str(path)), 1, {}, checkpoint_next_group_id=2)
     assert (p.readmit, p.next_group_id, p.admitted_since_checkpoint) == ((1,), 2, 0)
 
 
@@ -135,11 +135,11 @@ def test_write_atomic_leaves_the_old_file_when_the_disk_is_full(tmp_path, monkey
 def test_a_damaged_config_json_is_one_line_naming_it(tmp_path, small_config, content, says):
     (tmp_path / "config.json").write_text(content)
     with pytest.raises(ConfigError) as e:
-        restart.prepare(str(tmp_path), small_config("dora"), fresh=False)
+        recovery.prepare(str(tmp_path), small_config("dora"), fresh=False)
     message = str(e.value)
     assert message.startswith(f"{tmp_path / 'config.json'}: {says}; ") and "--fresh" in message
     assert "\n" not in message
-    restart.prepare(str(tmp_path), small_config("dora"), fresh=True)  # --fresh goes on
+    recovery.prepare(str(tmp_path), small_config("dora"), fresh=True)  # --fresh goes on
 
 
 def test_truncate_metrics_rewrites_whole_and_drops_a_cut_line(tmp_path, monkeypatch):
@@ -153,10 +153,10 @@ def test_truncate_metrics_rewrites_whole_and_drops_a_cut_line(tmp_path, monkeypa
 
     monkeypatch.setattr(os, "replace", fails)
     with pytest.raises(OSError):
-        restart.truncate_metrics(str(tmp_path), 2)
+        recovery.truncate_metrics(str(tmp_path), 2)
     assert path.read_text().startswith("".join(lines))  # untouched by the failed rewrite
     monkeypatch.setattr(os, "replace", real_replace)
-    restart.truncate_metrics(str(tmp_path), 3)
+    recovery.truncate_metrics(str(tmp_path), 3)
     assert path.read_text() == "".join(lines[:3])
     assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl"]
 

@@ -113,9 +113,10 @@ def test_dora_k0_is_sync(sc):
 @settings(max_examples=80, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios(), st.floats(0.0, 1.0, exclude_max=True))
-def test_restart_engines_loses_nothing(sc, restart_at):
-    """After a runtime restart (in-flight requests lost and requeued) at a point drawn
-    within the run's length, the contract still holds and the run completes."""
+def test_every_slice_failing_at_once_loses_nothing(sc, restart_at):
+    """After every slice fails at once (in-flight requests and params lost, the
+    samples regenerated) at a point drawn within the run's length, the contract still
+    holds and the run completes."""
     cfg, lengths, max_len, load, train, steps, kv = sc
     bound = 2 * tick_bound(cfg, max_len, load, train, steps, kv)
     full = FakeRun(cfg, lengths, load_ticks=load, train_ticks=train, check=False,
@@ -130,7 +131,8 @@ def test_restart_engines_loses_nothing(sc, restart_at):
     for _ in range(int(restart_at * events)):
         run.advance(bound)
     assert run.steps_done < steps  # the restart falls inside the run
-    run.restart_engines()
+    for i in range(cfg.num_slices):
+        run.fail_slice(i)
     run.run(steps, max_ticks=bound)
     check_run(run, steps)
 

@@ -327,7 +327,7 @@ def test_a_load_places_params_once(monkeypatch):
     for this engine, none of the path check for a tree structure seen before."""
     from dora_jax.rollout import placement
 
-    eng = rc.engine("dense", "greedy", 0)
+    eng = rc.engine("dense", "greedy", 0, decode_steps=1)  # the request runs on under v2
     p0 = rc.params("dense", 0)
     trainer_mesh = rc.meshes()[0]
     on_trainer = jax.device_put(p0, param_shardings(p0, trainer_mesh, TRAINER_RULES))

@@ -193,7 +193,7 @@ def test_reasoning_gym_record_that_does_not_match_raises():
 
 
 def test_reasoning_gym_rewards_in_the_reward_pool():
-    from dora_jax.runtime.reward_pool import RewardPool
+    from dora_jax.rewards.pool import RewardPool
 
     records = text_tasks.reasoning_gym_records("chain_sum", TOK, size=8, seed=4)
     pool = RewardPool(verifiers.token_reward(verifiers.record_reward, TOK),

@@ -102,7 +102,7 @@ def test_math_reward_works_off_the_main_thread():
 
 def test_math_reward_through_the_reward_pool():
     tok = CharTokenizer()
-    from dora_jax.runtime.reward_pool import RewardPool
+    from dora_jax.rewards.pool import RewardPool
 
     pool = RewardPool(v.token_reward(v.math_reward, tok), num_workers=1, timeout=60)
     try:

@@ -6,7 +6,7 @@
 Scores the shipped corpus (bench/adversarial_corpus.py: code payloads for every
 verifier, numeric and LaTeX bombs, pathological regex inputs, megabyte responses,
 digits of other scripts), plus the cases of FILE.jsonl if given, with
-`runtime.reward_pool.RewardPool` and `verifiers.record_reward`: the pool a run
+`rewards.pool.RewardPool` and `verifiers.record_reward`: the pool a run
 scores with, under the same limits (`--timeout` stands for
 coordinator.reward_timeout). A FILE.jsonl line is `{"record": {...}, "text": "..."}`,
 scored by `record["verifier"]`; `{sentinel}` in a text becomes a path that only
@@ -141,7 +141,7 @@ def main(argv):
     del argv
     from dora_jax.bench import adversarial_corpus
     from dora_jax.rewards import verifiers
-    from dora_jax.runtime.reward_pool import RewardPool
+    from dora_jax.rewards.pool import RewardPool
 
     cases = adversarial_corpus.cases()
     if _RESPONSES.value:

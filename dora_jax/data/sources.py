@@ -5,7 +5,7 @@ Token tasks (residue, countdown, JSONL of token ids) need no tokenizer. Text tas
 (GSM8K / MATH JSONL, reasoning_gym, a prepared TFDS dataset) build each prompt with
 the tokenizer's chat template and score the decoded response with a verifier
 (rewards/verifiers.py); a reward call that raises or times out is recorded, never
-fatal (runtime/reward_pool.py).
+fatal (rewards/pool.py).
 """
 
 from __future__ import annotations

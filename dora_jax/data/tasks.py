@@ -1,6 +1,6 @@
 """Token-level tasks with verifiable rewards: their prompts and correct responses (their
 rewards are rewards/tokens.py's; the reward pool that scores them in worker processes
-is runtime/reward_pool.py).
+is rewards/pool.py).
 
 Token ids 0, 1, 2 are PAD, EOS and BOS in every built-in task; symbols start at 3.
 

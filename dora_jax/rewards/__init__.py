@@ -3,8 +3,10 @@
 - tokens.py: rewards of response tokens, by name (the built-in token tasks);
 - verifiers.py: rewards of decoded text (answer extraction and checkers that never
   execute the response), and the adapter to a token reward;
-- shaping.py: what is added to a reward before training (DAPO's overlong punishment).
+- shaping.py: what is added to a reward before training (DAPO's overlong punishment)
+  and the zero-variance rule of dynamic sampling;
+- pool.py: the killable worker processes every reward runs in (model text is
+  untrusted input).
 
-The reward functions run in worker processes (runtime/reward_pool.py); nothing here
-imports the runtime, the rollout or the scheduler.
+Nothing here imports the runtime, the rollout or the scheduler.
 """

@@ -1,6 +1,8 @@
-"""What is added to a sample's reward before training (host-side, numpy).
+"""From the reward function's numbers to what the trainer sees (host-side, numpy).
 
-DAPO's soft overlong punishment (`trainer.overlong_buffer`, `overlong_penalty`).
+DAPO's soft overlong punishment (`trainer.overlong_buffer`, `overlong_penalty`) is
+added to each sample's reward; DAPO's dynamic sampling drops a group whose shaped
+rewards are all equal (`has_signal`).
 """
 
 from __future__ import annotations
@@ -19,3 +21,16 @@ def overlong_penalty(response_lens, max_len: int, buffer: int, factor: float = 1
         return np.zeros_like(lens, np.float32)
     over = np.clip(lens - (max_len - buffer), 0, buffer)
     return (-factor * over / buffer).astype(np.float32)
+
+
+def shaped_rewards(rewards, response_lens, max_len: int, buffer: int,
+                   factor: float = 1.0) -> tuple[list, list]:
+    """(rewards plus their overlong punishment, the punishments), as float lists."""
+    penalties = [float(p) for p in overlong_penalty(response_lens, max_len, buffer, factor)]
+    return [float(r) + p for r, p in zip(rewards, penalties)], penalties
+
+
+def has_signal(shaped) -> bool:
+    """False if every shaped reward of a group is equal: every group-relative
+    advantage is then 0, and the group teaches nothing (DAPO's dynamic sampling)."""
+    return max(shaped) != min(shaped)

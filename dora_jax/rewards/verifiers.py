@@ -9,7 +9,7 @@ be read, a missing key, a refused reasoning_gym task) raises, so the reward pool
 reports it as a failure with its reason instead of a silent zero.
 
 Wall-clock and memory limits are not this module's: a run scores in worker processes
-(runtime/reward_pool.py) that are killed past `coordinator.reward_timeout`, so
+(rewards/pool.py) that are killed past `coordinator.reward_timeout`, so
 math-verify is called with its own signal-based timeouts off.
 """
 

@@ -20,8 +20,6 @@ import jax
 import jax.numpy as jnp
 
 from dora_jax.config import IS_MODES, KL_KINDS, LOSS_AGG_MODES
-# Only for runtime/scoring.py's import until it reads dora_jax.rewards.shaping; delete then.
-from dora_jax.rewards.shaping import overlong_penalty  # noqa: F401
 
 # Log-ratios are clamped before exp (as verl does): a log-ratio above 88.7 overflows
 # float32, and inf * 0 advantages or gradients would turn the step into NaN.

@@ -205,9 +205,11 @@ class DecodeSlice:
             self._start(self._waiting.popleft(), self.slots.lowest_free())
         result, n = None, 0
         if self.slots.busy:
-            # With a free slot, new work may arrive at any moment: one token, then look
-            # again. A full slice runs the whole call (it ends early when a slot frees).
-            n = self.engine.decode_steps if self.slots.full else 1
+            # A whole call even with a free slot: it ends after the first step in which
+            # a slot finishes, and the worker applies the coordinator's answer to a
+            # finish before the next call, so new work waits at most one call, while
+            # one-token calls would pay a dispatch and a host read for every token.
+            n = self.engine.decode_steps
             if self.engine.pages is not None:
                 self._reserve_pages(n)
             self.state, result = self.engine.generate_steps(self.params, self.state, n)

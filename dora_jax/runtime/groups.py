@@ -14,7 +14,7 @@ import dataclasses
 from typing import Callable, Iterable
 
 from dora_jax.rollout.trajectory import Trajectory
-from dora_jax.runtime import scoring
+from dora_jax.rewards import pool, shaping
 from dora_jax.scheduler import driver
 from dora_jax.scheduler.types import Admit
 
@@ -34,9 +34,11 @@ class Group:
         """(rewards the trainer sees, overlong penalties), in sample order; computed
         on the first call, which must come after every reward is in."""
         if self._shaped is None:
-            self._penalties = scoring.penalties(cfg, self)
-            self._shaped = [self.rewards[k].result()[0] + p
-                            for k, p in zip(sorted(self.trajectories), self._penalties)]
+            t = cfg.trainer
+            self._shaped, self._penalties = shaping.shaped_rewards(
+                [self.rewards[k].result()[0] for k in sorted(self.trajectories)],
+                [len(x.response_tokens) for x in self.samples()],
+                cfg.rollout.max_decode_len, t.overlong_buffer, t.overlong_penalty)
         return self._shaped, self._penalties
 
     def samples(self) -> list[Trajectory]:
@@ -74,14 +76,14 @@ class GroupBook:
     def when_scored(self, gid: int, callback: Callable[[], None]) -> None:
         """Calls `callback` once every reward of the (finished) group is in, in the
         thread that completes the last one: the coordinator never waits."""
-        scoring.when_all_done(list(self.groups[gid].rewards.values()), callback)
+        pool.when_all_done(list(self.groups[gid].rewards.values()), callback)
 
     def keeps_signal(self, gid: int) -> bool:
         """False (and the group leaves with a `filter` line) if every shaped reward is
         equal: every advantage would be 0 (DAPO's dynamic sampling)."""
         g = self.groups[gid]
         shaped, _ = g.shape(self.cfg)
-        if max(shaped) != min(shaped):
+        if shaping.has_signal(shaped):
             return True
         del self.groups[gid]
         self._write(**driver.filter_record(gid, g.record["prompt_id"], g.version,

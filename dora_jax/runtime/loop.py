@@ -34,7 +34,7 @@ from dora_jax.runtime.events import (TRAINER, Failed, GroupScored, SamplesFinish
                                      VersionLoaded)
 from dora_jax.runtime.groups import GroupBook
 from dora_jax.runtime.report import StepReporter, WaitClock
-from dora_jax.runtime.reward_pool import RewardPool
+from dora_jax.rewards.pool import RewardPool
 from dora_jax.runtime.stream import GroupQueue, train_batches
 from dora_jax.runtime.weights import WeightBook, published_copy
 from dora_jax.runtime.worker import SliceWorker
@@ -324,8 +324,9 @@ class Runtime(Driver):
             while steps_done < num_steps:
                 if not self._work_in_flight():
                     raise RuntimeError("no slice holds work, none is loading and the "
-                                       "trainer is idle: the run cannot progress; scheduler "
-                                       f"state: {self.sched.snapshot()}")
+                                       "trainer is idle: the run cannot progress (pending "
+                                       f"samples by version {self.sched.pending_by_version()}, "
+                                       f"next step {self.sched.next_step})")
                 steps_done += self._handle(self._events.get())
                 while steps_done < num_steps:  # take every event already posted
                     try:

@@ -35,7 +35,6 @@ from collections import Counter, deque
 from typing import Iterator, Optional
 
 from . import invariants
-from . import snapshot as snapshot_lib
 from .modes import policy_for
 from .types import (FINISHED, PENDING, RUNNING, Admit, Assign, GroupState,
                     InterruptReload, LoadVersion, Migrate, SampleState,
@@ -327,26 +326,6 @@ class Scheduler:
 
     # ------------------------------------------------------------------ recovery
 
-    def requeue_inflight(self):
-        """Forget all engine-side progress after a runtime restart.
-
-        Running samples become pending again (regenerated from scratch under their
-        group's version, so C1 still holds); a slice that was loading holds nothing
-        and will be told to load again. Resident versions of the other slices are
-        kept: the runtime restores those params (see `snapshot()['slices']`)."""
-        for sl in self.slices:
-            for gid, k in sl.running:
-                g = self.groups[gid]
-                smp = g.samples[k]
-                smp.status, smp.slice_id, smp.versions, smp.slices = PENDING, None, [], []
-                g.n_running -= 1
-                g.n_pending += 1
-                self._pending_v[g.version] += 1
-            sl.running, sl.kv_free = set(), None  # an emptied KV pool: no stale report
-            if sl.loading is not None:
-                sl.version, sl.loading, sl.interrupted = None, None, False
-        self._recount()  # the pending FIFOs, back in group order
-
     def slice_failed(self, slice_id: int):
         """A slice failed and lost everything it held: its running samples are
         pending again, regenerated from scratch under their group's version (C1), and
@@ -371,23 +350,6 @@ class Scheduler:
         self._pending_v[g.version] += 1
         q = self._pending_q.setdefault(g.version, deque())
         q.appendleft((group_id, sample))  # regenerated first: it is the oldest work
-
-    # ------------------------------------------------------------------ checkpoint
-
-    def snapshot(self) -> dict:
-        """All state as plain JSON-serialisable data (snapshot.py).
-
-        Take it right after `step_finished(t)` and before `decide()`, together with
-        the trainer checkpoint of version t+1, for a consistent state."""
-        return snapshot_lib.snapshot(self)
-
-    @classmethod
-    def restore(cls, snap: dict) -> "Scheduler":
-        """Rebuild a Scheduler from `snapshot()` output (possibly JSON round-tripped)."""
-        snapshot_lib.check_format(snap)
-        self = cls(SchedulerConfig(**snap["config"]))
-        snapshot_lib.restore_into(self, snap)
-        return self
 
     def _recount(self):
         """Rebuild the per-version counters from the groups."""

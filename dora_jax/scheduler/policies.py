@@ -28,7 +28,7 @@ class Policy:
     that does not keep it may issue InterruptReload), `staleness_bound`,
     `replaces_filtered_groups` (a group filtered after scoring is replaced by a new
     one: `config.score_groups` works), `resumable` (a crashed run continues from its
-    checkpoint: scheduler/resume.py) and `allows_colocation` (rollout and training
+    checkpoint: runtime/recovery.py) and `allows_colocation` (rollout and training
     take turns, so they may share the devices: `mesh.colocated`).
     """
 

@@ -103,7 +103,7 @@ class SchedulerConfig:
 class Admit:
     """Admit a new group (next prompt from the data source) tagged with `version`;
     with `readmit`, a group lost in a crash is admitted again under its own id (and
-    its own prompt), whole (scheduler/resume.py)."""
+    its own prompt), whole (runtime/recovery.py)."""
 
     group_id: int
     version: int

@@ -2,7 +2,7 @@
 harm the coordinator.
 
 The policy's text is adversarial by construction: RL optimises whatever the scorer
-does. The verifiers never execute it (data/verifiers.py), but a response can still
+does. The verifiers never execute it (rewards/verifiers.py), but a response can still
 make one compute for minutes (`9^9^9` in math-verify), allocate gigabytes, or hold
 the GIL in big-integer work, and a thread-pool timeout can neither fire on time nor
 stop such a call. So rewards run in a pebble process pool:
@@ -132,6 +132,22 @@ class RewardPool:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def when_all_done(futures: list, callback: Callable[[], None]) -> None:
+    """Calls `callback` once, in the thread that completes the last of `futures`
+    (so that whoever waits for a whole group's rewards never blocks)."""
+    left, lock = [len(futures)], threading.Lock()
+
+    def done(_):
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            callback()
+
+    for f in futures:
+        f.add_done_callback(done)
 
 
 def _context(preload: Sequence[str]):

@@ -1,12 +1,31 @@
-"""One workdir, one run: resuming it after a crash, refusing another config in it,
-and starting over only when asked.
+"""Recovery: one workdir, one run, resumed after a crash from its ledger and its
+newest checkpoint; another config refused there; starting over only when asked.
 
 A workdir remembers the config it was written with (config.json). Running the same
-command again continues the run: from its newest checkpoint (train state, scheduler
-and prompt-stream state, finished-but-unconsumed groups with their samples and
-rewards), or from the start if it crashed before the first one, with what the
-ledger says was lost admitted again (scheduler/resume.py). A run that already
+command again continues the run: from its newest checkpoint (train state, the next
+group id, the prompt stream's state, finished-but-unconsumed groups with their samples
+and rewards), or from the start if it crashed before the first one. A run that already
 trained its steps is not run again; raising `coordinator.num_steps` extends it.
+
+What stands is read from the ledger (`ledger.standing`) once the resume at step s
+(the checkpoint's version) is written (`plan`, pure):
+
+* groups consumed by steps < s were trained into the checkpoint;
+* groups filtered stay filtered;
+* every other admitted group is *outstanding*. One that the checkpoint holds as
+  finished, with its samples and rewards, is kept as it is: its version still meets
+  its deadline, since the checkpointed state was feasible. Every other one (running
+  at the checkpoint, or admitted after it) is regenerated whole: it waits in the
+  scheduler's `readmit_queue`, and the mode admits it again, under its own id and
+  prompt, the way it admits a new group (at a version the mode chooses, within its
+  in-flight and staleness bounds), before any new one. So C1 and C3 hold as for any
+  group, and only the newest params are needed: the checkpoint keeps no older
+  version (K more copies of the model in every checkpoint), and a regenerated group
+  costs its decoding again.
+
+Group ids never restart: the next new group gets the id after every one admitted. A
+mode whose policy is not `resumable` (one_step_off: its batches are fixed runs of
+group ids with fixed versions) refuses such a workdir.
 
 What a crash or a bad disk leaves is repaired or refused in one line: config.json and
 metrics.jsonl are only ever replaced whole (runtime/files.py), a damaged config.json
@@ -24,9 +43,12 @@ import shutil
 
 from dora_jax import checkpointing
 from dora_jax.config import Config, ConfigError
-from dora_jax.rollout.trajectory import Trajectory
 from dora_jax.runtime import files
-from dora_jax.scheduler import ledger, resume
+from dora_jax.scheduler import ledger
+from dora_jax.scheduler.core import Scheduler
+from dora_jax.scheduler.ledger import standing
+from dora_jax.scheduler.modes import POLICIES
+from dora_jax.scheduler.types import FINISHED, GroupState, SampleState, SchedulerConfig, SliceState
 
 _log = logging.getLogger(__name__)
 
@@ -88,7 +110,7 @@ def prepare(workdir: str, cfg: Config, fresh: bool) -> None:
 class Resumed:
     """What a resumed run starts from (the trainer's state is already restored)."""
 
-    plan: resume.ResumePlan
+    plan: ResumePlan
     kept: dict  # group id -> {"version", "record", "samples", "rewards"}
     readmit_records: dict  # group id -> prompt record
     stream_state: dict | None  # the prompt stream at the checkpoint (None: its start)
@@ -109,16 +131,16 @@ def load(workdir: str, cfg: Config, checkpointer, trainer, records: list) -> Res
     step = checkpointer.latest_step()
     if not events and step is None:
         return None
-    if cfg.coordinator.mode == "one_step_off":
-        raise ConfigError(f"workdir {workdir} holds a one_step_off run, which does not resume "
-                          "(its batches are fixed runs of group ids); pass --fresh")
+    if not POLICIES[cfg.coordinator.mode].resumable:
+        raise ConfigError(f"workdir {workdir} holds a {cfg.coordinator.mode} run, which does "
+                          "not resume (its batches are fixed runs of group ids); pass --fresh")
     extra, skipped = {}, []
     if step is not None:
         restored = checkpointer.restore_newest_intact(trainer.abstract_state())
         trainer.load_state(restored.state)
         extra, skipped = restored.extra, restored.skipped
     kept = {int(g): d for g, d in extra.get("finished_groups", {}).items()}
-    p = resume.plan(events, trainer.version, {g: d["version"] for g, d in kept.items()},
+    p = plan(events, trainer.version, {g: d["version"] for g, d in kept.items()},
                     extra.get("scheduler", {}).get("next_group_id", 0))
     by_prompt = {r["prompt_id"]: r for r in records}
     missing = sorted({p.prompt_ids[g] for g in p.readmit} - set(by_prompt))
@@ -128,17 +150,6 @@ def load(workdir: str, cfg: Config, checkpointer, trainer, records: list) -> Res
     return Resumed(plan=p, kept={g: kept[g] for g in p.kept},
                    readmit_records={g: by_prompt[p.prompt_ids[g]] for g in p.readmit},
                    stream_state=extra.get("prompt_stream"), skipped_checkpoints=skipped)
-
-
-def finished_group(g, rewards: list) -> dict:
-    """A finished group as a checkpoint keeps it (JSON)."""
-    return {"version": g.version, "record": g.record,
-            "samples": [dataclasses.asdict(g.trajectories[k]) for k in sorted(g.trajectories)],
-            "rewards": rewards}
-
-
-def trajectories(saved: dict) -> list:
-    return [Trajectory(**d) for d in saved["samples"]]
 
 
 def truncate_metrics(workdir: str, step: int) -> None:
@@ -162,3 +173,53 @@ def truncate_metrics(workdir: str, step: int) -> None:
                 _log.warning("%s:%d: dropped a line that is not a metrics record (%s)", path,
                              number, type(e).__name__)
     files.write_atomic(path, "".join(keep))
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumePlan:
+    step: int  # the first step the resumed run trains (= the restored version)
+    kept: tuple  # finished group ids restored from the checkpoint, ascending
+    readmit: tuple  # group ids to admit again, ascending
+    prompt_ids: dict  # group id -> prompt id, for every outstanding group
+    next_group_id: int
+    admitted_since_checkpoint: int  # groups the prompt stream gave out after it
+
+
+def plan(events: list, step: int, finished_in_checkpoint: dict,
+         checkpoint_next_group_id: int) -> ResumePlan:
+    """The plan for resuming at `step` over a ledger's `events` (before the resume
+    line is written). `finished_in_checkpoint`: group id -> version of the groups the
+    checkpoint holds finished and scored."""
+    events = standing(list(events) + [{"event": "resume", "step": step}])
+    admitted, done = {}, set()
+    for e in events:
+        if e["event"] == "admit":
+            admitted[e["group_id"]] = e
+        elif e["event"] in ("consume", "filter"):
+            done.add(e["group_id"])
+    outstanding = sorted(set(admitted) - done)
+    kept = tuple(g for g in outstanding if g in finished_in_checkpoint)
+    readmit = tuple(g for g in outstanding if g not in finished_in_checkpoint)
+    next_id = max(max(admitted, default=-1) + 1, checkpoint_next_group_id)
+    return ResumePlan(step=step, kept=kept, readmit=readmit,
+                      prompt_ids={g: admitted[g]["prompt_id"] for g in outstanding},
+                      next_group_id=next_id,
+                      admitted_since_checkpoint=next_id - checkpoint_next_group_id)
+
+
+def scheduler_for(config: SchedulerConfig, p: ResumePlan, kept_versions: dict) -> Scheduler:
+    """A Scheduler in the state the plan resumes from: version `p.step` published and
+    loaded on every slice, the trainer idle, the kept groups finished (and scored),
+    the others queued for readmission."""
+    sched = Scheduler(config)
+    sched.published = sched.next_step = p.step
+    sched.next_group_id = p.next_group_id
+    sched.slices = [SliceState(i, p.step) for i in range(config.num_slices)]
+    G = config.group_size
+    for gid in p.kept:
+        w = kept_versions[gid]
+        samples = [SampleState(FINISHED, None, [w], []) for _ in range(G)]
+        sched.groups[gid] = GroupState(gid, w, samples, n_finished=G)
+    sched.readmit_queue.extend(p.readmit)
+    sched._recount()
+    return sched
