@@ -95,11 +95,16 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     reward_fn = sources.reward_for(cfg, tokenizer)  # an unknown name fails before compute
     trainer_mesh, slice_meshes = devices.make_meshes(cfg.mesh)
     graphdef, params = initial_params(cfg, trainer_mesh)
+    # Every stop id of the tokenizer read above ends a sequence (no engine reads it again).
+    stop_ids = None
+    if tokenizer is not None and cfg.rollout.eos_id >= 0:
+        stop_ids = (cfg.rollout.eos_id, *getattr(tokenizer, "stop_ids", ()))
     # Without lookahead a slice reports a finished sample in the step that ends it,
     # so the scheduler never migrates or reloads around a request that has in fact
     # already finished on the device.
     slices = [DecodeSlice.create(i, mesh, cfg.model, cfg.rollout, rules=cfg.mesh.decode_rules,
-                                 lookahead=False, tokenizer_path=cfg.data.tokenizer or None)
+                                 lookahead=False, tokenizer_path=cfg.data.tokenizer or None,
+                                 stop_ids=stop_ids)
               for i, mesh in enumerate(slice_meshes)]
     for sl in slices:  # every slice starts on version 0, as the scheduler assumes
         sl.load_version(0, params)

@@ -294,10 +294,12 @@ def test_a_failed_run_resumes_and_the_whole_ledger_audits(tmp_path, small_config
 
 @pytest.mark.parametrize("mode", ["dora", "sync"])
 def test_a_failing_slice_is_restarted_and_nothing_is_lost(mode, tmp_path, small_config):
-    """Slice 1 raises once it holds version 1 (coordinator.fail_slice): the run goes
-    on, the slice's samples are regenerated, the ledger and metrics.jsonl record the
-    failure, and the whole ledger audits clean."""
-    cfg = small_config(mode, num_steps=5, fail_slice=1, fail_slice_at=1)
+    """Slice 1 raises at its first generate call, holding samples (coordinator.fail_slice
+    at version 0: whether a slice ever holds a later version is the mode's and the
+    timing's choice): the run goes on, the slice's samples are regenerated, the
+    restarted slice loads the version it is told, the ledger and metrics.jsonl record
+    the failure, and the whole ledger audits clean."""
+    cfg = small_config(mode, num_steps=5, fail_slice=1, fail_slice_at=0)
     summary, _ = _run(cfg, tmp_path)
     events, report = audit_workdir(cfg, tmp_path)
     assert report.ok, report.summary() + str(report.c2[:3])

@@ -3,8 +3,9 @@
 The scheduler decides which groups each step consumes; the runtime puts those
 groups (with their rewards) on a queue, and the trainer thread iterates a Grain
 `IterDataset` over that queue whose `map` pads each batch of exactly TBS groups to a
-length bucket. Grain's iterator state (how many batches were delivered) is part of a
-checkpoint.
+length bucket. The stream holds no state a resume needs: a checkpoint is taken
+between steps, with no batch in it, and the groups it would carry are in the group
+book (runtime/groups.py).
 """
 
 from __future__ import annotations
