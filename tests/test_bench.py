@@ -159,3 +159,24 @@ def test_adversarial_responses_file_errors_name_the_line(tmp_path):
         adversarial.read_cases(str(path))
     path.write_text('{"record": {"verifier": "gsm8k"}, "text": "#### 1"}\n')
     assert adversarial.read_cases(str(path))[0]["text"] == "#### 1"
+
+
+def test_host_profile_counts_only_the_coordinators_busy_samples(tmp_path):
+    """bench.host's breakdown: main-thread samples inside Runtime.run, less those
+    waiting on the event queue, at 10 ms a sample (100 Hz), per step."""
+    from dora_jax.bench.host import coordinator_profile
+
+    run = "Runtime.run (dora_jax/runtime/loop.py:300)"
+    lines = [
+        f"thread (1): MainThread;main (dora_jax/main.py:1);{run};"
+        f"Runtime._decide (dora_jax/runtime/loop.py:290);Driver.execute (d.py:20) 30",
+        f"thread (1): MainThread;{run};Queue.get (queue.py:10);Condition.wait (t.py:3) 500",
+        f"thread (1): MainThread;{run};Runtime._handle (dora_jax/runtime/loop.py:215) 10",
+        "thread (2): slice 0;SliceWorker._loop (dora_jax/runtime/worker.py:1) 400",
+        "thread (1): MainThread;warm_up (dora_jax/experiment.py:5) 900",
+    ]
+    path = tmp_path / "raw.txt"
+    path.write_text("\n".join(lines) + "\n")
+    out = coordinator_profile(str(path), steps=10)
+    assert out["busy_ms_per_step"] == 40.0  # (30 + 10) samples x 10 ms / 10 steps
+    assert out["top"][0] == ("Runtime._decide (loop.py) > Driver.execute (d.py)", 30.0)
