@@ -24,6 +24,18 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = {"dense": "configs/tiny.py", "moe": "configs/moe.py:tiny"}
 
 
+def reference(module: str):
+    """The reference implementation's `module` (torch, transformers) for a parity
+    test: skipped where it is not installed, but a failure where CI promised it
+    (DORA_REQUIRE_REFERENCE=1), so a broken install cannot turn the parity tests
+    into skips."""
+    if os.environ.get("DORA_REQUIRE_REFERENCE") == "1":
+        import importlib
+
+        return importlib.import_module(module)
+    return pytest.importorskip(module)
+
+
 def load_repo_config(spec: str, *, validate: bool = True, num_devices: int | None = None, **overrides):
     """`configs/x.py[:variant]` from the repository root. Overrides are dotted paths
     given with `__` (`model__num_layers=1`). Returns the validated Config, or the

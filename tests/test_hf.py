@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 from dora_jax.config import TRAINER_RULES
 from dora_jax.model import hf, hf_config, safetensors_file, transformer as tf
 from dora_jax.model.sharding import param_shardings
+from conftest import reference as reference_module
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
 FAMILIES = ["qwen3", "qwen3_tied", "qwen3_moe", "qwen2", "llama3"]
@@ -180,8 +181,8 @@ def test_older_hub_field_names_are_read():
 def test_transformers_reads_what_we_save(name, tmp_path):
     """The reference implementation loads our saved checkpoint (after we loaded and
     re-saved it) and computes the logits we compute."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    torch = reference_module("torch")
+    transformers = reference_module("transformers")
     cfg, params = hf.load_pretrained(str(FIXTURES / name))
     hf.save_pretrained(cfg, params, str(tmp_path))
     model = transformers.AutoModelForCausalLM.from_pretrained(

@@ -14,7 +14,7 @@ from dora_jax import config as config_lib
 from dora_jax.data import sources, word_problems
 from dora_jax.data.tokenizer import Tokenizer
 from dora_jax.model import hf
-from conftest import audit_workdir
+from conftest import audit_workdir, reference
 from dora_jax.model import hf_checks
 
 QWEN3_FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "hf", "qwen3")
@@ -139,8 +139,8 @@ def test_a_run_from_a_checkpoint_trains_audits_and_exports(load_config, tiny_hf_
     for a, b in zip(jax.tree.leaves(from_cli), jax.tree.leaves(exported)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
-    transformers = pytest.importorskip("transformers")
-    torch = pytest.importorskip("torch")
+    transformers = reference("transformers")
+    torch = reference("torch")
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     tokens = np.array([[5, 17, 33, 2, 90, 41]])
     from dora_jax.model import transformer

@@ -12,6 +12,7 @@ import sys
 import jinja2
 import pytest
 
+from conftest import reference
 from dora_jax.data.tokenizer import (DEFAULT_CHAT_TEMPLATE, Tokenizer, TokenizerParameters,
                                      train_tokenizer)
 
@@ -229,7 +230,7 @@ def test_tokenizer_module_imports_no_jax_or_transformers():
 
 
 def test_transformers_loads_what_we_save_and_agrees(trained, saved):
-    transformers = pytest.importorskip("transformers")
+    transformers = reference("transformers")
     ref = transformers.AutoTokenizer.from_pretrained(str(saved))
     assert (ref.eos_token_id, ref.pad_token_id) == (trained.eos_id, trained.pad_id)
     for text in SAMPLES + ["<|im_start|>user\nhi<|im_end|>"]:
