@@ -173,6 +173,11 @@ class CoordinatorConfig(Section):
     # A slice that raises is restarted empty (its requests regenerated) up to this
     # many times in a run; one more failure stops the run.
     max_slice_restarts: int = field(3, min=0)
+    # Seconds without any event while work is outstanding (a sample running, a load,
+    # a train step, rewards pending) after which the run stops with a RunError naming
+    # what each slice and the trainer were doing (0: wait forever). Far above any
+    # single generate call, load or train step.
+    stall_timeout: float = field(600.0, ge=0)
     # Fault injection, for tests: slice `fail_slice` raises once it holds version
     # `fail_slice_at` (-1: never).
     fail_slice: int = field(-1, min=-1)

@@ -317,3 +317,57 @@ def test_a_slice_failing_past_the_restart_limit_stops_the_run(tmp_path, small_co
         _run(cfg, tmp_path)
     events, report = audit_workdir(cfg, tmp_path)
     assert report.ok, report.summary()  # every admitted group is still accounted for
+
+
+@pytest.mark.parametrize("mode", ["sync", "one_step_off", "partial_rollout",
+                                  "partial_rollout_rounds", "dora"])
+def test_a_finite_prompt_set_is_trained_to_its_end(mode, tmp_path, small_config):
+    """Eight prompts, one epoch, two groups a step, more steps asked for than the data
+    allows: the run ends cleanly after four steps with every admitted group consumed
+    (not merely declared unconsumed at exit), each prompt admitted exactly once."""
+    c = small_config(mode, num_steps=10, validate=False)
+    c.data.num_prompts, c.data.num_epochs = 8, 1
+    cfg = hf_checks.validated(c, num_devices=8)
+    summary, _ = _run(cfg, tmp_path)
+    events, report = audit_workdir(cfg, tmp_path)
+    assert report.ok, report.summary()
+    assert summary["steps"] == 4 and summary["prompts_exhausted"]
+    admitted = [e["group_id"] for e in events if e["event"] == "admit"]
+    consumed = [e["group_id"] for e in events if e["event"] == "consume"]
+    assert sorted(admitted) == sorted(consumed) == list(range(8))
+    assert len({e["prompt_id"] for e in events if e["event"] == "admit"}) == 8
+    assert not [e for e in events if e["event"] == "unconsumed"]
+
+
+def test_a_stalled_run_stops_with_what_each_part_was_doing(tmp_path, small_config,
+                                                           monkeypatch):
+    """A slice whose generate call never returns (a lost event, as far as the
+    coordinator can tell): past coordinator.stall_timeout the run stops with a
+    RunError naming the stall and every slice's and the trainer's activity, and the
+    ledger still accounts for every admitted group."""
+    import threading
+
+    from dora_jax.rollout.slice import DecodeSlice
+
+    release, hung = threading.Event(), []
+    real_step = DecodeSlice.step
+
+    def step(self):
+        if not hung and self.version == 1 and self.num_requests:
+            hung.append(self.slice_id)  # the first slice to decode version 1 hangs
+            release.wait(60)  # until the test ends
+        return real_step(self)
+
+    monkeypatch.setattr(DecodeSlice, "step", step)
+    cfg = small_config("sync", num_steps=6, stall_timeout=3.0)
+    try:
+        with pytest.raises(RunError, match=r"stalled at step \d+: no event for "
+                           r"coordinator.stall_timeout=3 s") as err:
+            _run(cfg, tmp_path)
+    finally:
+        release.set()
+    message = str(err.value)
+    assert f"slice {hung[0]}: decoding" in message, message
+    assert "trainer: waiting for a batch" in message, message
+    _, report = audit_workdir(cfg, tmp_path)
+    assert report.ok, report.summary()

@@ -109,6 +109,8 @@ class Runtime(Driver):
         self.max_resident_versions = 1
         self._trainer_idle_since = 0.0
         self.waits = WaitClock()
+        self.trainer_doing: tuple[str, float] = ("starting", 0.0)
+        self._stalled = False  # a stalled part is not waited for at exit
         self._trainer_thread = threading.Thread(target=self._train_loop, name="trainer",
                                                 daemon=True)
 
@@ -120,14 +122,17 @@ class Runtime(Driver):
                                length_buckets=c.trainer.length_buckets,
                                pad_id=c.rollout.pad_id)
         try:
+            self.trainer_doing = ("waiting for a batch", self.clock())
             for step, batch in stream:
                 start = self.clock()
+                self.trainer_doing = (f"training step {step}", start)
                 metrics = self.trainer.train_step(batch)
                 params = published_copy(self.trainer.params)  # the next step donates them
                 metrics = jax.device_get(metrics)  # the step's only host sync
                 end = self.clock()
                 self.timeline.add("trainer", "train", start, end, step)
                 self._events.put(StepDone(step, batch, metrics, params, start, end))
+                self.trainer_doing = ("waiting for a batch", end)
         except BaseException as e:  # noqa: BLE001 - surfaced by the coordinator
             self._events.put(Failed(TRAINER, e))
 
@@ -292,6 +297,31 @@ class Runtime(Driver):
         finished = self.sched.num_finished_groups
         return "guard" if finished >= self.cfg.coordinator.train_batch_size else "starvation"
 
+    def _next_event(self):
+        """The next event; a RunError if none comes within `coordinator.stall_timeout`
+        seconds although work is outstanding (a lost event would otherwise hang the
+        run), naming what each slice and the trainer were doing and since when."""
+        timeout = self.cfg.coordinator.stall_timeout or None
+        try:
+            return self._events.get(timeout=timeout)
+        except queue.Empty:
+            self._stalled = True
+            now = self.clock()
+            doing = [f"slice {w.slice_id}: {w.doing[0]} for {now - w.doing[1]:.1f} s"
+                     for w in self.workers]
+            doing.append(f"trainer: {self.trainer_doing[0]} for "
+                         f"{now - self.trainer_doing[1]:.1f} s")
+            raise RunError(f"the run stalled at step {self.sched.next_step}: no event for "
+                           f"coordinator.stall_timeout={timeout:g} s with work outstanding ("
+                           f"{len(self._scoring)} group(s) awaiting rewards); "
+                           + "; ".join(doing)) from None
+
+    def _exhausted(self) -> bool:
+        """Every prompt the data allows was admitted and nothing is left in flight."""
+        m = self.sched.config.max_groups
+        return (m is not None and self.sched.next_group_id >= m
+                and not self.sched.readmit_queue)
+
     def _work_in_flight(self) -> bool:
         """Something will post an event: a sample running, a load, or a train step."""
         return (self.sched.trainer_busy or bool(self._scoring)
@@ -323,11 +353,13 @@ class Runtime(Driver):
             self._decide()
             while steps_done < num_steps:
                 if not self._work_in_flight():
+                    if self._exhausted():  # a finite prompt set, trained to its end
+                        break
                     raise RuntimeError("no slice holds work, none is loading and the "
                                        "trainer is idle: the run cannot progress (pending "
                                        f"samples by version {self.sched.pending_by_version()}, "
                                        f"next step {self.sched.next_step})")
-                steps_done += self._handle(self._events.get())
+                steps_done += self._handle(self._next_event())
                 while steps_done < num_steps:  # take every event already posted
                     try:
                         steps_done += self._handle(self._events.get_nowait())
@@ -346,6 +378,7 @@ class Runtime(Driver):
         summary["max_resident_versions"] = self.max_resident_versions
         summary["groups_filtered"] = self.sched.filtered
         summary["slice_failures"] = len(self.slice_failures)
+        summary["prompts_exhausted"] = steps_done < num_steps
         # Forward passes over prompts (re-prefills included) per admitted group.
         summary["prefills_per_group"] = round(sum(sl.stats.prefills for sl in self.slices)
                                               / max(self.sched.next_group_id, 1), 3)
@@ -357,7 +390,8 @@ class Runtime(Driver):
         try:
             self.book.write_unconsumed(self.sched.readmit_queue)
         finally:
+            wait = 5.0 if self._stalled else 600.0
             self._stream.close()
             for w in self.workers:
-                w.stop()
-            self._trainer_thread.join(timeout=600)
+                w.stop(timeout=wait)
+            self._trainer_thread.join(timeout=wait)

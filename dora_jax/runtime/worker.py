@@ -73,6 +73,8 @@ class SliceWorker:
         self.unfilled: dict = {}
         self._events, self._timeline, self._clock = events, timeline, clock
         self._awaiting_ack = False
+        # What the loop is doing now and since when (run clock), for a stall report.
+        self.doing: tuple[str, float] = ("starting", clock())
         self._commands: queue.Queue = queue.Queue()
         self._stopping = threading.Event()
         self._row = f"slice {slice_.slice_id}"
@@ -124,15 +126,19 @@ class SliceWorker:
                 # Block for a command when there is nothing to decode, or while the
                 # coordinator answers finished samples.
                 while True:
+                    block = sl.num_requests == 0 or self._awaiting_ack
+                    if block:
+                        self._mark("awaiting the coordinator's answer" if self._awaiting_ack
+                                   else "idle")
                     try:
-                        kind, arg = self._commands.get(
-                            block=sl.num_requests == 0 or self._awaiting_ack)
+                        kind, arg = self._commands.get(block=block)
                     except queue.Empty:
                         break
                     if kind is _STOP:
                         return
                     self._apply(kind, arg)
                 start, version = self._clock(), sl.version
+                self._mark(f"decoding {sl.num_requests} request(s) under version {version}")
                 if self._fail_at is not None and version is not None and version >= self._fail_at:
                     self._fail_at = None
                     raise InjectedFault(f"slice {self.slice_id}: injected failure at "
@@ -146,8 +152,13 @@ class SliceWorker:
         except BaseException as e:  # noqa: BLE001 - reported, the coordinator decides
             self._events.put(Failed(self.slice_id, e))
 
+    def _mark(self, what: str) -> None:
+        self.doing = (what, self._clock())
+
     def _apply(self, kind: str, arg):
         sl = self.slice
+        if kind != "ack":
+            self._mark(f"applying {kind}")
         if kind == "ack":
             self._awaiting_ack = False
         elif kind == "submit":
@@ -155,6 +166,7 @@ class SliceWorker:
         elif kind in ("load", "reload"):
             version, params = arg
             if isinstance(params, concurrent.futures.Future):
+                self._mark(f"waiting for version {version} to be published")
                 params = self._wait_for_params(params)
                 if params is None:
                     return  # stopping before the version was published
