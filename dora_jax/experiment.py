@@ -114,6 +114,8 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
         for sl in slices:
             sl.load_version(trainer.version, copy_tree(trainer.params))
     warm_up(slices, trainer, cfg)
+    if cfg.coordinator.checkpoint_every:  # periodic saves: none may stall the run
+        Checkpointer.warm_up(trainer.state)
 
     stream = prompts_lib.PromptStream(prompts_lib.prompt_dataset(
         records, seed=cfg.seed, shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs))

@@ -148,14 +148,17 @@ class Runtime(Driver):
         self.waits.mark(ev.end, self._wait_kind())
         group_ids, wait, wait_split = self._inflight_batches.pop(step)
         self.book.consume(group_ids, step, ev.end)
+        pause, every = 0.0, self.cfg.coordinator.checkpoint_every
+        if self.checkpointer is not None and every and (step + 1) % every == 0:
+            start = self.clock()
+            self.save_checkpoint()
+            pause = self.clock() - start
         record = self.reporter.step(step, ev.batch, ev.metrics, wait=wait,
                                     wait_split=wait_split, train_time=ev.end - ev.start,
                                     now=ev.end, slices=self.slices, scheduler=self.sched,
-                                    slice_failures=len(self.slice_failures) - self._reported)
+                                    slice_failures=len(self.slice_failures) - self._reported,
+                                    checkpoint_pause=pause)
         self._reported = len(self.slice_failures)
-        every = self.cfg.coordinator.checkpoint_every
-        if self.checkpointer is not None and every and (step + 1) % every == 0:
-            self.save_checkpoint()
         self.on_step(record)
 
     def _restore(self, resumed):
