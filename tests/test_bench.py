@@ -78,22 +78,6 @@ def test_curves_entry_point(tmp_path):
     assert (tmp_path / "curves.png").exists()
 
 
-@pytest.mark.slow
-def test_trainer_bench_entry_point():
-    """`python -m dora_jax.bench.trainer` end to end at its smallest: it runs the
-    project's step and the plain optax loop side by side and prints their ratio."""
-    import subprocess
-    import sys
-
-    from conftest import REPO
-
-    cmd = [sys.executable, "-m", "dora_jax.bench.trainer", "--mesh=single", "--steps=1",
-           "--rounds=1", "--groups=2", "--group_size=4", "--config.model.num_layers=1"]
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "single" in out.stdout and "plain" in out.stdout.lower(), out.stdout[-2000:]
-
-
 def test_measured_runs_save_no_periodic_checkpoints(load_config):
     """A save pauses the coordinator between steps, which costs sync more than the
     asynchronous modes: measured runs leave it out (and leave the base config alone)."""

@@ -4,8 +4,6 @@ and an RL run started from its checkpoint decodes with exactly those params."""
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -15,7 +13,7 @@ from dora_jax import experiment, sft
 from dora_jax.data import sources, tasks
 from dora_jax.model import transformer
 from dora_jax.rollout.slice import DecodeSlice
-from conftest import REPO, audit_workdir
+from conftest import audit_workdir
 from dora_jax.model import hf_checks
 
 
@@ -99,17 +97,3 @@ def test_task_without_demonstrations_is_refused(tmp_path, load_config):
     cfg = hf_checks.validated(load_config("configs/tiny.py", validate=False), num_devices=8)
     with pytest.raises(ValueError, match="'residue' has no demonstrations"):
         sft.train(cfg, str(tmp_path), steps=1, batch_size=1, learning_rate=1e-3)
-
-
-@pytest.mark.slow
-def test_sft_entry_point(tmp_path):
-    cmd = [sys.executable, "-m", "dora_jax.sft", "--config=configs/tiny.py",
-           f"--workdir={tmp_path}", "--steps=3", "--batch_size=4",
-           "--config.model.num_layers=1", "--config.data.source=countdown",
-           "--config.data.reward=countdown", "--config.data.max_count=12",
-           "--config.trainer.length_buckets=(32,)"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
-                         env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8"))
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "start RL with --config.init_checkpoint=" in out.stdout
-    assert os.path.isdir(tmp_path / "checkpoints" / "3")

@@ -22,6 +22,8 @@ What a run records and what is fitted from it:
 With `--cores` (a CPU host where every slice and the trainer share the cores) each
 span is first divided by its slow-down, min(1, cores / components busy at its
 midpoint), so that the fitted costs are those of a component running alone.
+Prints the fitted CostModel as JSON, then ends with `decode step at S busy slots:
+X ms` (step_fixed + step_per_seq x S, S the config's slots per slice).
 """
 
 from __future__ import annotations
@@ -182,6 +184,8 @@ def main(argv):
         raise app.UsageError(str(e)) from None
     cost = fit(runs, slots, f.cores)
     print(json.dumps(dataclasses.asdict(cost), indent=1))
+    print(f"decode step at {slots} busy slots: "
+          f"{1e3 * (cost.step_fixed + cost.step_per_seq * slots):.3f} ms")
 
 
 if __name__ == "__main__":  # flags only here: validate.py imports this module

@@ -1,0 +1,157 @@
+"""Smoke tests: every benchmark and tool entry point run as `python -m ...` (its own
+flags, its own process, the repository as working directory) at tiny sizes. Each
+must exit 0 and end with its documented final line, whose figure must parse as a
+finite number in a plausible range.
+
+The tools that read a real run (`sim.calibrate`, `sim.validate`, `export`) share one
+`bench.modes` run (sync and dora, 3 steps each, tiny config), made once per test
+session even when xdist spreads these tests over workers."""
+
+import fcntl
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+TINY = ["--config=configs/tiny.py", "--config.model.num_layers=1"]
+MODES_STEPS = 3
+NUMBER = r"(-?\d+(?:\.\d+)?(?:e[+-]?\d+)?)"
+
+
+def run_module(module: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python -m module args` from the repository root, with this process's
+    environment (XLA_FLAGS, the compilation cache, PYTHONPATH)."""
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def final_line(out: subprocess.CompletedProcess) -> str:
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    lines = [line for line in out.stdout.splitlines() if line.strip()]
+    assert lines, out.stderr[-3000:]
+    print(lines[-1])
+    return lines[-1]
+
+
+def parse(line: str, pattern: str, low: float, high: float) -> re.Match:
+    """The final line matched in full by `pattern`; its first group a finite number
+    in [low, high]."""
+    m = re.fullmatch(pattern, line)
+    assert m, f"final line {line!r} does not match {pattern!r}"
+    x = float(m.group(1))
+    assert math.isfinite(x) and low <= x <= high, f"{x} outside [{low}, {high}]: {line!r}"
+    return m
+
+
+@pytest.fixture(scope="module")
+def modes_run(tmp_path_factory):
+    """(bench.modes' output directory, its completed process): sync and dora_k2, one
+    repetition of MODES_STEPS steps from the random init. Made once per session: the
+    xdist workers share the base temp directory's parent and take turns on a lock."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    workdir, record = root / "entry_points_modes", root / "entry_points_modes.json"
+    with open(root / "entry_points_modes.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not record.exists():
+            out = run_module("dora_jax.bench.modes", *TINY, f"--workdir={workdir}",
+                             f"--steps={MODES_STEPS}", "--reps=1", "--modes=sync,dora_k2",
+                             "--sft_steps=0")
+            record.write_text(json.dumps([out.returncode, out.stdout, out.stderr]))
+        returncode, stdout, stderr = json.loads(record.read_text())
+    return workdir, subprocess.CompletedProcess([], returncode, stdout, stderr)
+
+
+@pytest.mark.slow
+def test_bench_engine():
+    out = run_module("dora_jax.bench.engine", "--models=tiny", "--slots=4", "--decode_len=8",
+                     "--requests_per_slot=2", "--repeats=1", "--sweep=",
+                     "--config.model.num_layers=1")
+    parse(final_line(out), rf"slice/fixed-batch tokens/s ratio: {NUMBER}", 0.01, 100)
+
+
+@pytest.mark.slow
+def test_bench_trainer():
+    out = run_module("dora_jax.bench.trainer", "--mesh=single", "--steps=1", "--rounds=1",
+                     "--groups=2", "--group_size=4", "--config.model.num_layers=1")
+    parse(final_line(out), rf"trainer/plain-optax tokens/s ratio: {NUMBER}", 0.01, 100)
+
+
+@pytest.mark.slow
+def test_bench_modes(modes_run):
+    workdir, out = modes_run
+    parse(final_line(out), rf"dora/best-other tokens/s ratio: {NUMBER}", 0.01, 100)
+    assert "dora/sync tokens/s ratio: " in out.stdout
+    for spec in ("sync", "dora_k2"):
+        summary = json.loads((workdir / spec / "0" / "summary.json").read_text())
+        assert summary["audit_ok"] and summary["steps"] == MODES_STEPS
+
+
+@pytest.mark.slow
+def test_bench_scale():
+    out = run_module("dora_jax.bench.scale", "--parts=prefill", "--reps=1")
+    m = parse(final_line(out), rf"prefills per group: {NUMBER}", 1, 4)
+    assert float(m.group(1)) == 1  # a group's prompt is prefilled once
+
+
+@pytest.mark.slow
+def test_bench_crash(tmp_path):
+    out = run_module("dora_jax.bench.crash", *TINY, "--kills=1", "--startup_kills=0",
+                     "--max_delay=0.5", f"--workdir={tmp_path / 'run'}",
+                     "--config.coordinator.num_steps=30")
+    m = parse(final_line(out), r"kills: (\d+), lost groups: (\d+), duplicated groups: (\d+), "
+              r"steps: (\d+)/(\d+)", 1, 1)
+    assert m.groups()[1:] == ("0", "0", "30", "30")
+
+
+def test_sim(tmp_path):
+    out = run_module("dora_jax.sim", "--preset=paper64", "--steps=2", "--modes=sync,dora",
+                     "--jobs=1", f"--workdir={tmp_path}")
+    parse(final_line(out), rf"dora rollout-only share: {NUMBER}", 0, 1)
+    speedup = next(line for line in out.stdout.splitlines() if line.startswith("dora/sync "))
+    parse(speedup, rf"dora/sync step-time speedup: {NUMBER}  \(against \w+\)", 0.1, 10)
+
+
+@pytest.mark.slow
+def test_sim_calibrate(modes_run):
+    workdir, _ = modes_run
+    out = run_module("dora_jax.sim.calibrate", f"--workdir={workdir / 'sync' / '0'}",
+                     "--config=configs/tiny.py", "--cores=2")
+    parse(final_line(out), rf"decode step at 8 busy slots: {NUMBER} ms", 1e-4, 1e4)
+
+
+@pytest.mark.slow
+def test_sim_validate(modes_run):
+    workdir, _ = modes_run
+    out = run_module("dora_jax.sim.validate", f"--workdir={workdir}", "--calibrate_on=sync",
+                     "--config=configs/tiny.py", "--cores=2")
+    parse(final_line(out), rf"max relative error: {NUMBER}", 0, 100)
+
+
+@pytest.mark.slow
+def test_export(modes_run, tmp_path):
+    workdir, _ = modes_run
+    out = run_module("dora_jax.export", *TINY, f"--workdir={workdir / 'sync' / '0'}",
+                     f"--out={tmp_path / 'hf'}")
+    m = parse(final_line(out), rf"wrote step {NUMBER} of \S+ to \S+/ \((.+)\)",
+              MODES_STEPS, MODES_STEPS)
+    written = m.group(2).split(", ")
+    assert all(name.endswith(".safetensors") for name in written), written
+    assert all((tmp_path / "hf" / name).exists() for name in written + ["config.json"])
+
+
+@pytest.mark.slow
+def test_sft(tmp_path):
+    out = run_module("dora_jax.sft", *TINY, f"--workdir={tmp_path}", "--steps=3",
+                     "--batch_size=4", "--config.data.source=countdown",
+                     "--config.data.reward=countdown", "--config.data.max_count=12")
+    m = parse(final_line(out), rf"sft: loss {NUMBER} -> {NUMBER}; start RL with "
+              r"--config.init_checkpoint=(\S+)", 1e-3, 100)
+    assert 0 < float(m.group(2)) < 100 and os.path.isdir(os.path.join(m.group(3), "3"))
