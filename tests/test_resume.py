@@ -1,15 +1,22 @@
 """Resume after a crash, on the pure scheduling core: the ledger contract over any
 number of crashes (hand-written ledgers), and a property test that crashes the fake
-driver at random points after random checkpoints, resumes by the plan
-(runtime/recovery.py) and audits the whole ledger, in every mode."""
+driver at random points after random checkpoints, resumes it with the runtime's own
+restore code (runtime/recovery.py's plan and resumed scheduler, the GroupBook's
+checkpoint form of the kept groups, through JSON, and its restore), checks every
+trained sample's content and reward, and audits the whole ledger, in every mode."""
 
+import concurrent.futures
+import json
 import random
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from _fake_run import FakeRun, _Request, lengths_from_seed
+from dora_jax import versions
+from dora_jax.rollout.trajectory import Trajectory
 from dora_jax.runtime import recovery
+from dora_jax.runtime.groups import GroupBook
 from dora_jax.scheduler import MODES, POLICIES, SchedulerConfig, ledger
 
 
@@ -71,27 +78,81 @@ def test_plan_keeps_finished_groups_and_regenerates_the_rest():
     sched.check_invariants()
 
 
+def _reward(response: list) -> float:
+    """The fake reward of a response (never 0: a zeroed restore shows)."""
+    return 0.25 * (1 + sum(response) % 5)
+
+
+def _tokens(gid: int, k: int, n: int) -> list:
+    return [(gid + 7 * k + i) % 13 for i in range(n)]
+
+
 class _CheckpointingRun(FakeRun):
-    """Records, after every finished step, what a checkpoint of that moment holds."""
+    """Keeps each group's host side in the runtime's own `GroupBook` (finished
+    samples as Trajectories, rewards) and records, after every finished step, what a
+    checkpoint of that moment holds: the book's `checkpoint_form` of the finished
+    groups, through JSON as on disk. Consume lines carry the book's rewards, and
+    every consumed sample is checked against what its group and sample produced."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.checkpoints = []
+        self.book = GroupBook(None, _Rewards(), write=lambda *a, **kw: None, clock=lambda: 0.0)
+
+    def admit(self, a):
+        super().admit(a)
+        self.book.admit(a.group_id, a.version, {"prompt_id": a.group_id, "tokens": [1]},
+                        readmit=a.readmit)
 
     def _deliver(self, ev):
         released = super()._deliver(ev)
+        if ev[0] == "finished":
+            gid, k = ev[2]
+            r = self.done[(gid, k)]
+            self.book.finished(Trajectory(
+                group_id=gid, prompt_id=gid, sample_index=k, version=self.group_version[gid],
+                prompt_tokens=[1], response_tokens=_tokens(gid, k, r.length),
+                behaviour_logprobs=[-0.5 - i / 8 for i in range(r.length)],
+                versions=[list(s) for s in r.segments], slice_ids=list(r.slices),
+                finish_reason="eos", t_submit=0.0, t_start=0.0, t_finish=float(self.tick)))
         if ev[0] == "step":
             s = self.sched
-            finished = {g: gs.version for g, gs in s.groups.items() if gs.trainable}
-            self.checkpoints.append((ev[1] + 1, finished, s.next_group_id, len(self.ledger)))
+            finished = [g for g, gs in s.groups.items() if gs.trainable]
+            form = json.loads(json.dumps(self.book.checkpoint_form(finished)))
+            self.checkpoints.append((ev[1] + 1, form, s.next_group_id))
         return released
+
+    def _record_consume(self, gid, step):
+        super()._record_consume(gid, step)
+        line, g = self.ledger[-1], self.book.groups.pop(gid)
+        for entry, t in zip(line["samples"], g.samples()):
+            k, n = t.sample_index, len(t.response_tokens)
+            assert (entry["sample"], entry["response_len"]) == (k, n), (gid, k)
+            assert t.response_tokens == _tokens(gid, k, n) and t.group_id == gid
+            assert versions.encode(t.versions) == entry["versions"], (gid, k)
+            assert t.version == line["version"], (gid, k)
+            entry["reward"], error = g.rewards[k].result()
+            assert entry["reward"] == _reward(t.response_tokens) and error is None, (gid, k)
+
+
+class _Rewards:
+    """The reward pool's interface, scoring at once."""
+
+    def submit(self, record, response):
+        done = concurrent.futures.Future()
+        done.set_result((_reward(response), None))
+        return done
 
 
 def _resumed_run(old: FakeRun, checkpoint, lengths, **kw) -> FakeRun:
-    """The fake driver restarted from `checkpoint` after a crash now: the plan, the
-    ledger lines a resume writes, and the finished samples the checkpoint kept."""
-    step, finished, next_id, _ = checkpoint
+    """The fake driver restarted from `checkpoint` after a crash now, as the runtime
+    restarts: `recovery.plan` and `recovery.scheduler_for`, the ledger's resume line,
+    and the kept groups taken back by `GroupBook.restore`; the fake engine's record
+    of their finished samples is rebuilt from the restored trajectories."""
+    step, form, next_id = checkpoint
     cfg = old.config
+    kept = {int(g): d for g, d in form.items()}
+    finished = {g: d["version"] for g, d in kept.items()}
     p = recovery.plan(old.ledger, step, finished, next_id)
     run = _CheckpointingRun(cfg, lengths, **kw)
     run.checkpoints = list(old.checkpoints)  # still on disk
@@ -99,12 +160,13 @@ def _resumed_run(old: FakeRun, checkpoint, lengths, **kw) -> FakeRun:
     for sl in run.slices:
         sl.version = step
     run.ledger = list(old.ledger) + [dict(event="resume", step=step, time=0)]
+    run.book.restore({g: kept[g] for g in p.kept})
     for g in p.kept:
-        w = finished[g]
-        run.group_version[g] = w
-        for k in range(cfg.group_size):
-            n = int(lengths(g, k))
-            run.done[(g, k)] = _Request(g, k, n, produced=n, segments=[[w, n]], slices=[0])
+        run.group_version[g] = run.book[g].version
+        for t in run.book[g].samples():
+            n = len(t.response_tokens)
+            run.done[(g, t.sample_index)] = _Request(g, t.sample_index, n, produced=n,
+                                                     segments=t.versions, slices=t.slice_ids)
     run.steps_done = step
     return run
 
@@ -131,7 +193,7 @@ def test_crashes_at_random_points_lose_and_duplicate_nothing(mode, slices, G, tb
                 break
             run.advance()
         # The newest checkpoint written before the crash (or the start: version 0).
-        checkpoint = run.checkpoints[-1] if run.checkpoints else (0, {}, 0, 0)
+        checkpoint = run.checkpoints[-1] if run.checkpoints else (0, {}, 0)
         run = _resumed_run(run, checkpoint, lengths)
         run.start()
     while run.steps_done < steps:
