@@ -172,6 +172,12 @@ class Checkpointer:
                                                extra=ocp.args.JsonRestore()))
         return out.state
 
+    def read_extra(self, step: int) -> dict:
+        """Checkpoint `step`'s JSON blob alone (the train state is not read)."""
+        out = self._manager.restore(int(step),
+                                    args=ocp.args.Composite(extra=ocp.args.JsonRestore()))
+        return dict(out.extra)
+
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 

@@ -87,11 +87,9 @@ class _Runs:
 def _checkpoint_extra(workdir, step) -> dict:
     """What checkpoint `step` holds besides the train state, read back from disk."""
     from dora_jax.checkpointing import Checkpointer
-    import orbax.checkpoint as ocp
 
     with Checkpointer(os.path.join(workdir, "checkpoints")) as ckpt:
-        out = ckpt._manager.restore(step, args=ocp.args.Composite(extra=ocp.args.JsonRestore()))
-    return dict(out.extra)
+        return ckpt.read_extra(step)
 
 
 def _content(trajectories: list) -> list:
