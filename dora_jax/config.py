@@ -29,6 +29,7 @@ MODES = ("sync", "one_step_off", "partial_rollout", "partial_rollout_rounds", "d
 # Mode names of older configs, with what replaces them.
 RETIRED_MODES = {"colocated_sync": "colocation is a device layout, not a schedule: use "
                                    "coordinator.mode=sync with mesh.colocated=True"}
+FAIL_POINTS = ("generate", "load", "export", "import")  # runtime/worker.py
 ADVANTAGES = ("grpo", "drgrpo", "rloo")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                   "seq-mean-token-sum-norm", "seq-mean-token-sum-over-max-len")
@@ -178,10 +179,15 @@ class CoordinatorConfig(Section):
     # what each slice and the trainer were doing (0: wait forever). Far above any
     # single generate call, load or train step.
     stall_timeout: float = field(600.0, ge=0)
-    # Fault injection, for tests: slice `fail_slice` raises once it holds version
-    # `fail_slice_at` (-1: never).
-    fail_slice: int = field(-1, min=-1)
-    fail_slice_at: int = field(1, min=0)
+    # Fault injection (tests, drills), by count, not by timing: slice `fail_slice`
+    # (-1: none; -2: whichever slice gets there first) raises the (`fail_after` +
+    # 1)-th time it reaches `fail_point`:
+    # "generate" (a generate call with requests held), "load" (placing a version's
+    # params), "export" (a migration out, its hand-over not yet filled) or "import"
+    # (a migration in, its requests arrived). The restarted slice does not fail again.
+    fail_slice: int = field(-1, min=-2)
+    fail_point: str = field("generate", choices=FAIL_POINTS)
+    fail_after: int = field(0, min=0)
     # Rewards run in this many worker processes, never in the coordinator's
     # (rewards/pool.py): model text is untrusted input.
     reward_workers: int = field(2, min=1)
@@ -364,7 +370,7 @@ class Config(Section):
                   f"{c.reward_max_response}")
         if c.fail_slice >= mesh.num_slices:
             fail("coordinator.fail_slice", f"must name a slice < mesh.num_slices "
-                  f"({mesh.num_slices}) or be -1, got {c.fail_slice}")
+                  f"({mesh.num_slices}), or be -1 (none) or -2 (any), got {c.fail_slice}")
         samples, split = c.train_batch_size * c.group_size, t.micro_batches * t.num_minibatches
         if samples % split:
             fail("coordinator.train_batch_size",

@@ -294,12 +294,11 @@ def test_a_failed_run_resumes_and_the_whole_ledger_audits(tmp_path, small_config
 
 @pytest.mark.parametrize("mode", ["dora", "sync"])
 def test_a_failing_slice_is_restarted_and_nothing_is_lost(mode, tmp_path, small_config):
-    """Slice 1 raises at its first generate call, holding samples (coordinator.fail_slice
-    at version 0: whether a slice ever holds a later version is the mode's and the
-    timing's choice): the run goes on, the slice's samples are regenerated, the
-    restarted slice loads the version it is told, the ledger and metrics.jsonl record
-    the failure, and the whole ledger audits clean."""
-    cfg = small_config(mode, num_steps=5, fail_slice=1, fail_slice_at=0)
+    """Slice 1 raises at its first generate call, holding samples (the fault plan:
+    coordinator.fail_slice, fail_point="generate"): the run goes on, the slice's
+    samples are regenerated, the restarted slice loads the version it is told, the
+    ledger and metrics.jsonl record the failure, and the whole ledger audits clean."""
+    cfg = small_config(mode, num_steps=5, fail_slice=1, fail_point="generate")
     summary, _ = _run(cfg, tmp_path)
     events, report = audit_workdir(cfg, tmp_path)
     assert report.ok, report.summary() + str(report.c2[:3])
@@ -311,7 +310,7 @@ def test_a_failing_slice_is_restarted_and_nothing_is_lost(mode, tmp_path, small_
 
 
 def test_a_slice_failing_past_the_restart_limit_stops_the_run(tmp_path, small_config):
-    cfg = small_config("dora", num_steps=4, fail_slice=0, fail_slice_at=1,
+    cfg = small_config("dora", num_steps=4, fail_slice=0, fail_point="generate",
                        max_slice_restarts=0)
     with pytest.raises(RunError, match="slice 0 failed .*InjectedFault"):
         _run(cfg, tmp_path)
@@ -371,3 +370,74 @@ def test_a_stalled_run_stops_with_what_each_part_was_doing(tmp_path, small_confi
     assert "trainer: waiting for a batch" in message, message
     _, report = audit_workdir(cfg, tmp_path)
     assert report.ok, report.summary()
+
+
+
+def _loads_recorded(monkeypatch) -> list:
+    """(slice id, version, host leaves) of every load a slice completes."""
+    loads, load_version = [], DecodeSlice.load_version
+
+    def recording_load(self, version, params):
+        seconds = load_version(self, version, params)
+        loads.append((self.slice_id, version, _host_leaves(self.params.leaves)))
+        return seconds
+
+    monkeypatch.setattr(DecodeSlice, "load_version", recording_load)
+    return loads
+
+
+def test_a_slice_failing_during_a_weight_load(tmp_path, small_config, monkeypatch):
+    """Slice 1 raises while placing its second version's params (fault plan
+    "load"): it held nothing (sync loads empty slices), so nothing is regenerated;
+    restarted, it loads again, and every completed load equals by content the params
+    the trainer published for that version."""
+    loads = _loads_recorded(monkeypatch)
+    cfg = small_config("sync", num_steps=4, fail_slice=1, fail_point="load", fail_after=1)
+    summary, trainer = _run(cfg, tmp_path)
+    events, report = audit_workdir(cfg, tmp_path)
+    assert report.ok, report.summary()
+    (failed,) = [e for e in events if e["event"] == "slice_failed"]
+    assert failed["slice"] == 1 and "injected failure at load" in failed["error"]
+    assert failed["regenerated"] == 0 and failed["in_hand_over"] == 0
+    assert summary["steps"] == 4 and summary["slice_failures"] == 1
+    slice1 = [v for i, v, _ in loads if i == 1]
+    assert slice1[:2] == [0, 1] and len(slice1) >= 3, slice1  # 0 at start, 1, then again
+    for slice_id, version, leaves in loads:
+        want = trainer.published[version]
+        assert all(np.array_equal(a, b) for a, b in zip(leaves, want)), (slice_id, version)
+
+
+def _slow_dora(small_config, monkeypatch, **coordinator):
+    """The DORA run of test_dora_paths_with_slow_training_and_slow_decoding, which
+    migrates (old slices drain for the newest version's work)."""
+    step = DecodeSlice.step
+
+    def slow_step(self):
+        time.sleep(0.02)
+        return step(self)
+
+    monkeypatch.setattr(DecodeSlice, "step", slow_step)
+    monkeypatch.setattr(RecordingTrainer, "delay", 0.05)
+    return small_config("dora", max_staleness=3, train_batch_size=8, rollout_batch_size=32,
+                        num_steps=10, rollout=dict(max_decode_len=16, decode_steps=1),
+                        stall_timeout=30.0, **coordinator)
+
+
+@pytest.mark.parametrize("point", ["export", "import"])
+def test_a_slice_failing_with_a_migration_in_flight(point, tmp_path, small_config,
+                                                    monkeypatch):
+    """The first slice to start a migration out ("export": its hand-over never
+    filled) or to receive one ("import": the requests arrived) raises there. The
+    migrating samples are regenerated — on export through the released hand-over
+    (`in_hand_over`), on import as the destination's own — and the run finishes with
+    its ledger audited clean."""
+    cfg = _slow_dora(small_config, monkeypatch, fail_slice=-2, fail_point=point)
+    summary, _ = _run(cfg, tmp_path)
+    events, report = audit_workdir(cfg, tmp_path)
+    assert report.ok, report.summary()
+    (failed,) = [e for e in events if e["event"] == "slice_failed"]
+    assert f"injected failure at {point}" in failed["error"]
+    if point == "export":
+        assert failed["in_hand_over"] >= 1, failed
+    assert failed["regenerated"] >= 1, failed
+    assert summary["steps"] == 10 and summary["slice_failures"] == 1

@@ -37,7 +37,7 @@ from dora_jax.runtime.report import StepReporter, WaitClock
 from dora_jax.rewards.pool import RewardPool
 from dora_jax.runtime.stream import GroupQueue, train_batches
 from dora_jax.runtime.weights import WeightBook, published_copy
-from dora_jax.runtime.worker import SliceWorker
+from dora_jax.runtime.worker import FaultPlan, SliceWorker
 from dora_jax.scheduler.core import Scheduler
 from dora_jax.scheduler.driver import Driver
 from dora_jax.scheduler.ledger import LedgerWriter
@@ -97,9 +97,10 @@ class Runtime(Driver):
             self._restore(resumed)
         self._events: queue.Queue = queue.Queue()
         c = cfg.coordinator
-        self.workers = [SliceWorker(sl, self._events, timeline, self.clock,
-                                    fail_at_version=c.fail_slice_at if sl.slice_id == c.fail_slice
-                                    else None) for sl in slices]
+        faults = None if c.fail_slice == -1 else FaultPlan(
+            c.fail_point, c.fail_after, None if c.fail_slice == -2 else c.fail_slice)
+        self.workers = [SliceWorker(sl, self._events, timeline, self.clock, faults)
+                        for sl in slices]
         self.slice_failures: list = []  # (slice id, step) of each failure survived
         self._reported = 0  # of them, in metrics.jsonl so far
         self._stream = GroupQueue()
@@ -271,7 +272,7 @@ class Runtime(Driver):
         scheduler then tells which version to load. The ledger and metrics.jsonl
         record it."""
         dead = self.workers[i]
-        lost = 0
+        in_hand_over = 0
         for box, request_ids, dst in list(dead.unfilled.values()):
             box.put([])  # its destination waits for the hand-over: nothing comes
             for gid, k in request_ids:
@@ -279,15 +280,15 @@ class Runtime(Driver):
                 smp = None if g is None else g.samples[k]
                 if smp is not None and smp.status == "running" and smp.slice_id == dst.slice_id:
                     self.sched.sample_lost(gid, k)
-                    lost += 1
-        lost += len(self.sched.slices[i].running)
+                    in_hand_over += 1
+        lost = in_hand_over + len(self.sched.slices[i].running)
         self.sched.slice_failed(i)
         self.slices[i].abandon()
         self._to_ack.discard(i)
         self.slice_failures.append((i, self.sched.next_step))
         self.ledger.write("slice_failed", slice=i, step=self.sched.next_step,
                           time=self.clock(), error=f"{type(error).__name__}: {error}",
-                          regenerated=lost)
+                          regenerated=lost, in_hand_over=in_hand_over)
         self.workers[i] = SliceWorker(self.slices[i], self._events, self.timeline, self.clock)
         self.workers[i].start()
 

@@ -52,6 +52,27 @@ class InjectedFault(RuntimeError):
     """The failure `coordinator.fail_slice` asks for."""
 
 
+class FaultPlan:
+    """One injected failure, by count: the (`after` + 1)-th time slice `slice_id`
+    (None: any slice, the first to get there) reaches `point` of its loop."""
+
+    def __init__(self, point: str, after: int = 0, slice_id: int | None = None):
+        self.point, self.slice_id = point, slice_id
+        self._left, self._fired = after, False
+        self._lock = threading.Lock()
+
+    def reached(self, point: str, slice_id: int) -> None:
+        """Raises InjectedFault if this is the planned moment."""
+        with self._lock:
+            if self._fired or point != self.point or self.slice_id not in (None, slice_id):
+                return
+            if self._left:
+                self._left -= 1
+                return
+            self._fired = True
+        raise InjectedFault(f"slice {slice_id}: injected failure at {point}")
+
+
 class SliceWorker:
     """Runs one `DecodeSlice` in its own thread; see the module docstring.
 
@@ -64,10 +85,10 @@ class SliceWorker:
 
     def __init__(self, slice_: DecodeSlice, events: queue.Queue, timeline: Timeline,
                  clock: Callable[[], float] = time.perf_counter,
-                 fail_at_version: int | None = None):
+                 faults: FaultPlan | None = None):
         self.slice = slice_
-        # Fault injection (coordinator.fail_slice): raise once this version is resident.
-        self._fail_at = fail_at_version
+        self._faults = faults  # coordinator.fail_slice
+
         # Hand-over boxes of migrations out of this slice not yet filled:
         # box -> (request ids, destination worker).
         self.unfilled: dict = {}
@@ -139,10 +160,7 @@ class SliceWorker:
                     self._apply(kind, arg)
                 start, version = self._clock(), sl.version
                 self._mark(f"decoding {sl.num_requests} request(s) under version {version}")
-                if self._fail_at is not None and version is not None and version >= self._fail_at:
-                    self._fail_at = None
-                    raise InjectedFault(f"slice {self.slice_id}: injected failure at "
-                                        f"version {version}")
+                self._fault_point("generate")
                 finished = sl.step()
                 self._timeline.add(self._row, "decode", start, self._clock(), version)
                 if finished:
@@ -154,6 +172,10 @@ class SliceWorker:
 
     def _mark(self, what: str) -> None:
         self.doing = (what, self._clock())
+
+    def _fault_point(self, point: str) -> None:
+        if self._faults is not None:
+            self._faults.reached(point, self.slice_id)
 
     def _apply(self, kind: str, arg):
         sl = self.slice
@@ -171,6 +193,7 @@ class SliceWorker:
                 if params is None:
                     return  # stopping before the version was published
             start = self._clock()
+            self._fault_point("load")
             if kind == "reload":
                 sl.interrupt_and_reload(version, params)
             else:
@@ -180,17 +203,21 @@ class SliceWorker:
         elif kind == "export":
             request_ids, box = arg
             start = self._clock()
-            moving = []
-            try:
-                moving = sl.export_requests([r for r in request_ids if sl.holds(r)])
-            finally:
-                box.put(moving)  # the destination waits for this, even on failure
-                self.unfilled.pop(id(box), None)
+            held = [r for r in request_ids if sl.holds(r)]
+            if held:  # a migration leaves
+                self._fault_point("export")
+            # On a failure the box stays unfilled: the coordinator releases it and
+            # regenerates the samples it would have carried (Runtime._restart_slice),
+            # or, past the restart limit, the destination stops waiting at shutdown.
+            moving = sl.export_requests(held)
+            box.put(moving)
+            self.unfilled.pop(id(box), None)
             if moving:
                 self._timeline.add(self._row, "migrate", start, self._clock(), sl.version)
         elif kind == "import":
             moving = self._wait_for(arg)
             if moving:
+                self._fault_point("import")
                 start = self._clock()
                 sl.import_requests(moving)
                 self._timeline.add(self._row, "migrate", start, self._clock(), sl.version)
