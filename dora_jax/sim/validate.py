@@ -129,6 +129,9 @@ def main(argv):
         print(f"{name:16} {row['step s']:8.3f} {step:8.3f} {100 * e_step:5.0f}% "
               f"{row['tokens/s']:9.0f} {tokens:8.0f} {100 * e_tok:5.0f}%"
               + ("  (calibrated on)" if name == _CALIBRATE_ON.value else ""))
+    if not errors:
+        raise SystemExit(f"{_WORKDIR.value}: no audited run of a mode other than "
+                         f"{_CALIBRATE_ON.value} to validate against")
     print(f"max relative error: {max(errors):.2f}")
 
 
