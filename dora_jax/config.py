@@ -29,7 +29,8 @@ MODES = ("sync", "one_step_off", "partial_rollout", "partial_rollout_rounds", "d
 # Mode names of older configs, with what replaces them.
 RETIRED_MODES = {"colocated_sync": "colocation is a device layout, not a schedule: use "
                                    "coordinator.mode=sync with mesh.colocated=True"}
-FAIL_POINTS = ("generate", "load", "export", "import")  # runtime/worker.py
+FAIL_POINTS = ("generate", "load", "export", "import")  # runtime/faults.py
+KILL_POINTS = ("", "train", "save", "finished_waiting")
 ADVANTAGES = ("grpo", "drgrpo", "rloo")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                   "seq-mean-token-sum-norm", "seq-mean-token-sum-over-max-len")
@@ -188,6 +189,12 @@ class CoordinatorConfig(Section):
     fail_slice: int = field(-1, min=-2)
     fail_point: str = field("generate", choices=FAIL_POINTS)
     fail_after: int = field(0, min=0)
+    # The same for the whole process (runtime/faults.py KillPlan): SIGKILL the
+    # (`kill_after` + 1)-th time the run reaches `kill_point` ("": never; "train": a
+    # step begun; "save": a checkpoint being written; "finished_waiting": finished
+    # groups waiting on a busy trainer). The same command then resumes the run.
+    kill_point: str = field("", choices=KILL_POINTS)
+    kill_after: int = field(0, min=0)
     # Rewards run in this many worker processes, never in the coordinator's
     # (rewards/pool.py): model text is untrusted input.
     reward_workers: int = field(2, min=1)

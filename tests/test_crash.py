@@ -21,3 +21,38 @@ def test_five_kills_lose_and_duplicate_nothing(tmp_path):
     assert lines[-1] == "kills: 5, lost groups: 0, duplicated groups: 0, steps: 60/60"
     resumes = next(x for x in lines if x.startswith("resumes: "))
     assert not resumes.startswith("resumes: 0,"), out.stdout  # the kills hit a running job
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point,after", [("train", 3), ("save", 1), ("finished_waiting", 5)])
+def test_a_kill_at_a_chosen_point_resumes_whole(point, after, tmp_path):
+    """SIGKILL at a chosen point of the run (coordinator.kill_point, by count): a train
+    step begun, a checkpoint being written, finished groups waiting on a busy
+    trainer. The same command without the drill resumes it: one `resume` line,
+    nothing lost or trained twice, every step trained, the ledger audited clean."""
+    from dora_jax.bench.crash import count
+    from dora_jax.scheduler import SchedulerConfig, ledger
+
+    from conftest import load_repo_config
+
+    workdir = tmp_path / "run"
+    overrides = ["--config.model.num_layers=1", "--config.coordinator.num_steps=8",
+                 "--config.coordinator.checkpoint_every=2"]
+    cmd = [sys.executable, "-m", "dora_jax.main", "--config=configs/tiny.py",
+           f"--workdir={workdir}", *overrides]
+    killed = subprocess.run(cmd + [f"--config.coordinator.kill_point={point}",
+                                   f"--config.coordinator.kill_after={after}"],
+                            cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert f"killing the run at {point}" in killed.stderr
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    events = ledger.read(str(workdir / "ledger.jsonl"))
+    assert sum(e["event"] == "resume" for e in events) == 1
+    cfg = load_repo_config("configs/tiny.py", model__num_layers=1,
+                           coordinator__num_steps=8, coordinator__checkpoint_every=2)
+    report = ledger.audit_run(events, SchedulerConfig.from_config(cfg),
+                              cfg.rollout.max_decode_len)
+    assert report.ok, report.summary()
+    assert count(events, cfg.coordinator.train_batch_size) == dict(lost=0, duplicated=0,
+                                                                   steps=8)

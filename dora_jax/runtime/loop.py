@@ -37,7 +37,8 @@ from dora_jax.runtime.report import StepReporter, WaitClock
 from dora_jax.rewards.pool import RewardPool
 from dora_jax.runtime.stream import GroupQueue, train_batches
 from dora_jax.runtime.weights import WeightBook, published_copy
-from dora_jax.runtime.worker import FaultPlan, SliceWorker
+from dora_jax.runtime.faults import FaultPlan, KillPlan
+from dora_jax.runtime.worker import SliceWorker
 from dora_jax.scheduler.core import Scheduler
 from dora_jax.scheduler.driver import Driver
 from dora_jax.scheduler.ledger import LedgerWriter
@@ -101,6 +102,7 @@ class Runtime(Driver):
             c.fail_point, c.fail_after, None if c.fail_slice == -2 else c.fail_slice)
         self.workers = [SliceWorker(sl, self._events, timeline, self.clock, faults)
                         for sl in slices]
+        self._kill = KillPlan(c.kill_point, c.kill_after) if c.kill_point else None
         self.slice_failures: list = []  # (slice id, step) of each failure survived
         self._reported = 0  # of them, in metrics.jsonl so far
         self._stream = GroupQueue()
@@ -127,6 +129,7 @@ class Runtime(Driver):
             for step, batch in stream:
                 start = self.clock()
                 self.trainer_doing = (f"training step {step}", start)
+                self._drill("train")
                 metrics = self.trainer.train_step(batch)
                 params = published_copy(self.trainer.params)  # the next step donates them
                 metrics = jax.device_get(metrics)  # the step's only host sync
@@ -190,6 +193,7 @@ class Runtime(Driver):
             "prompt_stream": self.prompts.get_state(),
             "finished_groups": self.book.checkpoint_form(trainable),
         }, force=True)
+        self._drill("save")  # its files are being written in the background
 
     # ------------------------------------------------------------------ actions
     def admit(self, a: Admit):
@@ -253,6 +257,12 @@ class Runtime(Driver):
                 self.book.when_scored(gid, lambda gid=gid: self._events.put(GroupScored(gid)))
         if ev.kv_free is not None:
             self.sched.kv_reported(ev.slice_id, ev.kv_free)
+        if self.sched.trainer_busy and self.sched.num_finished_groups:
+            self._drill("finished_waiting")
+
+    def _drill(self, point: str) -> None:
+        if self._kill is not None:
+            self._kill.reached(point)
 
     def _failed(self, ev: Failed):
         if ev.source != TRAINER and (

@@ -42,35 +42,11 @@ from typing import Callable
 from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.rollout.trajectory import Request
 from dora_jax.runtime.events import Failed, SamplesFinished, VersionLoaded
+from dora_jax.runtime.faults import FaultPlan
 from dora_jax.timeline import Timeline
 
 
 _STOP = object()
-
-
-class InjectedFault(RuntimeError):
-    """The failure `coordinator.fail_slice` asks for."""
-
-
-class FaultPlan:
-    """One injected failure, by count: the (`after` + 1)-th time slice `slice_id`
-    (None: any slice, the first to get there) reaches `point` of its loop."""
-
-    def __init__(self, point: str, after: int = 0, slice_id: int | None = None):
-        self.point, self.slice_id = point, slice_id
-        self._left, self._fired = after, False
-        self._lock = threading.Lock()
-
-    def reached(self, point: str, slice_id: int) -> None:
-        """Raises InjectedFault if this is the planned moment."""
-        with self._lock:
-            if self._fired or point != self.point or self.slice_id not in (None, slice_id):
-                return
-            if self._left:
-                self._left -= 1
-                return
-            self._fired = True
-        raise InjectedFault(f"slice {slice_id}: injected failure at {point}")
 
 
 class SliceWorker:
