@@ -435,7 +435,11 @@ def test_a_slice_failing_with_a_migration_in_flight(point, tmp_path, small_confi
     summary, _ = _run(cfg, tmp_path)
     events, report = audit_workdir(cfg, tmp_path)
     assert report.ok, report.summary()
-    (failed,) = [e for e in events if e["event"] == "slice_failed"]
+    failures = [e for e in events if e["event"] == "slice_failed"]
+    if not failures:  # the point is reached only if DORA migrated: sleep-paced here
+        assert summary["migrations"] == 0, summary
+        pytest.skip("no migration in this run, so the fault point was never reached")
+    (failed,) = failures
     assert f"injected failure at {point}" in failed["error"]
     if point == "export":
         assert failed["in_hand_over"] >= 1, failed
