@@ -4,7 +4,8 @@ written once: `base()` is generated from them, each field declares its constrain
 (`field`, schema.py), each section checks its own rules in `__post_init__`,
 `Config.__post_init__` holds every check that spans sections. Errors name the field
 (`config.rollout.temperature: must be > 0, got 0.0`) before any compute. The model and
-mesh sections live in config_model.py (re-exported here). No JAX: the pure scheduling
+mesh sections live in config_model.py, the data section in config_data.py (both
+re-exported here). No JAX: the pure scheduling
 core depends on this module; a Hugging Face checkpoint or tokenizer named by the config
 is read before validation, by model/hf_checks.py; `validate` itself reads no file."""
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
-from typing import ClassVar, Mapping
+from typing import ClassVar
 
 import ml_collections
 
@@ -21,6 +22,8 @@ from dora_jax.config_model import (  # noqa: F401 - the config's public names
     ATTENTION_IMPLS, DECODE_RULES, DTYPES, MOE_DISPATCH, REMAT_POLICIES, ROPE_SCALINGS,
     SLICE_MESH_AXES, TRAINER_MESH_AXES, TRAINER_RULES, MeshConfig, ModelConfig, MoEConfig,
     _axes_of, colocate, decode_rules_from)
+from dora_jax.config_data import (  # noqa: F401 - the config's public names
+    AUTO_REWARDS, DATA_SOURCES, TEXT_REWARDS, TEXT_SOURCES, TOKEN_REWARDS, DataConfig)
 from dora_jax.schema import Section, check, fail, field, schema
 from dora_jax.schema import ConfigError  # noqa: F401 - callers catch config.ConfigError
 
@@ -38,16 +41,6 @@ OBJECTIVES = ("behaviour_clip", "decoupled", "tis")  # rl/objective.py
 IS_MODES = ("truncate", "mask")
 KL_KINDS = ("k1", "k2", "k3")
 SCHEDULES = ("constant", "cosine")
-DATA_SOURCES = ("residue", "countdown", "jsonl", "gsm8k", "math", "reasoning_gym", "tfds")
-TEXT_SOURCES = ("gsm8k", "math", "reasoning_gym", "tfds")  # prompts built by a tokenizer
-# Rewards by name: of response tokens (rewards/tokens.py) and of decoded text
-# (rewards/verifiers.py; "by_record": the verifier each record names); "auto": the
-# source's own (AUTO_REWARDS).
-TOKEN_REWARDS = ("residue", "exact_match", "countdown")
-TEXT_REWARDS = ("gsm8k", "math", "countdown_expr", "reasoning_gym", "by_record")
-AUTO_REWARDS = {"residue": "residue", "countdown": "countdown", "jsonl": "exact_match",
-                "gsm8k": "gsm8k", "math": "math", "reasoning_gym": "by_record",
-                "tfds": "by_record"}
 KV_CACHES = ("paged", "dense")  # rollout/engine.py
 PAGED_ATTENTION_IMPLS = ("auto", "ragged", "pallas")  # model/paged_attention.py
 
@@ -260,66 +253,6 @@ def check_schedule(*, mode, num_slices, slots_per_slice, group_size, train_batch
     check_declared(MeshConfig, "num_slices", num_slices)
     check_declared(RolloutConfig, "slots_per_slice", slots_per_slice)
     check_group_fits(group_size, num_slices, slots_per_slice)
-
-
-@dataclasses.dataclass(frozen=True)
-class DataConfig(Section):
-    """Where prompts come from and how they are scored."""
-
-    PATH: ClassVar[str] = "data"
-    source: str = field("residue", choices=DATA_SOURCES)
-    reward: str = field("auto", choices=("auto",) + TOKEN_REWARDS + TEXT_REWARDS)
-    path: str = ""  # jsonl, gsm8k, math: the JSONL file
-    # A Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json);
-    # default: model.checkpoint's. Its EOS / pad ids become rollout.eos_id / pad_id.
-    tokenizer: str = ""
-    # Text prompts: a chat turn of the question plus `instruction` (None: the
-    # answer format's own, e.g. "... after ####"), after an optional system prompt;
-    # chat_template_args go to the template (e.g. enable_thinking=False for Qwen3).
-    instruction: str | None = None
-    system_prompt: str = ""
-    chat_template_args: Mapping = dataclasses.field(default_factory=dict)
-    task: str = ""  # reasoning_gym: the task, e.g. basic_arithmetic, countdown
-    task_args: Mapping = dataclasses.field(default_factory=dict)  # its dataset's config
-    # tfds: a prepared dataset (python -m dora_jax.data.tfds_local builds one from
-    # JSONL), read with tfds.data_source; nothing is downloaded.
-    tfds_name: str = ""
-    tfds_split: str = "train"
-    tfds_dir: str = ""
-    num_prompts: int = field(512, min=1)  # synthetic and reasoning_gym tasks
-    prompt_len: int = field(6, min=2)  # residue
-    modulus: int = field(4, min=2)  # residue
-    count_median: float = field(12.0, gt=0)  # countdown: lognormal counts, clipped
-    count_sigma: float = field(1.1, ge=0)  # to [1, max_count]
-    max_count: int = field(255, min=1)
-    num_epochs: int | None = field(None, min=1)  # None: repeat forever
-    # Prompts longer than rollout.max_prefill_length (files and datasets): an
-    # error, or (True) left out, each with a ledger `filter` line naming it.
-    skip_long_prompts: bool = False
-    shuffle: bool = True
-
-    @property
-    def reward_name(self) -> str:
-        return AUTO_REWARDS[self.source] if self.reward == "auto" else self.reward
-
-    def __post_init__(self):
-        super().__post_init__()
-        for sources, name in ((("jsonl", "gsm8k", "math"), "path"),
-                              (("tfds",), "tfds_name"), (("reasoning_gym",), "task")):
-            if self.source in sources and not getattr(self, name):
-                fail(self._f(name), f"data.source={self.source!r} needs data.{name}")
-        if self.source == "reasoning_gym":
-            from dora_jax.data.reasoning_gym_tasks import refusal  # a name table, no import
-
-            if refusal(self.task):
-                fail(self._f("task"), refusal(self.task))
-        if self.source in TEXT_SOURCES and not self.tokenizer:
-            fail(self._f("tokenizer"), f"data.source={self.source!r} builds prompts with a "
-                  "tokenizer: set data.tokenizer or model.checkpoint (a directory with "
-                  "tokenizer.json)")
-        if self.reward_name in TEXT_REWARDS and not self.tokenizer:
-            fail(self._f("tokenizer"), f"reward {self.reward_name!r} reads decoded text: set "
-                  "data.tokenizer or model.checkpoint")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -101,8 +101,7 @@ class _CheckpointingRun(FakeRun):
 
     def admit(self, a):
         super().admit(a)
-        self.book.admit(a.group_id, a.version, {"prompt_id": a.group_id, "tokens": [1]},
-                        readmit=a.readmit)
+        self.book.admit(a, {"prompt_id": a.group_id, "tokens": [1]})
 
     def _deliver(self, ev):
         released = super()._deliver(ev)

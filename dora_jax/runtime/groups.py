@@ -62,10 +62,10 @@ class GroupBook:
     def __getitem__(self, gid: int) -> Group:
         return self.groups[gid]
 
-    def admit(self, gid: int, version: int, record: dict, readmit: bool = False) -> None:
-        self.groups[gid] = Group(record, version)
-        self._write(**driver.admit_record(Admit(gid, version, readmit), record["prompt_id"],
-                                          self._clock()))
+    def admit(self, a: Admit, record: dict) -> None:
+        """Group `a.group_id` enters at `a.version` with prompt `record`: its `admit` line."""
+        self.groups[a.group_id] = Group(record, a.version)
+        self._write(**driver.admit_record(a, record["prompt_id"], self._clock()))
 
     def finished(self, t: Trajectory) -> None:
         """Keeps a finished sample and sends it to the reward pool."""

@@ -200,7 +200,7 @@ class Runtime(Driver):
         record = self._readmit.pop(a.group_id) if a.readmit else self.prompts.next()
         if record is None:
             raise RuntimeError(f"prompt source exhausted at group {a.group_id}")
-        self.book.admit(a.group_id, a.version, record, readmit=a.readmit)
+        self.book.admit(a, record)
 
     def assign(self, a: Assign):
         g = self.book[a.group_id]

@@ -1,0 +1,80 @@
+"""The data section of the run config: where prompts come from and how they are
+scored (re-exported by config.py; no JAX, reads no file)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Mapping
+
+from dora_jax.schema import Section, fail, field
+
+DATA_SOURCES = ("residue", "countdown", "jsonl", "gsm8k", "math", "reasoning_gym", "tfds")
+TEXT_SOURCES = ("gsm8k", "math", "reasoning_gym", "tfds")  # prompts built by a tokenizer
+# Rewards by name: of response tokens (rewards/tokens.py) and of decoded text
+# (rewards/verifiers.py; "by_record": the verifier each record names); "auto": the
+# source's own (AUTO_REWARDS).
+TOKEN_REWARDS = ("residue", "exact_match", "countdown")
+TEXT_REWARDS = ("gsm8k", "math", "countdown_expr", "reasoning_gym", "by_record")
+AUTO_REWARDS = {"residue": "residue", "countdown": "countdown", "jsonl": "exact_match",
+                "gsm8k": "gsm8k", "math": "math", "reasoning_gym": "by_record",
+                "tfds": "by_record"}
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig(Section):
+    """Where prompts come from and how they are scored."""
+
+    PATH: ClassVar[str] = "data"
+    source: str = field("residue", choices=DATA_SOURCES)
+    reward: str = field("auto", choices=("auto",) + TOKEN_REWARDS + TEXT_REWARDS)
+    path: str = ""  # jsonl, gsm8k, math: the JSONL file
+    # A Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json);
+    # default: model.checkpoint's. Its EOS / pad ids become rollout.eos_id / pad_id.
+    tokenizer: str = ""
+    # Text prompts: a chat turn of the question plus `instruction` (None: the
+    # answer format's own, e.g. "... after ####"), after an optional system prompt;
+    # chat_template_args go to the template (e.g. enable_thinking=False for Qwen3).
+    instruction: str | None = None
+    system_prompt: str = ""
+    chat_template_args: Mapping = dataclasses.field(default_factory=dict)
+    task: str = ""  # reasoning_gym: the task, e.g. basic_arithmetic, countdown
+    task_args: Mapping = dataclasses.field(default_factory=dict)  # its dataset's config
+    # tfds: a prepared dataset (python -m dora_jax.data.tfds_local builds one from
+    # JSONL), read with tfds.data_source; nothing is downloaded.
+    tfds_name: str = ""
+    tfds_split: str = "train"
+    tfds_dir: str = ""
+    num_prompts: int = field(512, min=1)  # synthetic and reasoning_gym tasks
+    prompt_len: int = field(6, min=2)  # residue
+    modulus: int = field(4, min=2)  # residue
+    count_median: float = field(12.0, gt=0)  # countdown: lognormal counts, clipped
+    count_sigma: float = field(1.1, ge=0)  # to [1, max_count]
+    max_count: int = field(255, min=1)
+    num_epochs: int | None = field(None, min=1)  # None: repeat forever
+    # Prompts longer than rollout.max_prefill_length (files and datasets): an
+    # error, or (True) left out, each with a ledger `filter` line naming it.
+    skip_long_prompts: bool = False
+    shuffle: bool = True
+
+    @property
+    def reward_name(self) -> str:
+        return AUTO_REWARDS[self.source] if self.reward == "auto" else self.reward
+
+    def __post_init__(self):
+        super().__post_init__()
+        for sources, name in ((("jsonl", "gsm8k", "math"), "path"),
+                              (("tfds",), "tfds_name"), (("reasoning_gym",), "task")):
+            if self.source in sources and not getattr(self, name):
+                fail(self._f(name), f"data.source={self.source!r} needs data.{name}")
+        if self.source == "reasoning_gym":
+            from dora_jax.data.reasoning_gym_tasks import refusal  # a name table, no import
+
+            if refusal(self.task):
+                fail(self._f("task"), refusal(self.task))
+        if self.source in TEXT_SOURCES and not self.tokenizer:
+            fail(self._f("tokenizer"), f"data.source={self.source!r} builds prompts with a "
+                  "tokenizer: set data.tokenizer or model.checkpoint (a directory with "
+                  "tokenizer.json)")
+        if self.reward_name in TEXT_REWARDS and not self.tokenizer:
+            fail(self._f("tokenizer"), f"reward {self.reward_name!r} reads decoded text: set "
+                  "data.tokenizer or model.checkpoint")
