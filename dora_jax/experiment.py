@@ -147,8 +147,11 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     runtime = Runtime(cfg, scheduler, slices, trainer, stream, rewards, ledger, reporter,
                       timeline, on_step=on_step, checkpointer=checkpointer, resumed=resumed)
     try:
-        summary = runtime.run(cfg.coordinator.num_steps - trainer.version)
-        runtime.save_checkpoint()
+        try:
+            summary = runtime.run(cfg.coordinator.num_steps - trainer.version)
+            runtime.save_checkpoint()
+        finally:
+            runtime.close_saves()
     finally:
         # Each closes even if one before it raises (a full disk fails the ledger's
         # final lines and its close): above all the checkpointer, last, whose close

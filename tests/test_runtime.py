@@ -472,3 +472,36 @@ def test_a_slice_failing_with_a_migration_in_flight(point, tmp_path, small_confi
         assert failed["in_hand_over"] >= 1, failed
     assert failed["regenerated"] >= 1, failed
     assert summary["steps"] == 6 and summary["slice_failures"] == 1
+
+
+def test_checkpoints_are_saved_off_the_coordinator_and_hold_each_versions_params(
+        tmp_path, small_config, monkeypatch):
+    """A save every step, each on the saver thread (the coordinator only hands it
+    over): every checkpoint holds exactly the params the trainer published for its
+    version, although the trainer's next step donates those buffers (it waits for
+    the save's copy first), and metrics.jsonl says what each save cost the run."""
+    import threading
+
+    from dora_jax.checkpointing import Checkpointer
+
+    threads, save = [], Checkpointer.save
+
+    def recording_save(self, step, state, extra=None, **kw):
+        threads.append(threading.current_thread().name)
+        return save(self, step, state, extra, **kw)
+
+    monkeypatch.setattr(Checkpointer, "save", recording_save)
+    cfg = small_config("dora", num_steps=4, checkpoint_every=1)
+    summary, trainer = _run(cfg, tmp_path)
+    assert set(threads[1:]) == {"checkpoint saves"}, threads  # [0]: the warm-up's
+    with Checkpointer(tmp_path / "checkpoints", max_to_keep=None) as ckpt:
+        steps = ckpt.all_steps()
+        assert steps and steps[-1] == 4, steps
+        for step in steps:
+            saved = jax.tree.leaves(ckpt.restore_as_saved(step)["params"])
+            want = trainer.published[step]
+            assert len(saved) == len(want)
+            assert all(np.array_equal(a, b) for a, b in zip(saved, want)), step
+    records = _metrics(tmp_path)
+    assert all(m["checkpoint_pause_s"] >= 0 and m["checkpoint_copy_wait_s"] >= 0
+               for m in records)

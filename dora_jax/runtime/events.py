@@ -34,7 +34,8 @@ class VersionLoaded:
 class StepDone:
     """The trainer finished step `step` on `batch` (a TrainBatch): its host
     `metrics`, the published `params` of version step + 1 (a copy on the trainer
-    mesh), and the step's start and end on the run clock."""
+    mesh), the step's start and end on the run clock, and the seconds it waited
+    before starting for a checkpoint's copy of the previous state (saves.py)."""
 
     step: int
     batch: Any
@@ -42,6 +43,7 @@ class StepDone:
     params: Any
     start: float
     end: float
+    copy_wait: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

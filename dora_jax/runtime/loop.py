@@ -38,6 +38,7 @@ from dora_jax.rewards.pool import RewardPool
 from dora_jax.runtime.stream import GroupQueue, train_batches
 from dora_jax.runtime.weights import WeightBook, published_copy
 from dora_jax.runtime.faults import FaultPlan, KillPlan
+from dora_jax.runtime.saves import BackgroundSaves
 from dora_jax.runtime.worker import SliceWorker
 from dora_jax.scheduler.core import Scheduler
 from dora_jax.scheduler.driver import Driver
@@ -73,7 +74,8 @@ class Runtime(Driver):
       timeline: decode, load, migration and train spans.
       on_step: called with each step's metrics record (progress bar).
       checkpointer: if given, `save_checkpoint` is called every
-        `coordinator.checkpoint_every` steps.
+        `coordinator.checkpoint_every` steps; saves run off the coordinator's thread
+        (saves.py), and `close_saves` ends them.
       resumed: the run this one continues (`recovery.load`): its finished groups are
         restored, its lost ones admitted again, and the ledger says so.
     """
@@ -86,7 +88,6 @@ class Runtime(Driver):
         self.cfg, self.sched, self.slices, self.trainer = cfg, scheduler, slices, trainer
         self.prompts, self.ledger = prompts, ledger
         self.reporter, self.timeline, self.on_step = reporter, timeline, on_step
-        self.checkpointer = checkpointer
         self._saved_version = None
         self._t0 = clock()
         self.clock = lambda: clock() - self._t0
@@ -103,6 +104,8 @@ class Runtime(Driver):
         self.workers = [SliceWorker(sl, self._events, timeline, self.clock, faults)
                         for sl in slices]
         self._kill = KillPlan(c.kill_point, c.kill_after) if c.kill_point else None
+        self._saves = None if checkpointer is None else BackgroundSaves(
+            checkpointer, after_copy=lambda: self._drill("save"))
         self.slice_failures: list = []  # (slice id, step) of each failure survived
         self._reported = 0  # of them, in metrics.jsonl so far
         self._stream = GroupQueue()
@@ -127,6 +130,8 @@ class Runtime(Driver):
         try:
             self.trainer_doing = ("waiting for a batch", self.clock())
             for step, batch in stream:
+                # A checkpoint of the last step may still be copying its buffers.
+                copy_wait = 0.0 if self._saves is None else self._saves.wait_copied()
                 start = self.clock()
                 self.trainer_doing = (f"training step {step}", start)
                 self._drill("train")
@@ -135,7 +140,8 @@ class Runtime(Driver):
                 metrics = jax.device_get(metrics)  # the step's only host sync
                 end = self.clock()
                 self.timeline.add("trainer", "train", start, end, step)
-                self._events.put(StepDone(step, batch, metrics, params, start, end))
+                self._events.put(StepDone(step, batch, metrics, params, start, end,
+                                         copy_wait))
                 self.trainer_doing = ("waiting for a batch", end)
         except BaseException as e:  # noqa: BLE001 - surfaced by the coordinator
             self._events.put(Failed(TRAINER, e))
@@ -153,7 +159,7 @@ class Runtime(Driver):
         group_ids, wait, wait_split = self._inflight_batches.pop(step)
         self.book.consume(group_ids, step, ev.end)
         pause, every = 0.0, self.cfg.coordinator.checkpoint_every
-        if self.checkpointer is not None and every and (step + 1) % every == 0:
+        if self._saves is not None and every and (step + 1) % every == 0:
             start = self.clock()
             self.save_checkpoint()
             pause = self.clock() - start
@@ -161,7 +167,8 @@ class Runtime(Driver):
                                     wait_split=wait_split, train_time=ev.end - ev.start,
                                     now=ev.end, slices=self.slices, scheduler=self.sched,
                                     slice_failures=len(self.slice_failures) - self._reported,
-                                    checkpoint_pause=pause)
+                                    checkpoint_pause=pause,
+                                    checkpoint_copy_wait=ev.copy_wait)
         self._reported = len(self.slice_failures)
         self.on_step(record)
 
@@ -182,18 +189,24 @@ class Runtime(Driver):
         group id, the prompt stream's state, every finished unconsumed group).
 
         Called between steps from the coordinator thread: the trainer is idle (it
-        only gets a batch from `decide()`), so its state is not being donated."""
-        if self.trainer.version == self._saved_version:
+        only gets a batch from `decide()`), and its next step waits for the state's
+        copy to the host before donating it (saves.py); the rest of the save runs
+        on the saver thread."""
+        if self._saves is None or self.trainer.version == self._saved_version:
             return
         self._saved_version = self.trainer.version
         trainable = [gid for gid in self.book.groups if self.sched.groups[gid].trainable]
         self.ledger.sync()  # the ledger lines this checkpoint relies on reach disk first
-        self.checkpointer.save(self.trainer.version, self.trainer.state, {
+        self._saves.submit(self.trainer.version, self.trainer.state, {
             "scheduler": {"next_group_id": self.sched.next_group_id},
             "prompt_stream": self.prompts.get_state(),
             "finished_groups": self.book.checkpoint_form(trainable),
-        }, force=True)
-        self._drill("save")  # its files are being written in the background
+        })
+
+    def close_saves(self) -> None:
+        """Waits for the saves handed over to be under way; raises one that failed."""
+        if self._saves is not None:
+            self._saves.close()
 
     # ------------------------------------------------------------------ actions
     def admit(self, a: Admit):

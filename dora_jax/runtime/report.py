@@ -194,11 +194,15 @@ class StepReporter:
         return out
 
     def step(self, step, batch, metrics, *, wait, train_time, now, slices, scheduler,
-             wait_split=None, slice_failures=0, checkpoint_pause=0.0) -> dict:
+             wait_split=None, slice_failures=0, checkpoint_pause=0.0,
+             checkpoint_copy_wait=0.0) -> dict:
         """Records step `step` (a TrainBatch and the trainer's host metrics); `wait`
         is the trainer's idle time before it, `wait_split` that time by cause,
         `slice_failures` the slices restarted since the previous step,
-        `checkpoint_pause` the seconds a checkpoint save after it held the coordinator."""
+        `checkpoint_pause` the seconds a checkpoint save after it held the
+        coordinator (handing it to the saver thread), `checkpoint_copy_wait` the
+        seconds the step waited, before it started, for a save's device-to-host copy
+        of the previous state."""
         versions = batch.versions_B[::batch.group_size]  # one per group
         lags = Counter(int(step - v) for v in versions)
         self.staleness.update(lags)
@@ -222,6 +226,7 @@ class StepReporter:
             "weight_transfer_seconds": round(transfer - self._last["transfer"], 4),
             "slice_failures": slice_failures,
             "checkpoint_pause_s": round(checkpoint_pause, 4),
+            "checkpoint_copy_wait_s": round(checkpoint_copy_wait, 4),
             "trainer": {k: _scalar(v) for k, v in sorted(metrics.items())},
         }
         self._last["migrations"], self._last["transfer"] = migrations, transfer
