@@ -136,6 +136,11 @@ class TrainerConfig(Section):
     mask_truncated: bool = False
     # Padded prompt + response lengths of train batches (the largest: a whole one).
     length_buckets: tuple = field((32, 64), ascending=True)
+    # > 0: pack samples whole into rows of the largest length bucket and cut
+    # micro-batches by this many tokens (rl/packing.py), so one long response no longer
+    # pads every row of its batch; micro_batches is then unused. 0: one padded row per
+    # sample, micro-batches by row count.
+    tokens_per_microbatch: int = field(0, min=0)
 
     def __post_init__(self):
         super().__post_init__()
@@ -318,7 +323,18 @@ class Config(Section):
                   f"trainer.num_minibatches x trainer.micro_batches = {split}")
         batch_axes = _axes_of(dict(mesh.trainer_rules).get("batch"))
         shards = math.prod(mesh.trainer[a] for a in batch_axes)
-        if (samples // split) % shards:
+        if t.tokens_per_microbatch:
+            row = t.length_buckets[-1]
+            if t.micro_batches != 1:
+                fail("trainer.micro_batches", "must be 1 with trainer.tokens_per_microbatch "
+                      f"(micro-batches are cut by tokens then), got {t.micro_batches}")
+            rows = t.tokens_per_microbatch // row
+            if rows < 1 or t.tokens_per_microbatch % (row * shards):
+                fail("trainer.tokens_per_microbatch", f"must be a positive multiple of the "
+                      f"packed row ({row} tokens: the largest trainer.length_buckets) x the "
+                      f"trainer mesh's {shards} batch shards {batch_axes} = {row * shards}, "
+                      f"got {t.tokens_per_microbatch}")
+        elif (samples // split) % shards:
             fail("coordinator.train_batch_size", f"TBS x group_size = {samples} samples in "
                   f"{split} micro-batches must divide by the trainer mesh's {shards} batch "
                   f"shards {batch_axes}")

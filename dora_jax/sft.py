@@ -13,6 +13,7 @@ tasks the answer in the format the prompt asks for, then EOS) and writes the par
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -25,6 +26,7 @@ from dora_jax.checkpointing import Checkpointer
 from dora_jax.config import Config
 from dora_jax.data import sources
 from dora_jax.model import transformer
+from dora_jax.rl import packing
 from dora_jax.rl.batch import TrainBatch
 
 
@@ -42,6 +44,52 @@ def demonstration_batch(cfg: Config, records: list, demonstrate, rows: np.ndarra
                                         pad_id=cfg.rollout.pad_id)
 
 
+def _layout(cfg: Config, batch: TrainBatch) -> dict:
+    """The demonstrations as rows [U, r, T]: packed whole into rows of the largest
+    length bucket, micro-batches of trainer.tokens_per_microbatch tokens (as the RL
+    step: rl/packing.py); else one padded micro-batch."""
+    t = cfg.trainer
+    if t.tokens_per_microbatch:
+        row = t.length_buckets[-1]
+        out = packing.packed(batch, 1, row, t.tokens_per_microbatch // row)
+    else:
+        out = packing.padded(batch, 1, 1)
+    return {k: out[k][0] for k in ("tokens", "positions", "segment_ids", "loss_mask")}
+
+
+def _step(graphdef, tx, packed: bool, params, opt_state, rows):
+    """One teacher-forced update: the token-mean negative log-likelihood over the
+    demonstrations, gradients accumulated over the micro-batches (packed: attention
+    kept within each sample, empty micro-batches skipped)."""
+    ntok = jnp.maximum(jnp.sum(rows["loss_mask"]), 1.0)
+
+    def loss_fn(p, mb):
+        valid_BT = mb["segment_ids"] > 0
+        kwargs = dict(segment_ids_BT=mb["segment_ids"]) if packed else {}
+        logits, _, _ = transformer.apply(graphdef, p, mb["tokens"],
+                                         mb["positions"] if packed else None,
+                                         valid_BT=valid_BT, **kwargs)
+        logp_BT = transformer.token_logprobs(logits, mb["tokens"])
+        return -jnp.sum(logp_BT * mb["loss_mask"]) / ntok
+
+    grad_fn = jax.value_and_grad(loss_fn)
+
+    def body(acc, mb):
+        def run(mb):
+            return grad_fn(params, mb)
+
+        def skip(mb):
+            return jax.tree.map(jnp.zeros_like, jax.eval_shape(run, mb))
+
+        loss, grads = jax.lax.cond(jnp.any(mb["segment_ids"] > 0), run, skip, mb)
+        return jax.tree.map(jnp.add, acc, (loss, grads)), None
+
+    zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    (loss, grads), _ = jax.lax.scan(body, zero, rows)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
 def train(cfg: Config, workdir: str, *, steps: int, batch_size: int, learning_rate: float,
           log_every: int = 10) -> dict:
     """Runs `steps` teacher-forced updates; returns {loss_first, loss_last, checkpoint}."""
@@ -56,16 +104,7 @@ def train(cfg: Config, workdir: str, *, steps: int, batch_size: int, learning_ra
                      optax.adamw(learning_rate, weight_decay=cfg.trainer.weight_decay))
     opt_state = tx.init(params)
 
-    @jax.jit
-    def step(params, opt_state, tokens_BT, mask_BT):
-        def loss_fn(p):
-            logits, _, _ = transformer.apply(graphdef, p, tokens_BT)
-            logp_BT = transformer.token_logprobs(logits, tokens_BT)
-            return -jnp.sum(logp_BT * mask_BT) / jnp.maximum(jnp.sum(mask_BT), 1.0)
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    step = jax.jit(functools.partial(_step, graphdef, tx, cfg.trainer.tokens_per_microbatch > 0))
 
     rng = np.random.default_rng(cfg.seed)
     losses = []
@@ -73,8 +112,7 @@ def train(cfg: Config, workdir: str, *, steps: int, batch_size: int, learning_ra
         for i in range(steps):
             batch = demonstration_batch(cfg, records, demonstrate,
                                         rng.integers(len(records), size=batch_size))
-            params, opt_state, loss = step(params, opt_state, batch.tokens_BT,
-                                           batch.loss_mask_BT)
+            params, opt_state, loss = step(params, opt_state, _layout(cfg, batch))
             if i % log_every == 0 or i == steps - 1:
                 losses.append(float(loss))
                 log.write(json.dumps({"step": i, "loss": losses[-1]}) + "\n")

@@ -10,6 +10,23 @@ runs both. Rounds alternate between the contenders so that load from other
 processes hits them alike; the median round is reported.
 
   python -m dora_jax.bench.trainer [--config=configs/tiny.py[:variant]] [--mesh=both]
+
+`--lengths=long_tail` instead trains the same long-tailed batches (response lengths
+drawn as configs/longtail.py's countdown task draws them: lognormal, median 12,
+sigma 1.1, up to 255 tokens) padded (one row per sample, the batch's length bucket)
+and packed (rl/packing.py, `trainer.tokens_per_microbatch`), on the config's trainer
+mesh, interleaved and repeated, and ends with
+
+  packed/padded real tokens/s: X
+  packed/padded peak memory: Y
+
+(real tokens: prompt + response, no padding; peak memory: the largest working set
+XLA assigns the step program over the shapes the batches took, params and optimizer
+state excluded, which both layouts hold alike).
+
+  python -m dora_jax.bench.trainer --config=configs/longtail.py --lengths=long_tail
+  python -m dora_jax.bench.trainer --config=configs/longtail.py --lengths=long_tail \
+      --config.model.d_model=256 --config.model.num_heads=4 --config.model.head_dim=64
 """
 
 from __future__ import annotations
@@ -46,6 +63,9 @@ _GROUPS = flags.DEFINE_integer("groups", 8, "groups per batch")
 _GROUP_SIZE = flags.DEFINE_integer("group_size", 8, "samples per group")
 _STEPS = flags.DEFINE_integer("steps", 5, "steps per round")
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "interleaved rounds (median reported)")
+_LENGTHS = flags.DEFINE_enum("lengths", "synthetic", ["synthetic", "long_tail"],
+                             "synthetic: trainer vs plain optax on one batch; long_tail: "
+                             "packed vs padded on long-tailed batches")
 
 
 def synthetic_batch(cfg: config_lib.Config, num_groups: int, group_size: int, seed: int = 0):
@@ -64,6 +84,83 @@ def synthetic_batch(cfg: config_lib.Config, num_groups: int, group_size: int, se
                               group_id=g, version=0))
     return TrainBatch.from_trajectories(trajs, group_size=group_size,
                                         length_buckets=cfg.trainer.length_buckets)
+
+
+def long_tail_batch(cfg: config_lib.Config, num_groups: int, group_size: int, seed: int):
+    """A batch whose response lengths follow configs/longtail.py's counts (lognormal,
+    median 12, sigma 1.1, clipped to [1, 255]) + 1 for EOS, after a 2-token prompt;
+    capped to what the config's longest bucket holds."""
+    rng = np.random.default_rng(seed)
+    T, V = cfg.trainer.length_buckets[-1], cfg.model.vocab_size
+    trajs = []
+    for g in range(num_groups):
+        prompt = rng.integers(2, V, 2).tolist()
+        for _ in range(group_size):
+            count = int(np.clip(np.rint(rng.lognormal(np.log(12.0), 1.1)), 1, 255))
+            n = min(count + 1, T - len(prompt))
+            logp = np.minimum(np.log(1.0 / V) + 0.3 * rng.standard_normal(n), 0.0)
+            trajs.append(dict(prompt_tokens=prompt, response_tokens=rng.integers(2, V, n),
+                              behaviour_logprobs=logp, reward=float(rng.random()),
+                              group_id=g, version=0))
+    return TrainBatch.from_trajectories(trajs, group_size=group_size,
+                                        length_buckets=cfg.trainer.length_buckets)
+
+
+def step_working_set(tr: Trainer, batch: TrainBatch) -> int:
+    """Bytes of temporaries XLA assigns the train step program for this batch's
+    layout (activations, gradients, the optimizer's intermediates)."""
+    arrays = tr._device_batch(batch, tr.cfg.trainer.num_minibatches)
+    compiled = tr._step_jit.lower(tr.state, arrays, tr.ref_params, batch.group_size).compile()
+    return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def packed_vs_padded(cfg: config_lib.Config, rounds: int, steps: int) -> None:
+    """The long_tail comparison (module docstring)."""
+    t = cfg.trainer
+    T, groups, G = t.length_buckets[-1], _GROUPS.value, _GROUP_SIZE.value
+    tokens_per_micro = t.tokens_per_microbatch or 8 * T
+    cfgs = {"padded": dataclasses.replace(cfg, trainer=dataclasses.replace(
+                t, tokens_per_microbatch=0, micro_batches=1)),
+            "packed": dataclasses.replace(cfg, trainer=dataclasses.replace(
+                t, tokens_per_microbatch=tokens_per_micro, micro_batches=1))}
+    batches = [long_tail_batch(cfg, groups, G, seed) for seed in range(steps)]
+    real = sum(int(b.seq_lens_B.sum()) for b in batches)
+    resp = np.concatenate([b.loss_mask_BT.sum(1) for b in batches])
+    print(f"backend={jax.default_backend()} devices={len(jax.devices())} "
+          f"d_model={cfg.model.d_model} layers={cfg.model.num_layers}: {steps} batches of "
+          f"B={groups * G}, responses mean {resp.mean():.1f} max {int(resp.max())} tokens "
+          f"(max/mean {resp.max() / resp.mean():.1f}); padded T per batch "
+          f"{sorted({b.length for b in batches})}; packed rows of {T}, "
+          f"{tokens_per_micro} tokens per micro-batch")
+    graphdef, params0 = transformer.create(cfg.model, cfg.seed)
+    host_params = jax.device_get(params0)
+    trainers = {name: Trainer(c, params=jax.device_put(host_params), graphdef=graphdef)
+                for name, c in cfgs.items()}
+    memory = {name: max(step_working_set(tr, b) for b in batches)
+              for name, tr in trainers.items()}
+
+    def run(tr):
+        for b in batches:
+            out = tr.train_step(b)
+        jax.block_until_ready((out, tr.params))
+
+    for name, tr in trainers.items():  # compile every shape, then warm
+        t0 = time.perf_counter()
+        run(tr)
+        print(f"  {name}: first pass (compiles) {time.perf_counter() - t0:.1f}s")
+    times = {name: [] for name in trainers}
+    for _ in range(rounds):
+        for name, tr in trainers.items():
+            t0 = time.perf_counter()
+            run(tr)
+            times[name].append(time.perf_counter() - t0)
+    rate = {name: real / statistics.median(ts) for name, ts in times.items()}
+    for name in trainers:
+        print(f"{name:>8s}: {rate[name]:12,.0f} real tokens/s (median of {rounds} rounds x "
+              f"{steps} steps; rounds {', '.join(f'{real / x:,.0f}' for x in times[name])}), "
+              f"step working set {memory[name] / 2**20:.1f} MiB")
+    print(f"packed/padded real tokens/s: {rate['packed'] / rate['padded']:.2f}")
+    print(f"packed/padded peak memory: {memory['packed'] / memory['padded']:.2f}")
 
 
 def plain_optax_step(cfg: config_lib.Config, graphdef, group_size: int):
@@ -91,6 +188,8 @@ def main(argv):
     del argv
     mesh_choice, steps, rounds = _MESH.value, _STEPS.value, _ROUNDS.value
     cfg = hf_checks.validated(_CONFIG.value, len(jax.devices()))
+    if _LENGTHS.value == "long_tail":
+        return packed_vs_padded(cfg, rounds, steps)
     # One optimizer update per step on both sides; no optional terms the plain loop lacks.
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(
         cfg.trainer, micro_batches=1, num_minibatches=1, kl_coef=0.0,

@@ -26,11 +26,6 @@ from dora_jax.buckets import BucketError, pick_bucket
 _LOGP_SLACK = 1e-4
 
 
-# Names of the arrays `TrainBatch.split` hands to the jitted step.
-BATCH_KEYS = ("tokens", "loss_mask", "behaviour_logp", "rewards", "versions", "seq_lens",
-              "token_versions", "truncated")
-
-
 class BatchError(ValueError):
     """A train batch (or the trajectories it is built from) is malformed."""
 
@@ -120,21 +115,6 @@ class TrainBatch:
     @property
     def num_response_tokens(self) -> int:
         return int(self.loss_mask_BT.sum())
-
-    def split(self, num_minibatches: int, micro_batches: int) -> dict[str, np.ndarray]:
-        """The arrays the step consumes, rows laid out as [M, U, b, ...]: minibatch m,
-        micro-batch u holds rows [(m*U + u)*b, (m*U + u + 1)*b). Keys: BATCH_KEYS."""
-        M, U = num_minibatches, micro_batches
-        if self.batch_size % (M * U):
-            raise BatchError(f"batch size B={self.batch_size} is not divisible by "
-                             f"num_minibatches * micro_batches = {M} * {U}")
-        arrays = dict(tokens=self.tokens_BT.astype(np.int32), loss_mask=self.loss_mask_BT,
-                      behaviour_logp=self.behaviour_logp_BT, rewards=self.rewards_B,
-                      versions=self.versions_B, seq_lens=self.seq_lens_B,
-                      token_versions=np.asarray(self.token_versions_BT, np.int32),
-                      truncated=np.asarray(self.truncated_B, bool))
-        b = self.batch_size // (M * U)
-        return {k: v.reshape((M, U, b) + v.shape[1:]) for k, v in arrays.items()}
 
     def validate(self):
         """Checks shapes, dtypes and values; raises BatchError naming the problem."""

@@ -274,8 +274,13 @@ def _importance_weighted(loss_BT, metrics, proximal_logp, behaviour_logp, mask, 
     return loss_BT * w_BT, metrics
 
 
-def aggregate_loss(loss, mask, mode, *, num_tokens=None, max_len=None):
+def aggregate_loss(loss, mask, mode, *, num_tokens=None, max_len=None, segments=None,
+                   num_segments=None):
     """Reduce a per-token loss [B, T] to a scalar.
+
+    A sequence is a row, or with ``segments`` (int [B, T]: the sequence each token
+    belongs to, in ``[0, num_segments)``, -1 for none) the tokens sharing a segment
+    index, wherever they lie: packed rows hold several sequences (rl/packing.py).
 
     Modes:
       * ``token-mean``: ``sum(loss*mask) / sum(mask)``. If ``num_tokens`` is
@@ -305,19 +310,32 @@ def aggregate_loss(loss, mask, mode, *, num_tokens=None, max_len=None):
         raise ValueError(
             f"unknown loss aggregation mode {mode!r}; valid modes: {', '.join(LOSS_AGG_MODES)}"
         )
+    if segments is not None and num_segments is None:
+        raise ValueError("segments needs num_segments")
     return _aggregate_loss(
         loss,
         mask,
         0.0 if num_tokens is None else num_tokens,
         1.0 if max_len is None else max_len,
+        segments,
         mode=mode,
         use_num_tokens=num_tokens is not None,
         use_max_len=max_len is not None,
+        num_segments=num_segments,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("mode", "use_num_tokens", "use_max_len"))
-def _aggregate_loss(loss, mask, num_tokens, max_len, *, mode, use_num_tokens, use_max_len):
+def per_sequence_sums(x_BT, segments_BT, num_segments: int):
+    """Sums of `x_BT` per segment index ([num_segments]); tokens of segment -1 are
+    dropped."""
+    seg = jnp.where(segments_BT >= 0, segments_BT, num_segments).reshape(-1)
+    return jax.ops.segment_sum(x_BT.reshape(-1), seg, num_segments + 1)[:num_segments]
+
+
+@functools.partial(jax.jit, static_argnames=("mode", "use_num_tokens", "use_max_len",
+                                             "num_segments"))
+def _aggregate_loss(loss, mask, num_tokens, max_len, segments, *, mode, use_num_tokens,
+                    use_max_len, num_segments):
     loss_BT = _float(loss)
     w_BT = jnp.broadcast_to(jnp.asarray(mask), loss_BT.shape).astype(loss_BT.dtype)
     # where() first so inf/NaN in padding positions cannot leak through 0*inf.
@@ -327,8 +345,12 @@ def _aggregate_loss(loss, mask, num_tokens, max_len, *, mode, use_num_tokens, us
         den = jnp.asarray(num_tokens, loss_BT.dtype) if use_num_tokens else jnp.sum(w_BT)
         return _safe_div(jnp.sum(weighted_BT), den)
 
-    count_B = jnp.sum(w_BT, axis=-1)
-    sum_B = jnp.sum(weighted_BT, axis=-1)
+    if segments is None:
+        count_B = jnp.sum(w_BT, axis=-1)
+        sum_B = jnp.sum(weighted_BT, axis=-1)
+    else:
+        count_B = per_sequence_sums(w_BT, segments, num_segments)
+        sum_B = per_sequence_sums(weighted_BT, segments, num_segments)
     scale = max_len if use_max_len else loss_BT.shape[-1]
     if mode == "seq-mean-token-sum-norm":
         return jnp.sum(sum_B) / scale

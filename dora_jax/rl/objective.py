@@ -72,32 +72,36 @@ def policy_loss(cfg: Config, logp, proximal_logp, behaviour_logp, adv, mask):
         is_mode="truncate" if t.objective == "tis" else t.is_mode)
 
 
-def micro_loss(cfg: Config, forward: Callable, params, ref_params, micro, adv_b, start_logp_bT,
-               ntok, nseq, num_micro: int, version):
+def micro_loss(cfg: Config, forward: Callable, params, ref_params, micro, adv_B, start_logp_bT,
+               ntok, nseq, num_micro, version):
     """Loss of one micro-batch, normalised so that summing it over the minibatch's
     micro-batches gives the minibatch objective. Returns (loss, stats).
 
-    forward(params, tokens_BT, valid_BT) -> (logits_BTV, moe_aux); start_logp_bT: the
-    step's starting policy on these rows (None: this update starts the step);
-    ntok / nseq: the minibatch's response tokens / non-empty sequences; version: the
-    trainer's version at the start of the step (for the staleness-0 mismatch)."""
+    micro: the micro-batch's per-token arrays (rl/packing.py: rows padded or packed;
+    `sample` maps each token to its sample, -1 on padding); forward(params, micro) ->
+    (logits_BTV, moe_aux); adv_B: every sample's advantage; start_logp_bT: the step's
+    starting policy on these rows (None: this update starts the step); ntok / nseq:
+    the minibatch's response tokens / non-empty sequences; num_micro: its micro-batches
+    that hold tokens; version: the trainer's version at the start of the step (for
+    the staleness-0 mismatch)."""
     t, moe = cfg.trainer, cfg.model.moe
     tokens, mask, behav = micro["tokens"], micro["loss_mask"], micro["behaviour_logp"]
-    T = tokens.shape[-1]
-    seq_valid = jnp.arange(T)[None, :] < micro["seq_lens"][:, None]
-    logits, aux = forward(params, tokens, seq_valid)
+    sample, B = micro["sample"], adv_B.shape[0]
+    logits, aux = forward(params, micro)
     logp = sampled_logprobs(logits, tokens, cfg)
     start = jax.lax.stop_gradient(logp) if start_logp_bT is None else start_logp_bT
-    loss_BT, ppo = policy_loss(cfg, logp, start, behav, adv_b, mask)
+    adv_bT = jnp.where(sample >= 0, adv_B[jnp.maximum(sample, 0)], 0.0)
+    loss_BT, ppo = policy_loss(cfg, logp, start, behav, adv_bT, mask)
     valid = mask != 0
     n = jnp.sum(mask)
-    nseq_micro = jnp.sum(jnp.any(valid, axis=-1))
+    nseq_micro = jnp.sum(losses.per_sequence_sums(mask, sample, B) > 0)
 
     def agg(x_BT):
         if t.loss_agg_mode == "token-mean":
             return losses.aggregate_loss(x_BT, mask, "token-mean", num_tokens=ntok)
         per_micro = losses.aggregate_loss(x_BT, mask, t.loss_agg_mode,
-                                          max_len=cfg.rollout.max_decode_len)
+                                          max_len=cfg.rollout.max_decode_len,
+                                          segments=sample, num_segments=B)
         if t.loss_agg_mode == "seq-mean-token-sum-norm":  # a sum: micro-batches add up
             return per_micro
         return per_micro * jnp.where(nseq > 0, nseq_micro / jnp.maximum(nseq, 1), 0.0)
@@ -126,7 +130,7 @@ def micro_loss(cfg: Config, forward: Callable, params, ref_params, micro, adv_b,
     total = pg
     stats["pg_loss"] = pg
     if ref_params is not None:
-        ref_logits, _ = forward(ref_params, tokens, seq_valid)
+        ref_logits, _ = forward(ref_params, micro)
         ref_logp = jax.lax.stop_gradient(sampled_logprobs(ref_logits, tokens, cfg))
         kl = agg(losses.kl_divergence(logp, ref_logp, t.kl_kind))
         total = total + t.kl_coef * kl

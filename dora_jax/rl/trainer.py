@@ -43,8 +43,9 @@ from dora_jax.devices import make_meshes
 from dora_jax.model import transformer
 from dora_jax.model.sharding import (activation_rules, copy_tree, logical_to_spec,
                                      param_shardings)
-from dora_jax.rl import losses, objective
-from dora_jax.rl.batch import BATCH_KEYS, BatchError, TrainBatch
+from dora_jax.rl import losses, objective, packing
+from dora_jax.rl.batch import BatchError, TrainBatch
+from dora_jax.rl.packing import SAMPLE_ARRAYS, TOKEN_ARRAYS
 from dora_jax.rl.objective import MAX_KEYS, MIN_KEYS, SUM_KEYS, TOKEN_KEYS
 from dora_jax.rl.optimizer import learning_rate_schedule, make_optimizer, opt_state_shardings
 
@@ -128,6 +129,8 @@ class Trainer:
         self._state_sh = TrainState(self._param_sh, opt_sh, scalar, scalar, scalar)
         self._batch_axes = logical_to_spec(("batch",), self.rules, self.mesh)[0]
         self._batch_sh = NamedSharding(self.mesh, PartitionSpec(None, None, self._batch_axes))
+        self._packed = t.tokens_per_microbatch > 0
+        self._row_length = t.length_buckets[-1]
 
         params = jax.device_put(params, self._param_sh)
         if ref_params is None and t.kl_coef > 0:
@@ -142,7 +145,7 @@ class Trainer:
         self._opt_updates = 0
 
         ref_sh = None if self._ref is None else self._param_sh
-        bsh = {k: self._batch_sh for k in BATCH_KEYS}
+        bsh = {k: self._batch_sh for k in TOKEN_ARRAYS} | {k: scalar for k in SAMPLE_ARRAYS}
         self._step_jit = jax.jit(self._step, static_argnums=3,
                                  in_shardings=(self._state_sh, bsh, ref_sh),
                                  out_shardings=(self._state_sh, scalar), donate_argnums=0)
@@ -208,8 +211,8 @@ class Trainer:
         learning_rate (last update), updates_this_step, opt_updates (total), version
         (after the step).
         """
-        M, U = self.cfg.trainer.num_minibatches, self.cfg.trainer.micro_batches
-        arrays = self._device_batch(batch, M, U)
+        M = self.cfg.trainer.num_minibatches
+        arrays = self._device_batch(batch, M)
         with activation_rules(self.mesh, self.rules):
             self._state, metrics = self._step_jit(self._state, arrays, self._ref,
                                                   batch.group_size)
@@ -218,10 +221,12 @@ class Trainer:
         return metrics
 
     def warmup(self, batch_size: int, group_size: int) -> None:
-        """Compiles the train step for every length bucket without changing the
-        state: each compile runs on a throwaway copy (the step donates its input),
-        so timed runs measure steady-state steps, not compilation."""
-        for T in self.cfg.trainer.length_buckets:
+        """Compiles the train step for every shape it can take (each length bucket;
+        packed, the one packed shape) without changing the state: each compile runs
+        on a throwaway copy (the step donates its input), so timed runs measure
+        steady-state steps, not compilation."""
+        buckets = self.cfg.trainer.length_buckets
+        for T in buckets[:1] if self._packed else buckets:
             tokens = np.zeros((batch_size, T), np.int32)
             tokens[:, 1] = 1
             mask = np.zeros((batch_size, T), np.float32)
@@ -233,8 +238,7 @@ class Trainer:
                                seq_lens_B=np.full(batch_size, 2, np.int32),
                                group_size=group_size,
                                group_ids=tuple(range(batch_size // group_size)))
-            M, U = self.cfg.trainer.num_minibatches, self.cfg.trainer.micro_batches
-            arrays = self._device_batch(batch, M, U)
+            arrays = self._device_batch(batch, self.cfg.trainer.num_minibatches)
             with activation_rules(self.mesh, self.rules):
                 jax.block_until_ready(self._step_jit(copy_tree(self._state), arrays, self._ref,
                                                      group_size))
@@ -242,16 +246,18 @@ class Trainer:
     def loss_and_grads(self, batch: TrainBatch):
         """(loss, grads) of the whole batch as ONE minibatch at the current params,
         accumulated over `micro_batches`; no update. For tests and debugging."""
-        arrays = self._device_batch(batch, 1, self.cfg.trainer.micro_batches)
+        arrays = self._device_batch(batch, 1)
         with activation_rules(self.mesh, self.rules):
             return self._grads_jit(self._state.params, arrays, self._ref, batch.group_size)
 
     # ------------------------------------------------------------------ batching
-    def _device_batch(self, batch: TrainBatch, M: int, U: int) -> dict:
-        """Validates against the config and lays rows out as [M, U, b, ...]."""
+    def _device_batch(self, batch: TrainBatch, M: int) -> dict:
+        """Validates against the config and lays the batch out (rl/packing.py):
+        packed with trainer.tokens_per_microbatch, else padded rows [M, U, b, T]."""
         if not isinstance(batch, TrainBatch):
             raise BatchError(f"expected a TrainBatch, got {type(batch).__name__}")
-        buckets = tuple(self.cfg.trainer.length_buckets)
+        t = self.cfg.trainer
+        buckets = tuple(t.length_buckets)
         if batch.length not in buckets:
             raise BatchError(f"batch length T={batch.length} is not one of "
                              f"trainer.length_buckets={buckets}; build batches with "
@@ -260,7 +266,11 @@ class Trainer:
         if newest > self._version:
             raise BatchError(f"batch holds samples of policy version {newest}, newer than the "
                              f"trainer's version {self._version}")
-        arrays = batch.split(M, U)  # checks B % (M * U)
+        if self._packed:
+            return packing.packed(batch, M, self._row_length,
+                                  t.tokens_per_microbatch // self._row_length)
+        U = t.micro_batches
+        arrays = packing.padded(batch, M, U)  # checks B % (M * U)
         B, b = batch.batch_size, batch.batch_size // (M * U)
         axes = self._batch_axes
         axes = (axes,) if isinstance(axes, str) else (axes or ())
@@ -271,73 +281,111 @@ class Trainer:
         return arrays
 
     # ---------------------------------------------------------------- objective
-    def _forward(self, params, tokens_BT, valid_BT):
-        logits, aux, _ = transformer.apply(self.graphdef, params, tokens_BT, valid_BT=valid_BT)
+    def _forward(self, params, micro):
+        """(logits, MoE aux) of a micro-batch's rows; packed rows attend within each
+        sample only, with positions restarting at each."""
+        valid_BT = micro["segment_ids"] > 0
+        if self._packed:
+            logits, aux, _ = transformer.apply(self.graphdef, params, micro["tokens"],
+                                               micro["positions"], valid_BT=valid_BT,
+                                               segment_ids_BT=micro["segment_ids"])
+        else:  # right padding: causal attention alone keeps it out of real tokens
+            logits, aux, _ = transformer.apply(self.graphdef, params, micro["tokens"],
+                                               valid_BT=valid_BT)
         return logits, aux
 
-    def _logp(self, params, tokens_BT, seq_lens_B):
-        valid = jnp.arange(tokens_BT.shape[-1])[None, :] < seq_lens_B[:, None]
-        return objective.sampled_logprobs(self._forward(params, tokens_BT, valid)[0],
-                                          tokens_BT, self.cfg)
+    def _logp(self, params, micro):
+        return objective.sampled_logprobs(self._forward(params, micro)[0], micro["tokens"],
+                                          self.cfg)
 
-    def _accumulate(self, params, ref_params, micro, adv_Ub, old_UbT, ntok, nseq, version):
-        """Gradients of one minibatch ([U, b, ...] micro-batches), summed over U."""
-        U = adv_Ub.shape[0]
+    def _accumulate(self, params, ref_params, micro, adv_B, old_UbT, ntok, nseq, version):
+        """Gradients of one minibatch ([U, b, ...] micro-batches), summed over U.
+        Packed, a micro-batch without tokens is skipped (the layout's U is the most a
+        minibatch can need) and MoE aux losses are averaged over the others."""
+        U = micro["tokens"].shape[0]
+        num_micro = U
+        if self._packed:
+            num_micro = jnp.maximum(jnp.sum(jnp.any(micro["segment_ids"] > 0, axis=(1, 2))), 1)
         grad_fn = jax.value_and_grad(functools.partial(objective.micro_loss, self.cfg,
                                                        self._forward), has_aux=True)
 
+        def grads_of(mb, old_bT):
+            return grad_fn(params, ref_params, mb, adv_B, old_bT, ntok, nseq, num_micro,
+                           version)
+
         def body(g_acc, xs):
-            mb, adv_b, old_bT = xs
-            (_, stats), g = grad_fn(params, ref_params, mb, adv_b, old_bT, ntok, nseq, U,
-                                    version)
+            mb, old_bT = xs
+            if self._packed and U > 1:
+                shapes = jax.eval_shape(grads_of, mb, old_bT)
+
+                def skip(mb, old_bT):  # no tokens: nothing to add, nothing to report
+                    out = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+                    (loss, stats), g = out
+                    stats = dict(stats, **{k: jnp.full_like(stats[k], jnp.inf)
+                                           for k in MIN_KEYS if k in stats})
+                    return (loss, stats), g
+
+                (_, stats), g = jax.lax.cond(jnp.any(mb["segment_ids"] > 0), grads_of, skip,
+                                             mb, old_bT)
+            else:
+                (_, stats), g = grads_of(mb, old_bT)
             if g_acc is None:
                 return g, stats
             return jax.tree.map(lambda a, x: a + x.astype(a.dtype), g_acc, g), stats
 
         if U == 1:
-            grads, stats = body(None, jax.tree.map(lambda x: x[0], (micro, adv_Ub, old_UbT)))
-            return grads, stats
+            return body(None, jax.tree.map(lambda x: x[0], (micro, old_UbT)))
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         zeros = jax.lax.with_sharding_constraint(zeros, self._param_sh)
-        grads, stats_U = jax.lax.scan(body, zeros, (micro, adv_Ub, old_UbT))
+        grads, stats_U = jax.lax.scan(body, zeros, (micro, old_UbT))
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         return grads, _combine(stats_U, over_updates=False)
 
     def _prepare(self, params, batch, group_size):
-        """(batch with the loss mask in effect, advantages, tokens and sequences per
-        minibatch, the starting policy's log-probs or None)."""
-        M, U, b = batch["rewards"].shape
-        adv = compute_advantages(batch["rewards"].reshape(-1), group_size,
-                                 self.cfg.trainer.advantage).reshape(M, U, b)
+        """(per-token arrays [M, U, b, T] with the loss mask in effect, advantages [B],
+        response tokens and non-empty sequences per minibatch, the starting policy's
+        log-probs or None)."""
+        M, U, b, T = batch["tokens"].shape
+        B = batch["rewards"].shape[0]
+        adv_B = compute_advantages(batch["rewards"], group_size, self.cfg.trainer.advantage)
+        micro = {k: batch[k] for k in TOKEN_ARRAYS}
+        sample = micro["sample"]
         if self.cfg.trainer.mask_truncated:  # DAPO's overlong filtering
-            batch = dict(batch, loss_mask=batch["loss_mask"]
-                         * (~batch["truncated"])[..., None].astype(batch["loss_mask"].dtype))
-        mask = batch["loss_mask"]
+            cut = jnp.where(sample >= 0, batch["truncated"][jnp.maximum(sample, 0)], False)
+            micro["loss_mask"] = micro["loss_mask"] * (~cut).astype(micro["loss_mask"].dtype)
+        mask = micro["loss_mask"]
         ntok_M = jnp.sum(mask, axis=(1, 2, 3))
-        nseq_M = jnp.sum(jnp.any(mask != 0, axis=-1), axis=(1, 2))
+        # Samples keep their minibatch: [m B/M, (m+1) B/M) (rl/packing.py).
+        has_loss_B = losses.per_sequence_sums(mask, sample, B) > 0
+        nseq_M = jnp.sum(has_loss_B.reshape(M, B // M), axis=1)
         old = None
         if M > 1:  # pi_prox: the step's starting params, for every minibatch
-            T = batch["tokens"].shape[-1]
-            flat = (batch["tokens"].reshape(M * U, b, T), batch["seq_lens"].reshape(M * U, b))
-            old = jax.lax.map(lambda x: self._logp(params, *x), flat).reshape(M, U, b, T)
-        return batch, adv, ntok_M, nseq_M, old
+            flat = jax.tree.map(lambda x: x.reshape((M * U,) + x.shape[2:]), micro)
+
+            def logp(mb):
+                if not self._packed:
+                    return self._logp(params, mb)
+                return jax.lax.cond(jnp.any(mb["segment_ids"] > 0),
+                                    lambda mb: self._logp(params, mb),
+                                    lambda mb: jnp.zeros(mb["tokens"].shape, jnp.float32), mb)
+
+            old = jax.lax.map(logp, flat).reshape(M, U, b, T)
+        return micro, adv_B, ntok_M, nseq_M, old
 
     def _loss_and_grads(self, params, batch, ref_params, group_size):
-        batch, adv, ntok, nseq, _ = self._prepare(params, batch, group_size)
-        micro = {k: batch[k][0] for k in BATCH_KEYS}
-        grads, stats = self._accumulate(params, ref_params, micro, adv[0], None, ntok[0],
-                                        nseq[0], jnp.zeros((), jnp.int32))
+        micro, adv_B, ntok, nseq, _ = self._prepare(params, batch, group_size)
+        grads, stats = self._accumulate(params, ref_params, jax.tree.map(lambda x: x[0], micro),
+                                        adv_B, None, ntok[0], nseq[0], jnp.zeros((), jnp.int32))
         return stats["loss"], grads
 
     def _step(self, state: TrainState, batch, ref_params, group_size):
-        M = batch["rewards"].shape[0]
-        batch, adv, ntok, nseq, old = self._prepare(state.params, batch, group_size)
-        micro_all = {k: batch[k] for k in BATCH_KEYS}
+        M = batch["tokens"].shape[0]
+        micro_all, adv_B, ntok, nseq, old = self._prepare(state.params, batch, group_size)
 
         def update(carry, xs):
             params, opt_state, count = carry
-            micro, adv_Ub, old_UbT, ntok_m, nseq_m = xs
-            grads, stats = self._accumulate(params, ref_params, micro, adv_Ub, old_UbT,
+            micro, old_UbT, ntok_m, nseq_m = xs
+            grads, stats = self._accumulate(params, ref_params, micro, adv_B, old_UbT,
                                             ntok_m, nseq_m, state.version)
             stats["grad_norm"] = optax.tree.norm(grads)
             stats["learning_rate"] = self._schedule(count)
@@ -352,7 +400,7 @@ class Trainer:
 
         carry = (state.params, state.opt_state, state.opt_updates)
         (params, opt_state, count), stats_M = _scan_or_call(
-            update, carry, (micro_all, adv, old, ntok, nseq))
+            update, carry, (micro_all, old, ntok, nseq))
 
         metrics = _combine({k: v for k, v in stats_M.items()
                             if k not in ("grad_norm", "learning_rate", "skipped_updates")},
@@ -367,8 +415,8 @@ class Trainer:
         fresh = metrics.pop("mismatch_tokens")
         metrics["logprob_mismatch"] = metrics.pop("mismatch_abs") / jnp.maximum(fresh, 1.0)
         metrics["logprob_mismatch_tokens"] = fresh
-        mask = batch["loss_mask"] != 0
-        staleness = (state.version - batch["token_versions"]).astype(jnp.float32)
+        mask = micro_all["loss_mask"] != 0
+        staleness = (state.version - micro_all["token_versions"]).astype(jnp.float32)
         metrics.update(
             staleness_mean=losses.masked_mean(staleness, mask),
             staleness_max=jnp.max(jnp.where(mask, staleness, 0.0)),
@@ -376,10 +424,11 @@ class Trainer:
             skipped_updates=jnp.sum(stats_M["skipped_updates"]),
             grad_norm=jnp.mean(stats_M["grad_norm"]), grad_norm_max=jnp.max(stats_M["grad_norm"]),
             learning_rate=stats_M["learning_rate"][-1],
-            response_tokens=jnp.sum(batch["loss_mask"]),
-            sequence_tokens=jnp.sum(batch["seq_lens"]).astype(jnp.float32),
+            response_tokens=jnp.sum(micro_all["loss_mask"]),
+            sequence_tokens=jnp.sum(micro_all["segment_ids"] > 0).astype(jnp.float32),
             samples=jnp.asarray(batch["rewards"].size, jnp.float32),
-            reward_mean=jnp.mean(batch["rewards"]), advantage_abs_mean=jnp.mean(jnp.abs(adv)),
+            reward_mean=jnp.mean(batch["rewards"]),
+            advantage_abs_mean=jnp.mean(jnp.abs(adv_B)),
             updates_this_step=jnp.asarray(M, jnp.int32), opt_updates=count,
             version=state.version + 1)
         new_state = TrainState(params, opt_state, state.step + 1, state.version + 1, count)

@@ -1,0 +1,129 @@
+"""The rows a train step consumes: one sample per padded row, or samples packed.
+
+A `TrainBatch` (batch.py) holds B samples, each prompt + response right-padded to the
+batch's length bucket. The jitted step (trainer.py) consumes a layout of it:
+
+  per token, [M, U, r, T]  (minibatch, micro-batch, row, position):
+    tokens, positions (0 at each sample's first token), segment_ids (1, 2, ... for
+    the samples of a row in order, 0 on padding), sample (the sample's index in the
+    batch, -1 on padding), loss_mask, behaviour_logp, token_versions;
+  per sample, [B]: rewards, versions, truncated.
+
+`padded`: row i is sample i, T the batch's bucket, micro-batches cut by row count
+(`trainer.micro_batches`): one long response makes every row as long as it.
+
+`packed` (`trainer.tokens_per_microbatch` > 0): each minibatch's samples, whole, go
+first-fit by decreasing length into rows of T = the largest length bucket; r =
+tokens_per_microbatch // T rows make a micro-batch, so a micro-batch's size (and the
+step's peak memory) follows the token budget, not the longest response. U is the most
+micro-batches a minibatch can need (one sample per row), fixed by the config, so the
+step compiles once whatever the lengths; micro-batches left empty are skipped by the
+step. Samples keep their minibatch (samples [m B/M, (m+1) B/M), as in the padded
+layout), so both layouts make the same optimizer updates.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dora_jax.rl.batch import BatchError, TrainBatch
+
+TOKEN_ARRAYS = ("tokens", "positions", "segment_ids", "sample", "loss_mask",
+                "behaviour_logp", "token_versions")
+SAMPLE_ARRAYS = ("rewards", "versions", "truncated")
+LAYOUT_KEYS = TOKEN_ARRAYS + SAMPLE_ARRAYS
+
+
+def _sample_arrays(batch: TrainBatch) -> dict:
+    return dict(rewards=np.asarray(batch.rewards_B, np.float32),
+                versions=np.asarray(batch.versions_B, np.int32),
+                truncated=np.asarray(batch.truncated_B, bool))
+
+
+def padded(batch: TrainBatch, num_minibatches: int, micro_batches: int) -> dict:
+    """One sample per row: rows [(m U + u) b, (m U + u + 1) b) form micro-batch (m, u)."""
+    M, U = num_minibatches, micro_batches
+    B, T = batch.tokens_BT.shape
+    if B % (M * U):
+        raise BatchError(f"batch size B={B} is not divisible by "
+                         f"num_minibatches * micro_batches = {M} * {U}")
+    valid_BT = np.arange(T)[None, :] < batch.seq_lens_B[:, None]
+    rows = dict(tokens=batch.tokens_BT.astype(np.int32),
+                positions=np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)),
+                segment_ids=valid_BT.astype(np.int32),
+                sample=np.where(valid_BT, np.arange(B, dtype=np.int32)[:, None], -1),
+                loss_mask=np.asarray(batch.loss_mask_BT, np.float32),
+                behaviour_logp=np.asarray(batch.behaviour_logp_BT, np.float32),
+                token_versions=np.asarray(batch.token_versions_BT, np.int32))
+    b = B // (M * U)
+    out = {k: v.reshape((M, U, b, T)) for k, v in rows.items()}
+    out.update(_sample_arrays(batch))
+    return out
+
+
+def micro_batches_needed(batch_size: int, num_minibatches: int, rows_per_micro: int) -> int:
+    """U of the packed layout: a minibatch of B/M samples fills at most B/M rows."""
+    per_minibatch = batch_size // num_minibatches
+    return -(-per_minibatch // rows_per_micro)
+
+
+def first_fit_rows(lengths, row_length: int) -> list[list[int]]:
+    """Indices of `lengths` packed into rows of `row_length`, first fit by decreasing
+    length (ties in index order); each row lists its samples in index order."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        n = int(lengths[i])
+        if n > row_length:
+            raise BatchError(f"a sample of {n} tokens does not fit a packed row of "
+                             f"{row_length} (the largest trainer.length_buckets)")
+        for j, free in enumerate(room):
+            if n <= free:
+                rows[j].append(i)
+                room[j] -= n
+                break
+        else:
+            rows.append([i])
+            room.append(row_length - n)
+    return [sorted(r) for r in rows]
+
+
+def packed(batch: TrainBatch, num_minibatches: int, row_length: int,
+           rows_per_micro: int) -> dict:
+    """Samples packed whole into rows of `row_length`, `rows_per_micro` rows per
+    micro-batch, U = `micro_batches_needed` micro-batches per minibatch."""
+    M, T, r = num_minibatches, row_length, rows_per_micro
+    B = batch.batch_size
+    if B % M:
+        raise BatchError(f"batch size B={B} is not divisible by num_minibatches={M}")
+    U = micro_batches_needed(B, M, r)
+    shape = (M, U * r, T)
+    tokens = np.zeros(shape, np.int32)
+    positions = np.zeros(shape, np.int32)
+    segment_ids = np.zeros(shape, np.int32)
+    sample = np.full(shape, -1, np.int32)
+    loss_mask = np.zeros(shape, np.float32)
+    behaviour = np.zeros(shape, np.float32)
+    token_versions = np.zeros(shape, np.int32)
+    lens = np.asarray(batch.seq_lens_B)
+    per = B // M
+    for m in range(M):
+        first = m * per
+        for row, members in enumerate(first_fit_rows(lens[first:first + per], T)):
+            start = 0
+            for seg, k in enumerate(members, start=1):
+                i, n = first + k, int(lens[first + k])
+                at = (m, row, slice(start, start + n))
+                tokens[at] = batch.tokens_BT[i, :n]
+                positions[at] = np.arange(n)
+                segment_ids[at] = seg
+                sample[at] = i
+                loss_mask[at] = batch.loss_mask_BT[i, :n]
+                behaviour[at] = batch.behaviour_logp_BT[i, :n]
+                token_versions[at] = batch.token_versions_BT[i, :n]
+                start += n
+    rows = dict(tokens=tokens, positions=positions, segment_ids=segment_ids, sample=sample,
+                loss_mask=loss_mask, behaviour_logp=behaviour, token_versions=token_versions)
+    out = {k: v.reshape(M, U, r, T) for k, v in rows.items()}
+    out.update(_sample_arrays(batch))
+    return out
