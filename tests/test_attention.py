@@ -1,5 +1,6 @@
 """Full-sequence attention implementations against the dense reference: outputs and
-gradients, grouped-query heads, lengths that are not a multiple of the block."""
+gradients, grouped-query heads, lengths that are not a multiple of the block, packed
+rows (segment ids)."""
 
 import jax
 import jax.numpy as jnp
@@ -15,16 +16,21 @@ def _qkv(B, T, H, K, D, seed=0, dtype=jnp.float32):
             jax.random.normal(kv, (B, T, K, D), dtype))
 
 
-def _naive(q, k, v):
-    """Attention written out per head with numpy: the independent reference."""
+def _naive(q, k, v, segment_ids=None):
+    """Attention written out per head with numpy: the independent reference. With
+    segment ids, each token sees the earlier tokens of its own segment."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     B, T, H, D = q.shape
     G = H // k.shape[2]
     out = np.zeros_like(q)
     for b in range(B):
+        mask = np.tril(np.ones((T, T), bool))
+        if segment_ids is not None:
+            seg = np.asarray(segment_ids[b])
+            mask &= seg[:, None] == seg[None, :]
         for h in range(H):
             s = q[b, :, h] @ k[b, :, h // G].T / np.sqrt(D)
-            s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+            s = np.where(mask, s, -np.inf)
             p = np.exp(s - s.max(-1, keepdims=True))
             out[b, :, h] = (p / p.sum(-1, keepdims=True)) @ v[b, :, h // G]
     return out
@@ -54,10 +60,90 @@ def test_blockwise_gradients_match_dense(T, block):
         np.testing.assert_allclose(g, r, atol=2e-5, rtol=1e-4, err_msg=f"d{name}")
 
 
+def _segments(rows):
+    """Segment ids [B, T] from rows of run lengths; a negative length is padding."""
+    out = []
+    for row in rows:
+        ids, seg = [], 0
+        for n in row:
+            seg += n > 0
+            ids += [seg if n > 0 else 0] * abs(n)
+        out.append(ids)
+    return jnp.asarray(out, jnp.int32)
+
+
+# Three sequences then padding; padding at the start, in the middle and at the end.
+PACKED_21 = [[5, 9, 4, -3], [-2, 6, -1, 7, 3, -2]]
+
+
+@pytest.mark.parametrize("block", [4, 8, 32])
+def test_packed_rows_match_the_naive_reference(block):
+    """Within-segment attention, outputs and gradients, for dense and blockwise
+    (sequences crossing block boundaries; T not a multiple of the block)."""
+    q, k, v = _qkv(2, 21, 4, 2, 8, seed=5)
+    seg = _segments(PACKED_21)
+    want = _naive(q, k, v, seg)
+    np.testing.assert_allclose(attention.dense_causal(q, k, v, seg), want, atol=1e-5)
+    blockwise = lambda q, k, v: attention.blockwise_causal(q, k, v, block, segment_ids_BT=seg)
+    np.testing.assert_allclose(blockwise(q, k, v), want, atol=1e-5)
+    w = jax.random.normal(jax.random.key(6), q.shape)
+    loss = lambda fn: lambda q, k, v: jnp.sum(fn(q, k, v) * w)
+    ref = jax.grad(loss(lambda q, k, v: attention.dense_causal(q, k, v, seg)),
+                   argnums=(0, 1, 2))(q, k, v)
+    got = jax.jit(jax.grad(loss(blockwise), argnums=(0, 1, 2)))(q, k, v)
+    for g, r, name in zip(got, ref, "qkv"):
+        np.testing.assert_allclose(g, r, atol=2e-5, rtol=1e-4, err_msg=f"d{name}")
+
+
+def test_one_segment_is_plain_causal_attention():
+    q, k, v = _qkv(2, 16, 4, 2, 8, seed=7)
+    ones = jnp.ones((2, 16), jnp.int32)
+    np.testing.assert_allclose(attention.blockwise_causal(q, k, v, 4, segment_ids_BT=ones),
+                               attention.blockwise_causal(q, k, v, 4), atol=1e-6)
+
+
+def test_blockwise_never_computes_blocks_of_other_segments():
+    """Non-finite values in the first sequence's keys and values (blocks 0-1) do not
+    reach the second sequence's outputs or gradients (blocks 2-3): those block pairs
+    are skipped, not just masked (a masked 0 times NaN would still be NaN)."""
+    q, k, v = _qkv(1, 16, 2, 1, 8, seed=8)
+    seg = _segments([[8, 8]])
+    want = _naive(q, k, v, seg)[:, 8:]
+    k, v = k.at[:, :8].set(jnp.nan), v.at[:, :8].set(jnp.inf)
+    fn = lambda q, k, v: attention.blockwise_causal(q, k, v, 4, segment_ids_BT=seg)[:, 8:]
+    np.testing.assert_allclose(fn(q, k, v), want, atol=1e-5)
+    grads = jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v)), argnums=(0, 1, 2))(q, k, v)
+    for g in grads:
+        assert np.isfinite(np.asarray(g[:, 8:])).all()
+
+
+def test_cudnn_runs_packed_rows_blockwise(caplog):
+    """cudnn takes no segment ids: packed rows run blockwise (with a warning), and
+    `auto` picks blockwise for them on GPU."""
+    q, k, v = _qkv(2, 21, 4, 2, 8, seed=9)
+    seg = _segments(PACKED_21)
+    with caplog.at_level("WARNING"):
+        got = attention.causal_attention(q, k, v, "cudnn", block=8, segment_ids_BT=seg)
+    assert "model.attention=cudnn" in caplog.text
+    np.testing.assert_allclose(got, _naive(q, k, v, seg), atol=1e-5)
+    assert attention.resolve("auto", "gpu", packed=True) == "blockwise"
+    assert attention.resolve("auto", "tpu", packed=True) == "splash"
+
+
 def test_splash_kernel_in_interpret_mode_matches_dense():
     q, k, v = _qkv(1, 256, 4, 2, 128, seed=3)
     got = attention.splash_causal(q, k, v, block=128, interpret=True)
     np.testing.assert_allclose(got, attention.dense_causal(q, k, v), atol=2e-4, rtol=2e-4)
+
+
+def test_splash_kernel_takes_segment_ids():
+    """Packed rows through the kernel's SegmentIds (each row its own ids), a
+    sequence crossing the two blocks and padding in between."""
+    q, k, v = _qkv(2, 256, 4, 2, 128, seed=10)
+    seg = _segments([[100, 60, -16, 80], [-6, 250]])
+    got = attention.splash_causal(q, k, v, block=128, interpret=True, segment_ids_BT=seg)
+    np.testing.assert_allclose(got, attention.dense_causal(q, k, v, seg), atol=2e-4,
+                               rtol=2e-4)
 
 
 def test_auto_picks_the_backend_kernel():
@@ -85,9 +171,11 @@ def test_blockwise_training_memory_is_linear_in_length():
     assert ratio_dense > 30, ratio_dense
 
 
-def test_splash_runs_per_shard_under_the_trainer_rules():
+@pytest.mark.parametrize("packed", [False, True])
+def test_splash_runs_per_shard_under_the_trainer_rules(packed):
     """Inside activation_rules the kernel runs under shard_map (batch over data x
-    fsdp, heads over tensor) and still equals the dense attention."""
+    fsdp, heads over tensor; segment ids split with the batch) and still equals the
+    dense attention."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from dora_jax import config as config_lib
@@ -95,9 +183,12 @@ def test_splash_runs_per_shard_under_the_trainer_rules():
 
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2, 1), config_lib.TRAINER_MESH_AXES)
     q, k, v = _qkv(4, 128, 4, 2, 128, seed=4)
+    # Each row packed differently, so a shard given another's ids would differ.
+    seg = _segments([[128], [50, 78], [30, 30, -68], [-10, 100, 18]]) if packed else None
     put = lambda x: jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp"), None, "tensor")))
-    fn = jax.jit(lambda q, k, v: attention.causal_attention(q, k, v, "splash", block=128,
-                                                            interpret=True))
+    fn = jax.jit(lambda q, k, v, seg: attention.causal_attention(
+        q, k, v, "splash", block=128, interpret=True, segment_ids_BT=seg))
     with sharding.activation_rules(mesh, config_lib.TRAINER_RULES):
-        got = fn(put(q), put(k), put(v))
-    np.testing.assert_allclose(got, attention.dense_causal(q, k, v), atol=2e-4, rtol=2e-4)
+        got = fn(put(q), put(k), put(v), seg)
+    np.testing.assert_allclose(got, attention.dense_causal(q, k, v, seg), atol=2e-4,
+                               rtol=2e-4)

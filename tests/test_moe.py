@@ -193,3 +193,28 @@ def test_padding_is_never_routed_nor_counted():
     unmasked, _ = tight(rows(b))
     np.testing.assert_array_equal(np.asarray(unmasked[1, 0]), 0.0)  # routed padding drops b
     assert 0 <= float(aux["dropped_fraction"]) <= 1 / 3  # of 3 real assignments
+
+
+def test_packed_rows_route_real_tokens_as_if_alone():
+    """Packed rows (valid_BT = segment_ids_BT > 0) with padding at the start, in the
+    middle and at the end, holding large garbage: the real tokens' outputs equal
+    those of the real tokens concatenated into one unpadded row, and so do both
+    losses (the formulas over exactly those tokens). Dropless, and capacity dispatch
+    with room for every assignment (factor 2 with top-2 of 4 experts: C >= N, so no
+    expert can overflow). A tighter capacity depends on the whole batch, packed or
+    not (see the module docstring)."""
+    segment_ids = jnp.array([[0, 1, 1, 0, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0, 2, 0]])
+    valid = segment_ids > 0
+    x = jax.random.normal(jax.random.key(5), (2, 8, 8))
+    x = jnp.where(valid[..., None], x, 100 * jax.random.normal(jax.random.key(6), x.shape))
+    real = x[np.asarray(valid)][None]  # [1, 10, 8]: the real tokens in row order
+    roomy = dataclasses.replace(CFG, moe=dataclasses.replace(CFG.moe, capacity_factor=2.0))
+    for dropless in (True, False):
+        layer = _layer(roomy)
+        want, want_aux = layer(real, dropless=dropless)
+        y, aux = layer(x, dropless=dropless, valid_BT=valid)
+        np.testing.assert_allclose(np.asarray(y)[np.asarray(valid)], np.asarray(want[0]),
+                                   rtol=1e-5, atol=1e-6)
+        for key in ("load_balance_loss", "router_z_loss"):
+            np.testing.assert_allclose(float(aux[key]), float(want_aux[key]), rtol=1e-5)
+        assert float(aux["dropped_fraction"]) == 0.0

@@ -12,11 +12,19 @@ implementation (`model.attention`):
 
 `auto` picks splash on TPU, cudnn on GPU, blockwise elsewhere. Shapes: queries
 [B, T, H, D], keys/values [B, T, K, D] with H a multiple of K (grouped-query).
+
+Packed rows: with `segment_ids_BT` (int [B, T]; several sequences concatenated in a
+row, numbered 1, 2, ... and 0 for padding) a token attends only to tokens at or
+before it with the same id. Every token still sees itself, so no row of the mask is
+empty and padding (which sees only earlier padding) stays finite; no real token ever
+sees padding or another sequence. Without segment ids every path is the plain causal
+one, unchanged.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +33,8 @@ from dora_jax.config import ATTENTION_IMPLS
 from dora_jax.model.sharding import active_rules, logical_to_spec
 
 NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax, not NaN
+
+_log = logging.getLogger(__name__)
 
 
 def attend(q_BTHD, k_BSKD, v_BSKD, mask_BTS):
@@ -40,14 +50,20 @@ def attend(q_BTHD, k_BSKD, v_BSKD, mask_BTS):
     return out.reshape(B, T, H, D)
 
 
-def dense_causal(q_BTHD, k_BTKD, v_BTKD):
+def dense_causal(q_BTHD, k_BTKD, v_BTKD, segment_ids_BT=None):
+    """The reference: causal attention under a materialised [B, T, T] mask, within
+    each segment when `segment_ids_BT` is given."""
     B, T = q_BTHD.shape[:2]
     causal_TT = jnp.tril(jnp.ones((T, T), bool))
-    return attend(q_BTHD, k_BTKD, v_BTKD, jnp.broadcast_to(causal_TT, (B, T, T)))
+    mask_BTT = jnp.broadcast_to(causal_TT, (B, T, T))
+    if segment_ids_BT is not None:
+        mask_BTT = mask_BTT & (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])
+    return attend(q_BTHD, k_BTKD, v_BTKD, mask_BTT)
 
 
 # ----------------------------------------------------------------------- blockwise
-# Internal layout: q as [n_q, B, K, G, bq, D] blocks, k/v as [n_k, B, K, bk, D].
+# Internal layout: q as [n_q, B, K, G, bq, D] blocks, k/v as [n_k, B, K, bk, D],
+# segment ids as [n, B, b] blocks (the same array cut once for queries, once for keys).
 
 def _split_q(q_BTHD, K, bq):
     B, T, H, D = q_BTHD.shape
@@ -70,30 +86,66 @@ def _merge_kv(x, shape):
     return x.transpose(1, 0, 3, 2, 4).reshape(B, T, K, D)
 
 
-def _block_scores(q, k, i, j, bq, bk, scale):
-    """Scores of query block i against key block j, f32, causally masked; and the mask."""
+def _split_segments(segment_ids_BT, b):
+    B, T = segment_ids_BT.shape
+    return segment_ids_BT.reshape(B, T // b, b).transpose(1, 0, 2)
+
+
+def _block_scores(q, k, i, j, bq, bk, scale, seg_q=None, seg_k=None):
+    """Scores of query block i against key block j, f32, causally masked; and the mask.
+    With the blocks' segment ids (seg_q [B, bq], seg_k [B, bk]) the mask also keeps
+    each query to its own segment."""
     s = jnp.einsum("bkgqd,bkcd->bkgqc", q, k, preferred_element_type=jnp.float32) * scale
     q_pos = i * bq + jnp.arange(bq)
     k_pos = j * bk + jnp.arange(bk)
     mask = k_pos[None, :] <= q_pos[:, None]
+    if seg_q is not None:
+        same_BQC = seg_q[:, :, None] == seg_k[:, None, :]
+        mask = (mask & same_BQC)[:, None, None]  # broadcast over kv heads and groups
     return jnp.where(mask, s, NEG_INF), mask
 
 
-def _forward(q_blocks, k_blocks, v_blocks, bq, bk, scale):
-    """(out blocks, log-sum-exp blocks) by online softmax over key blocks."""
+def _blocks_meet(seg_q, seg_k):
+    """[n_q, n_k] bool: whether some row may have a query of block i and a key of
+    block j in the same segment, i.e. their id ranges overlap. A pair that fails this
+    in every row is fully masked and skipped (exact for any ids; tight when ids grow
+    along the row, as packing numbers them). One table for all rows, computed once:
+    with the batch sharded, a per-pair test would be a collective in the inner loop."""
+    lo_q, hi_q = seg_q.min(-1), seg_q.max(-1)  # [n_q, B]
+    lo_k, hi_k = seg_k.min(-1), seg_k.max(-1)  # [n_k, B]
+    overlap_QKB = (lo_k[None] <= hi_q[:, None]) & (lo_q[:, None] <= hi_k[None])
+    return jnp.any(overlap_QKB, axis=-1)
+
+
+def _forward(q_blocks, k_blocks, v_blocks, bq, bk, scale, seg_q=None, seg_k=None):
+    """(out blocks, log-sum-exp blocks) by online softmax over key blocks. With
+    segment-id blocks (seg_q [n_q, B, bq], seg_k [n_k, B, bk]) attention stays within
+    segments and key blocks no query of the block can see are skipped."""
+    if seg_q is not None:
+        meet_QK = _blocks_meet(seg_q, seg_k)
 
     def one_q_block(args):
         i, q = args
 
-        def step(j, carry):
+        def update(j, carry):
             o, m, l = carry
-            s, mask = _block_scores(q, k_blocks[j], i, j, bq, bk, scale)
+            segs = () if seg_q is None else (seg_q[i], seg_k[j])
+            s, mask = _block_scores(q, k_blocks[j], i, j, bq, bk, scale, *segs)
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
             corr = jnp.exp(m - m_new)
             o = o * corr[..., None] + jnp.einsum("bkgqc,bkcd->bkgqd", p, v_blocks[j],
                                                  preferred_element_type=jnp.float32)
             return o, m_new, l * corr + p.sum(-1)
+
+        if seg_q is None:
+            step = update
+        else:
+            def step(j, carry):
+                # The diagonal block always meets (each query sees itself), so every
+                # query's sum l is positive.
+                return jax.lax.cond(meet_QK[i, j], lambda c: update(j, c), lambda c: c,
+                                    carry)
 
         init = (jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:-1], NEG_INF, jnp.float32),
                 jnp.zeros(q.shape[:-1], jnp.float32))
@@ -105,27 +157,41 @@ def _forward(q_blocks, k_blocks, v_blocks, bq, bk, scale):
     return jax.lax.map(one_q_block, (jnp.arange(q_blocks.shape[0]), q_blocks))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _flash(q_BTHD, k_BTKD, v_BTKD, bq, bk):
-    out, _ = _flash_fwd(q_BTHD, k_BTKD, v_BTKD, bq, bk)
+def _split_segment_blocks(segment_ids_BT, bq, bk):
+    """(query blocks, key blocks) of the segment ids; () without them."""
+    if segment_ids_BT is None:
+        return ()
+    return _split_segments(segment_ids_BT, bq), _split_segments(segment_ids_BT, bk)
+
+
+# segment_ids_BT is a primal (an array may not be a nondiff argument); it is integer,
+# so its cotangent is None.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _flash(q_BTHD, k_BTKD, v_BTKD, segment_ids_BT, bq, bk):
+    out, _ = _flash_fwd(q_BTHD, k_BTKD, v_BTKD, segment_ids_BT, bq, bk)
     return out
 
 
-def _flash_fwd(q_BTHD, k_BTKD, v_BTKD, bq, bk):
+def _flash_fwd(q_BTHD, k_BTKD, v_BTKD, segment_ids_BT, bq, bk):
     K, D = k_BTKD.shape[2], q_BTHD.shape[-1]
     q, k, v = _split_q(q_BTHD, K, bq), _split_kv(k_BTKD, bk), _split_kv(v_BTKD, bk)
-    o, lse = _forward(q, k, v, bq, bk, D ** -0.5)
+    o, lse = _forward(q, k, v, bq, bk, D ** -0.5,
+                      *_split_segment_blocks(segment_ids_BT, bq, bk))
     out = _merge_q(o, q_BTHD.shape).astype(q_BTHD.dtype)
-    return out, (q_BTHD, k_BTKD, v_BTKD, out, lse)
+    return out, (q_BTHD, k_BTKD, v_BTKD, segment_ids_BT, out, lse)
 
 
 def _flash_bwd(bq, bk, residuals, d_out):
     """Recomputes each block's probabilities from the saved log-sum-exp; one pass
-    over key blocks, each visiting the query blocks that can see it."""
-    q_BTHD, k_BTKD, v_BTKD, out, lse = residuals
+    over key blocks, each visiting the query blocks that can see it (with segment
+    ids, only those whose segments meet it)."""
+    q_BTHD, k_BTKD, v_BTKD, segment_ids_BT, out, lse = residuals
     K, D = k_BTKD.shape[2], q_BTHD.shape[-1]
     scale = D ** -0.5
     q, k, v = _split_q(q_BTHD, K, bq), _split_kv(k_BTKD, bk), _split_kv(v_BTKD, bk)
+    seg_blocks = _split_segment_blocks(segment_ids_BT, bq, bk)
+    if seg_blocks:
+        meet_QK = _blocks_meet(*seg_blocks)
     do = _split_q(d_out, K, bq).astype(jnp.float32)
     # delta_i = sum_d dO_i * O_i: the softmax backward's row term.
     delta = jnp.sum(do * _split_q(out, K, bq).astype(jnp.float32), axis=-1)
@@ -134,9 +200,10 @@ def _flash_bwd(bq, bk, residuals, d_out):
     def one_k_block(j, dq):
         k_j, v_j = k[j].astype(jnp.float32), v[j].astype(jnp.float32)
 
-        def step(i, carry):
+        def update(i, carry):
             dk, dv, dq = carry
-            s, mask = _block_scores(q[i], k[j], i, j, bq, bk, scale)
+            segs = () if not seg_blocks else (seg_blocks[0][i], seg_blocks[1][j])
+            s, mask = _block_scores(q[i], k[j], i, j, bq, bk, scale, *segs)
             p = jnp.where(mask, jnp.exp(s - lse[i][..., None]), 0.0)
             dv = dv + jnp.einsum("bkgqc,bkgqd->bkcd", p, do[i])
             dp = jnp.einsum("bkgqd,bkcd->bkgqc", do[i], v_j)
@@ -144,6 +211,13 @@ def _flash_bwd(bq, bk, residuals, d_out):
             dk = dk + jnp.einsum("bkgqc,bkgqd->bkcd", ds, q[i].astype(jnp.float32))
             dq = dq.at[i].add(jnp.einsum("bkgqc,bkcd->bkgqd", ds, k_j))
             return dk, dv, dq
+
+        if not seg_blocks:
+            step = update
+        else:
+            def step(i, carry):
+                return jax.lax.cond(meet_QK[i, j], lambda c: update(i, c), lambda c: c,
+                                    carry)
 
         zeros = jnp.zeros(k_j.shape, jnp.float32)
         first = (j * bk) // bq  # the first query block that sees key block j
@@ -154,22 +228,26 @@ def _flash_bwd(bq, bk, residuals, d_out):
                                 jnp.zeros(q.shape, jnp.float32), jnp.arange(n_k))
     return (_merge_q(dq, q_BTHD.shape).astype(q_BTHD.dtype),
             _merge_kv(dk, k_BTKD.shape).astype(k_BTKD.dtype),
-            _merge_kv(dv, v_BTKD.shape).astype(v_BTKD.dtype))
+            _merge_kv(dv, v_BTKD.shape).astype(v_BTKD.dtype), None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def blockwise_causal(q_BTHD, k_BTKD, v_BTKD, block: int = 512):
+def blockwise_causal(q_BTHD, k_BTKD, v_BTKD, block: int = 512, segment_ids_BT=None):
     """Flash-style causal attention with blocks of `block` queries and keys; T is
-    padded up to a multiple of the block (the padding is masked out causally)."""
+    padded up to a multiple of the block (the padding is masked out causally: it
+    comes after every real query). With `segment_ids_BT`, within segments, and
+    block pairs whose segments never meet are skipped."""
     T = q_BTHD.shape[1]
     b = min(block, T)
     pad = -T % b
     if pad:
         widths = ((0, 0), (0, pad), (0, 0), (0, 0))
         q_BTHD, k_BTKD, v_BTKD = (jnp.pad(x, widths) for x in (q_BTHD, k_BTKD, v_BTKD))
-    out = _flash(q_BTHD, k_BTKD, v_BTKD, b, b)
+        if segment_ids_BT is not None:
+            segment_ids_BT = jnp.pad(segment_ids_BT, ((0, 0), (0, pad)))
+    out = _flash(q_BTHD, k_BTKD, v_BTKD, segment_ids_BT, b, b)
     return out[:, :T]
 
 
@@ -178,9 +256,13 @@ def cudnn_causal(q_BTHD, k_BTKD, v_BTKD):
                                         implementation="cudnn")
 
 
-def splash_causal(q_BTHD, k_BTKD, v_BTKD, block: int = 512, interpret: bool = False):
+def splash_causal(q_BTHD, k_BTKD, v_BTKD, block: int = 512, interpret: bool = False,
+                  segment_ids_BT=None):
     """TPU Pallas splash attention: per KV head one multi-query kernel call over its
-    group of query heads (heads-major layout; splash expects pre-scaled queries)."""
+    group of query heads (heads-major layout; splash expects pre-scaled queries).
+    Segment ids go to the kernel as its `SegmentIds` (the same ids for queries and
+    keys), and-ed with the causal mask inside each block; the block-sparse skipping
+    comes from the static causal mask alone."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as splash, splash_attention_mask as masks)
 
@@ -195,41 +277,75 @@ def splash_causal(q_BTHD, k_BTKD, v_BTKD, block: int = 512, interpret: bool = Fa
         block_sizes=sizes, interpret=interpret)
     q_BKGTD = (q_BTHD * D ** -0.5).reshape(B, T, K, H // K, D).transpose(0, 2, 3, 1, 4)
     k_BKTD, v_BKTD = k_BTKD.transpose(0, 2, 1, 3), v_BTKD.transpose(0, 2, 1, 3)
-    out = jax.vmap(jax.vmap(kernel))(q_BKGTD, k_BKTD, v_BKTD)
+    if segment_ids_BT is None:
+        out = jax.vmap(jax.vmap(kernel))(q_BKGTD, k_BKTD, v_BKTD)
+    else:
+        def one_head(q_GTD, k_TD, v_TD, seg_T):
+            return kernel(q_GTD, k_TD, v_TD, segment_ids=splash.SegmentIds(q=seg_T, kv=seg_T))
+
+        # Over rows, then over kv heads (the row's ids shared by its heads).
+        out = jax.vmap(jax.vmap(one_head, in_axes=(0, 0, 0, None)))(
+            q_BKGTD, k_BKTD, v_BKTD, segment_ids_BT.astype(jnp.int32))
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
 
 
-def resolve(implementation: str, backend: str | None = None) -> str:
-    """The implementation `auto` stands for on `backend` (default: JAX's)."""
+def resolve(implementation: str, backend: str | None = None, packed: bool = False) -> str:
+    """The implementation `auto` stands for on `backend` (default: JAX's); `packed`:
+    for rows with segment ids, where GPU gets blockwise (see `causal_attention`)."""
     if implementation != "auto":
         return implementation
     backend = backend or jax.default_backend()
-    return {"tpu": "splash", "gpu": "cudnn"}.get(backend, "blockwise")
+    gpu = "blockwise" if packed else "cudnn"
+    return {"tpu": "splash", "gpu": gpu}.get(backend, "blockwise")
 
 
 def causal_attention(q_BTHD, k_BTKD, v_BTKD, implementation: str = "auto",
-                     block: int = 512, interpret: bool = False):
-    """Causal self-attention by `implementation` (see the module docstring).
+                     block: int = 512, interpret: bool = False, segment_ids_BT=None):
+    """Causal self-attention by `implementation` (see the module docstring); with
+    `segment_ids_BT` (int [B, T], 0 padding) within each packed sequence.
 
     A Pallas kernel cannot be partitioned by XLA: inside `sharding.activation_rules`
     splash runs per shard under `shard_map` (batch and heads split by the rules;
-    the sequence is never split). `interpret` runs it in Pallas' interpreter (CPU)."""
-    impl = resolve(implementation)
+    the sequence is never split). `interpret` runs it in Pallas' interpreter (CPU).
+
+    cudnn takes no segment ids: `jax.nn.dot_product_attention` (JAX 0.10) accepts
+    per-row lengths, which describe one sequence per row, or a dense mask, which it
+    turns into a [B, heads, T, T] bias, the quadratic memory a long packed row
+    cannot afford. Packed rows on `cudnn` therefore run blockwise (linear memory,
+    exact), with a warning; `auto` picks blockwise for them on GPU directly."""
+    packed = segment_ids_BT is not None
+    impl = resolve(implementation, packed=packed)
+    if impl == "cudnn" and packed:
+        _log.warning("model.attention=cudnn cannot take segment ids (packed rows): "
+                     "running them with blockwise attention")
+        impl = "blockwise"
     if impl == "dense":
-        return dense_causal(q_BTHD, k_BTKD, v_BTKD)
+        return dense_causal(q_BTHD, k_BTKD, v_BTKD, segment_ids_BT)
     if impl == "blockwise":
-        return blockwise_causal(q_BTHD, k_BTKD, v_BTKD, block)
+        return blockwise_causal(q_BTHD, k_BTKD, v_BTKD, block, segment_ids_BT)
     if impl == "cudnn":
         return cudnn_causal(q_BTHD, k_BTKD, v_BTKD)
     if impl == "splash":
         kernel = functools.partial(splash_causal, block=block, interpret=interpret)
+        args = (q_BTHD, k_BTKD, v_BTKD)
+        if packed:
+            kernel = functools.partial(_splash_packed, kernel)
+            args += (segment_ids_BT,)
         ctx = active_rules()
         if ctx is None:
-            return kernel(q_BTHD, k_BTKD, v_BTKD)
+            return kernel(*args)
         mesh, rules = ctx
         q_spec = logical_to_spec(("batch", "length", "heads", "head_dim"), rules, mesh)
         kv_spec = logical_to_spec(("batch", "length", "kv_heads", "head_dim"), rules, mesh)
-        return jax.shard_map(kernel, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec),
-                             out_specs=q_spec, check_vma=False)(q_BTHD, k_BTKD, v_BTKD)
+        specs = (q_spec, kv_spec, kv_spec)
+        if packed:
+            specs += (logical_to_spec(("batch", "length"), rules, mesh),)
+        return jax.shard_map(kernel, mesh=mesh, in_specs=specs,
+                             out_specs=q_spec, check_vma=False)(*args)
     raise ValueError(f"unknown attention implementation {implementation!r}; "
                      f"known: {ATTENTION_IMPLS}")
+
+
+def _splash_packed(kernel, q_BTHD, k_BTKD, v_BTKD, segment_ids_BT):
+    # Positional segment ids, so that shard_map can split them with the batch.
+    return kernel(q_BTHD, k_BTKD, v_BTKD, segment_ids_BT=segment_ids_BT)

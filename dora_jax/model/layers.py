@@ -115,15 +115,18 @@ class Attention(nnx.Module):
         y = jnp.einsum("bthk,hkd->btd", o_BTHD, self.wo[...].astype(self.dtype))
         return constrain(y, ("batch", "length", "embed"))
 
-    def __call__(self, x_BTD, positions_BT, past=None):
+    def __call__(self, x_BTD, positions_BT, past=None, segment_ids_BT=None):
         """Causal self-attention over the sequence; also returns its (k, v).
 
         past: (k_BPKD, v_BPKD, length) of positions before this sequence, of which
         the first `length` are real: every token also attends to them (a prefix
-        extended, not recomputed)."""
+        extended, not recomputed).
+        segment_ids_BT: packed rows (int, 0 padding): attention stays within each
+        segment (see attention.py); not with `past`."""
         q, k, v = self._qkv(x_BTD, positions_BT)
         if past is None:
-            o = causal_attention(q, k, v, self.implementation, self.block)
+            o = causal_attention(q, k, v, self.implementation, self.block,
+                                 segment_ids_BT=segment_ids_BT)
             return self._out(o), (k, v)
         past_k, past_v, length = past
         B, T, P = x_BTD.shape[0], x_BTD.shape[1], past_k.shape[1]

@@ -2,7 +2,8 @@
 
 Two forward paths over the same params:
 - `Transformer.__call__`: the full sequence (training, scoring, prefill), logits for
-  every position, optionally the per-layer keys/values for a KV cache;
+  every position, optionally the per-layer keys/values for a KV cache; a row may
+  also pack several sequences (`segment_ids_BT`), each computed as if alone;
 - `Transformer.decode`: one token for each of B slots, each at its own position,
   against an explicit `KVCache` pytree passed in and returned — the module never
   holds decode state, so one set of params can serve many caches and one cache can
@@ -82,8 +83,9 @@ class Block(nnx.Module):
             return self.mlp(x, dropless=dropless, valid_BT=valid_BT)
         return self.mlp(x), None
 
-    def __call__(self, x_BTD, positions_BT, dropless, past=None, valid_BT=None):
-        h, kv = self.attn(self.attn_norm(x_BTD), positions_BT, past)
+    def __call__(self, x_BTD, positions_BT, dropless, past=None, valid_BT=None,
+                 segment_ids_BT=None):
+        h, kv = self.attn(self.attn_norm(x_BTD), positions_BT, past, segment_ids_BT)
         x_BTD = x_BTD + h
         h, aux = self._mlp(self.mlp_norm(x_BTD), dropless, valid_BT)
         return x_BTD + h, kv, aux
@@ -146,14 +148,14 @@ class Transformer(nnx.Module):
                           preferred_element_type=jnp.float32)
 
     def _period(self, x, positions_BT, dropless, graphdefs, states, past=None,
-                valid_BT=None):
+                valid_BT=None, segment_ids_BT=None):
         """Layers of one period in order: (x, [k per layer], [v ...], [MoE aux ...]).
         past: None or (k [period, B, P, K, D], v, length) for these layers."""
         ks, vs, auxes = [], [], []
         for r, (graphdef, state) in enumerate(zip(graphdefs, states)):
             layer_past = None if past is None else (past[0][r], past[1][r], past[2])
             x, (k, v), aux = nnx.merge(graphdef, state)(x, positions_BT, dropless,
-                                                        layer_past, valid_BT)
+                                                        layer_past, valid_BT, segment_ids_BT)
             ks.append(k)
             vs.append(v)
             if aux is not None:
@@ -162,7 +164,7 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens_BT, positions_BT=None, *, dropless: bool | None = None,
                  return_kv: bool = False, past: KVCache | None = None, past_length=None,
-                 valid_BT=None):
+                 valid_BT=None, segment_ids_BT=None):
         """Full causal forward. Returns (logits_BTV f32, aux, kv or None).
 
         valid_BT: bool mask of real tokens (None: all); MoE layers route no padding
@@ -173,8 +175,22 @@ class Transformer(nnx.Module):
         past: the KV cache ([layers, B, P, ...]) of the `past_length` positions before
         `tokens_BT`, which then continue them (positions from past_length on): a
         prefix extended by a chunk.
+        segment_ids_BT: packed rows (int32 [B, T]): several sequences concatenated in
+        a row, numbered 1, 2, ... contiguously, 0 for padding (anywhere). Each token
+        attends only to earlier tokens of its own sequence, so a sequence's logits are
+        those it has alone. positions_BT should then restart at 0 at each sequence
+        (None: `segment_positions`), and valid_BT defaults to segment_ids_BT > 0.
+        Not with `past`.
         """
         B, T = tokens_BT.shape
+        if segment_ids_BT is not None:
+            if past is not None:
+                raise ValueError("packed rows (segment_ids_BT) cannot continue a past KV "
+                                 "cache: pass one or the other")
+            if positions_BT is None:
+                positions_BT = segment_positions(segment_ids_BT)
+            if valid_BT is None:
+                valid_BT = segment_ids_BT > 0
         if positions_BT is None:
             start = 0 if past is None else past_length
             positions_BT = jnp.broadcast_to(start + jnp.arange(T), (B, T))
@@ -186,7 +202,7 @@ class Transformer(nnx.Module):
             def run(x, states, past_kv=None):
                 layer_past = None if past_kv is None else (*past_kv, past_length)
                 return self._period(x, positions_BT, dropless, graphdefs, states, layer_past,
-                                    valid_BT)
+                                    valid_BT, segment_ids_BT)
             if self.cfg.remat == "none":
                 return run
             return jax.checkpoint(run, policy=_CHECKPOINT_POLICIES[self.cfg.remat])
@@ -263,8 +279,20 @@ def abstract_params(cfg: ModelConfig):
 
 
 def apply(graphdef, params, tokens_BT, positions_BT=None, **kwargs):
-    """Functional full forward: `Transformer.__call__` on explicit params."""
+    """Functional full forward: `Transformer.__call__` on explicit params (packed
+    rows: `segment_ids_BT=`)."""
     return nnx.merge(graphdef, params)(tokens_BT, positions_BT, **kwargs)
+
+
+def segment_positions(segment_ids_BT: jax.Array) -> jax.Array:
+    """Positions [B, T] (int32) of packed rows: 0 at the first token of each run of
+    equal segment ids, counting up within it, so that RoPE restarts per sequence."""
+    B, T = segment_ids_BT.shape
+    t_T = jnp.arange(T, dtype=jnp.int32)
+    starts_BT = jnp.concatenate([jnp.ones((B, 1), bool),
+                                 segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
+    run_start_BT = jax.lax.cummax(jnp.where(starts_BT, t_T, 0), axis=1)
+    return t_T - run_start_BT
 
 
 def decode(graphdef, params, tokens_B, positions_B, cache: KVCache, pages=None,
