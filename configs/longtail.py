@@ -37,7 +37,10 @@ def get_config(arg=None):
     c = config_lib.load(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny.py"))
     c.model.vocab_size = 260
     c.rollout.update(dict(max_prefill_length=8, max_decode_len=256, prefill_buckets=(8,)))
-    c.trainer.update(dict(learning_rate=3e-3, length_buckets=(32, 64, 136, 264)))
+    # Packed rows of 264 tokens, 4 per micro-batch (the trainer mesh's 4 batch shards):
+    # one 200-token response no longer pads the other 15 rows of its batch.
+    c.trainer.update(dict(learning_rate=3e-3, length_buckets=(32, 64, 136, 264),
+                          tokens_per_microbatch=4 * 264))
     # Up to 64 samples admitted for 32 slots, so long-tailed stragglers do not leave
     # slots idle (dora and partial_rollout; FEASIBILITY caps it at TBS x (K + 1)).
     c.coordinator.rollout_batch_size = 16

@@ -59,40 +59,46 @@ def _metrics(workdir) -> list:
     return [json.loads(line) for line in open(workdir / "metrics.jsonl")]
 
 
-def test_dora_paths_with_slow_training_and_slow_decoding(tmp_path, small_config, monkeypatch):
-    """Training and decoding both slow enough that a group outlives a publish: DORA
-    keeps several versions resident, drains old slices by migration, consumes groups
-    at lag K - 1 or more (admission keeps one step of K = 3 in reserve), and every
-    slice loads exactly the params the trainer published."""
-    # A step trains in about a quarter of a response's decoding time, so an old
-    # version's samples are still running on several slices when a publish comes;
-    # with 48 samples admissible for 16 slots the newest version has more work than
-    # its slices, so old slices are drained for it (DORA drains only for such work).
+def test_dora_paths_with_a_sample_held_across_publishes(tmp_path, small_config,
+                                                       monkeypatch):
+    """Sample 0 of group 0 (version 0) does not decode until the trainer has
+    published version 2, whatever the machine's pace (its slice stands still, by
+    count, not by sleeps): DORA keeps version 0 resident on that slice while others
+    load newer versions, the group is consumed at staleness K - 1 = 2 or more
+    (admission keeps one step of K = 3 in reserve), and every slice loads exactly the
+    params the trainer published."""
+    import threading
+
     cfg = small_config("dora", max_staleness=3, train_batch_size=8, rollout_batch_size=32,
-                       num_steps=10,
-                       rollout=dict(max_decode_len=16, decode_steps=1))
-    loads = []
-    load_version, step = DecodeSlice.load_version, DecodeSlice.step
+                       num_steps=6, rollout=dict(max_decode_len=16, decode_steps=1))
+    loads = _loads_recorded(monkeypatch)
+    published_2, step = threading.Event(), DecodeSlice.step
+    held = []
 
-    def recording_load(self, version, params):
-        seconds = load_version(self, version, params)
-        loads.append((self.slice_id, version, _host_leaves(self.params.leaves)))
-        return seconds
+    class Publishing(RecordingTrainer):
+        def train_step(self, batch):
+            metrics = super().train_step(batch)
+            if self.version >= 2:
+                published_2.set()
+            return metrics
 
-    def slow_step(self):
-        time.sleep(0.02)
+    def holding_step(self):
+        if self.holds((0, 0)) and not published_2.is_set():
+            held.append(self.slice_id)
+            published_2.wait(0.005)  # decodes nothing: it stands still until then
+            return []
         return step(self)
 
-    monkeypatch.setattr(DecodeSlice, "load_version", recording_load)
-    monkeypatch.setattr(DecodeSlice, "step", slow_step)
-    monkeypatch.setattr(RecordingTrainer, "delay", 0.05)
-    summary, trainer = _run(cfg, tmp_path)
+    monkeypatch.setattr(DecodeSlice, "step", holding_step)
+    summary, trainer = _run(cfg, tmp_path, Publishing)
 
     events, report = audit_workdir(cfg, tmp_path)
     assert report.ok, report.summary()
+    assert held, "the sample was never held"
+    (group0,) = [e for e in events if e["event"] == "consume" and e["group_id"] == 0]
+    assert group0["step"] - group0["version"] >= cfg.coordinator.max_staleness - 1, group0
     assert max(report.staleness) >= cfg.coordinator.max_staleness - 1, summary
     assert summary["max_resident_versions"] >= 2, summary
-    assert summary["migrations"] > 0, summary
     loaded = {v for _, v, _ in loads}  # a slice may skip a version published meanwhile
     assert 0 in loaded and len(loaded) >= 3, loaded
     for slice_id, version, leaves in loads:
@@ -446,6 +452,30 @@ def _forced_migrations(monkeypatch) -> list:
     monkeypatch.setattr(Scheduler, "decide", deciding)
     monkeypatch.setattr(Scheduler, "slice_failed", failing)
     return forced
+
+
+def test_migrated_samples_continue_where_they_left_off(tmp_path, small_config, monkeypatch):
+    """Migrations forced wherever legal (`_forced_migrations`), nothing failing: each
+    moved sample leaves its source with its KV cache and finishes on its destination
+    under its group's version; the consume lines list both slices for it, and the
+    ledger audits clean."""
+    forced = _forced_migrations(monkeypatch)
+    cfg = small_config("dora", num_steps=4, rollout=dict(max_decode_len=16, decode_steps=1))
+    summary, _ = _run(cfg, tmp_path)
+    events, report = audit_workdir(cfg, tmp_path)
+    assert report.ok, report.summary()
+    assert forced and summary["migrations"] >= 1, (forced, summary)
+    samples = {(e["group_id"], k): s for e in events if e["event"] == "consume"
+               for k, s in enumerate(e["samples"])}
+    moved = 0
+    for g, k, src, dst in forced:
+        if (g, k) not in samples:
+            continue  # not consumed by the end of the run
+        path = samples[(g, k)]["slices"]
+        # It moved, or it had finished on its source before the export came.
+        assert (src, dst) in list(zip(path, path[1:])) or path[-1] == src, (path, src, dst)
+        moved += (src, dst) in list(zip(path, path[1:]))
+    assert moved >= 1, (forced, summary)
 
 
 @pytest.mark.parametrize("point", ["export", "import"])
