@@ -85,6 +85,16 @@ def test_bench_trainer():
 
 
 @pytest.mark.slow
+def test_bench_trainer_long_tail():
+    out = run_module("dora_jax.bench.trainer", "--config=configs/longtail.py",
+                     "--lengths=long_tail", "--steps=1", "--rounds=1", "--groups=4",
+                     "--group_size=4", "--config.model.num_layers=1")
+    parse(final_line(out), rf"packed/padded peak memory: {NUMBER}", 0.001, 10)
+    parse(out.stdout.strip().splitlines()[-2], rf"packed/padded real tokens/s: {NUMBER}",
+          0.01, 100)
+
+
+@pytest.mark.slow
 def test_bench_modes(modes_run):
     workdir, out = modes_run
     parse(final_line(out), rf"dora/best-other tokens/s ratio: {NUMBER}", 0.01, 100)

@@ -16,11 +16,18 @@ grpo = (r - mean)/(std + eps), drgrpo = r - mean, rloo = leave-one-out. With
 `trainer.mask_truncated` the responses cut at max_decode_len get no loss (they still
 count in their group's advantages).
 
+The step consumes a layout of the batch (packing.py): one padded row per sample,
+micro-batches by row count (`trainer.micro_batches`), or, with
+`trainer.tokens_per_microbatch`, samples packed whole into rows (attention within
+each sample, positions restarting at each) and micro-batches by tokens, those left
+empty skipped; every per-sequence quantity goes through each token's sample index,
+so both layouts give one objective.
+
 Aggregation across micro-batches is exact: token-mean divides by the token count of
 the whole minibatch; seq-mean-* modes divide by its number of non-empty sequences
 (their max_len constant is rollout.max_decode_len, not the bucket), and
 seq-mean-token-sum-norm is a sum. MoE aux losses are the mean over micro-batches of
-each micro-batch's (nonlinear) value; right padding is never routed.
+each (non-empty) micro-batch's (nonlinear) value; padding is never routed.
 
 An update whose loss or gradient is not finite is skipped: params and optimizer
 state stay as they were (the learning-rate schedule does not advance), and the step

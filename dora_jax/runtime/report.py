@@ -267,6 +267,8 @@ class StepReporter:
                 **{k: round(sum(x.get("trainer_wait_split", {}).get(k, 0.0) for x in r[1:])
                             / window, 4) for k in ("guard", "starvation")}}
             out["step_seconds"] = round(window / (len(r) - 1), 4)
+            # The trainer's own time per step (not its waits), steady steps only.
+            out["train_step_seconds"] = round(float(np.median([x["step_time"] for x in r[1:]])), 4)
             if timeline is not None:
                 out["rollout_only_share"] = rollout_only_share(timeline.spans, r[0]["time"],
                                                                r[-1]["time"])
