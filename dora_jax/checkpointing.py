@@ -79,7 +79,9 @@ class Checkpointer:
 
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3,
                  save_interval_steps: int = 1, async_save: bool = True):
-        self.directory = os.path.abspath(os.fspath(directory))
+        directory = os.fspath(directory)
+        # A URL (gs://...) goes to Orbax as given: abspath would make it a local path.
+        self.directory = directory if "://" in directory else os.path.abspath(directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, save_interval_steps=save_interval_steps,
             enable_async_checkpointing=async_save, create=True)

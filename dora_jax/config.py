@@ -170,6 +170,10 @@ class CoordinatorConfig(Section):
     # coordinator between two steps while it starts (tiny CPU config: ~2 s for the
     # first save in a process, ~0.13 s after); benchmarks turn periodic saves off.
     checkpoint_every: int = field(5, min=0)
+    # Where checkpoints go ("": <workdir>/checkpoints). A gs:// location lets Orbax
+    # write straight to Cloud Storage (under Pathways, from the TPU hosts) while the
+    # workdir's other files stay on a mounted bucket (dora_jax.launch.gke sets it).
+    checkpoint_dir: str = field("")
     # A slice that raises is restarted empty (its requests regenerated) up to this
     # many times in a run; one more failure stops the run.
     max_slice_restarts: int = field(3, min=0)

@@ -77,7 +77,8 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     for this config (None: read here). Raises `runtime.loop.RunError` if any part
     fails; the ledger then still accounts for every admitted group."""
     recovery.prepare(workdir, cfg, fresh)
-    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"))
+    checkpointer = Checkpointer(cfg.coordinator.checkpoint_dir
+                                or os.path.join(workdir, "checkpoints"))
     trained = checkpointer.latest_step()
     if trained is not None and trained >= cfg.coordinator.num_steps:
         checkpointer.close()  # nothing left to train: the run is complete

@@ -285,3 +285,18 @@ def test_a_full_disk_at_the_end_still_finishes_the_pending_save(tmp_path, small_
     assert rt.book.groups  # groups were in flight: the unconsumed lines were due
     assert not rt._trainer_thread.is_alive()
     assert not any(w._thread.is_alive() for w in rt.workers)
+
+
+def test_checkpoints_go_to_the_checkpoint_dir_and_the_run_resumes_from_there(
+        tmp_path, small_config):
+    """`coordinator.checkpoint_dir` (the launcher points it at the bucket's gs://
+    URL) holds the checkpoints instead of <workdir>/checkpoints; the same command
+    then finds them: a finished run is not trained again."""
+    from dora_jax import experiment
+
+    elsewhere = tmp_path / "bucket" / "checkpoints"
+    cfg = small_config("dora", num_steps=2, checkpoint_every=1, checkpoint_dir=str(elsewhere))
+    experiment.run(cfg, str(tmp_path / "run"))
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert "2" in os.listdir(elsewhere)
+    assert experiment.run(cfg, str(tmp_path / "run"))["already_trained"] == 2

@@ -104,7 +104,9 @@ def prepare(workdir: str, cfg: Config, fresh: bool) -> None:
             raise ConfigError(f"workdir {workdir} holds a run with another config ("
                               + "; ".join(diff) + "); pass --fresh to start over there")
     files.write_json_atomic(path, new, indent=1)
-    checkpointing.remove_stale_tmp(os.path.join(workdir, "checkpoints"))
+    # A gs:// checkpoint_dir is no local directory: Orbax there cleans up after itself.
+    checkpointing.remove_stale_tmp(cfg.coordinator.checkpoint_dir
+                                   or os.path.join(workdir, "checkpoints"))
 
 
 @dataclasses.dataclass
