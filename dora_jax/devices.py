@@ -70,32 +70,101 @@ def require_single_controller(process_count: int) -> None:
             "(python -m dora_jax.launch.gke renders the job) rather than one process per host.")
 
 
-def make_meshes(mesh_cfg, devices: Sequence | None = None):
-    """Builds the trainer mesh and the decode-slice meshes from `mesh_cfg` (a
-    config.MeshConfig) over `devices` (default: every device JAX sees).
+def tpu_slices(devices: Sequence) -> list[int] | None:
+    """The TPU slice of each device (its `slice_index`), or None when the devices
+    carry no slice index (CPU, GPU, one TPU slice on an older runtime) or all lie in
+    one slice: then every link is the fast in-slice network."""
+    indices = [getattr(d, "slice_index", None) for d in devices]
+    if any(i is None for i in indices) or len(set(indices)) < 2:
+        return None
+    return indices
+
+
+def order_by_slice(devices: Sequence) -> list:
+    """`devices` grouped by TPU slice (slice order, each slice's devices in their
+    given order), so that consecutive blocks (the trainer's, each decode slice's)
+    take whole slices rather than a few devices of each."""
+    indices = tpu_slices(devices)
+    if indices is None:
+        return list(devices)
+    order = sorted(range(len(devices)), key=lambda j: indices[j])  # stable: keeps ids' order
+    return [devices[j] for j in order]
+
+
+def device_grid(devices: Sequence, shape: tuple, axes: tuple, dcn_axis: str | None,
+                what: str):
+    """The devices of one mesh as an array of `shape` (named `axes`).
+
+    Within one TPU slice this is the devices in order (reshaped). Across slices the
+    data-centre network is much slower than the links inside a slice, so only
+    `dcn_axis` may cross it: the mesh is JAX's hybrid mesh
+    (`mesh_utils.create_hybrid_device_mesh`) with that axis split over the slices
+    and every other axis (fsdp, tensor, expert: the ones that gather or all-to-all
+    every layer) inside one slice. ValueError, naming `what`, when the devices cannot
+    be laid out so (unequal slices, or `dcn_axis` not a multiple of the slices)."""
+    import numpy as np
+
+    indices = tpu_slices(devices)
+    if indices is None:
+        return np.array(list(devices), dtype=object).reshape(shape)
+    counts = {i: indices.count(i) for i in indices}
+    n = len(counts)
+    if dcn_axis is None:
+        raise ValueError(f"{what} spans {n} TPU slices; its devices must lie in one slice")
+    if len(set(counts.values())) != 1:
+        raise ValueError(f"{what} takes unequal parts of {n} TPU slices "
+                         f"({sorted(counts.values())} devices): give it whole slices")
+    k = axes.index(dcn_axis)
+    if shape[k] % n:
+        raise ValueError(f"{what} spans {n} TPU slices, so its {dcn_axis} axis "
+                         f"({shape[k]}) must be a multiple of {n}: only that axis "
+                         "crosses the data-centre network")
+    from jax.experimental import mesh_utils
+
+    inner = tuple(s // n if a == dcn_axis else s for a, s in zip(axes, shape))
+    dcn = tuple(n if a == dcn_axis else 1 for a in axes)
+    return mesh_utils.create_hybrid_device_mesh(inner, dcn, list(devices))
+
+
+def mesh_grids(mesh_cfg, devices: Sequence):
+    """The device arrays of the trainer's mesh and of each decode slice's, from
+    `mesh_cfg` (a config.MeshConfig) over `devices`: `(trainer_grid, [slice_grid,
+    ...])`, shaped as the config's axes (TRAINER_MESH_AXES, SLICE_MESH_AXES).
 
     The trainer takes the first devices; each slice the next block, or with
-    `mesh_cfg.colocated` a block of the trainer's own devices. Returns
-    `(trainer_mesh, [slice_mesh, ...])`.
-    """
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh
-
+    `mesh_cfg.colocated` a block of the trainer's own devices. Devices are taken
+    TPU slice by TPU slice (`order_by_slice`); a trainer over several TPU slices
+    crosses them on its `data` axis only (`device_grid`), and a decode slice lies in
+    one TPU slice. Pure: no JAX device is touched but through `devices`."""
     from dora_jax.config import SLICE_MESH_AXES, TRAINER_MESH_AXES
 
-    require_single_controller(jax.process_count())
-    devices = list(jax.devices() if devices is None else devices)
+    devices = order_by_slice(devices)
     if mesh_cfg.total_devices > len(devices):
         raise ValueError(f"mesh needs {mesh_cfg.total_devices} devices, have {len(devices)}")
     n = mesh_cfg.trainer_devices
     shape = tuple(mesh_cfg.trainer[a] for a in TRAINER_MESH_AXES)
-    trainer = Mesh(np.array(devices[:n]).reshape(shape), TRAINER_MESH_AXES)
+    trainer = device_grid(devices[:n], shape, TRAINER_MESH_AXES, "data",
+                          "the trainer mesh (mesh.trainer)")
     slices = []
     k = mesh_cfg.slice_devices
     sshape = tuple(mesh_cfg.slice[a] for a in SLICE_MESH_AXES)
     for i in range(mesh_cfg.num_slices):
         start = (0 if mesh_cfg.colocated else n) + i * k
-        block = devices[start: start + k]
-        slices.append(Mesh(np.array(block).reshape(sshape), SLICE_MESH_AXES))
+        slices.append(device_grid(devices[start: start + k], sshape, SLICE_MESH_AXES, None,
+                                  f"decode slice {i} (mesh.slice)"))
     return trainer, slices
+
+
+def make_meshes(mesh_cfg, devices: Sequence | None = None):
+    """Builds the trainer mesh and the decode-slice meshes (`mesh_grids`) over
+    `devices` (default: every device JAX sees). Returns
+    `(trainer_mesh, [slice_mesh, ...])`."""
+    import jax
+    from jax.sharding import Mesh
+
+    from dora_jax.config import SLICE_MESH_AXES, TRAINER_MESH_AXES
+
+    require_single_controller(jax.process_count())
+    trainer, slices = mesh_grids(mesh_cfg, list(jax.devices() if devices is None else devices))
+    return (Mesh(trainer, TRAINER_MESH_AXES),
+            [Mesh(grid, SLICE_MESH_AXES) for grid in slices])

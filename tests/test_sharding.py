@@ -1,6 +1,7 @@
 """Sharded forward/decode (trainer and decode-slice rules) equal the unsharded ones."""
 
 import jax
+import pytest
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
@@ -102,3 +103,55 @@ def test_make_meshes_colocated_slices_cover_the_trainer_devices(load_config):
     trainer, slices = devices.make_meshes(cfg.mesh)
     slice_ids = [d.id for m in slices for d in m.devices.flat]
     assert sorted(slice_ids) == sorted(d.id for d in trainer.devices.flat) == list(range(8))
+
+
+class _FakeTpu:
+    """A device as the mesh code sees it: an id and the TPU slice it lies in. The
+    CPU devices of these tests have no slice_index, so multi-slice layouts are shown
+    on these (platform 'cpu': JAX's mesh_utils then keeps each slice's order)."""
+
+    platform = device_kind = "cpu"
+    process_index = 0
+
+    def __init__(self, id, slice_index):
+        self.id, self.slice_index = id, slice_index
+
+    def __repr__(self):
+        return f"d{self.id}@s{self.slice_index}"
+
+
+def _multislice_devices(slices, total=256):
+    # Interleaved as a runtime may list them: the mesh code regroups them by slice.
+    return [_FakeTpu(i, i % slices) for i in range(total)] if slices > 1 else [
+        _FakeTpu(i, 0) for i in range(total)]
+
+
+@pytest.mark.parametrize("slices", [1, 2, 4])
+def test_multislice_meshes_keep_fsdp_and_expert_inside_a_slice(load_config, slices):
+    c = load_config("configs/moe.py", validate=False)
+    c.mesh.trainer.update(dict(data=2, fsdp=8, tensor=1, expert=8))  # 128 chips
+    mesh = config_lib.validate(c).mesh
+    trainer, decode = devices.mesh_grids(mesh, _multislice_devices(slices))
+    assert trainer.shape == (2, 8, 1, 8) and [g.shape for g in decode] == [(4, 4)] * 8
+    flat = [d.id for g in [trainer, *decode] for d in g.flat]
+    assert sorted(flat) == list(range(256))  # disjoint, every chip once
+    for data in range(2):  # each fsdp x expert group (tensor is 1) lies in one slice
+        assert len({d.slice_index for d in trainer[data, :, 0, :].flat}) == 1
+    # The data axis is the one that crosses slices (4 slices: the trainer takes two).
+    spans = {d.slice_index for d in trainer.flat}
+    assert len(spans) == {1: 1, 2: 1, 4: 2}[slices]
+    if len(spans) > 1:
+        assert trainer[0].flat[0].slice_index != trainer[1].flat[0].slice_index
+    for g in decode:  # a decode slice lies in one TPU slice, never the trainer's
+        assert len({d.slice_index for d in g.flat}) == 1
+        if slices > 1:
+            assert not {d.slice_index for d in g.flat} & spans
+
+
+def test_multislice_trainer_needs_a_data_axis_that_splits(load_config):
+    c = load_config("configs/moe.py", validate=False)  # data=1 x fsdp=16 x expert=8
+    mesh = config_lib.validate(c).mesh
+    with pytest.raises(ValueError, match=r"data axis \(1\) must be a multiple of 2"):
+        devices.mesh_grids(mesh, _multislice_devices(4))
+    trainer, _ = devices.mesh_grids(mesh, _multislice_devices(2))  # 128 chips a slice
+    assert len({d.slice_index for d in trainer.flat}) == 1
