@@ -1,22 +1,23 @@
 """The GKE job of dora_jax.launch.gke, through XManager.
 
-  python launchers/xm_launch.py --config=configs/tiny.py --tpu=v5e-8 --dry_run
+  python launchers/xm_launch.py --config=configs/tiny.py --tpu=v5e-8 \\
+      --bucket=BUCKET --image=REGISTRY/dora-jax:0.1.0 --dry_run
   python launchers/xm_launch.py --config=configs/moe.py --tpu=v5p-128 \\
-      --workdir=/gcs/BUCKET/moe --gcs_scratch=gs://BUCKET/pathways --image=REGISTRY/dora_jax:TAG
+      --bucket=BUCKET --image=REGISTRY/dora-jax:0.1.0
 
 Flags as dora_jax.launch.gke's (`--config.*` overrides included), plus `--dry_run`.
-`--dry_run` prints the job as YAML (the executable: image and command; the
-requirements: TPU type and slices; the env; the JobSet it stands for) without
-XManager and without credentials. Without it, XManager (`pip install xmanager`)
-submits the `main` container with those requirements through its Kubernetes
-executor.
 
-That submitting path is a sketch against XManager's public API (xm.container,
-xm_local.Kubernetes, experiment.add): XManager is not installed where this
-project is tested, so it is not exercised here. XManager places containers, not a
-Pathways cluster: the job's `main` reaches the TPUs through a Pathways proxy
-(JAX_PLATFORMS=proxy), which the cluster must provide, as the JobSet printed by
---dry_run (or dora_jax.launch.gke) does.
+One layout, single-controller, as the JobSet's: the jobs are read off the rendered
+JobSet (`xm_jobs`), so XManager places exactly its containers: `main` (our one
+process, CPU only, JAX_PLATFORMS=proxy) with the Pathways resource manager and
+proxy, and one Pathways worker per TPU host (the only jobs with chips).
+`--dry_run` prints those jobs and the JobSet as YAML, without XManager and without
+credentials; without it the same jobs go to XManager (`pip install xmanager`) as
+one job group on its Kubernetes executor (`submit`, a thin translation that is not
+exercised where xmanager is not installed). XManager places containers, not a
+JobSet: the pods reach one another by the addresses the JobSet's network gives
+them, so the cluster must resolve those names (the JobSet from
+dora_jax.launch.gke is the tested path).
 """
 
 import os
@@ -32,38 +33,62 @@ from dora_jax.launch import gke, jobset  # noqa: E402  (defines the launch flags
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "print the job; import no XManager, submit "
                              "nothing")
 # XManager's resource names for the chips of each generation.
-_XM_TPU = {"v4": "tpu_v4", "v5p": "tpu_v5p", "v5e": "tpu_v5e", "v6e": "tpu_v6e"}
+XM_TPU = {"v4": "tpu_v4", "v5p": "tpu_v5p", "v5e": "tpu_v5e", "v6e": "tpu_v6e"}
+
+
+def _env(container: dict) -> dict:
+    """A container's literal env values (fieldRefs are the JobSet's own metadata,
+    which XManager does not give: left out)."""
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
+def xm_jobs(job: dict) -> dict:
+    """The jobs XManager submits for `job` (`jobset.job_spec`), one per container
+    of its JobSet: image, command or args, env, replicas and requirements (CPU and
+    memory, or one host's chips). Only the Pathways workers ask for TPUs: `main` is
+    one process that reaches every chip through the proxy."""
+    js = jobset.render_jobset(job)
+    generation = job["tpu"]["generation"]
+    out = {}
+    for rj in js["spec"]["replicatedJobs"]:
+        spec = rj["template"]["spec"]
+        pod = spec["template"]["spec"]
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            limits = c.get("resources", {}).get("limits", {})
+            chips = limits.get(jobset.TPU_RESOURCE)
+            requirements = ({XM_TPU[generation]: chips} if chips else
+                            {k: v for k, v in limits.items() if k in ("cpu", "memory")})
+            out[c["name"]] = {
+                "image": c["image"],
+                **({"command": c["command"]} if "command" in c else {"args": c.get("args", [])}),
+                "env": _env(c),
+                "replicas": rj["replicas"] * spec["parallelism"],
+                "requirements": requirements,
+            }
+    return out
 
 
 def dry_run_spec(job: dict) -> dict:
-    """What would be submitted, as plain data."""
-    t = job["tpu"]
-    return {
-        "executable": {"image": job["image"], "command": job["command"]},
-        "requirements": {"tpu": t["type"], "num_tpu_slices": t["num_slices"],
-                         "chips_per_slice": t["chips_per_slice"],
-                         "hosts_per_slice": t["hosts_per_slice"],
-                         "chips_per_host": t["chips_per_host"], "topology": t["topology"],
-                         "devices": job["devices"]["total"]},
-        "env": job["env"],
-        "jobset": jobset.render_jobset(job),
-    }
+    """What `submit` submits, as plain data: the jobs (`xm_jobs`) and the JobSet
+    they are read from."""
+    return {"jobs": xm_jobs(job), "jobset": jobset.render_jobset(job)}
 
 
 def submit(job: dict, xm, xm_local) -> None:
-    """Adds the job to a new local XManager experiment (untested here; see the
-    module docstring)."""
-    t = job["tpu"]
+    """Adds `dry_run_spec(job)["jobs"]` to a new local XManager experiment as one
+    job group."""
+    jobs = dry_run_spec(job)["jobs"]
     with xm_local.create_experiment(experiment_title=job["name"]) as experiment:
-        # The image runs the command as given: it must have no ENTRYPOINT of its own.
-        [executable] = experiment.package([xm.container(
-            image_path=job["image"], args=job["command"],
-            executor_spec=xm_local.Kubernetes.Spec())])
-        requirements = xm.JobRequirements(**{_XM_TPU[t["generation"]]: t["chips_per_host"]},
-                                          replicas=t["num_slices"] * t["hosts_per_slice"])
-        experiment.add(xm.Job(executable=executable,
-                              executor=xm_local.Kubernetes(requirements=requirements),
-                              env_vars=job["env"]))
+        # Each image runs its command as given: ours has no ENTRYPOINT of its own.
+        executables = experiment.package([
+            xm.container(image_path=j["image"], args=j.get("command") or j["args"],
+                         executor_spec=xm_local.Kubernetes.Spec())
+            for j in jobs.values()])
+        group = {name: xm.Job(executable=executable, env_vars=j["env"],
+                              executor=xm_local.Kubernetes(requirements=xm.JobRequirements(
+                                  **j["requirements"], replicas=j["replicas"])))
+                 for (name, j), executable in zip(jobs.items(), executables)}
+        experiment.add(xm.JobGroup(**{name.replace("-", "_"): g for name, g in group.items()}))
 
 
 def main(argv):

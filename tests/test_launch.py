@@ -41,7 +41,9 @@ def needs_overrides(tiny_hf_checkpoint):
 
 
 def _load(spec, overrides):
-    return load_repo_config(spec, **{k.replace(".", "__"): v for k, v in overrides.items()})
+    """The ConfigDict, unvalidated (the launcher validates it without its files)."""
+    return load_repo_config(spec, validate=False,
+                            **{k.replace(".", "__"): v for k, v in overrides.items()})
 
 
 def _head(js):
@@ -112,19 +114,28 @@ def _types_for(devices):
     return sorted(found | {tpu.fitting(devices)[0]}, key=lambda t: t.name)
 
 
+def _job_spec(spec, overrides, cfg, t, **kw):
+    args = dict(image="img:1", bucket="b-1", workdir="/gcs/b-1/run",
+                name=jobset.default_name(spec))
+    return jobset.job_spec(spec, overrides, cfg, t, **{**args, **kw})
+
+
 @pytest.mark.parametrize("spec", SPECS)
 def test_every_config_renders_a_jobset_that_parses_back(spec, needs_overrides):
     given = needs_overrides.get(spec, {})
-    cfg = _load(spec, given)
+    cfg = jobset.render_config(_load(spec, given))
     overrides = [f"--config.{k}={v}" for k, v in given.items()]
     devices = cfg.mesh.total_devices
     assert devices == cfg.mesh.trainer_devices + cfg.mesh.num_slices * cfg.mesh.slice_devices
     for t in _types_for(devices):
-        job = jobset.job_spec(spec, overrides, cfg, t.name, image="img:1", workdir="gs://b/run",
-                              name=jobset.default_name(spec), gcs_scratch="gs://b/tmp")
+        try:
+            job = _job_spec(spec, overrides, cfg, t.name)
+        except ValueError as e:  # a trainer over slices needs a data axis that splits
+            assert "mesh.trainer.data" in str(e) or "span two TPU slices" in str(e), e
+            continue
         js = jobset.render_jobset(job)
         assert (js["apiVersion"], js["kind"]) == ("jobset.x-k8s.io/v1alpha2", "JobSet")
-        assert js["metadata"]["name"] == job["name"]
+        assert js["metadata"]["name"] == job["name"] and "labels" not in js["metadata"]
         assert {j["name"] for j in js["spec"]["replicatedJobs"]} == {"pathways-head", "worker"}
         assert _chips(js) == devices, t
         worker = _worker(js)
@@ -139,14 +150,18 @@ def test_every_config_renders_a_jobset_that_parses_back(spec, needs_overrides):
         rm = head["pathways-rm"]["args"]
         assert int(_flag(rm, "instance_count")) == worker["replicas"]
         assert _flag(rm, "instance_type").split(":")[1] == t.topology
-        assert _flag(rm, "gcs_scratch_location") == "gs://b/tmp"
+        assert _flag(rm, "gcs_scratch_location") == "gs://b-1/pathways"
         main = head["main"]
         env = {e["name"]: e["value"] for e in main["env"]}
-        assert env == {"JAX_PLATFORMS": "proxy", "JAX_BACKEND_TARGET": "grpc://localhost:29000"}
+        assert env == {"JAX_PLATFORMS": "proxy", "JAX_BACKEND_TARGET": "grpc://localhost:29000",
+                       "XCLOUD_ENVIRONMENT": "GCP"}
         assert main["command"] == ["python", "-m", "dora_jax.main", f"--config={spec}",
-                                   "--workdir=gs://b/run", *overrides]
-        back = hf_checks.validated(jobset.parse_command(main["command"], root=str(REPO)))
-        assert back == cfg
+                                   "--workdir=/gcs/b-1/run", *overrides,
+                                   "--config.coordinator.checkpoint_dir="
+                                   "gs://b-1/run/checkpoints"]
+        back = jobset.render_config(jobset.parse_command(main["command"], root=str(REPO)))
+        assert back.coordinator.checkpoint_dir == "gs://b-1/run/checkpoints"
+        assert jobset.same_run(back, cfg)
 
 
 def test_parse_command_applies_the_overrides():
@@ -159,61 +174,174 @@ def test_parse_command_applies_the_overrides():
     assert back != load_repo_config("configs/moe.py:tiny")
 
 
-def test_job_spec_refuses_a_bad_name_or_bucket():
+def test_job_spec_refuses_a_bad_name_bucket_or_workdir():
     cfg = load_repo_config("configs/tiny.py")
-    kw = dict(image="i", workdir="/w", name="dora-tiny", gcs_scratch="gs://b")
+    kw = dict(image="i", bucket="b-1", workdir="/gcs/b-1/w", name="dora-tiny")
     jobset.job_spec("configs/tiny.py", [], cfg, "v5e-8", **kw)
-    with pytest.raises(ValueError, match="DNS label"):
-        jobset.job_spec("configs/tiny.py", [], cfg, "v5e-8", **dict(kw, name="Dora_Tiny"))
-    with pytest.raises(ValueError, match="gs://"):
-        jobset.job_spec("configs/tiny.py", [], cfg, "v5e-8", **dict(kw, gcs_scratch="/tmp"))
+    for bad, match in ((dict(name="Dora_Tiny"), "DNS label"),
+                       (dict(gcs_scratch="/tmp"), "gs://"),
+                       (dict(bucket="B"), "bucket name"),
+                       (dict(workdir="gs://b-1/w"), "plain file I/O.*/gcs/b-1"),
+                       (dict(workdir="/tmp/w"), "not under the bucket's mount"),
+                       (dict(queue="a queue"), "label value")):
+        with pytest.raises(ValueError, match=match):
+            jobset.job_spec("configs/tiny.py", [], cfg, "v5e-8", **dict(kw, **bad))
     with pytest.raises(ValueError, match="needs 8 devices.*v5e-16 has 16 chips"):
         jobset.job_spec("configs/tiny.py", [], cfg, "v5e-16", **kw)
+    # A checkpoint directory the user names is kept.
+    job = jobset.job_spec("configs/tiny.py", ["--config.coordinator.checkpoint_dir=gs://x/c"],
+                          cfg, "v5e-8", **kw)
+    assert [a for a in job["command"] if "checkpoint_dir" in a] == [
+        "--config.coordinator.checkpoint_dir=gs://x/c"]
 
 
 def _run(*args):
     return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True)
 
 
-def test_gke_command_line():
-    r = _run("-m", "dora_jax.launch.gke", "--config=configs/moe.py", "--tpu=v5p-128",
+GKE = ("-m", "dora_jax.launch.gke", "--bucket=my-bucket", "--image=reg/dora-jax:0.1.0")
+XM = ("launchers/xm_launch.py", "--bucket=my-bucket", "--image=reg/dora-jax:0.1.0")
+
+
+def test_gke_command_line_survives_restarts():
+    # A checkpoint on the mount that is not on this machine: not read at render time.
+    ckpt = "--config.model.checkpoint=/gcs/my-bucket/models/Qwen3-30B-A3B"
+    r = _run(*GKE, "--config=configs/moe.py", "--tpu=v5p-256", "--queue=team-q", ckpt,
              "--config.coordinator.max_staleness=1")
     assert r.returncode == 0, r.stderr
     js = yaml.safe_load(r.stdout)
+    assert js["metadata"]["labels"] == {"kueue.x-k8s.io/queue-name": "team-q"}
+    assert js["spec"]["failurePolicy"] == {"maxRestarts": 3}
     worker = _worker(js)
     pod = worker["template"]["spec"]
-    limits = pod["template"]["spec"]["containers"][0]["resources"]["limits"]
-    assert (worker["replicas"], pod["parallelism"], limits["google.com/tpu"]) == (4, 16, 4)
+    wpod = pod["template"]["spec"]
+    assert (worker["replicas"], pod["parallelism"], wpod["containers"][0]["resources"][
+        "limits"]["google.com/tpu"]) == (2, 32, 4)
     assert _chips(js) == 256
-    command = _main(js)["command"]
-    assert command[-1] == "--config.coordinator.max_staleness=1"
-    back = hf_checks.validated(jobset.parse_command(command, root=str(REPO)))
-    assert back.coordinator.max_staleness == 1
-    assert back == load_repo_config("configs/moe.py", coordinator__max_staleness=1)
+    # Restarts: a worker restarts in place (bounded); `main` failing restarts the JobSet.
+    assert (wpod["restartPolicy"], pod["backoffLimit"]) == ("OnFailure", 4 * 32)
+    [head_job] = [j for j in js["spec"]["replicatedJobs"] if j["name"] == "pathways-head"]
+    assert head_job["template"]["spec"]["backoffLimit"] == 0
+    head = _head(js)
+    assert head["restartPolicy"] == "Never"
+    for p in (head, wpod):  # host networking, as Pathways runs its pods
+        assert (p["hostNetwork"], p["dnsPolicy"]) == (True, "ClusterFirstWithHostNet")
+    assert head["nodeSelector"] == {"cloud.google.com/gke-nodepool": "cpu-np"}
+    # The bucket, mounted by the GCS FUSE CSI driver, holds the workdir.
+    assert head_job["template"]["spec"]["template"]["metadata"]["annotations"] == {
+        "gke-gcsfuse/volumes": "true"}
+    [volume] = head["volumes"]
+    assert volume["csi"]["driver"] == "gcsfuse.csi.storage.gke.io"
+    assert volume["csi"]["volumeAttributes"]["bucketName"] == "my-bucket"
+    main = _main(js)
+    assert main["volumeMounts"] == [{"name": volume["name"], "mountPath": "/gcs/my-bucket"}]
+    assert main["resources"]["limits"] == {"cpu": "16", "memory": "64G"}
+    assert main["image"] == "reg/dora-jax:0.1.0" and main["imagePullPolicy"] == "IfNotPresent"
+    sidecars = _by_name(head["initContainers"])
+    assert sidecars["pathways-rm"]["resources"]["limits"] == {"cpu": "8", "memory": "16G"}
+    assert sidecars["pathways-proxy"]["resources"]["limits"] == {"cpu": "16", "memory": "100G"}
+    assert [p["containerPort"] for p in wpod["containers"][0]["ports"]] == [29005, 29006, 8471,
+                                                                           8080]
+    wenv = {e["name"]: e.get("value") for e in wpod["containers"][0]["env"]}
+    assert wenv["MEGASCALE_NUM_SLICES"] == "2"
+    assert wenv["MEGASCALE_COORDINATOR_ADDRESS"] == "dora-moe-pathways-head-0-0.dora-moe"
+    # The same command resumes: workdir under the mount, checkpoints at its gs:// URL.
+    command = main["command"]
+    assert command[4:] == ["--workdir=/gcs/my-bucket/dora/dora-moe", ckpt,
+                           "--config.coordinator.max_staleness=1",
+                           "--config.coordinator.checkpoint_dir="
+                           "gs://my-bucket/dora/dora-moe/checkpoints"]
+
+
+def test_files_on_the_bucket_are_read_through_the_mount_and_not_at_render_time():
+    # Neither file exists here: nothing is read until the container starts.
+    given = {"model.checkpoint": "gs://b-1/models/Qwen3-0.6B", "data.path": "/gcs/b-1/d.jsonl"}
+    overrides = [f"--config.{k}={v}" for k, v in given.items()]
+    cfg = jobset.render_config(_load("configs/qwen3_gsm8k.py", given))
+    job = _job_spec("configs/qwen3_gsm8k.py", overrides, cfg, "v5p-8")
+    assert job["command"][5:] == [
+        "--config.model.checkpoint=/gcs/b-1/models/Qwen3-0.6B",
+        "--config.data.path=/gcs/b-1/d.jsonl",
+        "--config.data.tokenizer=/gcs/b-1/models/Qwen3-0.6B",
+        "--config.coordinator.checkpoint_dir=gs://b-1/run/checkpoints"]
+    back = jobset.render_config(jobset.parse_command(job["command"], root=str(REPO)))
+    assert jobset.same_run(back, cfg, job["storage"]) and not jobset.same_run(back, cfg)
+    other = _load("configs/qwen3_gsm8k.py", dict(given, **{"data.path": "gs://other/d.jsonl"}))
+    with pytest.raises(ValueError, match="only gs://b-1 is mounted"):
+        _job_spec("configs/qwen3_gsm8k.py", [], jobset.render_config(other), "v5p-8")
+
+
+@pytest.mark.parametrize("tpu_type,slices", [("v5p-512", 1), ("v5p-256", 2), ("v5p-128", 4)])
+def test_gke_renders_1_2_and_4_slices(tpu_type, slices):
+    # On 4 slices the 128-chip trainer spans two: its data axis crosses them.
+    overrides = [] if slices < 4 else ["--config.mesh.trainer.data=2",
+                                       "--config.mesh.trainer.fsdp=8"]
+    r = _run(*GKE, "--config=configs/moe.py", f"--tpu={tpu_type}", *overrides)
+    assert r.returncode == 0, r.stderr
+    js = yaml.safe_load(r.stdout)
+    worker = _worker(js)
+    assert worker["replicas"] == slices and _chips(js) == 256
+    assert int(_flag(_by_name(_head(js)["initContainers"])["pathways-rm"]["args"],
+                     "instance_count")) == slices
+
+
+def test_gke_refuses_a_trainer_whose_data_axis_cannot_cross_slices():
+    r = _run(*GKE, "--config=configs/moe.py", "--tpu=v5p-128")
+    assert r.returncode == 1 and "mesh.trainer.data (1) must be a multiple of 2" in r.stderr
 
 
 @pytest.mark.parametrize("args", [["--tpu=v5p-1024"], ["--tpu=v5p-96"],
-                                  ["--tpu=v5p-128", "--config.coordinator.max_staleness=-1"],
-                                  ["--tpu=v5p-128", "--config.coordinator.nope=1"]])
+                                  ["--tpu=v5p-256", "--config.coordinator.max_staleness=-1"],
+                                  ["--tpu=v5p-256", "--config.coordinator.nope=1"],
+                                  ["--tpu=v5p-256", "--workdir=/tmp/moe"]])
 def test_gke_errors_are_one_line(args):
-    r = _run("-m", "dora_jax.launch.gke", "--config=configs/moe.py", *args)
+    r = _run(*GKE, "--config=configs/moe.py", *args)
     assert r.returncode != 0 and r.stdout == ""
     assert r.stderr.startswith("error:") and r.stderr.count("\n") == 1, r.stderr
     assert "Traceback" not in r.stderr
 
 
-def test_xm_dry_run_and_missing_xmanager():
-    r = _run("launchers/xm_launch.py", "--config=configs/tiny.py", "--tpu=v5e-8", "--dry_run")
+def test_image_is_required_and_the_dockerfile_pins_versions():
+    r = _run("-m", "dora_jax.launch.gke", "--config=configs/tiny.py", "--tpu=v5e-8",
+             "--bucket=b-1")
+    assert r.returncode != 0 and "--image" in r.stderr
+    text = (REPO / "Dockerfile").read_text()
+    [base] = [line.split()[1] for line in text.splitlines() if line.startswith("FROM ")]
+    assert ":" in base and "latest" not in base and base.split(":")[1][0].isdigit()
+    assert "latest" not in text.replace("# ", "").split("FROM", 1)[1]
+    for package in ("jax", "pathwaysutils", "gcsfs"):
+        assert f'"{package}==' in text, package
+    assert "WORKDIR" in text and "COPY . ." in text and ".[pathways]" in text
+
+
+def test_xm_submits_what_it_dry_runs_single_controller():
+    sys.path.insert(0, str(REPO / "launchers"))
+    try:
+        import xm_launch
+    finally:
+        sys.path.pop(0)
+    cfg = jobset.render_config(load_repo_config("configs/moe.py", validate=False))
+    job = _job_spec("configs/moe.py", [], cfg, "v5p-256")
+    jobs = xm_launch.xm_jobs(job)
+    assert set(jobs) == {"pathways-rm", "pathways-proxy", "main", "pathways-worker"}
+    # Only the Pathways workers ask for chips: one `main`, CPU only.
+    assert jobs["main"]["replicas"] == 1 and jobs["main"]["requirements"] == {
+        "cpu": "16", "memory": "64G"}
+    assert jobs["main"]["command"] == job["command"]
+    assert jobs["pathways-worker"]["requirements"] == {"tpu_v5p": 4}
+    assert jobs["pathways-worker"]["replicas"] == 2 * 32
+    assert [n for n, j in jobs.items() if any(k.startswith("tpu") for k in j["requirements"])
+            ] == ["pathways-worker"]
+    # The dry run prints exactly what `submit` submits (one function builds both).
+    r = _run(*XM, "--config=configs/moe.py", "--tpu=v5p-256", "--dry_run")
     assert r.returncode == 0, r.stderr
     out = yaml.safe_load(r.stdout)
-    assert out["executable"]["command"] == jobset.main_command(
-        "configs/tiny.py", "/gcs/BUCKET/dora/dora-tiny", [])
-    assert _main(out["jobset"])["command"] == out["executable"]["command"]
-    assert (out["requirements"]["tpu"], out["requirements"]["num_tpu_slices"]) == ("v5e-8", 1)
-    assert _chips(out["jobset"]) == out["requirements"]["devices"] == 8
-    assert "XLA_FLAGS" not in out["env"] and out["env"]["JAX_PLATFORMS"] == "proxy"
+    same = _job_spec("configs/moe.py", [], cfg, "v5p-256", bucket="my-bucket",
+                     workdir="/gcs/my-bucket/dora/dora-moe", image="reg/dora-jax:0.1.0")
+    assert out == yaml.safe_load(yaml.safe_dump(xm_launch.dry_run_spec(same), sort_keys=False))
+    assert "XLA_FLAGS" not in out["jobs"]["main"]["env"]
     if importlib.util.find_spec("xmanager") is None:
-        r = _run("launchers/xm_launch.py", "--config=configs/tiny.py", "--tpu=v5e-8")
+        r = _run(*XM, "--config=configs/tiny.py", "--tpu=v5e-8")
         assert r.returncode == 1 and r.stderr.startswith("error: xmanager is not installed")
         assert r.stderr.count("\n") == 1
 
@@ -237,19 +365,17 @@ INJECTION = ("/x\n---\napiVersion: v1\nkind: Pod\nmetadata: {name: evil}\nspec: 
                                    "# not a comment"])
 def test_override_values_cannot_inject_yaml(value):
     override = f"--config.data.path={value}"
-    r = _run("-m", "dora_jax.launch.gke", "--config=configs/tiny.py", "--tpu=v5e-8", override)
+    r = _run(*GKE, "--config=configs/tiny.py", "--tpu=v5e-8", override)
     assert r.returncode == 0, r.stderr
     [js] = list(yaml.safe_load_all(r.stdout))  # exactly one document: the JobSet
     assert js["kind"] == "JobSet" and js["apiVersion"].startswith("jobset.x-k8s.io/")
-    assert _main(js)["command"][-1] == override  # the value verbatim
+    assert _main(js)["command"][-2] == override  # the value verbatim
     # How the file was made is kept inside the document, where it is only data.
     made = js["metadata"]["annotations"]["dora-jax/command"]
     assert shlex.split(made)[-1] == override
     assert "8 chips" in js["metadata"]["annotations"]["dora-jax/devices"]
-    assert "edit BUCKET" in r.stderr  # the reminder stays out of the file
-    r = _run("launchers/xm_launch.py", "--config=configs/tiny.py", "--tpu=v5e-8",
-             "--dry_run", override)
+    r = _run(*XM, "--config=configs/tiny.py", "--tpu=v5e-8", "--dry_run", override)
     assert r.returncode == 0, r.stderr
     [out] = list(yaml.safe_load_all(r.stdout))
-    assert out["executable"]["command"][-1] == override
-    assert _main(out["jobset"])["command"][-1] == override
+    assert out["jobs"]["main"]["command"][-2] == override
+    assert _main(out["jobset"])["command"][-2] == override

@@ -1,17 +1,29 @@
 """Prints the Kubernetes JobSet that runs a config on GKE TPU slices under Pathways.
 
-  python -m dora_jax.launch.gke --config=configs/moe.py --tpu=v5p-128 \\
-      --workdir=/gcs/BUCKET/moe --gcs_scratch=gs://BUCKET/pathways \\
-      --image=REGISTRY/dora_jax:TAG [--config.coordinator.max_staleness=1 ...] > jobset.yaml
+  python -m dora_jax.launch.gke --config=configs/moe.py --tpu=v5p-256 \\
+      --bucket=BUCKET --image=REGISTRY/dora-jax:0.1.0 \\
+      [--workdir=/gcs/BUCKET/moe --queue=LOCAL_QUEUE --config.coordinator.max_staleness=1 ...] \\
+      > jobset.yaml
   kubectl apply -f jobset.yaml
 
-The config is loaded and validated here, as dora_jax.main would, and the `--config.*`
-overrides are forwarded verbatim into the container's command. The job takes
-`mesh.total_devices` chips (one JAX device per chip) as that many slices of `--tpu`,
-which must divide it exactly. The image must hold this repository at its working
-directory (the command names `configs/...` relative to it) with dora_jax and
-pathwaysutils installed (dora_jax.main starts Pathways' JAX backend under
-JAX_PLATFORMS=proxy).
+The config is loaded and validated here, as dora_jax.main would, except for the
+files it names (a checkpoint, tokenizer or data file may sit on gs:// or on the
+bucket mounted only in the container): dora_jax.main reads and checks those when
+it starts. The `--config.*` overrides are forwarded as given into the container's
+command (a gs:// URL of the bucket in a file field becomes its path under the mount,
+launch/storage.py). The job takes `mesh.total_devices` chips (one JAX device per chip) as that
+many slices of `--tpu`, which must divide it exactly.
+
+The bucket is mounted in the head pod (GCS FUSE CSI driver) and holds the workdir;
+checkpoints go to the same place through its gs:// URL
+(`coordinator.checkpoint_dir`), which Orbax writes directly. A failed pod restarts
+the JobSet (up to `--max_restarts`) with the same command, which resumes from the
+workdir's newest checkpoint.
+
+The image is built from the repository's Dockerfile (the README says how); it holds
+this repository at its working directory (the command names `configs/...` relative
+to it) with dora_jax and pathwaysutils installed (dora_jax.main starts Pathways' JAX
+backend under JAX_PLATFORMS=proxy).
 Nothing is contacted and no credentials are read: the output is text, one YAML
 document written whole by the YAML emitter (the command line that made it is kept as
 an annotation, not a comment), so no argument can add YAML of its own.
@@ -30,18 +42,31 @@ from dora_jax.launch import jobset
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/x.py[:variant]",
                                           lock_config=True)
 _TPU = flags.DEFINE_string("tpu", None, "TPU slice type, e.g. v5p-128, v5e-16, v6e-8")
-_WORKDIR = flags.DEFINE_string("workdir", None, "the run's workdir (default: "
-                               "/gcs/BUCKET/dora/NAME: a mounted bucket, to edit)")
-_IMAGE = flags.DEFINE_string("image", "dora-jax:latest", "container image with dora_jax "
-                             "installed and this repository as its working directory")
+_IMAGE = flags.DEFINE_string("image", None, "container image built from this repository's "
+                             "Dockerfile, e.g. REGISTRY/dora-jax:0.1.0 (see the README)")
+_BUCKET = flags.DEFINE_string("bucket", None, "Cloud Storage bucket holding the workdir "
+                              "(mounted in the head pod by the GCS FUSE CSI driver)")
+_MOUNT = flags.DEFINE_string("mount_path", "", "where the bucket is mounted (default "
+                             "/gcs/BUCKET)")
+_WORKDIR = flags.DEFINE_string("workdir", None, "the run's workdir, under the mount "
+                               "(default: MOUNT/dora/NAME)")
 _NAME = flags.DEFINE_string("name", None, "JobSet name (default: from the config)")
-_SCRATCH = flags.DEFINE_string("gcs_scratch", "gs://BUCKET/pathways",
-                               "Pathways' scratch location (gs://)")
+_SCRATCH = flags.DEFINE_string("gcs_scratch", "", "Pathways' scratch location (default "
+                               "gs://BUCKET/pathways)")
+_NODEPOOL = flags.DEFINE_string("cpu_nodepool", jobset.CPU_NODEPOOL,
+                                "the CPU node pool the head pod runs on")
+_CPU = flags.DEFINE_string("main_cpu", jobset.MAIN_RESOURCES["cpu"], "CPUs of `main`")
+_MEMORY = flags.DEFINE_string("main_memory", jobset.MAIN_RESOURCES["memory"],
+                              "memory of `main`")
+_RESTARTS = flags.DEFINE_integer("max_restarts", jobset.MAX_RESTARTS, "times the JobSet "
+                                 "restarts after a failure (each resumes from the workdir)")
+_QUEUE = flags.DEFINE_string("queue", "", "Kueue LocalQueue to submit to (label "
+                             f"{jobset.KUEUE_LABEL}; none by default)")
 _SERVER_IMAGE = flags.DEFINE_string("server_image", jobset.SERVER_IMAGE,
                                     "Pathways server image (resource manager, workers)")
 _PROXY_IMAGE = flags.DEFINE_string("proxy_image", jobset.PROXY_IMAGE,
                                    "Pathways IFRT proxy image")
-flags.mark_flags_as_required(["config", "tpu"])
+flags.mark_flags_as_required(["config", "tpu", "image", "bucket"])
 ANNOTATION_PREFIX = "dora-jax"
 
 
@@ -74,26 +99,29 @@ def config_spec() -> str:
 
 def spec_from_flags(argv: list[str]) -> dict:
     """The job (`jobset.job_spec`) that the parsed flags and `argv`'s overrides
-    describe, checked: the config validates, the TPU slices tile its devices, and
+    describe, checked: the config validates (without reading the files it names:
+    the container does that when it starts), the TPU slices tile its devices, and
     the container's command parses back to the same config."""
-    from dora_jax.model import hf_checks  # no JAX
-
     spec, overrides = config_spec(), collect_overrides(argv)
     try:
-        cfg = hf_checks.validated(_CONFIG.value)
+        cfg = jobset.render_config(_CONFIG.value)
         name = _NAME.value or jobset.default_name(spec)
-        job = jobset.job_spec(spec, overrides, cfg, _TPU.value, image=_IMAGE.value,
-                              workdir=_WORKDIR.value or f"/gcs/BUCKET/dora/{name}",
-                              name=name, gcs_scratch=_SCRATCH.value,
-                              server_image=_SERVER_IMAGE.value, proxy_image=_PROXY_IMAGE.value)
+        mount = _MOUNT.value or f"/gcs/{_BUCKET.value}"
+        job = jobset.job_spec(
+            spec, overrides, cfg, _TPU.value, image=_IMAGE.value, bucket=_BUCKET.value,
+            workdir=_WORKDIR.value or f"{mount}/dora/{name}", mount_path=_MOUNT.value,
+            name=name, gcs_scratch=_SCRATCH.value, server_image=_SERVER_IMAGE.value,
+            proxy_image=_PROXY_IMAGE.value, cpu_nodepool=_NODEPOOL.value,
+            max_restarts=_RESTARTS.value, queue=_QUEUE.value,
+            main_resources={"cpu": _CPU.value, "memory": _MEMORY.value})
     except (ValueError, OSError) as e:  # ConfigError is a ValueError
         error(e)
     try:
-        forwarded = hf_checks.validated(jobset.parse_command(job["command"]))
+        forwarded = jobset.render_config(jobset.parse_command(job["command"]))
     except Exception as e:  # noqa: BLE001 - any failure here is the same user error
         error(f"the container's command does not parse back ({e}); write overrides as "
               "--config.x.y=value")
-    if forwarded != cfg:
+    if not jobset.same_run(forwarded, cfg, job["storage"]):
         error("the container's command parses back to another config; write overrides "
               "as --config.x.y=value")
     return job
@@ -112,11 +140,6 @@ def annotations(job: dict, argv: list[str]) -> dict:
             f"{d['total']} chips: {t['num_slices']} x {t['type']} ({t['hosts_per_slice']} "
             f"host(s) x {t['chips_per_host']} chips, topology {t['topology']}) under Pathways"),
     }
-
-
-def needs_bucket(job: dict) -> bool:
-    """Whether the job still names the placeholder bucket."""
-    return "BUCKET/" in " ".join(job["command"] + [job["pathways"]["gcs_scratch"] + "/"])
 
 
 def render(job: dict, argv: list[str]) -> str:
@@ -150,14 +173,10 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 
 def main(argv):
-    """Prints the JobSet as YAML (a reminder to edit BUCKET goes to stderr, out of
-    the file)."""
+    """Prints the JobSet as YAML."""
     if len(argv) > 1:
         error(f"unexpected arguments: {' '.join(argv[1:])}")
     job = spec_from_flags(sys.argv)
-    if needs_bucket(job):
-        print("note: edit BUCKET (or pass --workdir, --gcs_scratch) before kubectl apply",
-              file=sys.stderr)
     sys.stdout.write(render(job, sys.argv))
 
 
