@@ -2,7 +2,7 @@
 
   python launchers/xm_launch.py --config=configs/tiny.py --tpu=v5e-8 \\
       --bucket=BUCKET --image=REGISTRY/dora-jax:0.1.0 --dry_run
-  python launchers/xm_launch.py --config=configs/moe.py --tpu=v5p-128 \\
+  python launchers/xm_launch.py --config=configs/moe.py --tpu=v5p-256 \\
       --bucket=BUCKET --image=REGISTRY/dora-jax:0.1.0
 
 Flags as dora_jax.launch.gke's (`--config.*` overrides included), plus `--dry_run`.
@@ -15,9 +15,9 @@ proxy, and one Pathways worker per TPU host (the only jobs with chips).
 credentials; without it the same jobs go to XManager (`pip install xmanager`) as
 one job group on its Kubernetes executor (`submit`, a thin translation that is not
 exercised where xmanager is not installed). XManager places containers, not a
-JobSet: the pods reach one another by the addresses the JobSet's network gives
-them, so the cluster must resolve those names (the JobSet from
-dora_jax.launch.gke is the tested path).
+JobSet: the containers keep the JobSet's addresses (the head pod's DNS name, and
+`localhost` for the proxy that shares `main`'s pod there), so the cluster must give
+them the same names; the JobSet from dora_jax.launch.gke is the tested path.
 """
 
 import os
