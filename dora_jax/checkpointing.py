@@ -31,6 +31,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 _log = logging.getLogger(__name__)
 # Orbax writes a step into `<step>.orbax-checkpoint-tmp` (orbax-checkpoint 0.12:
@@ -153,13 +154,14 @@ class Checkpointer:
 
     def _set_aside(self, step: int, error: Exception, restored: int) -> dict:
         reason = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"[:300]
+        # epath: the directory may be a gs:// URL (coordinator.checkpoint_dir).
         path = os.path.join(self.directory, str(step))
         moved = f"{path}.damaged"
         n = 1
-        while os.path.exists(moved):
+        while epath.Path(moved).exists():
             n += 1
             moved = f"{path}.damaged{n}"
-        os.rename(path, moved)
+        epath.Path(path).rename(moved)
         self._manager.reload()  # it lists its steps once, when made
         _log.warning("checkpoint step %d in %s does not restore (%s); moved it to %s and "
                      "restored step %d", step, self.directory, reason, moved, restored)
