@@ -300,3 +300,25 @@ def test_checkpoints_go_to_the_checkpoint_dir_and_the_run_resumes_from_there(
     assert not (tmp_path / "run" / "checkpoints").exists()
     assert "2" in os.listdir(elsewhere)
     assert experiment.run(cfg, str(tmp_path / "run"))["already_trained"] == 2
+
+
+def test_a_field_added_since_the_run_reads_as_its_default(tmp_path, small_config):
+    """A workdir written before a config field existed resumes under its default;
+    another value of it, or a changed old field, is still refused by name."""
+    import json
+
+    from dora_jax.config import ConfigError
+
+    cfg = small_config("dora")
+    recovery.prepare(str(tmp_path), cfg, fresh=False)
+    path = tmp_path / "config.json"
+    written = json.loads(path.read_text())
+    del written["trainer"]["tokens_per_microbatch"]  # as a run written before it existed
+    path.write_text(json.dumps(written))
+    recovery.prepare(str(tmp_path), cfg, fresh=False)  # the default: the same run
+    path.write_text(json.dumps(written))
+    c = small_config("dora", validate=False)
+    c.trainer.tokens_per_microbatch = 64 * 4
+    from dora_jax.model import hf_checks
+    with pytest.raises(ConfigError, match="trainer.tokens_per_microbatch: None -> 256"):
+        recovery.prepare(str(tmp_path), hf_checks.validated(c, num_devices=8), fresh=False)

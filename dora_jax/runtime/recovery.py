@@ -60,6 +60,26 @@ OUTPUTS = ("ledger.jsonl", "metrics.jsonl", "summary.json", "timeline.json", "ti
 MAY_DIFFER = ("coordinator.num_steps", "coordinator.kill_point", "coordinator.kill_after")
 
 
+def _is_default(cfg: Config, dotted: str, value) -> bool:
+    """Whether config field `dotted` (JSON form `value`) holds its declared default."""
+    *sections, name = dotted.split(".")
+    node = cfg
+    for part in sections:
+        node = getattr(node, part, None)
+    if not dataclasses.is_dataclass(node):
+        return False
+    for f in dataclasses.fields(node):
+        if f.name == name:
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            else:
+                return False
+            return json.loads(json.dumps(default, default=list)) == value
+    return False
+
+
 def _flat(tree, prefix="") -> dict:
     out = {}
     for k, v in tree.items():
@@ -98,6 +118,8 @@ def prepare(workdir: str, cfg: Config, fresh: bool) -> None:
             raise ConfigError(f"{e}; remove it to go on with this config, or pass --fresh "
                               "to start over") from None
         flat = _flat(new)
+        # A field added since the run was written reads as its default there.
+        old.update({k: v for k, v in flat.items() if k not in old and _is_default(cfg, k, v)})
         diff = [f"{k}: {old.get(k)!r} -> {flat.get(k)!r}" for k in sorted(set(old) | set(flat))
                 if k not in MAY_DIFFER and old.get(k) != flat.get(k)]
         if diff:
