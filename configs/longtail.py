@@ -37,8 +37,9 @@ def get_config(arg=None):
     c = config_lib.load(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny.py"))
     c.model.vocab_size = 260
     c.rollout.update(dict(max_prefill_length=8, max_decode_len=256, prefill_buckets=(8,)))
-    # Packed rows of 264 tokens, 4 per micro-batch (the trainer mesh's 4 batch shards):
-    # one 200-token response no longer pads the other 15 rows of its batch.
+    # Packed rows as long as the batch's bucket, up to 4 x 264 tokens per micro-batch
+    # (4: the trainer mesh's batch shards): a 200-token response no longer pads the
+    # other 15 rows of its batch.
     c.trainer.update(dict(learning_rate=3e-3, length_buckets=(32, 64, 136, 264),
                           tokens_per_microbatch=4 * 264))
     # Up to 64 samples admitted for 32 slots, so long-tailed stragglers do not leave

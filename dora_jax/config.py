@@ -136,9 +136,9 @@ class TrainerConfig(Section):
     mask_truncated: bool = False
     # Padded prompt + response lengths of train batches (the largest: a whole one).
     length_buckets: tuple = field((32, 64), ascending=True)
-    # > 0: pack samples whole into rows of the largest length bucket and cut
+    # > 0: pack samples whole into rows of the batch's length bucket and cut
     # micro-batches by this many tokens (rl/packing.py), so one long response no longer
-    # pads every row of its batch; micro_batches is then unused. 0: one padded row per
+    # pads every row of its batch; micro_batches must be 1. 0: one padded row per
     # sample, micro-batches by row count.
     tokens_per_microbatch: int = field(0, min=0)
 

@@ -45,13 +45,12 @@ def demonstration_batch(cfg: Config, records: list, demonstrate, rows: np.ndarra
 
 
 def _layout(cfg: Config, batch: TrainBatch) -> dict:
-    """The demonstrations as rows [U, r, T]: packed whole into rows of the largest
-    length bucket, micro-batches of trainer.tokens_per_microbatch tokens (as the RL
-    step: rl/packing.py); else one padded micro-batch."""
+    """The demonstrations as rows [U, r, T]: packed whole into rows of the batch's
+    length bucket, micro-batches of about trainer.tokens_per_microbatch tokens (as the
+    RL step: rl/packing.py); else one padded micro-batch. One device: no shards."""
     t = cfg.trainer
     if t.tokens_per_microbatch:
-        row = t.length_buckets[-1]
-        out = packing.packed(batch, 1, row, t.tokens_per_microbatch // row)
+        out = packing.packed(batch, 1, batch.length, t.tokens_per_microbatch // batch.length)
     else:
         out = packing.padded(batch, 1, 1)
     return {k: out[k][0] for k in ("tokens", "positions", "segment_ids", "loss_mask")}

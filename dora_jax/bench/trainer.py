@@ -130,7 +130,7 @@ def packed_vs_padded(cfg: config_lib.Config, rounds: int, steps: int) -> None:
           f"d_model={cfg.model.d_model} layers={cfg.model.num_layers}: {steps} batches of "
           f"B={groups * G}, responses mean {resp.mean():.1f} max {int(resp.max())} tokens "
           f"(max/mean {resp.max() / resp.mean():.1f}); padded T per batch "
-          f"{sorted({b.length for b in batches})}; packed rows of {T}, "
+          f"{sorted({b.length for b in batches})}; packed rows as long as the bucket, "
           f"{tokens_per_micro} tokens per micro-batch")
     graphdef, params0 = transformer.create(cfg.model, cfg.seed)
     host_params = jax.device_get(params0)

@@ -13,12 +13,12 @@ batch's length bucket. The jitted step (trainer.py) consumes a layout of it:
 (`trainer.micro_batches`): one long response makes every row as long as it.
 
 `packed` (`trainer.tokens_per_microbatch` > 0): each minibatch's samples, whole, go
-first-fit by decreasing length into rows of T = the largest length bucket; r =
+first-fit by decreasing length into rows of T = the batch's bucket; r ~
 tokens_per_microbatch // T rows make a micro-batch, so a micro-batch's size (and the
 step's peak memory) follows the token budget, not the longest response. U is the most
-micro-batches a minibatch can need (one sample per row), fixed by the config, so the
-step compiles once whatever the lengths; micro-batches left empty are skipped by the
-step. Samples keep their minibatch (samples [m B/M, (m+1) B/M), as in the padded
+micro-batches a minibatch can need (one sample per row), so the step has one shape
+per bucket (the trainer's warm-up compiles them) whatever the lengths; micro-batches
+left empty are skipped by the step. Samples keep their minibatch (samples [m B/M, (m+1) B/M), as in the padded
 layout), so both layouts make the same optimizer updates.
 """
 

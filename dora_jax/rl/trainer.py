@@ -18,9 +18,9 @@ count in their group's advantages).
 
 The step consumes a layout of the batch (packing.py): one padded row per sample,
 micro-batches by row count (`trainer.micro_batches`), or, with
-`trainer.tokens_per_microbatch`, samples packed whole into rows (attention within
-each sample, positions restarting at each) and micro-batches by tokens, those left
-empty skipped; every per-sequence quantity goes through each token's sample index,
+`trainer.tokens_per_microbatch`, samples packed whole into rows as long as the
+batch's bucket (attention within each sample, positions restarting at each) and
+micro-batches by tokens, those left empty skipped; every per-sequence quantity goes through each token's sample index,
 so both layouts give one objective.
 
 Aggregation across micro-batches is exact: token-mean divides by the token count of
@@ -137,7 +137,6 @@ class Trainer:
         self._batch_axes = logical_to_spec(("batch",), self.rules, self.mesh)[0]
         self._batch_sh = NamedSharding(self.mesh, PartitionSpec(None, None, self._batch_axes))
         self._packed = t.tokens_per_microbatch > 0
-        self._row_length = t.length_buckets[-1]
 
         params = jax.device_put(params, self._param_sh)
         if ref_params is None and t.kl_coef > 0:
@@ -228,12 +227,11 @@ class Trainer:
         return metrics
 
     def warmup(self, batch_size: int, group_size: int) -> None:
-        """Compiles the train step for every shape it can take (each length bucket;
-        packed, the one packed shape) without changing the state: each compile runs
+        """Compiles the train step for every shape it can take (one per length
+        bucket, padded or packed) without changing the state: each compile runs
         on a throwaway copy (the step donates its input), so timed runs measure
         steady-state steps, not compilation."""
-        buckets = self.cfg.trainer.length_buckets
-        for T in buckets[:1] if self._packed else buckets:
+        for T in self.cfg.trainer.length_buckets:
             tokens = np.zeros((batch_size, T), np.int32)
             tokens[:, 1] = 1
             mask = np.zeros((batch_size, T), np.float32)
@@ -273,15 +271,18 @@ class Trainer:
         if newest > self._version:
             raise BatchError(f"batch holds samples of policy version {newest}, newer than the "
                              f"trainer's version {self._version}")
-        if self._packed:
-            return packing.packed(batch, M, self._row_length,
-                                  t.tokens_per_microbatch // self._row_length)
-        U = t.micro_batches
-        arrays = packing.padded(batch, M, U)  # checks B % (M * U)
-        B, b = batch.batch_size, batch.batch_size // (M * U)
         axes = self._batch_axes
         axes = (axes,) if isinstance(axes, str) else (axes or ())
         n_shards = int(np.prod([self.mesh.shape[a] for a in axes]))
+        if self._packed:
+            # Rows as long as the batch's bucket, as many as the token budget holds
+            # (a multiple of the batch shards): one shape per bucket, and a batch of
+            # short samples is not spread over rows as long as the longest bucket.
+            rows = max(n_shards, t.tokens_per_microbatch // batch.length // n_shards * n_shards)
+            return packing.packed(batch, M, batch.length, rows)
+        U = t.micro_batches
+        arrays = packing.padded(batch, M, U)  # checks B % (M * U)
+        B, b = batch.batch_size, batch.batch_size // (M * U)
         if b % n_shards:
             raise BatchError(f"micro-batch of {b} rows (B={B} / ({M} * {U})) must be divisible "
                              f"by the {n_shards} batch shards of the trainer mesh {axes}")
