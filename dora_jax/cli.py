@@ -50,9 +50,7 @@ def _resolve_config_names(argv):
         if why:
             raise SystemExit(f"error: {why}")
         _config_spec = spec
-        resolved = configs.resolve(spec)
-        argv[at] = ("--config=" + resolved) if at == i and arg.startswith("--config=") \
-            else resolved
+        argv[at] = ("--config=" if at == i else "") + configs.resolve(spec)
     return argv
 
 
@@ -156,11 +154,11 @@ def _too_few_devices(cfg, available: int, backend: str) -> str:
     instead = []
     if _cpu_variant(_config_spec):
         instead.append(f"run {_cpu_variant(_config_spec)} here")
-    if needed <= devices.MAX_FAKE_CPU_DEVICES:
+    if backend == "cpu" and needed <= devices.MAX_FAKE_CPU_DEVICES:
         instead.append(f"set XLA_FLAGS=--xla_force_host_platform_device_count={needed} to "
                        "fake them on a CPU")
     if not instead:
-        instead.append("run a CPU-sized config here, e.g. configs/tiny.py")
+        instead.append("run a smaller config here, e.g. configs/tiny.py")
     return (f"error: config.mesh: {_config_spec or 'the config'} needs {needed} devices "
             f"({split}), but this host has {available} ({backend}): " + ", or ".join(instead))
 

@@ -318,6 +318,8 @@ def test_host_fakes_cpu_devices_only_when_it_should(monkeypatch):
                                        "--xla_force_host_platform_device_count=12")
     assert host.fake_cpu_devices_if_needed(4) is None  # already says how many
     monkeypatch.delenv("XLA_FLAGS")
+    # A pod's mesh is not faked: the device check names the config's CPU variant.
+    assert host.fake_cpu_devices_if_needed(256) is None and "XLA_FLAGS" not in os.environ
     monkeypatch.setenv("JAX_PLATFORMS", "tpu")  # an accelerator: nothing to fake
     assert host.fake_cpu_devices_if_needed(8) is None and "XLA_FLAGS" not in os.environ
     with pytest.raises(RuntimeError, match="single-controller.*Pathways"):
