@@ -70,7 +70,14 @@ def test_saved_outputs_show_the_curves():
 
 
 def _wheel(tmp_path) -> str:
-    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", str(REPO),
+    """A wheel of the package, built from a copy of the sources (a build in the clone
+    would leave its build/ behind, whose stale files a later wheel could pick up)."""
+    import shutil
+
+    source = tmp_path / "source"
+    shutil.copytree(REPO, source, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", "build", "*.egg-info", "__pycache__", "tests", "colab"))
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", str(source),
                           "-w", str(tmp_path / "dist")], capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -144,7 +151,10 @@ def test_colab_quickstart_runs_from_a_wheel_in_a_fresh_environment(tmp_path):
     env = _outside_env(tmp_path, DORA_JAX_PIP=f"--no-deps --ignore-installed {_wheel(tmp_path)}",
                        QUICKSTART_DIR=str(tmp_path / "run"), QUICKSTART_SFT_STEPS="10",
                        QUICKSTART_RL_STEPS="3")
-    out = subprocess.run([python, str(script)], capture_output=True, text=True, env=env,
+    # With -c, as in a notebook kernel, __main__ has no file: the reward pool's worker
+    # processes would run a script's file again.
+    run = f"exec(compile(open({str(script)!r}).read(), 'quickstart.ipynb', 'exec'))"
+    out = subprocess.run([python, "-c", run], capture_output=True, text=True, env=env,
                          cwd=tmp_path, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "audit clean: True | steps: 3" in out.stdout, out.stdout
