@@ -10,6 +10,7 @@ traceback; anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 
 from absl import flags
@@ -17,11 +18,40 @@ from ml_collections import config_flags
 
 
 def define_config_flag(lock: bool = False):
-    """The --config flag (configs/x.py[:variant]), required."""
-    holder = config_flags.DEFINE_config_file("config", None, "configs/x.py[:variant]",
-                                             lock_config=lock)
+    """The --config flag (configs/x.py[:variant], or a shipped config's name), required."""
+    holder = config_flags.DEFINE_config_file(
+        "config", None, "configs/x.py[:variant], or a shipped config by name (tiny, "
+        "moe:tiny, ...)", lock_config=lock)
     flags.mark_flag_as_required("config")
     return holder
+
+
+# --config as the user wrote it (a shipped config's name is passed on as its path):
+# messages name it as written.
+_config_spec = None
+
+
+def _resolve_config_names(argv):
+    """argv with `--config=NAME[:variant]` (or `--config NAME`) of a shipped config
+    made its file's path (config_flags loads files only); a spec that names nothing
+    ends in one line."""
+    global _config_spec
+    from dora_jax import configs
+
+    argv = list(argv)
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            spec, at = arg.partition("=")[2], i
+        elif arg == "--config" and i + 1 < len(argv):
+            spec, at = argv[i + 1], i + 1
+        else:
+            continue
+        why = configs.unknown(spec)
+        if why:
+            raise SystemExit(f"error: {why}")
+        _config_spec = spec
+        argv[at] = ("--config=" if at == i else "") + configs.resolve(spec)
+    return argv
 
 
 def _last_line(error) -> str:
@@ -32,7 +62,7 @@ def parse_flags(argv):
     """absl's parsing, with a bad flag or config file reported in one line (pass as
     `app.run(main, flags_parser=parse_flags)`)."""
     try:
-        return flags.FLAGS(argv)
+        return flags.FLAGS(_resolve_config_names(argv))
     except SystemExit:  # absl's --help prints and exits 1: asking for help is no error
         if any(a in ("-h", "-?", "--help", "--helpshort", "--helpfull") for a in argv):
             raise SystemExit(0) from None
@@ -87,14 +117,56 @@ def validated_config(holder, *, with_pretrained: bool = False):
     with one_line_errors():
         pretrained = hf_checks.check_pretrained(value)
         cfg = config_lib.validate(value, pretrained=pretrained)
+        d = cfg.data
+        # The sources that read data.path: a missing file is named now, not after the
+        # devices and model have started.
+        if d.source in ("jsonl", "gsm8k", "math") and not os.path.exists(d.path):
+            config_lib.fail("data.path", f"no such file: {d.path} (a JSONL file of prompts: "
+                                         "--config.data.path=FILE)")
     return (cfg, pretrained) if with_pretrained else cfg
+
+
+def _cpu_variant(spec: str | None) -> str | None:
+    """`spec`'s `tiny` variant where its config declares one (configs/moe.py:tiny)."""
+    from dora_jax import configs
+
+    if not spec:
+        return None
+    path, _, variant = spec.partition(":")
+    module_vars = {}
+    try:
+        with open(configs.resolve(path)) as f:  # its VARIANTS, without building it
+            exec(f.read().split("\ndef get_config")[0], module_vars)
+    except (OSError, SyntaxError, ImportError):
+        return None
+    return f"{path}:tiny" if variant != "tiny" and "tiny" in module_vars.get("VARIANTS", ()) \
+        else None
+
+
+def _too_few_devices(cfg, available: int, backend: str) -> str:
+    """The one line for a config whose meshes need more devices than the host has:
+    how many each side needs, and what to run here instead."""
+    from dora_jax import devices
+
+    mesh, needed = cfg.mesh, cfg.mesh.total_devices
+    split = f"trainer {mesh.trainer_devices}" + (
+        "" if mesh.colocated else f" + {mesh.num_slices} decode slices x {mesh.slice_devices}")
+    instead = []
+    if _cpu_variant(_config_spec):
+        instead.append(f"run {_cpu_variant(_config_spec)} here")
+    if backend == "cpu" and needed <= devices.MAX_FAKE_CPU_DEVICES:
+        instead.append(f"set XLA_FLAGS=--xla_force_host_platform_device_count={needed} to "
+                       "fake them on a CPU")
+    if not instead:
+        instead.append("run a smaller config here, e.g. configs/tiny.py")
+    return (f"error: config.mesh: {_config_spec or 'the config'} needs {needed} devices "
+            f"({split}), but this host has {available} ({backend}): " + ", or ".join(instead))
 
 
 def start_devices(cfg) -> None:
     """On a host without an accelerator, fakes the config's devices on the CPU (before
     JAX starts; a note says so), starts Pathways when proxied, and checks the device
-    count the config needs."""
-    from dora_jax import config as config_lib
+    count the config needs (one line saying what to run here when it is short)."""
     from dora_jax import devices
 
     note = devices.fake_cpu_devices_if_needed(cfg.mesh.total_devices)
@@ -103,5 +175,5 @@ def start_devices(cfg) -> None:
     devices.start_pathways_if_proxied()
     import jax
 
-    with one_line_errors():
-        config_lib.check_devices(cfg, jax.device_count())
+    if cfg.mesh.total_devices > jax.device_count():
+        raise SystemExit(_too_few_devices(cfg, jax.device_count(), jax.default_backend()))

@@ -342,6 +342,12 @@ class Config(Section):
             fail("coordinator.train_batch_size", f"TBS x group_size = {samples} samples in "
                   f"{split} micro-batches must divide by the trainer mesh's {shards} batch "
                   f"shards {batch_axes}")
+        if d.source in ("residue", "countdown") and d.tokenizer:
+            # Their prompts and rewards are token ids with EOS 1 and PAD 0 (data/tasks.py),
+            # which mean nothing to a real tokenizer's model.
+            fail("data.source", f"{d.source!r} is a token task (EOS id 1), but data.tokenizer "
+                  f"{d.tokenizer} is set (by model.checkpoint or data.tokenizer): use a text "
+                  "source, e.g. --config.data.source=gsm8k --config.data.path=FILE")
         if d.source == "residue" and d.prompt_len > r.max_prefill_length:
             fail("data.prompt_len", f"must be <= rollout.max_prefill_length, got {d.prompt_len}")
         if d.source == "residue" and d.modulus > m.vocab_size - 3:
@@ -400,8 +406,11 @@ def base() -> ml_collections.ConfigDict:
 
 def load(spec: str) -> ml_collections.ConfigDict:
     """Loads `path/to/config.py[:variant]` (relative to the working directory or
-    absolute), the way `--config=` does."""
-    path, _, variant = spec.partition(":")
+    absolute) or a shipped config by name (`tiny`, `moe:tiny`: dora_jax/configs), the
+    way `--config=` does."""
+    from dora_jax import configs  # imports nothing
+
+    path, _, variant = configs.resolve(spec).partition(":")
     module_spec = importlib.util.spec_from_file_location("_dora_config", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)

@@ -36,12 +36,20 @@ def accelerator_present() -> bool:
     return bool(devices) or importlib.util.find_spec("libtpu") is not None
 
 
+# The most CPU devices faked for a config: enough for every CPU-sized config (8) with
+# room to spare. A mesh beyond it is a pod's, for a model sized to match, which a CPU
+# cannot run; the device check then says so in one line (setting XLA_FLAGS yourself
+# still fakes any number).
+MAX_FAKE_CPU_DEVICES = 64
+
+
 def fake_cpu_devices_if_needed(count: int) -> str | None:
     """On a host without an accelerator, makes XLA's CPU backend offer `count`
-    devices (the config's mesh), unless XLA_FLAGS already says how many. Must run
-    before JAX is imported; returns the line to tell the user, or None."""
+    devices (the config's mesh, up to MAX_FAKE_CPU_DEVICES), unless XLA_FLAGS already
+    says how many. Must run before JAX is imported; returns the line to tell the
+    user, or None."""
     flags = os.environ.get("XLA_FLAGS", "")
-    if _FLAG in flags or accelerator_present():
+    if _FLAG in flags or accelerator_present() or count > MAX_FAKE_CPU_DEVICES:
         return None
     os.environ["XLA_FLAGS"] = f"{flags} {_FLAG}={count}".strip()
     return (f"no accelerator found: running on {count} CPU devices for the config's mesh "

@@ -21,7 +21,9 @@ Every config field can be overridden; the main ones:
   --config.trainer.learning_rate=1e-6   and trainer.objective, trainer.kl_coef, ...
   --config.init_checkpoint=DIR          params from dora_jax.sft's checkpoints/
 Configs: configs/tiny.py (CPU), configs/quickstart.py, configs/longtail.py,
-configs/qwen3_gsm8k.py[:tiny], configs/moe.py[:tiny].
+configs/qwen3_gsm8k.py[:tiny], configs/moe.py[:tiny] (the flagship: a dry run without a
+checkpoint; on a host without its 256 chips, one line names configs/moe.py:tiny); from
+any directory by name (--config=tiny, --config=moe:tiny: dora_jax/configs).
 """
 
 from absl import app, flags, logging

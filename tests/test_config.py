@@ -12,7 +12,7 @@ from dora_jax.model import transformer as tf
 from conftest import REPO
 from dora_jax.model import hf_checks
 
-CONFIG_FILES = sorted(str(p.relative_to(REPO)) for p in REPO.glob("configs/*.py"))
+CONFIG_FILES = sorted(str(p.relative_to(REPO)) for p in REPO.glob("configs/[!_]*.py"))
 
 
 def _specs():
@@ -172,6 +172,43 @@ def test_unknown_fields_are_rejected(load_config):
         hf_checks.validated(c)
 
 
+def test_shipped_configs_load_by_name_from_any_directory(tmp_path, monkeypatch):
+    """configs/ is the package's dora_jax/configs: a name loads the same config as the
+    path, from a directory that is not the clone."""
+    from dora_jax import configs
+
+    assert configs.names() == sorted(p.split("/")[1][:-3] for p in CONFIG_FILES)
+    assert (REPO / "configs").resolve() == (REPO / "dora_jax" / "configs").resolve()
+    by_path = config_lib.load(str(REPO / "configs/moe.py") + ":tiny")
+    monkeypatch.chdir(tmp_path)
+    assert config_lib.load("moe:tiny").to_dict() == by_path.to_dict()
+    assert configs.unknown("tiny") is None and "no such shipped config" in configs.unknown("tin")
+    (tmp_path / "tiny").mkdir()  # a directory named like a config is no config file
+    assert configs.resolve("tiny") == "tiny"
+
+
+def test_the_flagship_without_a_checkpoint_needs_no_file(load_config):
+    """configs/moe.py as written: a procedural token task, no tokenizer, no data file;
+    with a tokenizer (a checkpoint's, here the shipped one) its EOS and pad ids are the
+    tokenizer's, and the token task is refused, naming a text source."""
+    from dora_jax.data import word_problems
+
+    cfg = load_config("configs/moe.py")
+    assert (cfg.data.source, cfg.data.tokenizer, cfg.data.path) == ("countdown", "", "")
+    assert cfg.mesh.total_devices == 256
+    with pytest.raises(config_lib.ConfigError, match=r"config\.data\.source: 'countdown' is a "
+                                                     r"token task .*data\.source=gsm8k"):
+        load_config("configs/moe.py", data__tokenizer=word_problems.TOKENIZER_DIR)
+    cfg = load_config("configs/moe.py", data__tokenizer=word_problems.TOKENIZER_DIR,
+                      data__source="gsm8k", data__reward="gsm8k",
+                      data__path=word_problems.PROBLEMS_FILE)
+    tok = word_problems.TOKENIZER_DIR
+    from dora_jax.data.tokenizer import Tokenizer
+
+    t = Tokenizer.from_pretrained(tok)
+    assert (cfg.rollout.eos_id, cfg.rollout.pad_id) == (t.eos_id, t.pad_id)
+
+
 def test_unknown_variant(load_config):
     with pytest.raises(ValueError, match="variant"):
         load_config("configs/moe.py:huge")
@@ -281,6 +318,8 @@ def test_host_fakes_cpu_devices_only_when_it_should(monkeypatch):
                                        "--xla_force_host_platform_device_count=12")
     assert host.fake_cpu_devices_if_needed(4) is None  # already says how many
     monkeypatch.delenv("XLA_FLAGS")
+    # A pod's mesh is not faked: the device check names the config's CPU variant.
+    assert host.fake_cpu_devices_if_needed(256) is None and "XLA_FLAGS" not in os.environ
     monkeypatch.setenv("JAX_PLATFORMS", "tpu")  # an accelerator: nothing to fake
     assert host.fake_cpu_devices_if_needed(8) is None and "XLA_FLAGS" not in os.environ
     with pytest.raises(RuntimeError, match="single-controller.*Pathways"):

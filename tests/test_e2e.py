@@ -157,6 +157,18 @@ def test_first_run_on_a_cpu_host_fakes_the_devices_and_says_so(tmp_path):
     assert events_ok(tmp_path)
 
 
+def test_a_mesh_beyond_the_faked_devices_names_xla_flags(tmp_path):
+    """With XLA_FLAGS fixing 8 CPU devices, a 9-device config is one line: it needs 9,
+    there are 8, and XLA_FLAGS can fake 9 (no smaller variant to name)."""
+    out = _main(["--config=configs/tiny.py", "--config.mesh.num_slices=5",
+                 f"--workdir={tmp_path}"], env_drop=())
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode != 0 and len(lines) == 1, out.stderr
+    assert lines[0] == ("error: config.mesh: configs/tiny.py needs 9 devices (trainer 4 + 5 "
+                        "decode slices x 1), but this host has 8 (cpu): set XLA_FLAGS="
+                        "--xla_force_host_platform_device_count=9 to fake them on a CPU")
+
+
 def events_ok(workdir) -> bool:
     from dora_jax.scheduler import SchedulerConfig
     from conftest import load_repo_config
@@ -168,8 +180,22 @@ def events_ok(workdir) -> bool:
 
 
 @pytest.mark.parametrize("args, says", [
-    (["--config=configs/nope.py"], "No such file or directory: 'configs/nope.py'"),
+    (["--config=configs/nope.py"], "--config=configs/nope.py: no such file"),
+    (["--config=nope"], "--config=nope: no such shipped config (a path to a config file, "
+                        "or one of: longtail, moe, quickstart, qwen3_gsm8k, tiny)"),
     (["--config=configs/moe.py:bogus"], "unknown variant 'bogus'"),
+    (["--config=moe:bogus"], "unknown variant 'bogus'"),
+    # The flagship on a host without its chips: how many, and the variant to run here.
+    (["--config=configs/moe.py"], "error: config.mesh: configs/moe.py needs 256 devices "
+     "(trainer 128 + 8 decode slices x 16), but this host has 1 (cpu): run "
+     "configs/moe.py:tiny here"),
+    (["--config=moe"], "moe needs 256 devices (trainer 128 + 8 decode slices x 16), but this "
+     "host has 1 (cpu): run moe:tiny here"),
+    (["--config=configs/moe.py", "--config.data.source=jsonl",
+      "--config.data.path=/nowhere/prompts.jsonl"],
+     "error: config.data.path: no such file: /nowhere/prompts.jsonl"),
+    (["--config=configs/moe.py", "--config.data.tokenizer=dora_jax/assets/tokenizer"],
+     "config.data.source: 'countdown' is a token task"),
     (["--config=configs/tiny.py", "--config.coordinator.num_steps=abc"], "invalid literal"),
     (["--config=configs/tiny.py", "--config.coordinator.nope=3"],
      "--config.coordinator.nope: no such config field"),
@@ -192,7 +218,7 @@ def test_bad_input_stops_with_one_line_and_no_traceback(args, says, tmp_path):
 @pytest.mark.parametrize("entry, extra", [
     ("dora_jax.sft", []), ("dora_jax.export", ["--out=/tmp/never_written"])])
 @pytest.mark.parametrize("args, says", [
-    (["--config=configs/nope.py"], "No such file or directory: 'configs/nope.py'"),
+    (["--config=configs/nope.py"], "--config=configs/nope.py: no such file"),
     (["--config=configs/tiny.py", "--config.coordinator.mode=dorra"],
      "config.coordinator.mode: must be one of"),
     (["--config=configs/tiny.py", "--config.coordinator.modee=dora"],

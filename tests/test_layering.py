@@ -63,7 +63,7 @@ def test_readme_layout_matches_the_package():
 
     repo = pathlib.Path(__file__).resolve().parents[1]
     layout = (repo / "README.md").read_text().split("## Layout")[1].split("```")[1]
-    block = layout.split("configs/")[0]  # the dora_jax/ part
+    block = layout.split("\nconfigs/")[0]  # the dora_jax/ part
     listed = set(re.findall(r"^  (\w+(?:\.py|/))", block, flags=re.M))
     actual = {p.name + ("/" if p.is_dir() else "") for p in (repo / "dora_jax").iterdir()
               if p.name not in ("__init__.py", "__pycache__")}

@@ -2,10 +2,13 @@
 
 Every benchmark is an absl program whose configs come from `--config=...` flags
 (ml_collections' config_flags, as in `dora_jax.main`), with overrides
-(`--config.rollout.slots_per_slice=16`). Defaults point into the repository's
-configs/ so the commands work from any directory.
+(`--config.rollout.slots_per_slice=16`). Defaults point into the package's configs
+(dora_jax/configs, configs/ in a clone) so the commands work from any directory and
+from an installed package.
 """
 
 import pathlib
 
-CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
+from dora_jax import configs
+
+CONFIGS = pathlib.Path(configs.DIR)

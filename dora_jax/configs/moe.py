@@ -1,9 +1,10 @@
 """Flagship MoE policy: the Qwen3-30B-A3B architecture, sized for a TPU pod.
 
-Run: python -m dora_jax.main --config=configs/moe.py --workdir=/gcs/BUCKET/run \
-       --config.model.checkpoint=/path/to/Qwen3-30B-A3B \
-       --config.data.source=gsm8k --config.data.path=/path/to/train.jsonl
+Run: python -m dora_jax.main --config=configs/moe.py --workdir=/gcs/BUCKET/run
+     (add --config.model.checkpoint=/path/to/Qwen3-30B-A3B --config.data.source=gsm8k
+      --config.data.path=/path/to/train.jsonl to train from the checkpoint on GSM8K)
 CPU: python -m dora_jax.main --config=configs/moe.py:tiny --workdir=/tmp/dora_moe
+(`--config=moe` and `--config=moe:tiny` name the same configs from any directory.)
 
 Default (`--config=configs/moe.py`): 48 layers, d_model 2048, 32 query / 4 KV heads
 of dim 128 with QK-norm, every layer MoE with 128 experts, top-8, expert hidden 768,
@@ -18,18 +19,28 @@ dense cache gives 64 full-length slots (2.1M positions, 98 KB each in bf16: abou
 13 GB per chip), and serves 256 slots: at the paper's mean response (2.4K tokens)
 all of them fit, and a slice that runs short preempts its newest request.
 
+Without a checkpoint the command runs as written: a dry run of the whole system with
+random weights on the countdown task (dora_jax/data/tasks.py: procedural token
+prompts with long-tailed response lengths, no file and no tokenizer needed; a random
+policy scores about 0, so expect the plumbing exercised, not learning). On a host
+with fewer than 256 devices it stops before any compute with one line:
+`error: config.mesh: configs/moe.py needs 256 devices (trainer 128 + 8 decode slices
+x 16), but this host has 1 (cpu): run configs/moe.py:tiny here`.
+
 With `--config.model.checkpoint` (a local Hugging Face directory of Qwen3-30B-A3B: its
 config.json is checked against every shape above, a mismatch named by field) the
 trainer starts from its weights, placed shard by shard on the trainer mesh (no device
 ever holds the whole checkpoint), and prompts use its tokenizer and chat template
-(EOS <|im_end|> 151,645, pad <|endoftext|> 151,643, as set below). Without it the
-weights are random (a dry run of the system). Export the trained policy with
-`python -m dora_jax.export` (same flags, plus --workdir and --out).
+(EOS <|im_end|> 151,645 and pad <|endoftext|> 151,643 come from the tokenizer). The
+token task means nothing to a real tokenizer, so name a text source with it
+(`--config.data.source=gsm8k --config.data.path=FILE`; a missing file is one line
+naming config.data.path). Export the trained policy with `python -m dora_jax.export`
+(same flags, plus --workdir and --out).
 
 `--config=configs/moe.py:tiny`: the same architecture family at CPU size — 2 layers,
 d_model 64, 4 query / 2 KV heads of dim 16, 8 experts top-2 of hidden 32, one shared
-expert, vocab 128: 152,960 parameters. Mesh as configs/tiny.py but with expert=2 on
-the trainer (8 fake CPU devices).
+expert, vocab 128: 152,960 parameters. Mesh and workload as configs/tiny.py (the
+residue task) but with expert=2 on the trainer (8 fake CPU devices).
 """
 
 import os
@@ -70,12 +81,16 @@ def get_config(arg=None):
     c.mesh.num_slices = 8
     c.rollout.update(dict(slots_per_slice=256, max_prefill_length=2048, max_decode_len=30_720,
                           prefill_buckets=(512, 1024, 2048), temperature=1.0,
-                          eos_id=151_645, pad_id=151_643, kv_cache="paged", page_size=64,
-                          kv_pages=64 * 512, paged_attention="auto"))
+                          kv_cache="paged", page_size=64, kv_pages=64 * 512,
+                          paged_attention="auto"))
     c.trainer.update(dict(learning_rate=1e-6, warmup_steps=10, micro_batches=16,
                           length_buckets=(4096, 8192, 16384, 32768)))
     # The paper's workload shape: 512 prompts x 16 samples per step, K=3.
     c.coordinator.update(dict(mode="dora", group_size=16, train_batch_size=512,
                               rollout_batch_size=768, max_staleness=3, num_steps=1000))
-    c.data.update(dict(source="jsonl", reward="exact_match", path="data/prompts.jsonl"))
+    # A procedural task that needs no file or tokenizer, so the command runs as written
+    # (a dry run with random weights). EOS / pad ids are left unset: the token task's
+    # (1, 0) here, the tokenizer's with a checkpoint or data.tokenizer.
+    c.data.update(dict(source="countdown", reward="countdown", num_prompts=4096,
+                       count_median=12.0, count_sigma=1.1, max_count=255))
     return c
