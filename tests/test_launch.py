@@ -207,6 +207,7 @@ def test_gke_command_line_survives_restarts():
     # A checkpoint on the mount that is not on this machine: not read at render time.
     ckpt = "--config.model.checkpoint=/gcs/my-bucket/models/Qwen3-30B-A3B"
     r = _run(*GKE, "--config=configs/moe.py", "--tpu=v5p-256", "--queue=team-q", ckpt,
+             "--config.data.source=gsm8k", "--config.data.path=gs://my-bucket/data/train.jsonl",
              "--config.coordinator.max_staleness=1")
     assert r.returncode == 0, r.stderr
     js = yaml.safe_load(r.stdout)
@@ -248,6 +249,9 @@ def test_gke_command_line_survives_restarts():
     # The same command resumes: workdir under the mount, checkpoints at its gs:// URL.
     command = main["command"]
     assert command[4:] == ["--workdir=/gcs/my-bucket/dora/dora-moe", ckpt,
+                           "--config.data.source=gsm8k",
+                           # The bucket's URL, read in the container through the mount.
+                           "--config.data.path=/gcs/my-bucket/data/train.jsonl",
                            "--config.coordinator.max_staleness=1",
                            "--config.coordinator.checkpoint_dir="
                            "gs://my-bucket/dora/dora-moe/checkpoints"]
