@@ -24,6 +24,7 @@ from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.rollout.warmup import warm_engine
 from dora_jax.model.sharding import copy_tree
 from dora_jax.runtime import files, recovery, writers
+from dora_jax.runtime.evaluation import EvalDecoder
 from dora_jax.runtime.loop import Runtime
 from dora_jax.rewards.pool import RewardPool
 from dora_jax.runtime.report import StepReporter
@@ -95,6 +96,8 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     skipped = []
     if records is None:
         records, skipped = sources.prompt_records(cfg, tokenizer)
+    # Held-out prompts never reach the prompt stream: training cannot admit them.
+    records, eval_prompts = sources.held_out_split(records, cfg)
     reward_fn = sources.reward_for(cfg, tokenizer)  # an unknown name fails before compute
     trainer_mesh, slice_meshes = devices.make_meshes(cfg.mesh)
     graphdef, params = initial_params(cfg, trainer_mesh)
@@ -116,6 +119,11 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     if trainer.version:  # every slice holds the version resumed from
         for sl in slices:
             sl.load_version(trainer.version, copy_tree(trainer.params))
+    eval_decoder = None
+    if cfg.eval.every:
+        host = slices[cfg.eval.slice]
+        eval_decoder = EvalDecoder(host, cfg.eval, cfg.seed)
+        eval_decoder.warm(host.params)
     warm_up(slices, trainer, cfg)
     if cfg.coordinator.checkpoint_every:  # periodic saves: none may stall the run
         Checkpointer.warm_up(trainer.state)
@@ -148,7 +156,8 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
         run_config=recovery.config_json(cfg)))
     timeline = Timeline()
     runtime = Runtime(cfg, scheduler, slices, trainer, stream, rewards, ledger, reporter,
-                      timeline, on_step=on_step, checkpointer=checkpointer, resumed=resumed)
+                      timeline, on_step=on_step, checkpointer=checkpointer, resumed=resumed,
+                      eval_decoder=eval_decoder, eval_prompts=eval_prompts)
     try:
         try:
             summary = runtime.run(cfg.coordinator.num_steps - trainer.version)

@@ -18,9 +18,12 @@ from dora_jax.schema import ConfigError
 
 class FakeRun:
     def __init__(self, **init):
-        self.init, self.logged, self.finished = init, [], False
+        self.init, self.logged, self.finished, self.axes = init, [], False, {}
 
-    def log(self, data, step):
+    def define_metric(self, name, step_metric):
+        self.axes[name] = step_metric
+
+    def log(self, data, step=None):
         self.logged.append((step, dict(data)))
 
     def finish(self):
@@ -44,6 +47,7 @@ def fake_wandb(monkeypatch):
 
 RECORDS = [{"step": 0, "reward_mean": 0.5, "trainer": {"loss": 1.5}, "resident_versions": [0]},
            {"step": 1, "reward_mean": 0.75, "trainer": {"loss": 1.25}, "resident_versions": [0, 1]}]
+EVAL = {"step": 1, "eval": {"version": 1, "pass_at_1": 0.25}}  # scored after step 1's
 
 
 def _write(reporter, records):
@@ -55,13 +59,14 @@ def _write(reporter, records):
 def test_every_writer_gets_every_record(tmp_path, fake_wandb):
     cfg = LoggingConfig(tensorboard=True, wandb_project="proj", wandb_mode="offline")
     _write(StepReporter(writers=writers.make_writers(cfg, str(tmp_path), run_config={"seed": 3})),
-           RECORDS)
+           RECORDS + [EVAL])
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert lines == RECORDS
+    assert lines == RECORDS + [EVAL]
     from dora_jax.runtime.tensorboard import read_scalars
 
     board = read_scalars(str(tmp_path / "tensorboard"))
     assert board["trainer/loss"] == [(0, 1.5), (1, 1.25)]
+    assert board["eval/pass_at_1"] == [(1, 0.25)]
     (run,) = fake_wandb.runs
     assert run.init["project"] == "proj" and run.init["mode"] == "offline"
     assert run.init["id"] == "run-a" and run.init["resume"] == "allow"
@@ -69,7 +74,10 @@ def test_every_writer_gets_every_record(tmp_path, fake_wandb):
     assert run.logged == [(0, {"reward_mean": 0.5, "trainer/loss": 1.5,
                                "resident_versions/count": 1.0}),
                           (1, {"reward_mean": 0.75, "trainer/loss": 1.25,
-                               "resident_versions/count": 2.0})]
+                               "resident_versions/count": 2.0}),
+                          # At W&B's current step, charted against its version.
+                          (None, {"eval/version": 1.0, "eval/pass_at_1": 0.25})]
+    assert run.axes == {"eval/*": "eval/version"}
     assert run.finished
     # A resumed run continues the same W&B run.
     writers.WandbWriter(cfg, str(tmp_path)).close()

@@ -1,4 +1,5 @@
-"""Per-step metrics (`<workdir>/metrics.jsonl`) and the run summary.
+"""Per-step metrics (`<workdir>/metrics.jsonl`), evaluation records, and the run
+summary.
 
 Throughput, the trainer-wait fraction (split by cause, `WaitClock`), the step time
 and the rollout-only share are reported over the steady-state window — from the end of
@@ -168,6 +169,7 @@ class StepReporter:
                 writers.append(TensorBoardWriter(tensorboard, purge_step))
         self._writer = _RecordWriter(writers)
         self.records: list[dict] = []
+        self.evals: list[dict] = []  # evaluation records, apart from the steps'
         self._last = {"migrations": 0, "transfer": 0.0, "busy": {}, "total": {},
                       "prefill_tokens": {}, "reprefill_tokens": {}}
         self.staleness = Counter()
@@ -233,6 +235,11 @@ class StepReporter:
         self._writer.put(record)
         return record
 
+    def eval(self, record: dict) -> None:
+        """Writes an evaluation's record (runtime/evaluation.py) with the steps'."""
+        self.evals.append(record)
+        self._writer.put(record)
+
     def summary(self, slices, timeline=None) -> dict:
         """Run totals; see the module docstring for the steady-state window. With the
         run's timeline, also the fraction of weight loads that overlapped another
@@ -257,6 +264,12 @@ class StepReporter:
         }
         if timeline is not None:
             out["load_overlap_fraction"] = load_overlap_fraction(timeline.spans)
+        if self.evals:  # held-out pass@1 and pass@k before and after (by version)
+            keys = ("version", "pass_at_1", "pass_at_k")
+            first, last = (min(self.evals, key=lambda e: e["step"]),
+                           max(self.evals, key=lambda e: e["step"]))
+            out["eval_first"] = {k: first["eval"][k] for k in keys}
+            out["eval_last"] = {k: last["eval"][k] for k in keys}
         if len(r) > 1:
             window = r[-1]["time"] - r[0]["time"]
             out["tokens_per_second"] = round(sum(x["trained_tokens"] for x in r[1:]) / window, 2)

@@ -63,7 +63,7 @@ def import_wandb():
 
 class WandbWriter:
     """Logs each record's numbers (tags as TensorBoard's, `tensorboard.flatten`) to a
-    W&B run at the record's step.
+    W&B run: a step's at its step, an evaluation's against `eval/version`.
 
     The run's id is kept in `<workdir>/wandb_run_id`, so a resumed run continues the
     same W&B run; W&B keeps the steps it already has (it drops a step lower than one
@@ -87,9 +87,16 @@ class WandbWriter:
                                    os.path.abspath(workdir)),
                                id=run_id, resume="allow", dir=workdir, mode=cfg.wandb_mode,
                                config=run_config)
+        # Evaluations are reported once scored, possibly after later steps' records:
+        # W&B drops a step lower than one it has, so they are charted against their
+        # own axis, the version they evaluated, and logged at W&B's current step.
+        self._run.define_metric("eval/*", step_metric="eval/version")
 
     def write(self, record: dict) -> None:
-        self._run.log(flatten(record), step=int(record["step"]))
+        if "eval" in record:
+            self._run.log(flatten(record))
+        else:
+            self._run.log(flatten(record), step=int(record["step"]))
 
     def close(self) -> None:
         self._run.finish()
