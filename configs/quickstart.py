@@ -19,8 +19,11 @@ The supervised warm start (150 steps, under a minute) teaches the answer format 
 (greedy accuracy 0.35 on 256 prompts); RL in dora mode then raises the mean sampled
 reward, measured here from 0.33 (steps 0-14) to 0.53 (steps 135-149) in 2 minutes
 (colab/quickstart.ipynb plots the curve; those figures predate holding 64 of the 2000
-prompts out for evaluation, eval.every=15, which metrics.jsonl reports as held-out
-pass@1 and pass@4 by policy version). Mesh as configs/tiny.py (8 fake CPU
+prompts out for evaluation). Held out and evaluated every 15 steps (eval.every), the
+64 prompts' greedy pass@1 went from 0.38 before RL to 0.64 after 150 steps, pass@4
+of 4 samples from 0.72 to 0.86, on this CPU (metrics.jsonl's eval records; each
+evaluation took 2-6 s on slice 0, the run about 4.5 minutes with compilation).
+Mesh as configs/tiny.py (8 fake CPU
 devices): trainer data=2 x fsdp=2, 4 decode slices of 8 slots; groups of 8, 8 groups
 per step, 16 admitted ahead, max_staleness 2, 150 steps.
 """
