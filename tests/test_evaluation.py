@@ -160,3 +160,31 @@ def test_an_evaluation_whose_slice_fails_is_dropped_and_the_run_goes_on(tmp_path
     lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     assert [m["step"] for m in lines if "eval" in m] == [0, 3]
     assert audit_workdir(cfg, tmp_path)[1].ok
+
+
+def test_a_resumed_run_redoes_the_evaluations_of_the_steps_it_trains_again(tmp_path,
+                                                                          small_config):
+    from dora_jax.rl.trainer import Trainer
+    from dora_jax.runtime.loop import RunError
+
+    class FailAt3(Trainer):
+        def train_step(self, batch):
+            if self.version == 3:
+                raise FloatingPointError("injected failure in step 3")
+            return super().train_step(batch)
+
+    c = small_config("dora", validate=False, num_steps=4, checkpoint_every=2)
+    c.eval.update(dict(every=2, num_prompts=4, samples=2, k=2))
+    cfg = hf_checks.validated(c, num_devices=8)
+    with pytest.raises(RunError):
+        experiment.run(cfg, str(tmp_path), make_trainer=FailAt3)
+    summary = experiment.run(cfg, str(tmp_path))
+    assert summary["resumed_from_step"] == 2
+    lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    assert [m["step"] for m in lines if "eval" not in m] == [0, 1, 2, 3]
+    assert [m["step"] for m in lines if "eval" in m] == [0, 2, 4]  # version 2 once
+    from dora_jax.runtime.tensorboard import read_scalars
+
+    assert [s for s, _ in read_scalars(str(tmp_path / "tensorboard"))["eval/pass_at_1"]] \
+        == [0, 2, 4]
+    assert audit_workdir(cfg, tmp_path)[1].ok
