@@ -4,10 +4,11 @@ written once: `base()` is generated from them, each field declares its constrain
 (`field`, schema.py), each section checks its own rules in `__post_init__`,
 `Config.__post_init__` holds every check that spans sections. Errors name the field
 (`config.rollout.temperature: must be > 0, got 0.0`) before any compute. The model and
-mesh sections live in config_model.py, the data section in config_data.py (both
-re-exported here). No JAX: the pure scheduling
-core depends on this module; a Hugging Face checkpoint or tokenizer named by the config
-is read before validation, by model/hf_checks.py; `validate` itself reads no file."""
+mesh sections live in config_model.py, the data section in config_data.py, the eval
+and logging sections in config_report.py (all re-exported here). No JAX: the pure
+scheduling core depends on this module; a Hugging Face checkpoint or tokenizer named
+by the config is read before validation, by model/hf_checks.py; `validate` itself
+reads no file."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from dora_jax.config_model import (  # noqa: F401 - the config's public names
     _axes_of, colocate, decode_rules_from)
 from dora_jax.config_data import (  # noqa: F401 - the config's public names
     AUTO_REWARDS, DATA_SOURCES, TEXT_REWARDS, TEXT_SOURCES, TOKEN_REWARDS, DataConfig)
+from dora_jax.config_report import EvalConfig, LoggingConfig  # noqa: F401 - public names
 from dora_jax.schema import Section, check, fail, field, schema
 from dora_jax.schema import ConfigError  # noqa: F401 - callers catch config.ConfigError
 
@@ -272,6 +274,8 @@ class Config(Section):
     trainer: TrainerConfig = TrainerConfig()
     coordinator: CoordinatorConfig = CoordinatorConfig()
     data: DataConfig = DataConfig()
+    eval: EvalConfig = EvalConfig()
+    logging: LoggingConfig = LoggingConfig()
     seed: int = 0
     init_checkpoint: str = ""  # params to start from (e.g. dora_jax.sft's checkpoints/)
 
@@ -317,6 +321,9 @@ class Config(Section):
             fail("coordinator.reward_max_response", f"must be >= rollout.max_decode_len "
                   f"({r.max_decode_len}): a complete response must be scored, got "
                   f"{c.reward_max_response}")
+        if self.eval.every and self.eval.slice >= mesh.num_slices:
+            fail("eval.slice", f"must name a slice < mesh.num_slices ({mesh.num_slices}), "
+                  f"got {self.eval.slice}")
         if c.fail_slice >= mesh.num_slices:
             fail("coordinator.fail_slice", f"must name a slice < mesh.num_slices "
                   f"({mesh.num_slices}), or be -1 (none) or -2 (any), got {c.fail_slice}")

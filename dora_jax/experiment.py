@@ -1,8 +1,9 @@
 """Builds every part of a run from a validated config and runs it.
 
 `run(cfg, workdir)` is what `python -m dora_jax.main` calls; tests call it too.
-The workdir receives ledger.jsonl, metrics.jsonl, timeline.png (+ timeline.json),
-summary.json and checkpoints/.
+The workdir receives ledger.jsonl, metrics.jsonl (and the other metric writers'
+output, runtime/writers.py), timeline.png (+ timeline.json), summary.json and
+checkpoints/.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from dora_jax.rl.trainer import Trainer
 from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.rollout.warmup import warm_engine
 from dora_jax.model.sharding import copy_tree
-from dora_jax.runtime import files, recovery
+from dora_jax.runtime import files, recovery, writers
+from dora_jax.runtime.evaluation import EvalDecoder
 from dora_jax.runtime.loop import Runtime
 from dora_jax.rewards.pool import RewardPool
 from dora_jax.runtime.report import StepReporter
@@ -77,6 +79,8 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     for this config (None: read here). Raises `runtime.loop.RunError` if any part
     fails; the ledger then still accounts for every admitted group."""
     recovery.prepare(workdir, cfg, fresh)
+    if cfg.logging.wandb_project:  # a missing package fails here, before any compute
+        writers.import_wandb()
     checkpointer = Checkpointer(cfg.coordinator.checkpoint_dir
                                 or os.path.join(workdir, "checkpoints"))
     trained = checkpointer.latest_step()
@@ -93,6 +97,8 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     skipped = []
     if records is None:
         records, skipped = sources.prompt_records(cfg, tokenizer)
+    # Held-out prompts never reach the prompt stream: training cannot admit them.
+    records, eval_prompts = sources.held_out_split(records, cfg)
     reward_fn = sources.reward_for(cfg, tokenizer)  # an unknown name fails before compute
     trainer_mesh, slice_meshes = devices.make_meshes(cfg.mesh)
     graphdef, params = initial_params(cfg, trainer_mesh)
@@ -114,6 +120,11 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     if trainer.version:  # every slice holds the version resumed from
         for sl in slices:
             sl.load_version(trainer.version, copy_tree(trainer.params))
+    eval_decoder = None
+    if cfg.eval.every:
+        host = slices[cfg.eval.slice]
+        eval_decoder = EvalDecoder(host, cfg.eval, cfg.seed)
+        eval_decoder.warm(host.params)
     warm_up(slices, trainer, cfg)
     if cfg.coordinator.checkpoint_every:  # periodic saves: none may stall the run
         Checkpointer.warm_up(trainer.state)
@@ -141,12 +152,13 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
             ledger.write("filter", prompt_id=prompt_id, time=0.0,
                          reason=f"prompt over rollout.max_prefill_length "
                                 f"({cfg.rollout.max_prefill_length})")
-    reporter = StepReporter(os.path.join(workdir, "metrics.jsonl"),
-                            tensorboard=os.path.join(workdir, "tensorboard"),
-                            purge_step=None if resumed is None else trainer.version)
+    reporter = StepReporter(writers=writers.make_writers(
+        cfg.logging, workdir, purge_step=None if resumed is None else trainer.version,
+        run_config=recovery.config_json(cfg)))
     timeline = Timeline()
     runtime = Runtime(cfg, scheduler, slices, trainer, stream, rewards, ledger, reporter,
-                      timeline, on_step=on_step, checkpointer=checkpointer, resumed=resumed)
+                      timeline, on_step=on_step, checkpointer=checkpointer, resumed=resumed,
+                      eval_decoder=eval_decoder, eval_prompts=eval_prompts)
     try:
         try:
             summary = runtime.run(cfg.coordinator.num_steps - trainer.version)

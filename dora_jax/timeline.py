@@ -18,7 +18,7 @@ from dora_jax.runtime.files import write_json_atomic
 @dataclasses.dataclass(frozen=True)
 class Span:
     row: str  # "slice 0", "slice 1", ..., "trainer"
-    kind: str  # "decode" | "load" | "migrate" | "train"
+    kind: str  # "decode" | "load" | "migrate" | "eval" | "train"
     start: float
     end: float
     version: int
@@ -62,7 +62,7 @@ def _merge(spans: list[Span]) -> list[Span]:
     return out
 
 
-_HATCH = {"load": "//", "migrate": "xx"}
+_HATCH = {"load": "//", "migrate": "xx", "eval": ".."}
 
 
 def load_json(path: str) -> list[Span]:
@@ -115,7 +115,9 @@ def draw(ax, spans: list[Span], title: str = "") -> None:
     ax.invert_yaxis()
     ax.set_xlabel("seconds")
     marks = [Patch(facecolor="white", edgecolor="black", hatch=_HATCH[k], label=label)
-             for k, label in (("load", "weight load"), ("migrate", "migration"))]
+             for k, label in (("load", "weight load"), ("migrate", "migration"),
+                              ("eval", "evaluation"))
+             if k != "eval" or any(s.kind == k for s in spans)]  # eval: when on
     if discrete:
         handles = [Patch(color=colour[v], label=f"v{v}") for v in versions] + marks
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)

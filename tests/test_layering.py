@@ -33,7 +33,7 @@ def test_config_imports_only_its_own_modules_from_the_package():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == ("['dora_jax.config', 'dora_jax.config_data', 'dora_jax.config_model', "
-                   "'dora_jax.schema']")
+                   "'dora_jax.config_report', 'dora_jax.schema']")
 
 
 def test_versions_encoding_is_ground_floor_and_decode_needs_no_scheduler():

@@ -18,7 +18,12 @@ d_model 128, 4 query / 2 KV heads of dim 32, SwiGLU 384: 459,520 parameters.
 The supervised warm start (150 steps, under a minute) teaches the answer format and some sums
 (greedy accuracy 0.35 on 256 prompts); RL in dora mode then raises the mean sampled
 reward, measured here from 0.33 (steps 0-14) to 0.53 (steps 135-149) in 2 minutes
-(colab/quickstart.ipynb plots the curve). Mesh as configs/tiny.py (8 fake CPU
+(colab/quickstart.ipynb plots the curve; those figures predate holding 64 of the 2000
+prompts out for evaluation). Held out and evaluated every 15 steps (eval.every), the
+64 prompts' greedy pass@1 went from 0.38 before RL to 0.64 after 150 steps, pass@4
+of 4 samples from 0.72 to 0.86, on this CPU (metrics.jsonl's eval records; each
+evaluation took 2-6 s on slice 0, the run about 4.5 minutes with compilation).
+Mesh as configs/tiny.py (8 fake CPU
 devices): trainer data=2 x fsdp=2, 4 decode slices of 8 slots; groups of 8, 8 groups
 per step, 16 admitted ahead, max_staleness 2, 150 steps.
 """
@@ -50,4 +55,7 @@ def get_config(arg=None):
                               rollout_batch_size=16, max_staleness=2, num_steps=150))
     c.data.update(dict(source="reasoning_gym", task="basic_arithmetic", task_args=TASK_ARGS,
                        num_prompts=2000, tokenizer=word_problems.TOKENIZER_DIR))
+    # Held-out pass@1 (greedy) and pass@4 every 15 steps, before the first and after
+    # the last, on 64 prompts training never sees (the notebook plots the curve).
+    c.eval.update(dict(every=15, num_prompts=64, samples=4, k=4))
     return c

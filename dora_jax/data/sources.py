@@ -1,5 +1,6 @@
-"""What `cfg.data` names, built: the tokenizer, the prompt records, the reward
-function and the demonstrations a supervised warm start imitates.
+"""What `cfg.data` names, built: the tokenizer, the prompt records (less those held
+out for evaluation), the reward function and the demonstrations a supervised warm
+start imitates.
 
 Token tasks (residue, countdown, JSONL of token ids) need no tokenizer. Text tasks
 (GSM8K / MATH JSONL, reasoning_gym, a prepared TFDS dataset) build each prompt with
@@ -11,6 +12,8 @@ fatal (rewards/pool.py).
 from __future__ import annotations
 
 from typing import Callable
+
+import numpy as np
 
 from dora_jax.config import TEXT_REWARDS, Config
 from dora_jax.data import prompts, tasks
@@ -108,6 +111,23 @@ def prompt_records(cfg: Config, tokenizer=None) -> tuple[list[dict], list[str]]:
             "skips them, each with a ledger `filter` line)")
     skipped = set(too_long)
     return [r for r in records if r["prompt_id"] not in skipped], too_long
+
+
+def held_out_split(records: list[dict], cfg: Config) -> tuple[list[dict], list[dict]]:
+    """(the records training draws from, the `eval.num_prompts` held out for
+    evaluation during training). The held-out ones are drawn by the run seed, so a
+    resumed run holds out the same; the rest keep their order. Without `eval.every`
+    nothing is held out."""
+    if not cfg.eval.every:
+        return records, []
+    n = cfg.eval.num_prompts
+    if n >= len(records):
+        raise prompts.DataError(f"eval.num_prompts={n} would hold out every one of the "
+                                f"{len(records)} prompt(s) training could draw from")
+    chosen = set(np.random.default_rng([cfg.seed, 0xE7A1]).permutation(len(records))[:n]
+                 .tolist())
+    return ([r for i, r in enumerate(records) if i not in chosen],
+            [r for i, r in enumerate(records) if i in chosen])
 
 
 def reward_for(cfg: Config, tokenizer=None) -> RewardFn:

@@ -1,12 +1,11 @@
-"""AdamW with warmup + constant/cosine schedule and global-norm clipping (optax).
+"""AdamW with warmup + constant/cosine schedule (optax's schedules), global-norm
+clipping, and the update guard that skips a non-finite update.
 
 The schedule is indexed by *optimizer updates* (optax's count), not train steps: a
 train step with `num_minibatches = M` advances it by M.
 """
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
@@ -17,25 +16,43 @@ from dora_jax.config import TrainerConfig
 
 
 def learning_rate_schedule(t: TrainerConfig) -> optax.Schedule:
-    """lr(count) for count = optimizer updates already applied.
+    """lr(count) for count = optimizer updates already applied, built from optax's
+    schedules.
 
     Warmup is linear and reaches the peak at the *end* of update `warmup_steps - 1`:
-    lr = peak * (count + 1) / warmup_steps, so no update is wasted at lr = 0.
+    lr = peak * (count + 1) / warmup_steps, so no update is wasted at lr = 0 (optax's
+    `warmup_cosine_decay_schedule` starts its warmup at `init_value` instead, one
+    update later: hence the warmup here is a `linear_schedule` from peak / warmup).
     "cosine" then decays from the peak to 0 over `decay_steps` updates and stays at 0.
     """
     peak, warmup, decay = t.learning_rate, t.warmup_steps, max(t.decay_steps, 1)
+    schedule = (optax.cosine_decay_schedule(peak, decay) if t.schedule == "cosine"
+                else optax.constant_schedule(peak))
+    if warmup:
+        # linear_schedule needs a positive length: one warmup update is the peak itself.
+        ramp = (optax.linear_schedule(peak / warmup, peak, warmup - 1) if warmup > 1
+                else optax.constant_schedule(peak))
+        schedule = optax.join_schedules([ramp, schedule], [warmup])
+    # A float32 array whatever the count (optax's constant is a Python float), as the
+    # train step's metrics stack it.
+    return lambda count: jnp.asarray(schedule(count), jnp.float32)
 
-    def schedule(count):
-        count = jnp.asarray(count, jnp.float32)
-        lr = jnp.asarray(peak, jnp.float32)
-        if t.schedule == "cosine":
-            progress = jnp.clip((count - warmup) / decay, 0.0, 1.0)
-            lr = peak * 0.5 * (1.0 + jnp.cos(math.pi * progress))
-        if warmup > 0:
-            lr = jnp.where(count < warmup, peak * (count + 1.0) / warmup, lr)
-        return lr
 
-    return schedule
+def guarded_update(tx: optax.GradientTransformation, grads, opt_state, params, finite):
+    """One optimizer update applied only if `finite` (a scalar bool): otherwise params
+    and optimizer state come back unchanged, so the schedule's count does not advance.
+
+    Returns (params, opt_state). Where the two overlap this is `optax.apply_if_finite`
+    (tests/test_optimizer.py shows equal params, state and count), which is not used
+    because its semantics differ: it checks the gradient's elements only (here also
+    the loss, and the pre-clip global norm, which can overflow on finite elements),
+    it gives up and applies the update after `max_consecutive_errors` non-finite ones
+    (here never), and it wraps the optimizer state in its own, which would make the
+    train state of existing checkpoints no longer restore.
+    """
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    return keep(optax.apply_updates(params, updates), params), keep(new_opt_state, opt_state)
 
 
 def _decay_mask(params):

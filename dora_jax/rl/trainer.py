@@ -54,7 +54,8 @@ from dora_jax.rl import losses, objective, packing
 from dora_jax.rl.batch import BatchError, TrainBatch
 from dora_jax.rl.packing import SAMPLE_ARRAYS, TOKEN_ARRAYS
 from dora_jax.rl.objective import MAX_KEYS, MIN_KEYS, SUM_KEYS, TOKEN_KEYS
-from dora_jax.rl.optimizer import learning_rate_schedule, make_optimizer, opt_state_shardings
+from dora_jax.rl.optimizer import (guarded_update, learning_rate_schedule, make_optimizer,
+                                  opt_state_shardings)
 
 
 class TrainState(NamedTuple):
@@ -397,12 +398,9 @@ class Trainer:
                                             ntok_m, nseq_m, state.version)
             stats["grad_norm"] = optax.tree.norm(grads)
             stats["learning_rate"] = self._schedule(count)
-            updates, new_opt_state = self._tx.update(grads, opt_state, params)
             # A non-finite update is skipped: params and optimizer state unchanged.
             finite = jnp.isfinite(stats["grad_norm"]) & jnp.isfinite(stats["loss"])
-            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-            params = keep(optax.apply_updates(params, updates), params)
-            opt_state = keep(new_opt_state, opt_state)
+            params, opt_state = guarded_update(self._tx, grads, opt_state, params, finite)
             stats["skipped_updates"] = (~finite).astype(jnp.int32)
             return (params, opt_state, count + finite.astype(count.dtype)), stats
 

@@ -53,6 +53,26 @@ class GroupScored:
     group_id: int
 
 
+@dataclasses.dataclass(frozen=True)
+class EvalGenerated:
+    """A slice generated an evaluation of `version` (EvalDecoder.generate's result)
+    between `start` and `end` on the run clock."""
+
+    slice_id: int
+    version: int
+    greedy: list
+    sampled: list
+    start: float
+    end: float
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalScored:
+    """Every reward of the evaluation of `version` is in."""
+
+    version: int
+
+
 TRAINER = "trainer"
 
 
@@ -65,4 +85,5 @@ class Failed:
     error: BaseException
 
 
-Event = Union[SamplesFinished, VersionLoaded, StepDone, GroupScored, Failed]
+Event = Union[SamplesFinished, VersionLoaded, StepDone, GroupScored, EvalGenerated,
+              EvalScored, Failed]

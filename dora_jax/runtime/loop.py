@@ -30,8 +30,9 @@ import numpy as np
 
 from dora_jax.data.prompts import PromptStream
 from dora_jax.rollout.trajectory import Request
-from dora_jax.runtime.events import (TRAINER, Failed, GroupScored, SamplesFinished, StepDone,
-                                     VersionLoaded)
+from dora_jax.runtime.evaluation import Evaluation
+from dora_jax.runtime.events import (TRAINER, EvalGenerated, EvalScored, Failed, GroupScored,
+                                     SamplesFinished, StepDone, VersionLoaded)
 from dora_jax.runtime.groups import GroupBook
 from dora_jax.runtime.report import StepReporter, WaitClock
 from dora_jax.rewards.pool import RewardPool
@@ -78,13 +79,15 @@ class Runtime(Driver):
         (saves.py), and `close_saves` ends them.
       resumed: the run this one continues (`recovery.load`): its finished groups are
         restored, its lost ones admitted again, and the ledger says so.
+      eval_decoder, eval_prompts: with `eval.every`, the held-out prompts evaluated
+        by the decoder (evaluation.py) on slice `eval.slice` between its rollouts.
     """
 
     def __init__(self, cfg, scheduler: Scheduler, slices, trainer, prompts: PromptStream,
                  rewards: RewardPool, ledger: LedgerWriter, reporter: StepReporter,
                  timeline: Timeline, on_step: Callable[[dict], None] = lambda m: None,
                  checkpointer=None, clock: Callable[[], float] = time.perf_counter,
-                 resumed=None):
+                 resumed=None, eval_decoder=None, eval_prompts=()):
         self.cfg, self.sched, self.slices, self.trainer = cfg, scheduler, slices, trainer
         self.prompts, self.ledger = prompts, ledger
         self.reporter, self.timeline, self.on_step = reporter, timeline, on_step
@@ -98,6 +101,8 @@ class Runtime(Driver):
         if resumed is not None:
             self._restore(resumed)
         self._events: queue.Queue = queue.Queue()
+        self.evaluation = None if eval_decoder is None else Evaluation(
+            cfg.eval, eval_prompts, eval_decoder, rewards, self._events, self.clock)
         c = cfg.coordinator
         faults = None if c.fail_slice == -1 else FaultPlan(
             c.fail_point, c.fail_after, None if c.fail_slice == -2 else c.fail_slice)
@@ -154,6 +159,7 @@ class Runtime(Driver):
         keep = {v for sl in self.sched.slices for v in (sl.version, sl.loading)}
         keep |= {g.version for g in self.sched.groups.values() if g.n_pending}
         self.weights.publish(step + 1, ev.params, keep)
+        self._evaluate(step + 1, ev.params)
         self._trainer_idle_since = ev.end
         self.waits.mark(ev.end, self._wait_kind())
         group_ids, wait, wait_split = self._inflight_batches.pop(step)
@@ -171,6 +177,13 @@ class Runtime(Driver):
                                     checkpoint_copy_wait=ev.copy_wait)
         self._reported = len(self.slice_failures)
         self.on_step(record)
+
+    def _evaluate(self, version: int, params, *, last: bool = False) -> None:
+        """Sends the evaluation of `version` to its slice if one is due (or if
+        `last`, the run's final version not evaluated yet)."""
+        e = self.evaluation
+        if e is not None and (e.due(version) or (last and version not in e.evaluated)):
+            e.start(self.workers[self.cfg.eval.slice], version, params)
 
     def _restore(self, resumed):
         """Takes over a resumed run's finished groups and lost prompts, and writes
@@ -251,6 +264,10 @@ class Runtime(Driver):
         elif isinstance(ev, StepDone):
             self._step_done(ev)
             return 1
+        elif isinstance(ev, EvalGenerated):
+            self.evaluation.generated(ev)
+        elif isinstance(ev, EvalScored):
+            self.reporter.eval(self.evaluation.scored(ev))
         elif isinstance(ev, Failed):
             self._failed(ev)
         else:  # pragma: no cover - only the events above are posted
@@ -306,6 +323,8 @@ class Runtime(Driver):
                     in_hand_over += 1
         lost = in_hand_over + len(self.sched.slices[i].running)
         self.sched.slice_failed(i)
+        if self.evaluation is not None:
+            self.evaluation.lost(i)
         self.slices[i].abandon()
         self._to_ack.discard(i)
         self.slice_failures.append((i, self.sched.next_step))
@@ -376,6 +395,8 @@ class Runtime(Driver):
         self._trainer_thread.start()
         steps_done = 0
         try:
+            v = self.trainer.version  # the policy before this run's training
+            self._evaluate(v, self.weights.for_load(v))
             self.waits.mark(self._trainer_idle_since, self._wait_kind())
             self._decide()
             while steps_done < num_steps:
@@ -394,6 +415,7 @@ class Runtime(Driver):
                         break
                 if steps_done < num_steps:
                     self._decide()
+            self._finish_evaluations()
         except BaseException as e:
             self._finish()
             if isinstance(e, RunError):
@@ -410,6 +432,16 @@ class Runtime(Driver):
         summary["prefills_per_group"] = round(sum(sl.stats.prefills for sl in self.slices)
                                               / max(self.sched.next_group_id, 1), 3)
         return summary
+
+    def _finish_evaluations(self):
+        """Evaluates the final version if no evaluation has, and waits for every
+        evaluation sent to be scored (the slices' other events are taken as usual)."""
+        if self.evaluation is None:
+            return
+        v = self.trainer.version
+        self._evaluate(v, self.weights.for_load(v), last=True)
+        while self.evaluation.pending:
+            self._handle(self._next_event())
 
     def _finish(self):
         """The ledger's final lines, then the threads stopped even if writing them

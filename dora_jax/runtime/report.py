@@ -1,4 +1,5 @@
-"""Per-step metrics (`<workdir>/metrics.jsonl`) and the run summary.
+"""Per-step metrics (`<workdir>/metrics.jsonl`), evaluation records, and the run
+summary.
 
 Throughput, the trainer-wait fraction (split by cause, `WaitClock`), the step time
 and the rollout-only share are reported over the steady-state window — from the end of
@@ -9,7 +10,7 @@ filling; whole-run figures are given too.
 from __future__ import annotations
 
 import bisect
-import json
+import contextlib
 import queue
 import threading
 from collections import Counter
@@ -110,12 +111,11 @@ class WaitClock:
 
 
 class _RecordWriter:
-    """Appends records to metrics.jsonl and TensorBoard on its own thread, so that a
-    step's file writes never hold the coordinator. `close` writes what is queued."""
+    """Hands records to every writer (writers.py) on its own thread, so that a step's
+    writes never hold the coordinator. `close` writes what is queued."""
 
-    def __init__(self, path: str | None, tensorboard):
-        self._file = open(path, "a") if path else None
-        self._tensorboard = tensorboard
+    def __init__(self, writers: list):
+        self._writers = list(writers)
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="metrics writer",
@@ -132,11 +132,8 @@ class _RecordWriter:
             if self._error is not None:
                 continue
             try:
-                if self._file:
-                    self._file.write(json.dumps(record) + "\n")
-                    self._file.flush()
-                if self._tensorboard:
-                    self._tensorboard.write(record)
+                for w in self._writers:
+                    w.write(record)
             except BaseException as e:  # noqa: BLE001 - raised in the coordinator
                 self._error = e
 
@@ -144,10 +141,9 @@ class _RecordWriter:
         self._queue.put(None)
         self._thread.join()
         try:
-            if self._file:
-                self._file.close()
-            if self._tensorboard:
-                self._tensorboard.close()
+            with contextlib.ExitStack() as closing:  # each closes even if one raises
+                for w in reversed(self._writers):
+                    closing.callback(w.close)
         finally:
             if self._error is not None:
                 raise self._error
@@ -157,18 +153,23 @@ class StepReporter:
     """Turns each finished step into a metrics record and keeps run totals; the
     records are written on a thread of their own."""
 
-    def __init__(self, path: str | None, *, tensorboard: str | None = None,
-                 purge_step: int | None = None):
-        """`path`: metrics.jsonl (appended); `tensorboard`: a directory that gets the
-        same records as TensorBoard scalars (runtime/tensorboard.py), with the events
-        of steps >= `purge_step` dropped (a resumed run trains them again)."""
-        board = None
-        if tensorboard:
-            from dora_jax.runtime.tensorboard import TensorBoardWriter
+    def __init__(self, path: str | None = None, *, tensorboard: str | None = None,
+                 purge_step: int | None = None, writers: list | None = None):
+        """`writers`: where records go (writers.py, e.g. `writers.make_writers`); without
+        them, `path`: metrics.jsonl (appended) and `tensorboard`: a directory that gets
+        the same records as TensorBoard scalars (runtime/tensorboard.py), with the
+        events of steps >= `purge_step` dropped (a resumed run trains them again)."""
+        if writers is None:
+            from dora_jax.runtime.writers import JsonlWriter
 
-            board = TensorBoardWriter(tensorboard, purge_step)
-        self._writer = _RecordWriter(path, board)
+            writers = [JsonlWriter(path)] if path else []
+            if tensorboard:
+                from dora_jax.runtime.tensorboard import TensorBoardWriter
+
+                writers.append(TensorBoardWriter(tensorboard, purge_step))
+        self._writer = _RecordWriter(writers)
         self.records: list[dict] = []
+        self.evals: list[dict] = []  # evaluation records, apart from the steps'
         self._last = {"migrations": 0, "transfer": 0.0, "busy": {}, "total": {},
                       "prefill_tokens": {}, "reprefill_tokens": {}}
         self.staleness = Counter()
@@ -234,6 +235,11 @@ class StepReporter:
         self._writer.put(record)
         return record
 
+    def eval(self, record: dict) -> None:
+        """Writes an evaluation's record (runtime/evaluation.py) with the steps'."""
+        self.evals.append(record)
+        self._writer.put(record)
+
     def summary(self, slices, timeline=None) -> dict:
         """Run totals; see the module docstring for the steady-state window. With the
         run's timeline, also the fraction of weight loads that overlapped another
@@ -258,6 +264,12 @@ class StepReporter:
         }
         if timeline is not None:
             out["load_overlap_fraction"] = load_overlap_fraction(timeline.spans)
+        if self.evals:  # held-out pass@1 and pass@k before and after (by version)
+            keys = ("version", "pass_at_1", "pass_at_k")
+            first, last = (min(self.evals, key=lambda e: e["step"]),
+                           max(self.evals, key=lambda e: e["step"]))
+            out["eval_first"] = {k: first["eval"][k] for k in keys}
+            out["eval_last"] = {k: last["eval"][k] for k in keys}
         if len(r) > 1:
             window = r[-1]["time"] - r[0]["time"]
             out["tokens_per_second"] = round(sum(x["trained_tokens"] for x in r[1:]) / window, 2)

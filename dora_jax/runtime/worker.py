@@ -3,8 +3,9 @@
 The worker owns its `DecodeSlice` (engine, decode state, resident params): nothing
 else touches them. It decodes while it holds work and, between generate calls,
 applies the commands the coordinator sent — submit, load a version, interrupt and
-reload, export (migration out), import (migration in) — then posts events to the
-coordinator's queue: samples finished, version loaded, failure.
+reload, export (migration out), import (migration in), evaluate (evaluation.py) —
+then posts events to the coordinator's queue: samples finished, version loaded, an
+evaluation generated, failure.
 A slice loading weights or receiving a migration never pauses another slice, and
 the coordinator never waits on a slice's device work.
 
@@ -41,7 +42,7 @@ from typing import Callable
 
 from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.rollout.trajectory import Request
-from dora_jax.runtime.events import Failed, SamplesFinished, VersionLoaded
+from dora_jax.runtime.events import EvalGenerated, Failed, SamplesFinished, VersionLoaded
 from dora_jax.runtime.faults import FaultPlan
 from dora_jax.timeline import Timeline
 
@@ -108,6 +109,12 @@ class SliceWorker:
         self.unfilled[id(box)] = (box, request_ids, dst)
         self._commands.put(("export", (request_ids, box)))
         dst._commands.put(("import", box))
+
+    def evaluate(self, decoder, version: int, params, records: list) -> None:
+        """Between two generate calls, generate an evaluation of `version` (`params`
+        as published) on `records` with `decoder` (runtime/evaluation.py), then post
+        `EvalGenerated`. This slice's own requests wait meanwhile."""
+        self._commands.put(("eval", (decoder, version, params, records)))
 
     def stop(self, timeout: float = 600.0) -> None:
         self._stopping.set()
@@ -197,6 +204,15 @@ class SliceWorker:
                 start = self._clock()
                 sl.import_requests(moving)
                 self._timeline.add(self._row, "migrate", start, self._clock(), sl.version)
+        elif kind == "eval":
+            decoder, version, params, records = arg
+            if sl.version == version and sl.params is not None:
+                params = sl.params  # resident already: no transfer
+            start = self._clock()
+            greedy, sampled = decoder.generate(version, params, records)
+            end = self._clock()
+            self._timeline.add(self._row, "eval", start, end, version)
+            self._events.put(EvalGenerated(self.slice_id, version, greedy, sampled, start, end))
         else:  # pragma: no cover - only the methods above enqueue commands
             raise ValueError(f"unknown command {kind!r}")
 

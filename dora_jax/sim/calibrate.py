@@ -54,7 +54,9 @@ def load_run(workdir: str) -> dict:
         raise FileNotFoundError(f"{workdir} is not a run's workdir: no {', '.join(missing)}")
     with open(os.path.join(workdir, "timeline.json")) as f:
         spans = json.load(f)
-    return dict(spans=spans, metrics=_read_jsonl(os.path.join(workdir, "metrics.jsonl")),
+    # Step records only: evaluation records (runtime/evaluation.py) are no steps.
+    steps = [m for m in _read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "eval" not in m]
+    return dict(spans=spans, metrics=steps,
                 ledger=_read_jsonl(os.path.join(workdir, "ledger.jsonl")))
 
 

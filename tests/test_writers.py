@@ -1,0 +1,130 @@
+"""Metric writers: every record reaches each writer a config asks for; the W&B
+writer, run against a fake `wandb` module (nothing reaches the network), logs the
+TensorBoard tags at each record's step and continues its run on resume; a config
+asking for W&B without the package fails naming the field."""
+
+import json
+import sys
+import types
+
+import pytest
+
+from dora_jax import config as config_lib
+from dora_jax.config_report import LoggingConfig
+from dora_jax.runtime import writers
+from dora_jax.runtime.report import StepReporter
+from dora_jax.schema import ConfigError
+
+
+class FakeRun:
+    def __init__(self, **init):
+        self.init, self.logged, self.finished, self.axes = init, [], False, {}
+
+    def define_metric(self, name, step_metric):
+        self.axes[name] = step_metric
+
+    def log(self, data, step=None):
+        self.logged.append((step, dict(data)))
+
+    def finish(self):
+        self.finished = True
+
+
+@pytest.fixture
+def fake_wandb(monkeypatch):
+    runs = []
+
+    def init(**kwargs):
+        runs.append(FakeRun(**kwargs))
+        return runs[-1]
+
+    ids = iter(["run-a", "run-b"])
+    module = types.SimpleNamespace(init=init, runs=runs,
+                                   util=types.SimpleNamespace(generate_id=lambda: next(ids)))
+    monkeypatch.setitem(sys.modules, "wandb", module)
+    return module
+
+
+RECORDS = [{"step": 0, "reward_mean": 0.5, "trainer": {"loss": 1.5}, "resident_versions": [0]},
+           {"step": 1, "reward_mean": 0.75, "trainer": {"loss": 1.25}, "resident_versions": [0, 1]}]
+EVAL = {"step": 1, "eval": {"version": 1, "pass_at_1": 0.25}}  # scored after step 1's
+
+
+def _write(reporter, records):
+    for r in records:
+        reporter._writer.put(r)
+    reporter.close()
+
+
+def test_every_writer_gets_every_record(tmp_path, fake_wandb):
+    cfg = LoggingConfig(tensorboard=True, wandb_project="proj", wandb_mode="offline")
+    _write(StepReporter(writers=writers.make_writers(cfg, str(tmp_path), run_config={"seed": 3})),
+           RECORDS + [EVAL])
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines == RECORDS + [EVAL]
+    from dora_jax.runtime.tensorboard import read_scalars
+
+    board = read_scalars(str(tmp_path / "tensorboard"))
+    assert board["trainer/loss"] == [(0, 1.5), (1, 1.25)]
+    assert board["eval/pass_at_1"] == [(1, 0.25)]
+    (run,) = fake_wandb.runs
+    assert run.init["project"] == "proj" and run.init["mode"] == "offline"
+    assert run.init["id"] == "run-a" and run.init["resume"] == "allow"
+    assert run.init["name"] == tmp_path.name and run.init["config"] == {"seed": 3}
+    assert run.logged == [(0, {"reward_mean": 0.5, "trainer/loss": 1.5,
+                               "resident_versions/count": 1.0}),
+                          (1, {"reward_mean": 0.75, "trainer/loss": 1.25,
+                               "resident_versions/count": 2.0}),
+                          # At W&B's current step, charted against its version.
+                          (None, {"eval/version": 1.0, "eval/pass_at_1": 0.25})]
+    assert run.axes == {"eval/*": "eval/version"}
+    assert run.finished
+    # A resumed run continues the same W&B run.
+    writers.WandbWriter(cfg, str(tmp_path)).close()
+    assert fake_wandb.runs[1].init["id"] == "run-a"
+
+
+def test_defaults_write_jsonl_and_tensorboard_only(tmp_path, fake_wandb):
+    made = writers.make_writers(config_lib.LoggingConfig(), str(tmp_path))
+    assert [type(w).__name__ for w in made] == ["JsonlWriter", "TensorBoardWriter"]
+    for w in made:
+        w.close()
+    made = writers.make_writers(LoggingConfig(tensorboard=False), str(tmp_path))
+    assert [type(w).__name__ for w in made] == ["JsonlWriter"]
+    made[0].close()
+    assert not fake_wandb.runs
+
+
+def test_wandb_configured_but_not_installed_names_the_field(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import fails as if absent
+    with pytest.raises(ConfigError, match="config.logging.wandb_project: .*not installed"):
+        writers.make_writers(LoggingConfig(wandb_project="proj"), str(tmp_path))
+
+
+def test_logging_fields_are_validated(load_config):
+    with pytest.raises(ConfigError, match="config.logging.wandb_mode: must be one of"):
+        load_config("configs/tiny.py", num_devices=8, logging__wandb_mode="cloud")
+
+
+def test_a_failing_writer_still_lets_the_others_close(tmp_path):
+    closed = []
+
+    class Broken:
+        def write(self, record):
+            raise OSError("disk full")
+
+        def close(self):
+            closed.append("broken")
+
+    class Fine:
+        def write(self, record):
+            pass
+
+        def close(self):
+            closed.append("fine")
+
+    reporter = StepReporter(writers=[Fine(), Broken()])
+    reporter._writer.put(RECORDS[0])
+    with pytest.raises(OSError, match="disk full"):
+        reporter.close()
+    assert sorted(closed) == ["broken", "fine"]
