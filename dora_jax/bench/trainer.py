@@ -68,42 +68,42 @@ _LENGTHS = flags.DEFINE_enum("lengths", "synthetic", ["synthetic", "long_tail"],
                              "packed vs padded on long-tailed batches")
 
 
-def synthetic_batch(cfg: config_lib.Config, num_groups: int, group_size: int, seed: int = 0):
-    """Random prompts/responses filling most of the largest bucket."""
-    rng = np.random.default_rng(seed)
-    T = cfg.trainer.length_buckets[-1]
+def _batch(cfg: config_lib.Config, num_groups: int, group_size: int, rng, prompt_len: int,
+           response_len) -> TrainBatch:
+    """Random tokens; each group shares a `prompt_len`-token prompt; `response_len(P)`
+    draws a response length after a prompt of P tokens."""
     V = cfg.model.vocab_size
     trajs = []
     for g in range(num_groups):
-        prompt = rng.integers(2, V, max(1, T // 4)).tolist()
+        prompt = rng.integers(2, V, prompt_len).tolist()
         for _ in range(group_size):
-            n = int(rng.integers(T // 2, T - len(prompt) + 1))
+            n = response_len(len(prompt))
             logp = np.minimum(np.log(1.0 / V) + 0.3 * rng.standard_normal(n), 0.0)
             trajs.append(dict(prompt_tokens=prompt, response_tokens=rng.integers(2, V, n),
                               behaviour_logprobs=logp, reward=float(rng.random()),
                               group_id=g, version=0))
     return TrainBatch.from_trajectories(trajs, group_size=group_size,
                                         length_buckets=cfg.trainer.length_buckets)
+
+
+def synthetic_batch(cfg: config_lib.Config, num_groups: int, group_size: int, seed: int = 0):
+    """Random prompts/responses filling most of the largest bucket."""
+    rng, T = np.random.default_rng(seed), cfg.trainer.length_buckets[-1]
+    return _batch(cfg, num_groups, group_size, rng, max(1, T // 4),
+                  lambda P: int(rng.integers(T // 2, T - P + 1)))
 
 
 def long_tail_batch(cfg: config_lib.Config, num_groups: int, group_size: int, seed: int):
     """A batch whose response lengths follow configs/longtail.py's counts (lognormal,
     median 12, sigma 1.1, clipped to [1, 255]) + 1 for EOS, after a 2-token prompt;
     capped to what the config's longest bucket holds."""
-    rng = np.random.default_rng(seed)
-    T, V = cfg.trainer.length_buckets[-1], cfg.model.vocab_size
-    trajs = []
-    for g in range(num_groups):
-        prompt = rng.integers(2, V, 2).tolist()
-        for _ in range(group_size):
-            count = int(np.clip(np.rint(rng.lognormal(np.log(12.0), 1.1)), 1, 255))
-            n = min(count + 1, T - len(prompt))
-            logp = np.minimum(np.log(1.0 / V) + 0.3 * rng.standard_normal(n), 0.0)
-            trajs.append(dict(prompt_tokens=prompt, response_tokens=rng.integers(2, V, n),
-                              behaviour_logprobs=logp, reward=float(rng.random()),
-                              group_id=g, version=0))
-    return TrainBatch.from_trajectories(trajs, group_size=group_size,
-                                        length_buckets=cfg.trainer.length_buckets)
+    rng, T = np.random.default_rng(seed), cfg.trainer.length_buckets[-1]
+
+    def length(P):
+        count = int(np.clip(np.rint(rng.lognormal(np.log(12.0), 1.1)), 1, 255))
+        return min(count + 1, T - P)
+
+    return _batch(cfg, num_groups, group_size, rng, 2, length)
 
 
 def step_working_set(tr: Trainer, batch: TrainBatch) -> int:
