@@ -134,7 +134,9 @@ def test_sim_calibrate(modes_run):
     workdir, _ = modes_run
     out = run_module("dora_jax.sim.calibrate", f"--workdir={workdir / 'sync' / '0'}",
                      "--config=configs/tiny.py", "--cores=2")
-    parse(final_line(out), rf"decode step at 8 busy slots: {NUMBER} ms", 1e-4, 1e4)
+    # A few-step tiny run can leave the per-slot term at 0 (the call overhead fits it
+    # all): the line must parse; the fit itself is tested in tests/test_sim.py.
+    parse(final_line(out), rf"decode step at 8 busy slots: {NUMBER} ms", 0.0, 1e4)
 
 
 @pytest.mark.slow

@@ -319,11 +319,8 @@ def test_image_is_required_and_the_dockerfile_pins_versions():
 
 
 def test_xm_submits_what_it_dry_runs_single_controller():
-    sys.path.insert(0, str(REPO / "launchers"))
-    try:
-        import xm_launch
-    finally:
-        sys.path.pop(0)
+    from dora_jax.launch import xm as xm_launch  # launchers/xm_launch.py's jobs, no flags
+
     cfg = jobset.render_config(load_repo_config("configs/moe.py", validate=False))
     job = _job_spec("configs/moe.py", [], cfg, "v5p-256")
     jobs = xm_launch.xm_jobs(job)

@@ -59,7 +59,7 @@ SYNC_MODES = (COLOCATED, "sync")
 COLUMNS = (  # (header, summary key or function, format)
     ("tokens/s", "tokens_per_second", "{:9.0f}"),
     ("step s", "step_seconds", "{:7.3f}"),
-    ("train s", "train_step_seconds", "{:7.3f}"),
+    ("train s", lambda s: s.get("train_step_seconds", float("nan")), "{:7.3f}"),
     ("fill s", lambda s: s["trainer_wait_split"]["fill_seconds"], "{:7.2f}"),
     ("wait", "trainer_wait_fraction", "{:6.1%}"),
     ("guard", lambda s: s["trainer_wait_split"]["guard"], "{:6.1%}"),

@@ -143,6 +143,7 @@ class Evaluation:
         self._pending: dict[int, EvalGenerated | None] = {}  # version -> generated
         self._scores: dict[int, tuple] = {}
         self.evaluated: set[int] = set()
+        self.dropped: set[int] = set()  # sent, then lost with their slice
 
     @property
     def pending(self) -> bool:
@@ -163,6 +164,7 @@ class Evaluation:
         if slice_id == self.decoder.slice_id:
             for v in [v for v, g in self._pending.items() if g is None]:
                 del self._pending[v]
+                self.dropped.add(v)
 
     def generated(self, ev: EvalGenerated) -> None:
         """Sends every response to the reward pool; `EvalScored` follows."""
