@@ -293,14 +293,11 @@ class Trainer:
     def _forward(self, params, micro):
         """(logits, MoE aux) of a micro-batch's rows; packed rows attend within each
         sample only, with positions restarting at each."""
-        valid_BT = micro["segment_ids"] > 0
-        if self._packed:
-            logits, aux, _ = transformer.apply(self.graphdef, params, micro["tokens"],
-                                               micro["positions"], valid_BT=valid_BT,
-                                               segment_ids_BT=micro["segment_ids"])
-        else:  # right padding: causal attention alone keeps it out of real tokens
-            logits, aux, _ = transformer.apply(self.graphdef, params, micro["tokens"],
-                                               valid_BT=valid_BT)
+        # Right padding (unpacked): causal attention alone keeps it out of real tokens.
+        packed = dict(positions_BT=micro["positions"],
+                      segment_ids_BT=micro["segment_ids"]) if self._packed else {}
+        logits, aux, _ = transformer.apply(self.graphdef, params, micro["tokens"],
+                                           valid_BT=micro["segment_ids"] > 0, **packed)
         return logits, aux
 
     def _logp(self, params, micro):

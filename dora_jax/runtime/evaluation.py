@@ -166,6 +166,15 @@ class Evaluation:
                 del self._pending[v]
                 self.dropped.add(v)
 
+    def take_back(self, version: int) -> bool:
+        """Whether `version`'s evaluation was lost with its slice before it ran; if
+        so it may be sent again (to the restarted slice)."""
+        if version not in self.dropped:
+            return False
+        self.dropped.discard(version)
+        self.evaluated.discard(version)
+        return True
+
     def generated(self, ev: EvalGenerated) -> None:
         """Sends every response to the reward pool; `EvalScored` follows."""
         self._pending[ev.version] = ev

@@ -439,16 +439,12 @@ class Runtime(Driver):
         if self.evaluation is None:
             return
         v = self.trainer.version
-        for _ in range(2):
+        for _ in range(2):  # once more if its slice failed before running it
             self._evaluate(v, self.weights.for_load(v), last=True)
             while self.evaluation.pending:
                 self._handle(self._next_event())
-            if v not in self.evaluation.dropped:
+            if not self.evaluation.take_back(v):
                 break
-            # Sent to a slice that failed before running it: once more, to the
-            # restarted slice (the final version's figures are the run's last).
-            self.evaluation.dropped.discard(v)
-            self.evaluation.evaluated.discard(v)
 
     def _finish(self):
         """The ledger's final lines, then the threads stopped even if writing them
