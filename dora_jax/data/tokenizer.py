@@ -283,6 +283,12 @@ class Tokenizer:
             with open(gen_file, "w", encoding="utf-8") as f:
                 json.dump(gen, f, indent=2)
 
+    @property
+    def special_tokens(self) -> tuple:
+        """The texts of the added special tokens (turn markers, EOS, ...)."""
+        return tuple(t.content for t in self._backend.get_added_tokens_decoder().values()
+                     if t.special)
+
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`. Special tokens written in the text (e.g. a rendered
         chat template's turn markers) map to their ids; `add_special_tokens` adds

@@ -20,6 +20,16 @@ Paged KV cache: a slot holds pages for the positions it has; the group prompt ca
 and admission by free pages are the slice's `memory` (slice_memory.py); when a
 call does not fit, the slice preempts its most recently started request.
 
+Multi-turn episodes (with an `episodes.EpisodeRunner`): a request whose Request
+carries its record is an episode. When a model turn ends, the slice extracts the
+slot's KV, frees the slot and hands the turn to the environment (off this thread);
+the episode keeps its place among the held requests (so a slot is there for it
+when the observation comes back) while the other slots decode on. The observation
+then joins the response and runs through a prefill on top of the kept KV
+(`engine.prefill(existing_prefix=...)`), and the next turn decodes under the same
+version. Migration moves an episode between turns with its kept KV; a preempted
+or re-prefilled one runs its whole sequence again, observations included.
+
 Constraint C1 is enforced here: `submit`, `import_requests` and `load_version` refuse
 anything that would make the slice serve a request under a version other than its
 own. `interrupt_and_reload` is the deliberate exception (the partial_rollout
@@ -31,6 +41,7 @@ One thread drives a slice; its methods are not thread-safe.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import time
 from typing import Callable, Iterable, Optional
 
@@ -39,6 +50,7 @@ import numpy as np
 
 from dora_jax import versions as versions_lib
 from dora_jax.rollout.engine import Engine
+from dora_jax.rollout.episodes import EpisodeRunner
 from dora_jax.rollout.slice_memory import SliceMemory, prompt_key
 from dora_jax.rollout.slots import SlotTable
 from dora_jax.rollout.trajectory import (Held, InFlight, Request, RolloutError, SliceStats,
@@ -53,11 +65,17 @@ class DecodeSlice:
       engine: an `Engine` on the slice's mesh (see `create`).
       lookahead: overlap generate step k with reading step k-1 (module docstring).
       clock: wall-clock source for trajectory timestamps.
+      episodes: runs the environments of multi-turn requests (None: single-turn).
     """
 
     def __init__(self, slice_id: int, engine: Engine, *, lookahead: bool = True,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time,
+                 episodes: EpisodeRunner | None = None):
         self.slice_id, self.engine, self.clock = slice_id, engine, clock
+        self.episodes = episodes
+        # Episodes waiting for their environment: request id -> (Held, the KV kept
+        # (None: run the whole sequence again), future, when the call was sent).
+        self._env_wait: dict = {}
         self.lookahead = lookahead
         self.version: Optional[int] = None
         self.params = None
@@ -100,7 +118,12 @@ class DecodeSlice:
 
     @property
     def num_running(self) -> int:
-        return len(self._held) - len(self._waiting)
+        return len(self._held) - len(self._waiting) - len(self._env_wait)
+
+    @property
+    def num_at_environment(self) -> int:
+        """Episodes waiting for their environment's answer."""
+        return len(self._env_wait)
 
     @property
     def kv_free_tokens(self):
@@ -122,6 +145,7 @@ class DecodeSlice:
         starts again empty, to be told which version to load."""
         self._held.clear()
         self._waiting.clear()
+        self._env_wait.clear()
         self._pending, self._inflight, self._done = [], None, []
         self.slots.clear()
         self.params = self.version = None
@@ -167,6 +191,9 @@ class DecodeSlice:
         self.stats.interrupts += 1
         for seq in self._held.values():
             seq.version = version
+            seq.kept, seq.unwritten = None, 0  # KV kept between turns: the old version's
+        for rid, (seq, _, future, sent) in self._env_wait.items():
+            self._env_wait[rid] = (seq, None, future, sent)
         for seq in running:
             self._start(seq, seq.slot)
         return seconds
@@ -191,6 +218,8 @@ class DecodeSlice:
         self._check_accepts([request.request_id], [request.version])
         request.check(self.engine.max_prefill_length, self.engine.model_cfg.vocab_size)
         seq = Held(request, request.version, [], [], [], [self.slice_id], self.clock(), None)
+        if request.record is not None and self.episodes is not None:
+            seq.episode = self.episodes.begin(request.record)
         self._held[request.request_id] = seq
         self._waiting.append(seq)
 
@@ -200,6 +229,8 @@ class DecodeSlice:
         if self._pool_epoch is not None and self.engine.pages.epoch != self._pool_epoch:
             raise RolloutError(f"slice {self.slice_id}: its engine's KV page pool was reset "
                                f"by another decode state; give each slice its own Engine")
+        if self._env_wait:
+            self._collect_observations()
         while (self._waiting and not self.slots.full
                and self.memory.has_pages_for(self._waiting[0])):
             self._start(self._waiting.popleft(), self.slots.lowest_free())
@@ -224,6 +255,12 @@ class DecodeSlice:
             self._read(*record)
         done, self._done = self._done, []
         self.memory.forget_groups_except({rid[0] for rid in self._held})
+        if (not done and self._env_wait and not self.slots.busy and not self._waiting
+                and self._inflight is None):
+            # Only environments are working: wait a little for one, not spin.
+            concurrent.futures.wait([f for _, _, f, _ in self._env_wait.values()],
+                                    timeout=0.02,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
         return done
 
     def drain(self, max_steps: int | None = None) -> list:
@@ -244,6 +281,14 @@ class DecodeSlice:
         self._sync()
         ids = list(self._held) if request_ids is None else list(
             dict.fromkeys(tuple(r) for r in request_ids))
+        # An episode at its environment moves once the observation is in (or it ends
+        # here, and its finished trajectory is returned by the next step).
+        settling = [r for r in ids if r in self._env_wait]
+        if settling:
+            concurrent.futures.wait([self._env_wait[r][2] for r in settling],
+                                    timeout=self.episodes.timeout)
+            self._collect_observations(force=settling)
+            ids = [r for r in ids if r in self._held or r not in settling]
         missing = [r for r in ids if r not in self._held]
         if missing:
             raise KeyError(f"slice {self.slice_id} does not hold request(s) {missing}")
@@ -280,6 +325,8 @@ class DecodeSlice:
             seq = Held.from_inflight(f, self.slice_id)
             self._held[f.request.request_id] = seq
             if f.prefix is None:
+                if seq.kept is not None:
+                    seq.kept = jax.device_put(seq.kept, dst)
                 self._waiting.append(seq)
                 continue
             slot = self.slots.lowest_free()
@@ -314,6 +361,8 @@ class DecodeSlice:
         (preempted, or re-prefilled under new params) runs only its own tokens on top
         of it, and on a paged cache they all map the prompt's pages."""
         r, engine, memory = seq.request, self.engine, self.memory
+        if seq.kept is not None:
+            return self._continue_episode(seq, slot)
         P, key = len(r.prompt_tokens), prompt_key(r)
         base = memory.prefixes.get(key)
         if base is None and seq.tokens:  # the group's prompt, once
@@ -344,6 +393,90 @@ class DecodeSlice:
             seq.t_start = self.clock()
         self._place(seq, slot, n)
         self._pending.append((seq, result))
+
+    def _continue_episode(self, seq: Held, slot: int):
+        """Prefills an episode's unwritten tokens (the last turn's end and the
+        observation) on top of its kept KV into `slot` and samples the next turn's
+        first token."""
+        r, engine = seq.request, self.engine
+        chunk = seq.tokens[len(seq.tokens) - seq.unwritten:]
+        padded, t = engine.pad_tokens(chunk)
+        prefix, result = engine.prefill(params=self.params, existing_prefix=seq.kept,
+                                        padded_tokens=padded, true_length=t,
+                                        rng=r.key_data(), num_generated=len(seq.tokens),
+                                        max_new_tokens=r.max_new_tokens)
+        seq.kept, seq.unwritten = None, 0
+        n = len(r.prompt_tokens) + len(seq.tokens)
+        self.state = engine.insert(prefix, self.state, slot, length=n)
+        self.stats.observation_tokens += t - 1
+        self._place(seq, slot, n)
+        self._pending.append((seq, result))
+
+    def _end_turn(self, seq: Held) -> bool:
+        """A model turn of an episode ended (its tokens flushed): keeps the KV,
+        frees the slot and sends the turn to the environment. False if the episode
+        ends here instead (its token budget is spent)."""
+        episode, n = seq.episode, len(seq.tokens)
+        start = episode.next_start
+        episode.turns.append(["model", start, n])
+        if seq.tokens[-1] not in self.engine.stop_ids:  # cut at the budget
+            episode.end = "budget"
+            return False
+        kept = self.engine.extract(self.state, seq.slot,
+                                   used=len(seq.request.prompt_tokens) + n)
+        self._free(seq)
+        future = self.episodes.step(episode, seq.tokens[start:])
+        self._env_wait[seq.request.request_id] = (seq, kept, future, time.perf_counter())
+        return True
+
+    def _collect_observations(self, force=()):
+        """Takes the environments' answers that are in: an episode goes on (queued
+        first, its observation appended) or ends. An episode in `force` whose answer
+        is not in is timed out now."""
+        now = time.perf_counter()
+        for rid, (seq, kept, future, sent) in list(self._env_wait.items()):
+            if future.done():
+                result, seconds, error = future.result()
+            elif now - sent > self.episodes.timeout or rid in force:
+                result, seconds, error = None, now - sent, "env_timeout"
+            else:
+                continue
+            del self._env_wait[rid]
+            episode = seq.episode
+            episode.env_seconds += seconds
+            if result is None or error is not None:
+                episode.error = error
+                self._end_episode(seq, "env_timeout" if result is None else "env_error")
+                continue
+            episode.reward += float(result.reward)
+            episode.info.update({k: v for k, v in result.info.items()
+                                 if isinstance(v, (int, float))})
+            if result.done:
+                self._end_episode(seq, "done")
+                continue
+            if episode.model_turns >= self.episodes.max_turns:
+                self._end_episode(seq, "max_turns")
+                continue
+            obs = self.episodes.observation_tokens(result.observation)
+            limit = min(seq.request.max_new_tokens or self.engine.max_decode_len,
+                        self.engine.max_decode_len)
+            if len(seq.tokens) + len(obs) + 1 > limit:  # no room for a model token
+                self._end_episode(seq, "budget")
+                continue
+            start = len(seq.tokens)
+            seq.tokens.extend(obs)
+            seq.logprobs.extend([0.0] * len(obs))
+            versions_lib.extend(seq.runs, seq.version, len(obs))
+            episode.turns.append(["env", start, len(seq.tokens), round(seconds, 6)])
+            seq.kept, seq.unwritten = kept, len(obs) + 1
+            self._waiting.appendleft(seq)
+
+    def _end_episode(self, seq: Held, why: str):
+        seq.episode.end = why
+        del self._held[seq.request.request_id]
+        reason = {"done": "eos", "budget": "length"}.get(why, why)
+        self._done.append(seq.to_trajectory(reason, self.clock()))
+        self.stats.finished += 1
 
     def _place(self, seq: Held, slot: int, written: int):
         self.slots.place(seq, slot, len(seq.request.prompt_tokens), written)
@@ -420,6 +553,8 @@ class DecodeSlice:
 
     def _finish(self, seq: Held):
         self._flush(seq)
+        if seq.episode is not None and self._end_turn(seq):
+            return
         self._free(seq)
         del self._held[seq.request.request_id]
         reason = "eos" if seq.tokens[-1] in self.engine.stop_ids else "length"

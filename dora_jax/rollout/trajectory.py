@@ -42,6 +42,8 @@ class Request:
       (partial_rollout); None means `version`.
     max_new_tokens: response-length limit of this request; None: the engine's
       max_decode_len (the smaller of the two applies).
+    record: the prompt record, for a multi-turn episode (its environment's `reset`
+      reads it); None for a single-turn sample.
     """
 
     group_id: int
@@ -52,6 +54,7 @@ class Request:
     version: int
     group_version: Optional[int] = None
     max_new_tokens: Optional[int] = None
+    record: Optional[dict] = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_tokens", tuple(int(t) for t in self.prompt_tokens))
@@ -92,6 +95,9 @@ class Trajectory:
     slice_ids: slices that held the request, in order (more than one after migration).
     t_submit, t_start, t_finish: wall-clock seconds (submit, first prefill, last token).
     reward: None from the slice; the runtime fills it in after scoring.
+    episode: a multi-turn episode's record (rollout/episodes.py `Episode.summary`):
+      its turns as response-token ranges [role, start, end, env seconds], the
+      environment's reward and info, why it ended; None for a single-turn sample.
     """
 
     group_id: int
@@ -108,6 +114,7 @@ class Trajectory:
     t_start: float
     t_finish: float
     reward: Optional[float] = None
+    episode: Optional[dict] = None
 
     @property
     def request_id(self) -> tuple:
@@ -149,6 +156,7 @@ class SliceStats:
     migrated_in: int = 0
     migrated_out: int = 0
     preempted: int = 0  # running requests sent back to waiting: the KV pool was full
+    observation_tokens: int = 0  # episodes' observation tokens prefilled on kept KV
     peak_pages: int = 0  # most KV pages in use at once (paged cache)
 
     @property
@@ -173,6 +181,11 @@ class InFlight:
     t_submit: float
     t_start: Optional[float]
     prefix: Optional[Any]  # engine.Prefix
+    # A multi-turn episode between turns: the KV of all but its last `unwritten`
+    # tokens (the turn's end and the observation, prefilled on top where it goes on).
+    kept: Optional[Any] = None
+    unwritten: int = 0
+    episode: Optional[Any] = None  # rollout.episodes.Episode
 
 
 @dataclasses.dataclass(slots=True)
@@ -190,18 +203,22 @@ class Held:
     t_submit: float
     t_start: Optional[float]
     slot: Optional[int] = None
+    episode: Optional[Any] = None  # rollout.episodes.Episode of a multi-turn request
+    kept: Optional[Any] = None  # as InFlight.kept
+    unwritten: int = 0
 
     @classmethod
     def from_inflight(cls, f: InFlight, slice_id: int) -> "Held":
         return cls(f.request, f.version, list(f.response_tokens), list(f.behaviour_logprobs),
                    [list(r) for r in f.versions], list(f.slice_ids) + [slice_id], f.t_submit,
-                   f.t_start)
+                   f.t_start, episode=f.episode, kept=f.kept, unwritten=f.unwritten)
 
     def to_inflight(self, prefix) -> InFlight:
         return InFlight(request=self.request, version=self.version,
                         response_tokens=self.tokens, behaviour_logprobs=self.logprobs,
                         versions=self.runs, slice_ids=self.slice_ids, t_submit=self.t_submit,
-                        t_start=self.t_start, prefix=prefix)
+                        t_start=self.t_start, prefix=prefix, kept=self.kept,
+                        unwritten=self.unwritten, episode=self.episode)
 
     def to_trajectory(self, finish_reason: str, t_finish: float) -> Trajectory:
         r = self.request
@@ -211,4 +228,5 @@ class Held:
             prompt_tokens=list(r.prompt_tokens), response_tokens=self.tokens,
             behaviour_logprobs=self.logprobs, versions=self.runs, slice_ids=self.slice_ids,
             finish_reason=finish_reason, t_submit=self.t_submit, t_start=self.t_start,
-            t_finish=t_finish)
+            t_finish=t_finish,
+            episode=None if self.episode is None else self.episode.summary())

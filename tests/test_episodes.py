@@ -1,0 +1,274 @@
+"""Multi-turn episodes on a decode slice, against full-forward references.
+
+The reference never uses the engine: it runs the whole sequence (prompt, model
+turns, observations) through `transformer.apply` for every token, picks the greedy
+token with numpy and asks a plain copy of the environment's rule for each
+observation. The slice keeps each episode's KV between turns and prefills the
+observation on top of it; both must give the same tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+import _rollout_common as rc
+from dora_jax.envs import base
+from dora_jax.model import transformer
+from dora_jax.rollout import DecodeSlice, Engine, SamplingParams
+from dora_jax.rollout.episodes import EpisodeRunner, model_token_mask
+from dora_jax.rollout.trajectory import Request
+
+BUDGET = 24  # response tokens of an episode: model turns and observations
+MAX_TURNS = 3
+OBS_LEN = 3
+PROMPTS = rc.PROMPTS[:4]
+
+
+class IdsTokenizer:
+    """Token ids written as decimal text: the environment reads the turn's ids."""
+
+    special_tokens = ()
+
+    def encode(self, text):
+        return [int(x) for x in text.split()]
+
+    def decode(self, ids, *, skip_special_tokens=True):
+        return " ".join(str(int(i)) for i in ids)
+
+
+def observation_for(turn_ids: list, vocab: int) -> list:
+    """The rule of the test environment, written out for the reference: three ids
+    following the turn's last token."""
+    last = turn_ids[-1]
+    return [(last + 1 + k) % vocab for k in range(OBS_LEN)]
+
+
+# The environment's gate: a test may hold every step until it opens.
+GATE = threading.Event()
+GATE.set()
+
+
+@base.register("test_followers")
+class Followers(base.Environment):
+    max_turns = MAX_TURNS
+    vocab = 128
+
+    def reset(self, record):
+        self.turns = 0
+        return "go"
+
+    def step(self, action):
+        GATE.wait(30)
+        self.turns += 1
+        ids = [int(x) for x in action.split()]
+        obs = " ".join(map(str, observation_for(ids, self.vocab)))
+        return base.StepResult(obs, 0.5, False, {"turns_seen": 1})
+
+
+@functools.cache
+def stop_id() -> int:
+    """A token the greedy policy produces early in several prompts' continuations
+    (chosen from the references, not the engine), so turns end by themselves."""
+    refs = rc.greedy_reference("dense", rc.params("dense", 0), PROMPTS, eos=-1, steps=8)
+    counts = {}
+    for r in refs:
+        for pos, tok in enumerate(r):
+            if tok != 0:
+                counts.setdefault(tok, []).append(pos)
+    return max(counts, key=lambda t: (len(set(counts[t])) >= 2, len(counts[t]),
+                                      -np.mean(counts[t])))
+
+
+@functools.cache
+def engine(kind: str = "greedy", kv_cache: str = "paged", mesh_index: int = 0) -> Engine:
+    base_cfg = rc.config("dense").rollout
+    rollout = dataclasses.replace(
+        base_cfg, slots_per_slice=rc.SLOTS, max_prefill_length=rc.MAX_PROMPT,
+        max_decode_len=BUDGET, prefill_buckets=(rc.MAX_PROMPT,), temperature=1.0, top_k=0,
+        top_p=1.0, eos_id=stop_id(), decode_steps=4, kv_cache=kv_cache, page_size=4,
+        kv_pages=0)
+    sampling = SamplingParams(greedy=True) if kind == "greedy" else SamplingParams(0.7)
+    return Engine(rc.config("dense").model, rollout, rc.meshes()[1][mesh_index],
+                  sampling_params=sampling)
+
+
+def make_slice(slice_id=0, kind="greedy", kv_cache="paged", mesh_index=0, version=0):
+    runner = EpisodeRunner("test_followers", IdsTokenizer(), max_turns=MAX_TURNS,
+                           timeout=30.0, workers=2, frame=([], []))
+    sl = DecodeSlice(slice_id, engine(kind, kv_cache, mesh_index), episodes=runner)
+    sl.load_version(version, rc.params("dense", 0))
+    return sl
+
+
+def episode_requests(version=0, record=True):
+    return [Request(group_id=i, prompt_id=i, sample_index=0, prompt_tokens=p, seed=100 + i,
+                    version=version, record={"prompt_id": i} if record else None)
+            for i, p in enumerate(PROMPTS)]
+
+
+@functools.cache
+def _logits_fn():
+    graphdef = transformer.create(rc.config("dense").model, 0)[0]
+    return jax.jit(lambda p, x: transformer.apply(graphdef, p, x, dropless=True)[0])
+
+
+def full_logits(seq: list) -> np.ndarray:
+    L = rc.MAX_PROMPT + BUDGET
+    x = np.zeros((1, L), np.int32)
+    x[0, :len(seq)] = seq
+    return np.asarray(_logits_fn()(rc.params("dense", 0), x))[0, :len(seq)]
+
+
+def reference_episode(prompt: list) -> tuple[list, list]:
+    """(response, turns) by full forward: greedy model turns, observations by rule."""
+    seq, response, turns = list(prompt), [], []
+    for turn in range(MAX_TURNS):
+        start = len(response)
+        while True:
+            tok = int(np.argmax(full_logits(seq)[-1]))
+            seq.append(tok)
+            response.append(tok)
+            if tok == stop_id() or len(response) >= BUDGET:
+                break
+        turns.append(["model", start, len(response)])
+        if response[-1] != stop_id() or turn + 1 == MAX_TURNS:
+            return response, turns
+        obs = observation_for(response[start:], Followers.vocab)
+        if len(response) + len(obs) + 1 > BUDGET:
+            return response, turns
+        turns.append(["env", len(response), len(response) + len(obs)])
+        response += obs
+        seq += obs
+    return response, turns
+
+
+@pytest.mark.parametrize("kv_cache", ["paged", "dense"])
+def test_episodes_keep_kv_between_turns_and_equal_full_forward(kv_cache):
+    sl = make_slice(kv_cache=kv_cache)
+    for r in episode_requests():
+        sl.submit(r)
+    got = {t.group_id: t for t in sl.drain()}
+    assert sl.num_requests == 0 and sl.num_at_environment == 0
+    multi = 0
+    for i, prompt in enumerate(PROMPTS):
+        want, turns = reference_episode(prompt)
+        t = got[i]
+        assert t.response_tokens == want
+        assert [x[:3] for x in t.episode["turns"]] == turns
+        env_turns = [x for x in t.episode["turns"] if x[0] == "env"]
+        multi += bool(env_turns)
+        # Observation tokens carry no behaviour log-prob; model tokens do.
+        mask = model_token_mask(t.episode, len(want))
+        assert all(lp == 0.0 for lp, m in zip(t.behaviour_logprobs, mask) if not m)
+        assert all(lp <= 0.0 for lp in t.behaviour_logprobs)
+        assert t.episode["reward"] == pytest.approx(0.5 * len(env_turns) + 0.5 * (
+            t.episode["end"] == "max_turns"))
+        assert t.versions == [[0, len(want)]]  # C1: one version, the whole episode
+    assert multi >= 2, "the references should have episodes of several turns"
+    # Observations ran on kept KV: only their own tokens (and the turn's end) were
+    # prefilled again, never the whole sequence.
+    assert sl.stats.observation_tokens == sum(
+        e - s for t in got.values() for role, s, e, *_ in t.episode["turns"] if role == "env")
+    assert sl.stats.reprefill_tokens == 0
+
+
+def test_sampled_episode_logprobs_equal_full_forward_on_model_tokens():
+    sl = make_slice(kind="sampled", mesh_index=1)
+    for r in episode_requests():
+        sl.submit(r)
+    for t in sl.drain():
+        prompt, resp = list(t.prompt_tokens), t.response_tokens
+        logits = full_logits(prompt + resp)[len(prompt) - 1:-1].astype(np.float64) / 0.7
+        want = np.array([z[tok] - rc.logsumexp(z) for z, tok in zip(logits, resp)])
+        mask = np.array(model_token_mask(t.episode, len(resp)), bool)
+        np.testing.assert_allclose(np.array(t.behaviour_logprobs)[mask], want[mask],
+                                   rtol=0, atol=2e-5)
+
+
+def multi_turn_index() -> int:
+    """A prompt whose reference episode has an observation."""
+    return next(i for i, p in enumerate(PROMPTS)
+                if any(role == "env" for role, *_ in reference_episode(p)[1]))
+
+
+def step_until_at_environment(sl, limit=50):
+    for _ in range(limit):
+        sl.step()
+        if sl.num_at_environment:
+            return
+    raise AssertionError("the episode never reached its environment")
+
+
+def test_a_slice_decodes_other_requests_while_an_episode_waits():
+    sl = make_slice()
+    i = multi_turn_index()
+    GATE.clear()
+    try:
+        sl.submit(episode_requests()[i])
+        step_until_at_environment(sl)
+        plain = episode_requests(record=False)[(i + 1) % len(PROMPTS)]
+        sl.submit(dataclasses.replace(plain, group_id=9))
+        finished, steps = [], 0
+        while not finished and steps < 50:  # the episode's environment is held
+            finished += sl.step()
+            steps += 1
+        assert [t.group_id for t in finished] == [9]
+        assert sl.num_at_environment == 1 and sl.holds((i, 0))
+    finally:
+        GATE.set()
+    (t,) = sl.drain()
+    assert t.group_id == i and t.response_tokens == reference_episode(PROMPTS[i])[0]
+
+
+def test_an_episode_migrates_between_turns_with_its_kv():
+    src, dst = make_slice(0, mesh_index=0), make_slice(1, mesh_index=1)
+    GATE.clear()
+    try:
+        i = multi_turn_index()
+        req = episode_requests()[i]
+        src.submit(req)
+        step_until_at_environment(src)
+    finally:
+        GATE.set()
+    (moved,) = src.export_requests([req.request_id])
+    assert moved.kept is not None and moved.episode is not None
+    dst.import_requests([moved])
+    (t,) = dst.drain()
+    want, turns = reference_episode(PROMPTS[i])
+    assert t.response_tokens == want and [x[:3] for x in t.episode["turns"]] == turns
+    assert t.slice_ids == [0, 1] and t.versions == [[0, len(want)]]
+    assert dst.stats.reprefill_tokens == 0  # the kept KV moved, nothing recomputed
+
+
+def test_partial_rollout_reload_between_turns_mixes_versions():
+    sl = make_slice()
+    GATE.clear()
+    try:
+        i = multi_turn_index()
+        sl.submit(episode_requests()[i])
+        step_until_at_environment(sl)
+        sl.interrupt_and_reload(1, rc.params("dense", 0))  # same weights, next version
+    finally:
+        GATE.set()
+    (t,) = sl.drain()
+    assert [v for v, _ in t.versions] == [0, 1]
+    # Same weights: the re-prefilled continuation decodes as the reference does.
+    assert t.response_tokens == reference_episode(PROMPTS[i])[0]
+
+
+def test_an_environment_that_raises_ends_its_episode_with_the_reason(monkeypatch):
+    def broken(self, action):
+        raise RuntimeError("tool exploded")
+
+    monkeypatch.setattr(Followers, "step", broken)
+    sl = make_slice()
+    sl.submit(episode_requests()[1])
+    (t,) = sl.drain()
+    assert t.episode["end"] == "env_error" and "tool exploded" in t.episode["error"]
+    assert t.episode["reward"] == 0.0 and sl.num_requests == 0
