@@ -21,7 +21,8 @@ import _rollout_common as rc
 from dora_jax.envs import base
 from dora_jax.model import transformer
 from dora_jax.rollout import DecodeSlice, Engine, SamplingParams
-from dora_jax.rollout.episodes import EpisodeRunner, model_token_mask
+from dora_jax.rollout.episodes import EpisodeRunner
+from dora_jax.turns import check_turns, model_token_mask
 from dora_jax.rollout.trajectory import Request
 
 BUDGET = 24  # response tokens of an episode: model turns and observations
@@ -161,6 +162,7 @@ def test_episodes_keep_kv_between_turns_and_equal_full_forward(kv_cache):
         t = got[i]
         assert t.response_tokens == want
         assert [x[:3] for x in t.episode["turns"]] == turns
+        assert check_turns(t.episode, len(want)) is None
         env_turns = [x for x in t.episode["turns"] if x[0] == "env"]
         multi += bool(env_turns)
         # Observation tokens carry no behaviour log-prob; model tokens do.

@@ -8,8 +8,11 @@ mask: attention is causal, real tokens never see the padding after them.
 
 Alignment follows `transformer.token_logprobs`: column t holds the log-prob of token
 t given tokens < t, so a response occupying columns [P, P+R) has its behaviour
-log-probs in exactly those columns and `loss_mask_BT` is 1 there. Column 0 can never
-be a response token (no context), so every prompt has at least one token.
+log-probs in exactly those columns and `loss_mask_BT` is 1 there, except on a
+multi-turn episode's observation tokens (`episode["turns"]`): the environment wrote
+them, so they carry no loss and no log-prob ratio, in every objective and layout.
+Column 0 can never be a response token (no context), so every prompt has at least
+one token.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import numpy as np
 
 from dora_jax import versions
 from dora_jax.buckets import BucketError, pick_bucket
+from dora_jax.turns import model_token_mask
 
 # Behaviour log-probs come from the decode engine in float32; allow rounding above 0.
 _LOGP_SLACK = 1e-4
@@ -33,7 +37,8 @@ class BatchError(ValueError):
 # What a batch reads of each finished sample (`rollout.Trajectory`, or a Mapping
 # with these keys). `version` is the group's version: all samples of a group share it.
 # Optional: `versions` (per-token versions, run-length encoded; default: every token
-# the group's version) and `finish_reason` ("length": cut at max_decode_len).
+# the group's version), `finish_reason` ("length": cut at max_decode_len) and
+# `episode` (a multi-turn episode: its observation tokens get no loss).
 _TRAJ_FIELDS = ("prompt_tokens", "response_tokens", "behaviour_logprobs", "reward",
                 "group_id", "version")
 _MISSING = object()
@@ -206,8 +211,10 @@ class TrainBatch:
                 tv = _token_versions(_get(t, "versions", None), version, response.size)
             except BatchError as e:
                 raise BatchError(f"trajectory {i} (group {_get(t, 'group_id')!r}): {e}") from None
+            model = np.asarray(model_token_mask(_get(t, "episode", None), response.size),
+                               np.float32)
             rows.append((prompt, response, logp, float(_get(t, "reward")), version, tv,
-                         _get(t, "finish_reason", "eos") == "length"))
+                         _get(t, "finish_reason", "eos") == "length", model))
         B = len(rows)
         longest = max(p.size + r.size for p, r, *_ in rows)
         try:
@@ -219,13 +226,13 @@ class TrainBatch:
         logp_BT = np.zeros((B, T), np.float32)
         seq_lens = np.zeros((B,), np.int32)
         token_versions = np.zeros((B, T), np.int32)
-        for i, (prompt, response, logp, _, _, tv, _) in enumerate(rows):
+        for i, (prompt, response, logp, _, _, tv, _, model) in enumerate(rows):
             P, R = prompt.size, response.size
             tokens[i, :P] = prompt
             tokens[i, P:P + R] = response
-            mask[i, P:P + R] = 1.0
-            logp_BT[i, P:P + R] = logp
-            token_versions[i, P:P + R] = tv
+            mask[i, P:P + R] = model
+            logp_BT[i, P:P + R] = logp * model
+            token_versions[i, P:P + R] = tv * model.astype(np.int32)
             seq_lens[i] = P + R
         return cls(tokens_BT=tokens, loss_mask_BT=mask, behaviour_logp_BT=logp_BT,
                    rewards_B=np.array([r[3] for r in rows], np.float32),

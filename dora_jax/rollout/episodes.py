@@ -34,6 +34,7 @@ import time
 
 from dora_jax.envs import base
 from dora_jax.rewards.pool import one_line
+from dora_jax.turns import model_token_mask  # noqa: F401 - the rule, re-exported
 
 # Why an episode ended: the environment said so, it raised, it took too long, the
 # turn limit, or the token budget (its last turn was cut).
@@ -68,16 +69,6 @@ class Episode:
         return {"turns": [list(t) for t in self.turns], "reward": float(self.reward),
                 "info": dict(self.info), "env_s": round(self.env_seconds, 6),
                 "end": self.end, "error": self.error}
-
-
-def model_token_mask(episode: dict | None, n: int) -> list:
-    """1 for each of a response's n tokens the model sampled, 0 for observation
-    tokens (a single-turn sample: all 1)."""
-    mask = [1] * n
-    for role, start, end, *_ in (episode or {}).get("turns", ()):
-        if role == "env":
-            mask[start:end] = [0] * (end - start)
-    return mask
 
 
 def _break_markers(text: str, markers) -> str:
