@@ -321,6 +321,10 @@ class Config(Section):
             fail("coordinator.reward_max_response", f"must be >= rollout.max_decode_len "
                   f"({r.max_decode_len}): a complete response must be scored, got "
                   f"{c.reward_max_response}")
+        if self.eval.every and d.source == "env":
+            fail("eval.every", "held-out evaluation runs single-turn prompts; multi-turn "
+                 "episodes (data.source='env') report their rewards in the ledger and "
+                 "metrics instead: set eval.every=0")
         if self.eval.every and self.eval.slice >= mesh.num_slices:
             fail("eval.slice", f"must name a slice < mesh.num_slices ({mesh.num_slices}), "
                   f"got {self.eval.slice}")

@@ -8,16 +8,19 @@ from typing import ClassVar, Mapping
 
 from dora_jax.schema import Section, fail, field
 
-DATA_SOURCES = ("residue", "countdown", "jsonl", "gsm8k", "math", "reasoning_gym", "tfds")
-TEXT_SOURCES = ("gsm8k", "math", "reasoning_gym", "tfds")  # prompts built by a tokenizer
+DATA_SOURCES = ("residue", "countdown", "jsonl", "gsm8k", "math", "reasoning_gym", "tfds",
+                "env")
+# Prompts built by a tokenizer ("env": a multi-turn environment's first observation).
+TEXT_SOURCES = ("gsm8k", "math", "reasoning_gym", "tfds", "env")
 # Rewards by name: of response tokens (rewards/tokens.py) and of decoded text
 # (rewards/verifiers.py; "by_record": the verifier each record names); "auto": the
-# source's own (AUTO_REWARDS).
+# source's own (AUTO_REWARDS); "env": a multi-turn episode's, the sum of its
+# environment's step rewards.
 TOKEN_REWARDS = ("residue", "exact_match", "countdown")
 TEXT_REWARDS = ("gsm8k", "math", "countdown_expr", "reasoning_gym", "by_record")
 AUTO_REWARDS = {"residue": "residue", "countdown": "countdown", "jsonl": "exact_match",
                 "gsm8k": "gsm8k", "math": "math", "reasoning_gym": "by_record",
-                "tfds": "by_record"}
+                "tfds": "by_record", "env": "env"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +29,7 @@ class DataConfig(Section):
 
     PATH: ClassVar[str] = "data"
     source: str = field("residue", choices=DATA_SOURCES)
-    reward: str = field("auto", choices=("auto",) + TOKEN_REWARDS + TEXT_REWARDS)
+    reward: str = field("auto", choices=("auto", "env") + TOKEN_REWARDS + TEXT_REWARDS)
     path: str = ""  # jsonl, gsm8k, math: the JSONL file
     # A Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json);
     # default: model.checkpoint's. Its EOS / pad ids become rollout.eos_id / pad_id.
@@ -55,6 +58,15 @@ class DataConfig(Section):
     # error, or (True) left out, each with a ledger `filter` line naming it.
     skip_long_prompts: bool = False
     shuffle: bool = True
+    # Multi-turn episodes (source "env"): the environment by registered name
+    # (dora_jax/envs: calculator, python, guess), its model turns per episode (0: the
+    # environment's own limit), seconds per environment call and threads for them
+    # per slice. An episode's token budget, model and observation tokens together,
+    # is rollout.max_decode_len.
+    env: str = ""
+    env_max_turns: int = field(0, min=0)
+    env_timeout: float = field(30.0, gt=0)
+    env_workers: int = field(4, min=1)
 
     @property
     def reward_name(self) -> str:
@@ -71,6 +83,13 @@ class DataConfig(Section):
 
             if refusal(self.task):
                 fail(self._f("task"), refusal(self.task))
+        if (self.source == "env") != bool(self.env):
+            fail(self._f("env"), "data.source='env' and data.env (an environment's name) "
+                 "go together" if self.env else "data.source='env' needs data.env, an "
+                 "environment's name (dora_jax/envs: calculator, python, guess)")
+        if (self.reward_name == "env") != (self.source == "env"):
+            fail(self._f("reward"), "reward 'env' (the environment's) is the reward of "
+                 "data.source='env', and only of it")
         if self.source in TEXT_SOURCES and not self.tokenizer:
             fail(self._f("tokenizer"), f"data.source={self.source!r} builds prompts with a "
                   "tokenizer: set data.tokenizer or model.checkpoint (a directory with "

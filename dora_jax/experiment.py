@@ -20,6 +20,7 @@ from dora_jax.data import sources
 from dora_jax import devices
 from dora_jax.model import transformer
 from dora_jax.rl.trainer import Trainer
+from dora_jax.rollout.episodes import EpisodeRunner
 from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.rollout.warmup import warm_engine
 from dora_jax.model.sharding import copy_tree
@@ -64,6 +65,15 @@ def warm_up(slices, trainer, cfg: Config) -> None:
     for sl in slices:
         warm_engine(sl.engine, sl.params, reprefills=reprefills)
         sl.reset_decode_state()
+
+
+def episode_runner(cfg: Config, tokenizer) -> EpisodeRunner | None:
+    """A slice's runner of multi-turn episodes (data.source "env"), else None."""
+    d = cfg.data
+    if d.source != "env":
+        return None
+    return EpisodeRunner(d.env, tokenizer, max_turns=d.env_max_turns, timeout=d.env_timeout,
+                         workers=d.env_workers)
 
 
 def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
@@ -111,7 +121,7 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     # already finished on the device.
     slices = [DecodeSlice.create(i, mesh, cfg.model, cfg.rollout, rules=cfg.mesh.decode_rules,
                                  lookahead=False, tokenizer_path=cfg.data.tokenizer or None,
-                                 stop_ids=stop_ids)
+                                 stop_ids=stop_ids, episodes=episode_runner(cfg, tokenizer))
               for i, mesh in enumerate(slice_meshes)]
     for sl in slices:  # every slice starts on version 0, as the scheduler assumes
         sl.load_version(0, params)

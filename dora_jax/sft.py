@@ -36,9 +36,12 @@ def demonstration_batch(cfg: Config, records: list, demonstrate, rows: np.ndarra
     trajs = []
     for n, i in enumerate(rows):
         response = demonstrate(records[i])
+        extra = {}
+        if isinstance(response, dict):  # a multi-turn episode: observations get no loss
+            response, extra = response["response_tokens"], {"episode": response["episode"]}
         trajs.append({"prompt_tokens": records[i]["tokens"], "response_tokens": response,
                       "behaviour_logprobs": np.zeros(len(response), np.float32),
-                      "reward": 0.0, "group_id": n, "version": 0})
+                      "reward": 0.0, "group_id": n, "version": 0, **extra})
     return TrainBatch.from_trajectories(trajs, group_size=1,
                                         length_buckets=cfg.trainer.length_buckets,
                                         pad_id=cfg.rollout.pad_id)

@@ -57,6 +57,8 @@ def _text_records(cfg: Config, tokenizer) -> list[dict]:
     if d.source == "reasoning_gym":
         return text_tasks.reasoning_gym_records(d.task, tok, size=d.num_prompts, seed=cfg.seed,
                                                 config=dict(d.task_args), **common)
+    if d.source == "env":
+        return _env_records(cfg, tok)
     from dora_jax.data import tfds_local
 
     source = tfds_local.tfds_records(d.tfds_name, d.tfds_split, d.tfds_dir or None, tok,
@@ -65,6 +67,26 @@ def _text_records(cfg: Config, tokenizer) -> list[dict]:
     records = [source[i] for i in range(len(source))]
     prompts.check_unique(records, [f"{d.tfds_name}/{d.tfds_split}[{i}]"
                                    for i in range(len(records))])
+    return records
+
+
+def _env_records(cfg: Config, tokenizer) -> list[dict]:
+    """A multi-turn environment's task records, each prompt the chat turn of its
+    first observation (`reset`); `env` names the environment in every record."""
+    from dora_jax.data.text_tasks import chat_tokens
+    from dora_jax.envs import base
+
+    d = cfg.data
+    try:
+        env_cls = base.get(d.env)
+    except ValueError as e:
+        raise prompts.DataError(f"data.env: {e}") from None
+    records = []
+    for record in env_cls.records(d.num_prompts, cfg.seed):
+        first = env_cls().reset(record)
+        tokens = chat_tokens(tokenizer, first, system_prompt=d.system_prompt or None)
+        records.append(prompts.check_record(dict(record, tokens=tokens, env=d.env),
+                                            record["prompt_id"], cfg.model.vocab_size))
     return records
 
 
@@ -134,6 +156,8 @@ def reward_for(cfg: Config, tokenizer=None) -> RewardFn:
     """The reward function `data.reward` names (token-level, or a text verifier
     applied to the decoded response). An unknown name fails here, before compute."""
     name = cfg.data.reward_name
+    if name == "env":
+        return _scored_by_environment
     if name not in TEXT_REWARDS:
         return tokens.reward_fn(name)
     from dora_jax.rewards import verifiers
@@ -141,10 +165,23 @@ def reward_for(cfg: Config, tokenizer=None) -> RewardFn:
     return verifiers.token_reward(verifiers.text_reward(name), tokenizer or tokenizer_for(cfg))
 
 
+def _scored_by_environment(record, response) -> float:
+    raise RuntimeError("a multi-turn episode is scored by its environment, not the "
+                       "reward pool")
+
+
 def demonstration_for(cfg: Config, tokenizer=None) -> Callable[[dict], list]:
     """A record's correct response as token ids (what supervised warm starts imitate):
     the task's own for token tasks, else the record's `demonstration` text or its
-    answer in the format the prompt asks for, then EOS."""
+    answer in the format the prompt asks for, then EOS. A multi-turn environment's
+    demonstration is a whole episode: {"response_tokens", "episode"} (its turns,
+    so that the observations carry no loss)."""
+    if cfg.data.source == "env":
+        from dora_jax.envs import base
+        from dora_jax.rollout.episodes import demonstration_tokens
+
+        env_cls, tokenizer = base.get(cfg.data.env), tokenizer or tokenizer_for(cfg)
+        return lambda record: demonstration_tokens(env_cls, record, tokenizer)
     if cfg.data.reward_name not in TEXT_REWARDS:
         return tasks.demonstration_fn(cfg.data.reward_name)
     from dora_jax.data.text_tasks import ANSWER_FORMATS

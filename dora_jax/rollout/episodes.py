@@ -164,3 +164,20 @@ def observation_frame(tokenizer) -> tuple[list, list]:
     rest = with_tool[cut + len(eos):]
     before, _, after = rest.partition(mark)
     return tokenizer.encode(before), tokenizer.encode(after)
+
+
+def demonstration_tokens(env_cls, record: dict, tokenizer) -> dict:
+    """An environment's demonstration of `record` as a response: each model turn's
+    text and the turn's end token, each observation framed as the runner frames it;
+    {"response_tokens", "episode"} with the turns."""
+    frame, markers = observation_frame(tokenizer), getattr(tokenizer, "special_tokens", ())
+    tokens, turns = [], []
+    for role, text in env_cls.demonstration(record):
+        if role == "model":
+            ids = tokenizer.encode(text) + [tokenizer.stop_ids[0]]
+        else:
+            ids = frame[0] + tokenizer.encode(_break_markers(text, markers)) + frame[1]
+        turns.append([role, len(tokens), len(tokens) + len(ids)]
+                     + ([0.0] if role == "env" else []))
+        tokens += ids
+    return {"response_tokens": tokens, "episode": {"turns": turns}}

@@ -94,11 +94,11 @@ class DecodeSlice:
 
     @classmethod
     def create(cls, slice_id, mesh, model_cfg, rollout_cfg, *, lookahead: bool = True,
-               **engine_kwargs) -> "DecodeSlice":
+               episodes: EpisodeRunner | None = None, **engine_kwargs) -> "DecodeSlice":
         """A slice with its own Engine (engine kwargs: rules, sampling_params, greedy,
         tokenizer_path, stop_ids)."""
         return cls(slice_id, Engine(model_cfg, rollout_cfg, mesh, **engine_kwargs),
-                   lookahead=lookahead)
+                   lookahead=lookahead, episodes=episodes)
 
     # ------------------------------------------------------------ queries
 
@@ -472,10 +472,11 @@ class DecodeSlice:
             self._waiting.appendleft(seq)
 
     def _end_episode(self, seq: Held, why: str):
+        """Ends an episode between turns. Its finish reason says how its last model
+        turn ended (at a stop id: "eos"); `episode.end` says why the episode did."""
         seq.episode.end = why
         del self._held[seq.request.request_id]
-        reason = {"done": "eos", "budget": "length"}.get(why, why)
-        self._done.append(seq.to_trajectory(reason, self.clock()))
+        self._done.append(seq.to_trajectory("eos", self.clock()))
         self.stats.finished += 1
 
     def _place(self, seq: Held, slot: int, written: int):

@@ -71,6 +71,10 @@ class GroupBook:
         """Keeps a finished sample and sends it to the reward pool."""
         g = self.groups[t.group_id]
         g.trajectories[t.sample_index] = t
+        if t.episode is not None:  # scored by its environment, turn by turn
+            g.rewards[t.sample_index] = done = concurrent.futures.Future()
+            done.set_result((float(t.episode["reward"]), t.episode.get("error")))
+            return
         g.rewards[t.sample_index] = self._rewards.submit(g.record, t.response_tokens)
 
     def when_scored(self, gid: int, callback: Callable[[], None]) -> None:
@@ -112,9 +116,12 @@ class GroupBook:
         entries = []
         for t, penalty in zip(g.samples(), penalties):
             reward, error = g.rewards[t.sample_index].result()
+            episode = t.episode or {}
             entries.append(driver.sample_entry(
                 t.sample_index, t.versions, t.slice_ids, len(t.response_tokens),
-                t.finish_reason, reward, overlong_penalty=penalty, reward_error=error))
+                t.finish_reason, reward, overlong_penalty=penalty, reward_error=error,
+                turns=episode.get("turns"), env_s=episode.get("env_s"),
+                episode_end=episode.get("end"), env_info=episode.get("info")))
         return entries
 
     # ------------------------------------------------------------ recovery

@@ -34,7 +34,7 @@ from dora_jax.runtime.evaluation import Evaluation
 from dora_jax.runtime.events import (TRAINER, EvalGenerated, EvalScored, Failed, GroupScored,
                                      SamplesFinished, StepDone, VersionLoaded)
 from dora_jax.runtime.groups import GroupBook
-from dora_jax.runtime.report import StepReporter, WaitClock
+from dora_jax.runtime.report import StepReporter, WaitClock, episode_record
 from dora_jax.rewards.pool import RewardPool
 from dora_jax.runtime.stream import GroupQueue, train_batches
 from dora_jax.runtime.weights import WeightBook, published_copy
@@ -115,6 +115,7 @@ class Runtime(Driver):
         self._reported = 0  # of them, in metrics.jsonl so far
         self._stream = GroupQueue()
         self._inflight_batches: dict[int, tuple] = {}
+        self._episodes: dict[int, dict | None] = {}  # step -> its episodes' figures
         self._to_ack: set = set()  # slices whose finished samples await an answer
         self._scoring: set = set()  # finished groups whose rewards are not all in
         self.max_resident_versions = 1
@@ -174,7 +175,8 @@ class Runtime(Driver):
                                     now=ev.end, slices=self.slices, scheduler=self.sched,
                                     slice_failures=len(self.slice_failures) - self._reported,
                                     checkpoint_pause=pause,
-                                    checkpoint_copy_wait=ev.copy_wait)
+                                    checkpoint_copy_wait=ev.copy_wait,
+                                    episodes=self._episodes.pop(step, None))
         self._reported = len(self.slice_failures)
         self.on_step(record)
 
@@ -233,7 +235,8 @@ class Runtime(Driver):
         self.workers[a.slice_id].submit(Request(
             group_id=a.group_id, prompt_id=g.record["prompt_id"], sample_index=a.sample,
             prompt_tokens=g.record["tokens"], version=a.version, group_version=g.version,
-            seed=request_seed(self.cfg.seed, a.group_id, a.sample)))
+            seed=request_seed(self.cfg.seed, a.group_id, a.sample),
+            record=g.record if self.cfg.data.source == "env" else None))
 
     def migrate(self, a: Migrate):
         self.workers[a.src_slice].migrate([(a.group_id, a.sample)], self.workers[a.dst_slice])
@@ -249,6 +252,7 @@ class Runtime(Driver):
         now = self.clock()
         self._inflight_batches[a.step] = (a.group_ids, now - self._trainer_idle_since,
                                           self.waits.take(now))
+        self._episodes[a.step] = episode_record(trajectories)
         self._stream.put(a.step, trajectories)
 
     # ------------------------------------------------------------------ events

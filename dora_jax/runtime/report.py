@@ -196,14 +196,15 @@ class StepReporter:
 
     def step(self, step, batch, metrics, *, wait, train_time, now, slices, scheduler,
              wait_split=None, slice_failures=0, checkpoint_pause=0.0,
-             checkpoint_copy_wait=0.0) -> dict:
+             checkpoint_copy_wait=0.0, episodes=None) -> dict:
         """Records step `step` (a TrainBatch and the trainer's host metrics); `wait`
         is the trainer's idle time before it, `wait_split` that time by cause,
         `slice_failures` the slices restarted since the previous step,
         `checkpoint_pause` the seconds a checkpoint save after it held the
         coordinator (handing it to the saver thread), `checkpoint_copy_wait` the
         seconds the step waited, before it started, for a save's device-to-host copy
-        of the previous state."""
+        of the previous state. `episodes`: the batch's multi-turn figures
+        (`episode_record`), None for single-turn samples."""
         versions = batch.versions_B[::batch.group_size]  # one per group
         lags = Counter(int(step - v) for v in versions)
         self.staleness.update(lags)
@@ -230,6 +231,8 @@ class StepReporter:
             "checkpoint_copy_wait_s": round(checkpoint_copy_wait, 4),
             "trainer": {k: _scalar(v) for k, v in sorted(metrics.items())},
         }
+        if episodes:
+            record["episodes"] = episodes
         self._last["migrations"], self._last["transfer"] = migrations, transfer
         self.records.append(record)
         self._writer.put(record)
@@ -262,6 +265,10 @@ class StepReporter:
             "weight_transfer_seconds": round(_transfer_seconds(slices), 4),
             "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
         }
+        if "episodes" in r[0]:  # multi-turn: the first and last steps' windows
+            w = max(1, len(r) // 5)
+            out["episodes_first"] = _episode_window([x["episodes"] for x in r[:w]])
+            out["episodes_last"] = _episode_window([x["episodes"] for x in r[-w:]])
         if timeline is not None:
             out["load_overlap_fraction"] = load_overlap_fraction(timeline.spans)
         if self.evals:  # held-out pass@1 and pass@k before and after (by version)
@@ -289,3 +296,33 @@ class StepReporter:
     def close(self):
         """Writes every queued record, then closes the files."""
         self._writer.close()
+
+
+def episode_record(trajectories) -> dict | None:
+    """A train step's multi-turn figures (None if no sample is an episode): episodes,
+    model turns and environment seconds per episode, the environment's reward, the
+    share of episodes that called a tool (`tool_use`) and that got a tool result equal
+    to the answer (`tool_correct`, environments that count it), and why they ended."""
+    eps = [t.episode for t in trajectories if getattr(t, "episode", None)]
+    if not eps:
+        return None
+    n = len(eps)
+    info = [e.get("info", {}) for e in eps]
+    return {
+        "episodes": n,
+        "model_turns": round(sum(sum(1 for t in e["turns"] if t[0] == "model")
+                                 for e in eps) / n, 4),
+        "env_s": round(sum(e.get("env_s", 0.0) for e in eps) / n, 6),
+        "env_reward": round(sum(e["reward"] for e in eps) / n, 4),
+        "tool_use": round(sum(1 for i in info if i.get("tool_calls")) / n, 4),
+        "tool_correct": round(sum(1 for i in info if i.get("tool_correct")) / n, 4),
+        "ends": dict(Counter(e.get("end") for e in eps)),
+    }
+
+
+def _episode_window(records: list) -> dict:
+    """Episode-weighted means of steps' `episode_record`s."""
+    n = sum(r["episodes"] for r in records)
+    return {"episodes": n, **{k: round(sum(r[k] * r["episodes"] for r in records) / n, 4)
+                              for k in ("env_reward", "tool_use", "tool_correct",
+                                        "model_turns")}}

@@ -5,6 +5,9 @@ One JSON object per line:
   {"event": "consume", "group_id", "prompt_id", "version", "step", "time",
    "samples": [{"sample", "versions": [[v, n_tokens], ...], "slices": [...],
                 "response_len", "finish": "eos"|"length", "reward", ...}]}
+   A multi-turn episode's sample adds "turns": [["model", start, end] |
+   ["env", start, end, seconds], ...] (response-token ranges, dora_jax/turns.py),
+   "env_s", "episode_end" and "env_info"; `finish` is how its last model turn ended.
   {"event": "filter", "group_id", "reason"}  (or "prompt_id" instead of "group_id":
                                              a prompt left out before admission)
   {"event": "unconsumed", "group_id", "version"}     (written at exit)
@@ -34,6 +37,7 @@ import os
 import threading
 from typing import Iterable
 
+from dora_jax.turns import check_turns
 from dora_jax.versions import num_tokens
 
 from .modes import policy_for
@@ -229,6 +233,9 @@ def audit(events: Iterable[dict], *, train_batch_size: int, group_size: int,
                 if n_tokens != s["response_len"]:
                     c2.append(f"group {gid} sample {s['sample']}: {n_tokens} versioned "
                               f"tokens != response_len {s['response_len']}")
+                if "turns" in s and check_turns(s, s["response_len"]):
+                    c2.append(f"group {gid} sample {s['sample']}: "
+                              f"{check_turns(s, s['response_len'])}")
                 if s["finish"] not in ("eos", "length"):
                     c2.append(f"group {gid} sample {s['sample']} finish {s['finish']!r}")
                 elif (max_decode_len is not None and s["finish"] == "length"

@@ -1,0 +1,66 @@
+"""Multi-turn, tool-using episodes on a CPU: a small policy learns to call a tool.
+
+SFT:  python -m dora_jax.sft --config=configs/multiturn.py --workdir=/tmp/mt_sft \\
+        --steps=120 --batch_size=32 --learning_rate=3e-3
+RL:   python -m dora_jax.main --config=configs/multiturn.py --workdir=/tmp/mt \\
+        --config.init_checkpoint=/tmp/mt_sft/checkpoints
+Modes side by side (every run audited):
+      XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m dora_jax.bench.modes \\
+        --config=configs/multiturn.py --workdir=/tmp/mt_modes \\
+        --modes=sync,partial_rollout,dora_k2 --steps=30 --reps=1 --sft_steps=120
+
+Task (`data.env="calculator"`, dora_jax/envs/arithmetic.py): "37*41+12 = ?" with
+two-digit numbers. The model may call `<calc>37*41+12</calc>`; the environment
+answers with the exact value (an `ast`-checked calculator, nothing executed) as a
+`tool` message; `<answer>1529</answer>` ends the episode with reward 1 if right.
+Three model turns at most; an episode's 64 response tokens hold its model turns
+and observations. The supervised warm start imitates whole episodes (the
+observations carry no loss) and stops early on purpose, so RL has room: the
+metrics' `episodes` record gives the environment's reward, the share of episodes
+that called the tool (`tool_use`) and that got the right value from it
+(`tool_correct`); summary.json compares the first and last fifth of the run.
+
+Variants: `:guess` (dora_jax/envs/guess.py: find a number in 1..16 from "higher" /
+"lower", six turns, 112 tokens), `:python` (the same arithmetic with
+`<python>print(37*41+12)</python>`, run in dora_jax/envs/sandbox.py's confined
+process), `:tiny` (3 steps of 2 groups: a smoke run of the whole path).
+
+Tokenizer and model as configs/quickstart.py (the 512-token BPE of
+dora_jax/assets/tokenizer, a 459,520-parameter Qwen3-family policy); mesh as
+configs/tiny.py (8 fake CPU devices: trainer data=2 x fsdp=2, 4 decode slices of 8
+slots); groups of 8, 8 groups per step, 16 admitted ahead, max_staleness 2.
+"""
+
+from dora_jax import config as config_lib
+from dora_jax.data import word_problems
+
+VARIANTS = (None, "guess", "python", "tiny")
+
+
+def get_config(arg=None):
+    c = config_lib.base()
+    c.model.update(dict(vocab_size=word_problems.TOKENIZER_VOCAB, d_model=128, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=32, mlp_hidden=384,
+                        tie_embeddings=True, qk_norm=True, rope_theta=10_000.0))
+    c.mesh.trainer.update(dict(data=2, fsdp=2, tensor=1, expert=1))
+    c.mesh.slice.update(dict(tensor=1, expert=1))
+    c.mesh.num_slices = 4
+    c.rollout.update(dict(slots_per_slice=8, max_prefill_length=64, max_decode_len=64,
+                          prefill_buckets=(64,), decode_steps=8))
+    c.trainer.update(dict(learning_rate=3e-4, length_buckets=(128,)))
+    c.coordinator.update(dict(mode="dora", group_size=8, train_batch_size=8,
+                              rollout_batch_size=16, max_staleness=2, num_steps=100))
+    c.data.update(dict(source="env", env="calculator", num_prompts=2000,
+                       tokenizer=word_problems.TOKENIZER_DIR))
+    if arg == "guess":
+        c.data.env = "guess"
+        c.rollout.max_decode_len = 112
+        c.trainer.length_buckets = (128, 192)
+    elif arg == "python":
+        c.data.env = "python"
+    elif arg == "tiny":
+        c.coordinator.update(dict(group_size=4, train_batch_size=2, rollout_batch_size=4,
+                                  num_steps=3))
+    elif arg is not None:
+        raise ValueError(f"unknown variant {arg!r}; choose from {VARIANTS}")
+    return c
