@@ -1,6 +1,7 @@
 """The cluster simulator: its cost model against hand-worked sums, its workload's
 statistics, hand-worked step times of tiny clusters, the contract (C1-C3) audited in
-every mode of a preset, and the command line."""
+every mode of a preset, the command line, and multi-turn episodes (a hand-worked
+episode, their slot time, C1 per episode, partial rollout's mixed versions)."""
 
 import dataclasses
 import json
@@ -14,6 +15,8 @@ import pytest
 from dora_jax.scheduler.types import SchedulerConfig
 from dora_jax.sim import PRESETS, SIM_MODES, CostModel, Workload, simulate
 from dora_jax.sim.cluster import ClusterSim
+from dora_jax.sim.episodes import Episode
+from dora_jax.sim.slice import Request
 
 ZERO = CostModel(step_fixed=0.0, step_per_seq=0.0, step_per_ctx=0.0, prefill_fixed=0.0,
                  prefill_per_token=0.0, weight_bytes=0.0, transfer_bandwidth=1.0,
@@ -223,3 +226,127 @@ def test_calibration_recovers_known_costs_including_prefill():
             cost.prefill_per_token) == pytest.approx((0.010, 0.002, 0.0005, 1e-4), rel=1e-6)
     metrics[0].update(prefill_tokens=prefilled, reprefill_tokens=dict.fromkeys(util, 0))
     assert fit([dict(spans=spans, metrics=metrics, ledger=ledger)], slots).prefill_per_token == 0
+
+
+# ------------------------------------------------------------------ multi-turn episodes
+
+def _small_multiturn():
+    return dataclasses.replace(PRESETS["multiturn"], train_batch_size=16,
+                               rollout_batch_size=24, group_size=4, slots_per_slice=16)
+
+
+def test_episode_finishes_when_worked_by_hand():
+    """One episode of three model turns (3, 4, 2 tokens) with observations of 5 and 6
+    tokens after environments of 0.5 s and 1.5 s, on one slice of two slots: a decode
+    step costs 1 s + 0.01 s per position held (the 2-token prompt included), a
+    prefilled token 0.1 s, a train step 5 s. The positions held at each step are
+    2, 3, 4 (turn 1); 10..13 (prompt, 3 + 5 response positions, then turn 2); 20, 21
+    (2 + 3 + 5 + 4 + 6, then turn 3). The prompt's prefill (0.2 s) starts turn 1; the
+    observations' prefills (0.5 s, 0.6 s) start turns 2 and 3, on the kept KV."""
+    cost = dataclasses.replace(ZERO, step_fixed=1.0, step_per_ctx=0.01, prefill_per_token=0.1,
+                               train_fixed=5.0)
+    ep = Episode(model=(3, 4, 2), observations=(5, 6), latencies=(0.5, 1.5))
+    cfg = SchedulerConfig(mode="sync", num_slices=1, slots_per_slice=2, group_size=1,
+                          train_batch_size=1, rollout_batch_size=1, max_staleness=0)
+    sim = ClusterSim(cfg, cost, None, prompt_len=2, episode=lambda g, k: ep)
+    sim.run(2)
+    turn1 = sum(1 + 0.01 * c for c in (2, 3, 4))
+    turn2 = sum(1 + 0.01 * c for c in (10, 11, 12, 13))
+    turn3 = sum(1 + 0.01 * c for c in (20, 21))
+    rollout = 0.2 + turn1 + 0.5 + 0.5 + turn2 + 1.5 + 0.6 + turn3
+    assert math.isclose(rollout, 13.26)
+    assert [round(m["time"], 9) for m in sim.metrics] == [round(rollout + 5, 9),
+                                                           round(2 * (rollout + 5), 9)]
+    m = sim.metrics[0]
+    assert m["trained_tokens"] == 2 + 3 + 5 + 4 + 6 + 2 and m["generated_tokens"] == 9
+    # The episode's slot waits 2 s for its environments, the other idles with the
+    # group out (RBS reached), both while the trainer trains.
+    expected = dict(busy=turn1 + turn2 + turn3, prefill=0.2 + 0.5 + 0.6, env=2.0,
+                    rbs_full=rollout, admission_closed=2 * 5.0)
+    assert {k: x for k, x in m["slot_idle"].items() if x} == pytest.approx(expected, abs=2e-3)
+    consumed = [r for r in sim.ledger if r["event"] == "consume"]
+    assert consumed[0]["samples"] == [dict(sample=0, versions=[[0, 20]], slices=[0],
+                                           response_len=20, finish="eos", turns=3,
+                                           observation_tokens=11)]
+
+
+def test_observation_after_a_reload_reprefills_the_whole_sequence():
+    """A parked episode takes its observation by prefilling its tokens, unless a
+    reload while it waited (partial rollout) asks for the whole sequence again."""
+    ep = Episode(model=(3, 4), observations=(5,), latencies=(1.0,))
+    fresh = Request(0, 0, 0, 0, 0, ep)
+    fresh.produced, fresh.turn = 3, 1
+    fresh.take_observation()
+    assert (fresh.produced, fresh.reprefill) == (8, 5)
+    reloaded = Request(0, 0, 0, 0, 0, ep)
+    reloaded.produced, reloaded.turn, reloaded.reprefill = 3, 1, 3
+    reloaded.take_observation()
+    assert (reloaded.produced, reloaded.reprefill) == (8, 8)
+
+
+def test_multiturn_workload_shape_and_single_turn_unchanged():
+    w = PRESETS["multiturn"].workload
+    episode, length = w.episodes(16), w.lengths(16)
+    eps = [episode(g, k) for g in range(500) for k in range(16)]
+    turns = np.array([len(e.model) for e in eps])
+    assert 3 < turns.mean() < 5 and turns.max() <= w.turns.max_turns and (turns == 1).any()
+    assert (turns >= 12).mean() < 0.05  # a few episodes run many turns
+    latencies = np.concatenate([e.latencies for e in eps])
+    assert 0.08 < np.median(latencies) < 0.12 and latencies.max() <= w.turns.max_env
+    assert all(len(e.observations) == len(e.latencies) == len(e.model) - 1 for e in eps)
+    assert max(e.response_len for e in eps) <= w.turns.max_response
+    assert length(7, 3) == sum(episode(7, 3).model)
+    single = Workload(mean_len=2400, seed=3)
+    assert single.episodes(16)(5, 3) == Episode((single.lengths(16)(5, 3),))
+
+
+def _episodes_of(ledger):
+    return [s for r in ledger if r["event"] == "consume" for s in r["samples"]
+            if s.get("turns", 1) > 1]
+
+
+def test_dora_keeps_each_episode_on_one_version_with_several_live():
+    s = simulate(_small_multiturn(), "dora", 6)
+    assert s["audit_ok"], s["audit"]  # audited with C1: one version per sample and group
+    assert len(s["staleness"]) >= 3  # groups of several versions consumed side by side
+
+
+def test_partial_rollout_episodes_mix_versions(tmp_path):
+    s = simulate(_small_multiturn(), "partial_rollout", 5, str(tmp_path))
+    assert s["audit_ok"] and s["interrupts"] > 0
+    ledger = [json.loads(line) for line in open(tmp_path / "ledger.jsonl")]
+    mixed = [e for e in _episodes_of(ledger) if len({v for v, _ in e["versions"]}) > 1]
+    assert mixed and all(sum(n for _, n in e["versions"]) == e["response_len"] for e in mixed)
+
+
+@pytest.mark.parametrize("mode", SIM_MODES)
+def test_multiturn_preset_runs_in_every_mode_and_loses_nothing(mode, tmp_path):
+    preset = _small_multiturn()
+    s = simulate(preset, mode, 4, str(tmp_path))
+    assert s["audit_ok"], s["audit"]  # every admitted group consumed or listed unconsumed
+    ledger = [json.loads(line) for line in open(tmp_path / "ledger.jsonl")]
+    consumed = [r for r in ledger if r["event"] == "consume"]
+    assert len(consumed) == 4 * preset.train_batch_size
+    episode = preset.workload.episodes(preset.group_size)
+    for r in consumed:
+        for smp in r["samples"]:
+            ep = episode(r["group_id"], smp["sample"])
+            assert smp["response_len"] == ep.response_len
+            assert smp.get("turns", 1) == len(ep.model)
+            assert smp.get("observation_tokens", 0) == sum(ep.observations)
+    assert math.isclose(sum(s["slot_idle"].values()), 1.0, abs_tol=2e-3), s["slot_idle"]
+    assert s["slot_idle"]["env"] > 0
+    assert s["generated_tokens_per_second"] < s["tokens_per_second"]
+
+
+def test_command_line_compares_modes_on_the_multiturn_preset():
+    out = subprocess.run(
+        [sys.executable, "-m", "dora_jax.sim", "--preset=multiturn", "--steps=2",
+         "--modes=sync,partial_rollout,dora", "--jobs=1"],
+        capture_output=True, text=True, check=True, timeout=600).stdout
+    lines = out.strip().splitlines()
+    assert "gen tok/s" in lines[1]
+    rows = [line.split() for line in lines[2:5]]
+    assert [r[0] for r in rows] == ["sync", "partial_rollout", "dora"]
+    assert all(r[-2] == "ok" for r in rows)
+    assert lines[-3].startswith("dora/sync step-time speedup: ")

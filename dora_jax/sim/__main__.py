@@ -5,7 +5,8 @@
 
 Per mode (each in `<workdir>/<mode>/`, with a real run's outputs and its ledger
 audited): step time, rollout-only share, trainer wait, slot utilisation and
-throughput over steps 1..N-1, with the paper's figures beside them where it gives
+throughput over steps 1..N-1 (tokens/s: trained tokens, prompts and responses;
+gen tok/s: decoded tokens, which leave out a multi-turn episode's observations), with the paper's figures beside them where it gives
 them. Ends with `dora/sync step-time speedup: X` (against the faster of sync and
 colocated sync, the strongest synchronous baseline), `dora/partial_rollout
 step-time speedup: Y` (partial rollout under the same staleness bound; the
@@ -24,7 +25,8 @@ minutes) and the slots' time by state, in the fixed order of
 `cluster.SLOT_REASONS` (busy decoding; idle to a chunk's end, in prefill, loading,
 while a colocated trainer trains, short of KV memory, with pending work only at
 other versions, held by the scheduler, admission closed by the mode, RBS reached);
-states under 0.5% are left out.
+states under 0.5% are left out. `env` is the slot time multi-turn episodes spend
+waiting for their environment (`--preset=multiturn`), slot kept, not decoding.
 """
 
 from __future__ import annotations
@@ -109,7 +111,8 @@ def main(argv):
           f"{preset.num_slices} slices of {preset.slice_devices}, {_STEPS.value} steps per mode")
     results = {}
     header = (f"{'mode':26} {'step min':>8} {'(paper)':>8} {'roll-only':>9} {'(paper)':>8} "
-              f"{'trainer wait':>12} {'slot util':>9} {'tokens/s':>9} {'audit':>5} {'sim s':>6}")
+              f"{'trainer wait':>12} {'slot util':>9} {'tokens/s':>9} {'gen tok/s':>9} "
+              f"{'audit':>5} {'sim s':>6}")
     print(header)
     with concurrent.futures.ProcessPoolExecutor(max(1, _JOBS.value)) as pool:
         futures = {mode: pool.submit(_simulate, preset, mode, _STEPS.value,
@@ -124,6 +127,7 @@ def main(argv):
               f"{_fmt(s['rollout_only_share'], True):>9} {_fmt(paper_share, True):>8} "
               f"{_fmt(s['trainer_wait_fraction'], True):>12} "
               f"{_fmt(s['slot_utilisation'], True):>9} {s['tokens_per_second']:9.0f} "
+              f"{s['generated_tokens_per_second']:9.0f} "
               f"{'ok' if s['audit_ok'] else 'FAIL':>5} {seconds:6.1f}")
     if _EXPLAIN.value:
         print("where the time went, % of steps 1..N-1:")

@@ -13,6 +13,14 @@ trainer are simulated, on a float clock with the costs of `cost.CostModel`:
 - A slice holds at most `kv_tokens` positions (prompts counted once per group):
   requests beyond that wait, and a chunk that would overflow is shortened, or its
   newest request preempted (it resumes by re-prefilling).
+- A multi-turn episode (episodes.py) whose model turn ends (at its chunk's end, as
+  a finished request) waits for its environment's latency in its slot, not
+  decoding; the observation's tokens are then prefilled on its kept KV at the start
+  of the slice's next chunk and its next turn decodes (slice.py). A reload while it
+  waits (partial rollout) makes that prefill the whole sequence's. The scheduler
+  sees a waiting episode as a running request: dora may migrate it, which moves its
+  KV at the usual cost but stalls no decoding (it is not decoding), and it keeps a
+  slot reserved at its destination until its observation arrives there.
 - Weight loads share the transfer bandwidth with the loads in progress.
 - The trainer trains a batch in `train_seconds(tokens)`; colocated sync pays its
   reshard, and the slices cannot decode while it trains.
@@ -31,19 +39,20 @@ import numpy as np
 
 from dora_jax.runtime.report import WaitClock
 from dora_jax.scheduler.core import Scheduler
-from dora_jax.scheduler.driver import Driver, admit_record, consume_record, sample_entry
-from dora_jax.scheduler.ledger import unconsumed_records
+from dora_jax.scheduler.driver import Driver, admit_record
 from dora_jax.scheduler.types import (Admit, Assign, InterruptReload, LoadVersion, Migrate,
                                       SchedulerConfig, TrainStep)
 from dora_jax.sim.cost import CostModel
+from dora_jax.sim.episodes import Episode
 from dora_jax.sim.slice import Request, Slice
-from dora_jax.sim.slots import SLOT_REASONS, SlotTime, idle_reason
+from dora_jax.sim.records import RunRecords
+from dora_jax.sim.slots import SLOT_REASONS, SlotTime
 from dora_jax.timeline import Timeline
 
 __all__ = ["SLOT_REASONS", "ClusterSim"]
 
 
-class ClusterSim(Driver):
+class ClusterSim(RunRecords, Driver):
     """Drives `Scheduler(config)` with simulated slices and trainer.
 
     Args:
@@ -51,14 +60,17 @@ class ClusterSim(Driver):
       cost: the cost model.
       length: response length of (group_id, sample).
       prompt_len: prompt tokens of every group.
+      episode: the episodes.Episode of (group_id, sample), for multi-turn
+        requests (replaces `length`); None: every request is one turn.
       colocated: slices and trainer share the devices (colocated sync).
       max_chunk: most decode steps a slice runs before looking at its commands.
     """
 
     def __init__(self, config: SchedulerConfig, cost: CostModel,
                  length: Callable[[int, int], int], *, prompt_len: int = 256,
-                 colocated: bool = False, max_chunk: int = 64):
-        self.config, self.cost, self.length = config, cost, length
+                 colocated: bool = False, max_chunk: int = 64,
+                 episode: Optional[Callable[[int, int], Episode]] = None):
+        self.config, self.cost, self.length, self.episode = config, cost, length, episode
         self.prompt_len, self.colocated, self.max_chunk = prompt_len, colocated, max_chunk
         self.sched = Scheduler(config)
         self.slices = [Slice(i, config.slots_per_slice) for i in range(config.num_slices)]
@@ -113,21 +125,6 @@ class ClusterSim(Driver):
         return (sum(sl.chunk is not None for sl in self.slices)
                 + (self.trainer_busy_until is not None))
 
-    def _span(self, row, kind, start, end, version):
-        """Timeline span; a decode span that continues the row's last one extends it."""
-        last = self._open.get(row)
-        if last and last[0] == kind == "decode" and last[3] == version and start <= last[2]:
-            last[2] = max(last[2], end)
-            return
-        if last:
-            self.timeline.add(row, *last)
-        self._open[row] = [kind, start, end, version]
-
-    def _flush_spans(self):
-        for row, last in self._open.items():
-            self.timeline.add(row, *last)
-        self._open = {}
-
     def _at(self, t, kind, *data):
         heapq.heappush(self._events, (t, next(self._seq), kind, data))
 
@@ -139,36 +136,6 @@ class ClusterSim(Driver):
                 self._begin_chunk(sl)
         self._note_decision()  # marks every slice
 
-    def _note_decision(self):
-        """Marks the state a decision left: the trainer's wait cause (the runtime's
-        `_wait_kind`) and every slice's slot state; gives each newly finished step's
-        record its wait and its slot-seconds since the previous step."""
-        s = self.sched
-        self.waits.mark(self.now, None if s.trainer_busy else "fill" if s.next_step == 0
-                        else "guard" if s.num_finished_groups >= self.config.train_batch_size
-                        else "starvation")
-        self._pending_versions = {v for v, n in s.pending_by_version().items() if n > 0}
-        self._rbs_full = not s.policy.admission_room(s)
-        for sl in self.slices:
-            self._mark(sl)
-        while self._noted < len(self.metrics):
-            rec = self.metrics[self._noted]
-            self._noted += 1
-            wait, split = self._step_waits.pop(rec["step"])
-            rec.update(trainer_wait=round(wait, 4), trainer_wait_split=split,
-                       slot_idle=self.slot_time.since_last_step())
-
-    def _mark(self, sl: Slice):
-        """Books the slice's slot time up to now and takes its state now (every change
-        of a slice's state is followed by a mark at the same time: the end of
-        `_start_chunk`, of `_decide`)."""
-        s = self.sched
-        reason = idle_reason(sl, colocated_training=(self.colocated
-                                                     and self.trainer_busy_until is not None),
-                             pending_versions=self._pending_versions, rbs_full=self._rbs_full,
-                             keeps_c1=s.policy.keeps_c1)
-        self.slot_time.book(sl, self.now, reason)
-
     # ------------------------------------------------------------------ actions
 
     def admit(self, a: Admit):
@@ -177,9 +144,13 @@ class ClusterSim(Driver):
 
     def assign(self, a: Assign):
         sl = self.slices[a.slice_id]
-        sl.waiting.append(Request(a.group_id, a.sample,
-                                  max(1, int(self.length(a.group_id, a.sample))),
-                                  sl.version, a.slice_id))
+        if self.episode is not None:
+            r = Request(a.group_id, a.sample, 0, sl.version, a.slice_id,
+                        self.episode(a.group_id, a.sample))
+        else:
+            r = Request(a.group_id, a.sample, max(1, int(self.length(a.group_id, a.sample))),
+                        sl.version, a.slice_id)
+        sl.waiting.append(r)
 
     def migrate(self, a: Migrate):
         src = self.slices[a.src_slice]
@@ -196,24 +167,15 @@ class ClusterSim(Driver):
     def train(self, a: TrainStep):
         idle_since = self.metrics[-1]["time"] if self.metrics else 0.0
         self._step_waits[a.step] = (self.now - idle_since, self.waits.take(self.now))
-        tokens = 0
+        tokens = generated = 0
         for gid in a.group_ids:
-            tokens += self._consume(gid, a.step)
+            trained, decoded = self._consume(gid, a.step)
+            tokens, generated = tokens + trained, generated + decoded
         seconds = (self.cost.train_seconds(tokens) * self.cost.contention(self._busy() + 1)
                    + (self.cost.reshard if self.colocated else 0.0))
         self.trainer_busy_until = self.now + seconds
         self._span("trainer", "train", self.now, self.now + seconds, a.step)
-        self._at(self.now + seconds, "trained", a.step, tokens)
-
-    def _consume(self, gid, step) -> int:
-        samples, tokens = [], 0
-        for k in range(self.config.group_size):
-            r = self.done.pop((gid, k))
-            samples.append(sample_entry(k, r.runs(), r.slices, r.length, "eos"))
-            tokens += r.length + self.prompt_len
-        self.ledger.append(consume_record(gid, gid, self.group_version[gid], step, self.now,
-                                          samples))
-        return tokens
+        self._at(self.now + seconds, "trained", a.step, tokens, generated)
 
     def _apply_commands(self, sl: Slice):
         """Exports and loads sent while a chunk ran (C1: a load finds no requests)."""
@@ -277,15 +239,17 @@ class ClusterSim(Driver):
                 r.produced = int(sl.produced[j])
                 r.segments.append((version, r.produced))
                 r.reprefill = r.produced
-                sl.fresh.append(r)
+                if not sl.parked[j]:  # a parked one re-prefills when its observation does
+                    sl.fresh.append(r)
             for r in sl.waiting:
                 r.segments.append((version, r.produced))
         self.sched.version_loaded(i, version)
         self._changed = True
 
-    def _on_trained(self, step, tokens):
+    def _on_trained(self, step, tokens, generated):
         self.trainer_busy_until = None
-        self.metrics.append(dict(step=step, time=self.now, trained_tokens=tokens))
+        self.metrics.append(dict(step=step, time=self.now, trained_tokens=tokens,
+                                 generated_tokens=generated))
         self.sched.step_finished(step)
         for sl in self.slices:  # loads deferred until this version was published
             if sl.pending and sl.chunk is None:
@@ -301,11 +265,27 @@ class ClusterSim(Driver):
         sl.left -= n
         for j in np.flatnonzero(sl.active & (sl.left == 0)).tolist():
             r = sl.reqs[j]
+            if not r.last_turn:  # its environment answers, then its next turn decodes
+                until = self.now + r.episode.latencies[r.turn]
+                sl.park(j, until)
+                self._at(until, "observed", i, r)
+                continue
             sl.remove((r.gid, r.k))
             self.done[(r.gid, r.k)] = r
             self.sched.sample_finished(r.gid, r.k, r.length)
             self._changed = True
         self._apply_commands(sl)
+
+    def _on_observed(self, i, r: Request):
+        """An episode's observation arrived. Parked in a slot, it decodes its next
+        turn from the slice's next chunk; still on its way to a slice (migrated), it
+        takes the observation when it gets a slot."""
+        r.env_until, r.observed = None, True
+        sl = self.slices[r.slices[-1]]
+        if (r.gid, r.k) in sl.where:
+            sl.observed.append(r)
+        if sl.i != i:  # the run loop starts slice i's chunk
+            self._start_chunk(sl)
 
     # ------------------------------------------------------------------ decoding
 
@@ -322,7 +302,9 @@ class ClusterSim(Driver):
         if sl.chunk is not None:
             return
         cost, extra, P = self.cost, 0.0, self.prompt_len
-        used = P * len(sl.groups) + int(sl.produced[sl.active].sum())
+        sl.unpark_observed()
+        parked_kv = int(sl.produced[sl.parked].sum())  # held, not read by decoding
+        used = P * len(sl.groups) + int(sl.produced[sl.active].sum()) + parked_kv
         while sl.waiting:  # admit what the KV memory holds
             r = sl.waiting[0]
             need = r.produced + (0 if r.gid in sl.groups else P)
@@ -341,7 +323,7 @@ class ClusterSim(Driver):
             r.reprefill = 0
             extra = max(extra, r.ready_at - self.now)
         sl.fresh = []
-        batch = sl.num_running
+        batch = int(sl.active.sum())
         if not batch:
             return
         left = sl.left[sl.active]
@@ -357,7 +339,7 @@ class ClusterSim(Driver):
                 return self._begin_chunk(sl)
         slow = cost.contention(self._busy() + 1)
         extra *= slow
-        seconds = extra + slow * (cost.steps_seconds(steps, batch, used)
+        seconds = extra + slow * (cost.steps_seconds(steps, batch, used - parked_kv)
                                   + cost.calls_seconds(steps, batch >= self.config.slots_per_slice))
         sl.chunk = (self.now + extra, self.now + seconds, steps)
         sl.rates = (self.now + extra, float(np.minimum(left, steps).sum()) / steps, batch)
@@ -365,8 +347,3 @@ class ClusterSim(Driver):
         self.stats["busy_slot_seconds"] += batch * (seconds - extra)
         self._span(f"slice {sl.i}", "decode", self.now, self.now + seconds, sl.version)
         self._at(self.now + seconds, "chunk", sl.i)
-
-    # ------------------------------------------------------------------ results
-
-    def unconsumed_records(self) -> list:
-        return unconsumed_records(self.sched.groups, self.sched.readmit_queue)

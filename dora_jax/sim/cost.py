@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
+
+from dora_jax.sim.episodes import Episode, Turns, episodes, single_turn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +178,12 @@ class Efficiency:
 class Workload:
     """Prompts and response lengths. Lengths are log-normal per sample around a
     per-prompt factor (hard prompts give long answers to all their samples), with
-    the given mean and clipped at `max_len`, or replayed from a ledger."""
+    the given mean and clipped at `max_len`, or replayed from a ledger.
+
+    With `turns` (episodes.Turns) requests are multi-turn episodes: `mean_len`,
+    `max_len` and the sigmas then describe one model turn (the per-prompt factor is
+    shared by every turn of the group's samples), and `lengths` gives an episode's
+    model tokens (what is decoded; its observations are not)."""
 
     prompt_len: int = 256
     mean_len: float = 2400.0
@@ -185,9 +192,28 @@ class Workload:
     sigma_sample: float = 0.8
     seed: int = 0
     replay: tuple = ()  # response lengths to cycle through instead, group-major
+    turns: Optional[Turns] = None  # multi-turn episodes; None: every request one turn
+
+    def episodes(self, group_size: int) -> Callable[[int, int], Episode]:
+        """episode(group_id, sample) for this workload, deterministic per seed."""
+        if self.turns is None:
+            length = self.lengths(group_size)
+            return lambda g, k: single_turn(length(g, k))
+        mu = math.log(self.mean_len) - (self.sigma_prompt ** 2 + self.sigma_sample ** 2) / 2
+
+        def per_group(rng):
+            factor = rng.normal(mu, self.sigma_prompt)
+            return lambda n: np.clip(np.exp(factor + rng.normal(0, self.sigma_sample, n)), 1,
+                                     self.max_len).astype(int).tolist()
+
+        return episodes(self.turns, self.seed, group_size, per_group)
 
     def lengths(self, group_size: int) -> Callable[[int, int], int]:
-        """length(group_id, sample) for this workload, deterministic per seed."""
+        """length(group_id, sample) for this workload, deterministic per seed (an
+        episode's model tokens when multi-turn)."""
+        if self.turns is not None:
+            episode = self.episodes(group_size)
+            return lambda g, k: sum(episode(g, k).model)
         if self.replay:
             data = self.replay
             return lambda g, k: int(data[(g * group_size + k) % len(data)])

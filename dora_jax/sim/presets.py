@@ -19,6 +19,12 @@ its figures imply one (sim/fit.py): sync is colocated (rollout, then training, o
 all the GPUs) and the asynchronous modes give half the GPUs to the trainer — the
 trainer is busy 8.0 min per step in sync and 15.4 min in one-step-off. The presets
 use that split, in slices of 8 GPUs (tensor parallel 8), 256 sequences per slice.
+
+`multiturn` is paper64's deployment on an agentic workload (`MULTITURN`): episodes
+of 4 model turns on average (geometric, up to 32: a few run many), each turn about
+400 tokens, observations about 300 tokens, and an environment answering in 100 ms
+at the median (log-normal, sigma 0.8: from a few decode steps of about 20 ms to
+several hundred ms, clipped at 2 s); responses are cut at 30,720 positions.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 
 from dora_jax.sim.cost import CostModel, Efficiency, Workload
+from dora_jax.sim.episodes import Turns
 
 H800 = dict(flops=989e12, hbm_bytes_per_s=3.35e12, hbm_bytes=80e9, link_bytes_per_s=50e9,
             slice_link_bytes_per_s=400e9)
@@ -115,9 +122,12 @@ class Preset:
           L_max x tau_1 + train.
 
         Lengths are the workload's over `groups` groups; `cost` defaults to the
-        preset's."""
-        length = self.workload.lengths(self.group_size)
-        lengths = [length(g, k) for g in range(groups) for k in range(self.group_size)]
+        preset's. For multi-turn episodes the lengths are the decoded (model) tokens,
+        the trainer's tokens include the observations, and the environments' waits
+        and the observations' prefills are left out (the floors stay floors)."""
+        episode = self.workload.episodes(self.group_size)
+        episodes = [episode(g, k) for g in range(groups) for k in range(self.group_size)]
+        lengths = [sum(e.model) for e in episodes]
         mean = sum(lengths) / len(lengths)
         prompt = self.workload.prompt_len
         context = prompt / self.group_size + (sum(x * x for x in lengths) / sum(lengths) - 1) / 2
@@ -127,7 +137,8 @@ class Preset:
                 + cost.calls_seconds(cost.call_steps, True) / cost.call_steps)
         responses = self.train_batch_size * self.group_size
         rollout = responses * mean / (self.num_slices * batch / step)
-        train = cost.train_seconds(round(responses * (mean + prompt)))
+        trained = sum(e.response_len for e in episodes) / len(episodes)
+        train = cost.train_seconds(round(responses * (trained + prompt)))
         longest = max(lengths)
         tau = cost.step_seconds(1, prompt + (longest - 1) / 2) + cost.calls_seconds(1, False)
         k = self.max_staleness
@@ -135,6 +146,11 @@ class Preset:
         return dict(step=max(train, rollout, latency), train=train, rollout=rollout,
                     latency=latency)
 
+
+MULTITURN = Workload(prompt_len=512, mean_len=400, max_len=8192,
+                     turns=Turns(mean_turns=4.0, max_turns=32, obs_mean=300, max_obs=4096,
+                                 env_median=0.1, env_sigma=0.8, max_env=2.0,
+                                 max_response=30_720))
 
 PRESETS = {
     "paper64": Preset(
@@ -149,4 +165,8 @@ PRESETS = {
         "v5p", "Qwen3-30B-A3B (configs/moe.py) on a v5p pod",
         total_devices=256, trainer_devices=128, slice_devices=16, slots_per_slice=256,
         hardware=V5P, model=QWEN3_30B_A3B, efficiency=H800_FIT),
+    "multiturn": Preset(
+        "multiturn", "Qwen2.5-32B on 64 H800, multi-turn agentic episodes",
+        total_devices=64, trainer_devices=32, slice_devices=8, slots_per_slice=256,
+        hardware=H800, model=QWEN25_32B, workload=MULTITURN, efficiency=H800_FIT),
 }

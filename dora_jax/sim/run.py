@@ -3,7 +3,9 @@
 `simulate(preset, mode, steps, workdir)` writes ledger.jsonl, metrics.jsonl,
 summary.json, timeline.json and timeline.png into `workdir` (if given) and returns
 the summary. Figures are over the steady-state window (end of step 0 to end of the
-last step), as the runtime reports them; the ledger is audited by the project's
+last step), as the runtime reports them: `tokens_per_second` counts trained tokens
+(prompt and response, a multi-turn episode's observations included),
+`generated_tokens_per_second` decoded ones (model turns only). The ledger is audited by the project's
 auditor, and a summary says whether it passed (`audit_ok`). As in the runtime, each
 metrics record has the trainer's wait before its step by cause (`trainer_wait_split`:
 fill / guard / starvation); it also has the slot-seconds since the previous step by
@@ -61,9 +63,10 @@ def simulate(preset: Preset, mode: str, steps: int, workdir: str | None = None, 
     colocated = mode == COLOCATED
     config = scheduler_config(preset, mode)
     cost = cost or preset.cost(colocated)
-    sim = ClusterSim(config, cost, preset.workload.lengths(preset.group_size),
-                     prompt_len=preset.workload.prompt_len, colocated=colocated,
-                     max_chunk=max_chunk)
+    workload = preset.workload
+    sim = ClusterSim(config, cost, workload.lengths(preset.group_size),
+                     prompt_len=workload.prompt_len, colocated=colocated, max_chunk=max_chunk,
+                     episode=workload.episodes(preset.group_size) if workload.turns else None)
     sim.run(steps)
     summary = summarize(sim, preset, mode, cost)
     if workdir:
@@ -76,6 +79,7 @@ def summarize(sim: ClusterSim, preset: Preset, mode: str, cost: CostModel) -> di
     start, end = m[0]["time"], m[-1]["time"]
     window = end - start
     trained = sum(r["trained_tokens"] for r in m[1:])
+    generated = sum(r["generated_tokens"] for r in m[1:])
     train_busy = sum(min(s.end, end) - max(s.start, start) for s in sim.timeline.spans
                      if s.kind == "train" and s.end > start and s.start < end)
     report = audit_run(sim.ledger + sim.unconsumed_records(), sim.config)
@@ -93,6 +97,7 @@ def summarize(sim: ClusterSim, preset: Preset, mode: str, cost: CostModel) -> di
         preset=preset.name, mode=mode, steps=len(m),
         step_minutes=round(window / (len(m) - 1) / 60, 3),
         tokens_per_second=round(trained / window, 1),
+        generated_tokens_per_second=round(generated / window, 1),
         rollout_only_share=round(rollout_only_share(sim.timeline.spans, start, end), 4),
         trainer_wait_fraction=round(1 - train_busy / window, 4),
         trainer_wait_split=wait_split, slot_idle=slot_idle,

@@ -4,6 +4,13 @@ The decoding requests sit in fixed slots of numpy arrays (tokens produced and le
 so a chunk of decode steps advances them all at once; the requests waiting for KV
 memory, the prompts already prefilled and the commands held until the chunk in
 flight ends are kept beside them.
+
+A multi-turn episode (episodes.py) whose model turn ended is `parked` in its slot
+while its environment answers: it keeps the slot and its KV but does not decode.
+When the observation arrives it waits for the chunk in flight to end (`observed`),
+then its observation's tokens join its KV (a prefill of those tokens, or of the
+whole sequence if the slice reloaded weights meanwhile) and its next turn decodes.
+`produced` counts the response's positions, observations included.
 """
 
 from __future__ import annotations
@@ -14,21 +21,45 @@ from typing import Optional
 import numpy as np
 
 from dora_jax import versions
+from dora_jax.sim.episodes import Episode, single_turn
 
 
 class Request:
     """One sample being generated: its length, its progress, the versions it ran
-    under and the slices it ran on."""
+    under and the slices it ran on; for an episode, its turns and where it is in
+    them."""
 
     __slots__ = ("gid", "k", "length", "produced", "segments", "slices", "reprefill",
-                 "ready_at")
+                 "ready_at", "episode", "turn", "env_until", "observed")
 
-    def __init__(self, gid, k, length, version, slice_id):
-        self.gid, self.k, self.length, self.produced = gid, k, length, 0
+    def __init__(self, gid, k, length, version, slice_id, episode: Optional[Episode] = None):
+        self.episode = episode or single_turn(length)
+        self.gid, self.k, self.length, self.produced = gid, k, self.episode.response_len, 0
         self.segments = [(version, 0)]  # (version, tokens produced when it began)
         self.slices = [slice_id]
         self.reprefill = 0  # tokens so far to prefill again before decoding on
         self.ready_at = 0.0  # a migrated request decodes once its KV has arrived
+        self.turn = 0  # the model turn it decodes, or the next one while its env runs
+        self.env_until: Optional[float] = None  # when the observation it waits for arrives
+        self.observed = False  # that observation arrived, its tokens not yet in the KV
+
+    @property
+    def last_turn(self) -> bool:
+        return self.turn == len(self.episode.model) - 1
+
+    def turn_left(self) -> int:
+        """Tokens left to decode in its current model turn."""
+        ep, t = self.episode, self.turn
+        return sum(ep.model[:t + 1]) + sum(ep.observations[:t]) - self.produced
+
+    def take_observation(self) -> None:
+        """The arrived observation joins the sequence: its tokens are prefilled on
+        the kept KV, or the whole sequence is if the KV must be recomputed (a reload
+        while it waited set `reprefill`, or it resumes from nothing)."""
+        tokens = self.episode.observations[self.turn - 1]
+        self.produced += tokens
+        self.reprefill = self.produced if self.reprefill else tokens
+        self.observed = False
 
     def runs(self) -> list:
         """Per-token versions, run-length encoded."""
@@ -47,6 +78,8 @@ class Slice:
         self.active = np.zeros(slots, bool)
         self.produced = np.zeros(slots, np.int64)
         self.left = np.zeros(slots, np.int64)
+        self.parked = np.zeros(slots, bool)  # episodes waiting for their environment
+        self.observed: list = []  # parked requests whose observation arrived
         self.free = list(range(slots - 1, -1, -1))
         self.where: dict = {}  # request key -> slot
         self.groups: Counter = Counter()  # running requests per group (prompt KV shared)
@@ -58,31 +91,64 @@ class Slice:
         self.pending: list = []  # load / reload commands once the chunk ends
         # Slot-time accounting (slots.SlotTime.book): booked up to `booked_to` by
         # `acct`, (reason of the free slots, how many of them hold a request waiting
-        # for the chunk's end, the chunk's `rates` or None); `rates` of the chunk in
+        # for the chunk's end, the chunk's `rates` or None, slots waiting for an
+        # environment); `rates` of the chunk in
         # flight: (end of its prefill part, busy slots, running slots); `kv_blocked`:
         # requests were left waiting for KV memory when it began.
-        self.booked_to, self.acct, self.rates, self.kv_blocked = 0.0, (0, 0, None), None, False
+        self.booked_to, self.acct, self.rates, self.kv_blocked = 0.0, (0, 0, None, 0), None, False
 
     @property
     def num_running(self) -> int:
+        """Requests holding a slot (decoding or waiting for their environment)."""
         return len(self.where)
 
+    @property
+    def num_env_waiting(self) -> int:
+        """Slots held by episodes whose environment has not answered yet."""
+        return int(self.parked.sum()) - len(self.observed)
+
     def add(self, r: Request):
-        """Gives `r` a free slot."""
+        """Gives `r` a free slot (parked if its environment has not answered)."""
         j = self.free.pop()
-        self.reqs[j], self.active[j] = r, True
-        self.produced[j], self.left[j] = r.produced, r.length - r.produced
+        self.reqs[j] = r
         self.where[(r.gid, r.k)] = j
         self.groups[r.gid] += 1
+        if r.env_until is not None:
+            self.produced[j], self.parked[j] = r.produced, True
+            return
+        if r.observed:
+            r.take_observation()
+        self.active[j] = True
+        self.produced[j], self.left[j] = r.produced, r.turn_left()
         if r.reprefill or r.ready_at:
             self.fresh.append(r)
+
+    def park(self, j: int, until: float):
+        """The request in slot j ended a model turn: it waits for its environment
+        until `until`, keeping the slot and its KV."""
+        r = self.reqs[j]
+        r.produced, r.turn, r.env_until = int(self.produced[j]), r.turn + 1, until
+        self.active[j], self.parked[j] = False, True
+
+    def unpark_observed(self):
+        """Requests whose observation arrived decode their next turn from the next
+        chunk on, after prefilling it (`fresh`)."""
+        for r in self.observed:
+            j = self.where[(r.gid, r.k)]
+            r.take_observation()
+            self.parked[j], self.active[j] = False, True
+            self.produced[j], self.left[j] = r.produced, r.turn_left()
+            self.fresh.append(r)
+        self.observed = []
 
     def remove(self, key) -> Request:
         """Takes the request `key` out of its slot, its progress saved on it."""
         j = self.where.pop(key)
         r = self.reqs[j]
         r.produced = int(self.produced[j])
-        self.reqs[j], self.active[j], self.left[j] = None, False, 0
+        if r in self.observed:
+            self.observed.remove(r)
+        self.reqs[j], self.active[j], self.parked[j], self.left[j] = None, False, False, 0
         self.free.append(j)
         self.groups[r.gid] -= 1
         if not self.groups[r.gid]:
@@ -90,5 +156,5 @@ class Slice:
         return r
 
     def newest(self):
-        """The key of the request that took a slot last (preempted first)."""
-        return next(reversed(self.where))
+        """The key of the decoding request that took a slot last (preempted first)."""
+        return next(k for k in reversed(self.where) if self.active[self.where[k]])

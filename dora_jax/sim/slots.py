@@ -13,7 +13,10 @@ run is pending but the scheduler holds the slot (`held`: reserved for a request
 migrating in, or the slice drained to switch version), or nothing is pending at all:
 the batch's tail, with the mode refusing to admit though fewer than RBS groups are out
 (`admission_closed`: the batch rule or the staleness bound) or RBS groups admitted
-and unconsumed (`rbs_full`).
+and unconsumed (`rbs_full`). A slot held by a multi-turn episode waiting for its
+environment is `env` (it keeps its slot, not decoding); once the observation arrived
+it waits for the chunk in flight as a `chunk_end` slot (or for what holds a slice
+between chunks, as its free slots).
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ from __future__ import annotations
 from dora_jax.sim.slice import Slice
 
 SLOT_REASONS = ("busy", "chunk_end", "prefill", "loading", "colocated_training", "kv_full",
-                "version_mismatch", "held", "admission_closed", "rbs_full")
+                "version_mismatch", "held", "admission_closed", "rbs_full", "env")
 (BUSY, CHUNK_END, PREFILL, LOADING, COLOCATED, KV_FULL, MISMATCH, HELD, CLOSED,
- RBS_FULL) = range(len(SLOT_REASONS))
+ RBS_FULL, ENV) = range(len(SLOT_REASONS))
 
 
 def idle_reason(sl: Slice, *, colocated_training: bool, pending_versions: set,
@@ -58,12 +61,13 @@ class SlotTime:
         then its decoding at the mean number of busy slots."""
         since, slots = sl.booked_to, self.slots
         if now > since:
-            T, (was, boundary, rates) = self.seconds, sl.acct
+            T, (was, boundary, rates, env) = self.seconds, sl.acct
+            T[ENV] += env * (now - since)
             if rates is None:
-                T[was] += slots * (now - since)
+                T[was] += (slots - env) * (now - since)
             else:
                 prefill_end, busy, batch = rates
-                T[was] += (slots - batch - boundary) * (now - since)
+                T[was] += (slots - batch - boundary - env) * (now - since)
                 T[CHUNK_END] += boundary * (now - since)
                 if since < prefill_end:
                     T[PREFILL] += batch * (min(now, prefill_end) - since)
@@ -71,12 +75,14 @@ class SlotTime:
                 T[BUSY] += busy * (now - since)
                 T[CHUNK_END] += (batch - busy) * (now - since)
             sl.booked_to = now
+        env = sl.num_env_waiting
         if sl.chunk is None:
-            sl.acct = (reason, 0, None)
-        else:  # requests given to the slice mid-chunk wait for its end
-            boundary = 0 if reason <= KV_FULL or not sl.waiting else min(
-                len(sl.waiting), slots - sl.rates[2])
-            sl.acct = (reason, boundary, sl.rates)
+            sl.acct = (reason, 0, None, env)
+        else:  # requests given to the slice mid-chunk, or observed, wait for its end
+            parked = env + len(sl.observed)
+            boundary = len(sl.observed) + (0 if reason <= KV_FULL or not sl.waiting else min(
+                len(sl.waiting), slots - sl.rates[2] - parked))
+            sl.acct = (reason, boundary, sl.rates, env)
 
     def since_last_step(self) -> dict:
         """Slot-seconds by state since the previous call (a step's `slot_idle`)."""

@@ -1,0 +1,85 @@
+"""What a simulated run records, as a real run does: ledger lines, the trainer's
+wait and the slots' time per step, and timeline spans.
+
+`RunRecords` is the recording half of `cluster.ClusterSim` (which it is mixed into
+and whose state it reads: the scheduler, the slices, the clock); the simulation
+itself stays in cluster.py.
+"""
+
+from __future__ import annotations
+
+from dora_jax.scheduler.driver import consume_record, sample_entry
+from dora_jax.scheduler.ledger import unconsumed_records
+from dora_jax.sim.slice import Slice
+from dora_jax.sim.slots import idle_reason
+
+
+class RunRecords:
+    """Ledger, per-step waits and slot time, and timeline spans of a `ClusterSim`."""
+
+    def _span(self, row, kind, start, end, version):
+        """Timeline span; a decode span that continues the row's last one extends it."""
+        last = self._open.get(row)
+        if last and last[0] == kind == "decode" and last[3] == version and start <= last[2]:
+            last[2] = max(last[2], end)
+            return
+        if last:
+            self.timeline.add(row, *last)
+        self._open[row] = [kind, start, end, version]
+
+    def _flush_spans(self):
+        for row, last in self._open.items():
+            self.timeline.add(row, *last)
+        self._open = {}
+
+    def _note_decision(self):
+        """Marks the state a decision left: the trainer's wait cause (the runtime's
+        `_wait_kind`) and every slice's slot state; gives each newly finished step's
+        record its wait and its slot-seconds since the previous step."""
+        s = self.sched
+        self.waits.mark(self.now, None if s.trainer_busy else "fill" if s.next_step == 0
+                        else "guard" if s.num_finished_groups >= self.config.train_batch_size
+                        else "starvation")
+        self._pending_versions = {v for v, n in s.pending_by_version().items() if n > 0}
+        self._rbs_full = not s.policy.admission_room(s)
+        for sl in self.slices:
+            self._mark(sl)
+        while self._noted < len(self.metrics):
+            rec = self.metrics[self._noted]
+            self._noted += 1
+            wait, split = self._step_waits.pop(rec["step"])
+            rec.update(trainer_wait=round(wait, 4), trainer_wait_split=split,
+                       slot_idle=self.slot_time.since_last_step())
+
+    def _mark(self, sl: Slice):
+        """Books the slice's slot time up to now and takes its state now (every change
+        of a slice's state is followed by a mark at the same time: the end of
+        `_start_chunk`, of `_decide`)."""
+        s = self.sched
+        reason = idle_reason(sl, colocated_training=(self.colocated
+                                                     and self.trainer_busy_until is not None),
+                             pending_versions=self._pending_versions, rbs_full=self._rbs_full,
+                             keeps_c1=s.policy.keeps_c1)
+        self.slot_time.book(sl, self.now, reason)
+
+    def _consume(self, gid, step) -> tuple:
+        """Writes the group's consume record; returns its trained tokens (prompt and
+        response, observations included: the trainer reads them) and its generated
+        ones (model turns only)."""
+        samples, tokens, generated = [], 0, 0
+        for k in range(self.config.group_size):
+            r = self.done.pop((gid, k))
+            ep = r.episode
+            turns = len(ep.model)
+            samples.append(sample_entry(k, r.runs(), r.slices, r.length, "eos",
+                                        turns=turns if turns > 1 else None,
+                                        observation_tokens=sum(ep.observations)))
+            tokens += r.length + self.prompt_len
+            generated += sum(ep.model)
+        self.ledger.append(consume_record(gid, gid, self.group_version[gid], step, self.now,
+                                          samples))
+        return tokens, generated
+
+    def unconsumed_records(self) -> list:
+        """The ledger's lines for groups admitted and not consumed when the run ended."""
+        return unconsumed_records(self.sched.groups, self.sched.readmit_queue)
