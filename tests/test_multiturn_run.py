@@ -1,0 +1,97 @@
+"""Multi-turn episodes through the whole run: the ledger's turns, C1 per episode,
+partial rollout's mixed versions, resume with finished episodes kept."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from conftest import audit_workdir, load_repo_config
+from dora_jax import experiment
+from dora_jax.data import word_problems
+from dora_jax.envs import base
+from dora_jax.turns import check_turns
+
+MAX_TURNS = 3
+
+
+@base.register("test_always_continue")
+class AlwaysContinue(base.Environment):
+    """Answers every turn with "ok" and a quarter point; never ends an episode, so
+    episodes end at their turn limit or token budget."""
+
+    max_turns = MAX_TURNS
+
+    def reset(self, record):
+        return f"Say anything ({record['prompt_id']})."
+
+    def step(self, action):
+        return base.StepResult("ok", 0.25, False, {"tool_calls": 1})
+
+    @classmethod
+    def records(cls, num, seed):
+        return [{"prompt_id": f"t{seed}-{i}"} for i in range(num)]
+
+
+@pytest.fixture(scope="module")
+def chatty_tokenizer(tmp_path_factory):
+    """The shipped tokenizer with a hundred more stop ids (a generation config's
+    eos_token_id list), so a random policy ends its turns after a few tokens."""
+    path = tmp_path_factory.mktemp("tok")
+    for name in os.listdir(word_problems.TOKENIZER_DIR):
+        shutil.copy(os.path.join(word_problems.TOKENIZER_DIR, name), path)
+    (path / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [3] + list(range(200, 300))}))
+    return str(path)
+
+
+def config(tokenizer, mode, steps, **over):
+    return load_repo_config(
+        "configs/multiturn.py:tiny", num_devices=8, data__env="test_always_continue",
+        data__tokenizer=tokenizer, data__num_prompts=64, coordinator__mode=mode,
+        coordinator__num_steps=steps, coordinator__checkpoint_every=1,
+        model__num_layers=1, model__d_model=64, model__num_heads=2, model__num_kv_heads=1,
+        model__head_dim=32, model__mlp_hidden=128, **over)
+
+
+def episode_samples(events):
+    return [(e, s) for e in events if e["event"] == "consume" for s in e["samples"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["dora", "partial_rollout"])
+def test_episodes_run_audited_with_their_turns_in_the_ledger(mode, chatty_tokenizer,
+                                                               tmp_path):
+    cfg = config(chatty_tokenizer, mode, steps=2)
+    experiment.run(cfg, str(tmp_path))
+    cfg = config(chatty_tokenizer, mode, steps=4)  # the same run, resumed and continued
+    summary = experiment.run(cfg, str(tmp_path))
+    events, audit = audit_workdir(cfg, str(tmp_path))
+    assert audit.ok, audit.summary()
+    assert any(e["event"] == "resume" for e in events)
+    samples = episode_samples(events)
+    assert samples
+    several = 0
+    for consume, s in samples:
+        assert check_turns(s, s["response_len"]) is None
+        model_turns = sum(1 for t in s["turns"] if t[0] == "model")
+        env_turns = [t for t in s["turns"] if t[0] == "env"]
+        several += model_turns > 1
+        assert 1 <= model_turns <= MAX_TURNS
+        # A quarter for every turn that reached the environment: all but a last turn
+        # cut at the token budget.
+        assert s["reward"] == pytest.approx(0.25 * (len(env_turns) + (s["finish"] == "eos")))
+        assert s["episode_end"] in ("max_turns", "budget")
+        assert all(t[3] >= 0 for t in env_turns) and s.get("env_s", 0) >= 0
+        if mode == "dora":  # C1 for the whole episode
+            assert {v for v, _ in s["versions"]} == {consume["version"]}
+    assert several >= len(samples) // 2
+    metrics = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert all(m["episodes"]["episodes"] == 8 for m in metrics if "step" in m)
+    assert summary["episodes_last"]["tool_use"] == 1.0
+    if mode == "partial_rollout":  # reloads land between (and within) turns
+        mixed = [s for _, s in samples if len({v for v, _ in s["versions"]}) > 1]
+        assert mixed, "partial rollout should mix versions within some episodes"
