@@ -82,7 +82,19 @@ def median_row(summaries: list[dict]) -> dict:
     for s in summaries:
         stale.update({int(k): v for k, v in s["staleness"].items()})
     row["staleness"] = dict(sorted(stale.items()))
+    if "episodes" in summaries[0]:  # multi-turn: episodes under more than one version
+        row["episodes"] = sum(s["episodes"] for s in summaries)
+        row["mixed"] = sum(s["episodes_mixed_versions"] for s in summaries)
     return row
+
+
+def _episodes_note(row: dict) -> str:
+    if "episodes" not in row:
+        return ""
+    if row["mixed"]:
+        return (f"  MIXES VERSIONS ACROSS TURNS: {row['mixed']} of {row['episodes']} "
+                f"episodes ran under 2+ versions")
+    return f"  one version per episode ({row['episodes']} episodes)"
 
 
 def table(rows: dict[str, dict], counts: dict[str, str]) -> str:
@@ -92,7 +104,7 @@ def table(rows: dict[str, dict], counts: dict[str, str]) -> str:
     for spec, row in rows.items():
         cells = " ".join(fmt.format(row[h]) for h, _, fmt in COLUMNS)
         stale = " ".join(f"{k}:{v}" for k, v in row["staleness"].items())
-        lines.append(f"{spec:16} {counts[spec]:>5} {cells}  {stale}")
+        lines.append(f"{spec:16} {counts[spec]:>5} {cells}  {stale}{_episodes_note(row)}")
     return "\n".join(lines)
 
 

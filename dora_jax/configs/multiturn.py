@@ -23,7 +23,8 @@ that called the tool (`tool_use`) and that got the right value from it
 Variants: `:guess` (dora_jax/envs/guess.py: find a number in 1..16 from "higher" /
 "lower", six turns, 112 tokens), `:python` (the same arithmetic with
 `<python>print(37*41+12)</python>`, run in dora_jax/envs/sandbox.py's confined
-process), `:tiny` (3 steps of 2 groups: a smoke run of the whole path).
+process), `:no_tool` (the same arithmetic with no tool, one turn: the baseline that
+measures what the tool is worth), `:tiny` (3 steps of 2 groups: a smoke run).
 
 Tokenizer and model as configs/quickstart.py (the 512-token BPE of
 dora_jax/assets/tokenizer, a 459,520-parameter Qwen3-family policy); mesh as
@@ -34,7 +35,7 @@ slots); groups of 8, 8 groups per step, 16 admitted ahead, max_staleness 2.
 from dora_jax import config as config_lib
 from dora_jax.data import word_problems
 
-VARIANTS = (None, "guess", "python", "tiny")
+VARIANTS = (None, "guess", "python", "no_tool", "tiny")
 
 
 def get_config(arg=None):
@@ -56,8 +57,8 @@ def get_config(arg=None):
         c.data.env = "guess"
         c.rollout.max_decode_len = 112
         c.trainer.length_buckets = (128, 192)
-    elif arg == "python":
-        c.data.env = "python"
+    elif arg in ("python", "no_tool"):
+        c.data.env = arg
     elif arg == "tiny":
         c.coordinator.update(dict(group_size=4, train_batch_size=2, rollout_batch_size=4,
                                   num_steps=3))

@@ -11,7 +11,8 @@ whitelist, no eval); `python` answers `<python>code</python>` with what the code
 prints, run in envs/sandbox.py's separate process. A turn with an answer ends the
 episode; a turn with neither a call nor an answer ends it with reward 0. `info`
 counts `tool_calls`, `tool_correct` (calls whose result is the answer) and
-`answered`.
+`answered`. `no_tool` is the same task without a tool (a single answering turn),
+the baseline that measures what the tool gives.
 """
 
 from __future__ import annotations
@@ -113,3 +114,26 @@ class PythonArithmetic(_ToolArithmetic):
     @classmethod
     def call_text(cls, record: dict) -> str:
         return f"<python>print({record['expression']})</python>"
+
+
+@base.register("no_tool")
+class NoToolArithmetic(_ToolArithmetic):
+    """The same task and records with no tool, one turn: the baseline that measures
+    what the tool is worth (configs/multiturn.py:no_tool)."""
+
+    max_turns = 1
+
+    def reset(self, record: dict) -> str:
+        self.answer = str(record["answer"])
+        return f"{record['expression']} = ? Answer as <answer></answer>."
+
+    def step(self, action: str) -> base.StepResult:
+        answered = _ANSWER.search(action)
+        if not answered:
+            return base.StepResult("", 0.0, True, {"malformed": 1})
+        return base.StepResult("", float(answered.group(1) == self.answer), True,
+                               {"answered": 1})
+
+    @classmethod
+    def demonstration(cls, record: dict) -> list[tuple[str, str]]:
+        return [("model", f"<answer>{record['answer']}</answer>")]

@@ -269,6 +269,8 @@ class StepReporter:
             w = max(1, len(r) // 5)
             out["episodes_first"] = _episode_window([x["episodes"] for x in r[:w]])
             out["episodes_last"] = _episode_window([x["episodes"] for x in r[-w:]])
+            out["episodes"] = sum(x["episodes"]["episodes"] for x in r)
+            out["episodes_mixed_versions"] = sum(x["episodes"]["mixed_versions"] for x in r)
         if timeline is not None:
             out["load_overlap_fraction"] = load_overlap_fraction(timeline.spans)
         if self.evals:  # held-out pass@1 and pass@k before and after (by version)
@@ -302,7 +304,9 @@ def episode_record(trajectories) -> dict | None:
     """A train step's multi-turn figures (None if no sample is an episode): episodes,
     model turns and environment seconds per episode, the environment's reward, the
     share of episodes that called a tool (`tool_use`) and that got a tool result equal
-    to the answer (`tool_correct`, environments that count it), and why they ended."""
+    to the answer (`tool_correct`, environments that count it), why they ended, and
+    how many ran under more than one policy version (`mixed_versions`: partial
+    rollout's reloads between or within turns; 0 under C1)."""
     eps = [t.episode for t in trajectories if getattr(t, "episode", None)]
     if not eps:
         return None
@@ -317,6 +321,8 @@ def episode_record(trajectories) -> dict | None:
         "tool_use": round(sum(1 for i in info if i.get("tool_calls")) / n, 4),
         "tool_correct": round(sum(1 for i in info if i.get("tool_correct")) / n, 4),
         "ends": dict(Counter(e.get("end") for e in eps)),
+        "mixed_versions": sum(1 for t in trajectories if getattr(t, "episode", None)
+                              and len({v for v, n in t.versions if n}) > 1),
     }
 
 
