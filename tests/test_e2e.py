@@ -182,7 +182,7 @@ def events_ok(workdir) -> bool:
 @pytest.mark.parametrize("args, says", [
     (["--config=configs/nope.py"], "--config=configs/nope.py: no such file"),
     (["--config=nope"], "--config=nope: no such shipped config (a path to a config file, "
-                        "or one of: longtail, moe, quickstart, qwen3_gsm8k, tiny)"),
+                        "or one of: longtail, moe, multiturn, quickstart, qwen3_gsm8k, tiny)"),
     (["--config=configs/moe.py:bogus"], "unknown variant 'bogus'"),
     (["--config=moe:bogus"], "unknown variant 'bogus'"),
     # The flagship on a host without its chips: how many, and the variant to run here.

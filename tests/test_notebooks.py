@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO
 
-NOTEBOOKS = ("quickstart.ipynb", "modes.ipynb")
+NOTEBOOKS = ("quickstart.ipynb", "modes.ipynb", "multiturn.ipynb")
 
 
 def _cells(name: str) -> list[dict]:
@@ -67,6 +67,20 @@ def test_saved_outputs_show_the_curves():
     assert re.search(r"^dora +\d+", text, flags=re.M), text
     _, kinds = _outputs("modes.ipynb", "timelines.png")
     assert "image/png" in kinds
+    text, kinds = _outputs("multiturn.ipynb", "episode_curve.png")
+    assert "image/png" in kinds
+    (r0, u0, c0), (r1, u1, c1) = [tuple(map(float, m)) for m in re.findall(
+        r"reward ([\d.]+), tool use ([\d.]+), correct tool use ([\d.]+)", text)]
+    assert r1 > r0 and c1 > c0, text
+    text, _ = _outputs("multiturn.ipynb", "experiment.run(")
+    assert "audit clean: True" in text and '"turns": [["model", 0, ' in text
+    text, _ = _outputs("multiturn.ipynb", "sandbox.run_python")
+    for refused in ("write outside scratch", "network", "fork bomb", "memory", "endless loop"):
+        assert re.search(rf"^{refused} +ok=False ", text, flags=re.M), text
+    text, _ = _outputs("multiturn.ipynb", "without a tool")
+    tool, bare = map(float, re.search(r"with the calculator ([\d.]+), without a tool "
+                                      r"([\d.]+)", text).groups())
+    assert tool > bare, text
 
 
 def _wheel(tmp_path) -> str:
@@ -131,7 +145,7 @@ def test_a_wheel_ships_the_configs_and_the_flagship_runs_outside_the_clone(tmp_p
     assert out.returncode == 0, out.stderr[-2000:]
     where, names, source = out.stdout.split()
     assert where.startswith(str(tmp_path / "venv")), where
-    assert names == "longtail,moe,quickstart,qwen3_gsm8k,tiny" and source == "reasoning_gym"
+    assert names == "longtail,moe,multiturn,quickstart,qwen3_gsm8k,tiny" and source == "reasoning_gym"
     out = subprocess.run([python, "-m", "dora_jax.main", "--config=moe",
                           f"--workdir={tmp_path / 'moe'}"], capture_output=True, text=True,
                          env=env, cwd=tmp_path, timeout=300)
@@ -188,3 +202,26 @@ def test_colab_modes_runs(tmp_path, monkeypatch):
         assert report.steps == 3 and namespace["summaries"][mode]["steps"] == 3, mode
     assert namespace["baseline"] == "sync"
     assert (tmp_path / "timelines.png").exists()
+
+
+@pytest.mark.slow
+def test_colab_multiturn_runs(tmp_path, monkeypatch):
+    """Warm start on whole episodes, then RL in dora: the ledger audits clean and
+    the episode curve is drawn (the baseline without the tool left out)."""
+    monkeypatch.setenv("MULTITURN_DIR", str(tmp_path))
+    monkeypatch.setenv("MULTITURN_SFT_STEPS", "5")
+    monkeypatch.setenv("MULTITURN_RL_STEPS", "3")
+    monkeypatch.setenv("MULTITURN_BASELINE", "0")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    namespace = {}
+    try:
+        exec(compile(_code("multiturn.ipynb"), "multiturn.ipynb", "exec"), namespace)
+    finally:
+        plt.close("all")
+    assert namespace["report"].ok, namespace["report"].summary()
+    assert namespace["summary"]["steps"] == 3 and len(namespace["steps"]) == 3
+    assert (tmp_path / "episode_curve.png").exists()
