@@ -274,3 +274,41 @@ def test_an_environment_that_raises_ends_its_episode_with_the_reason(monkeypatch
     (t,) = sl.drain()
     assert t.episode["end"] == "env_error" and "tool exploded" in t.episode["error"]
     assert t.episode["reward"] == 0.0 and sl.num_requests == 0
+
+
+@base.register("test_async_followers")
+class AsyncFollowers(Followers):
+    """The same rule with a coroutine `step`: run to completion off the slice."""
+
+    async def step(self, action):
+        import asyncio
+
+        await asyncio.sleep(0.001)
+        return Followers.step(self, action)
+
+
+def test_an_async_environment_gives_the_same_episodes():
+    runner = EpisodeRunner("test_async_followers", IdsTokenizer(), max_turns=MAX_TURNS,
+                           workers=2, frame=([], []))
+    sl = DecodeSlice(0, engine(), episodes=runner)
+    sl.load_version(0, rc.params("dense", 0))
+    for r in episode_requests():
+        sl.submit(r)
+    for t in sl.drain():
+        assert t.response_tokens == reference_episode(PROMPTS[t.group_id])[0]
+
+
+def test_an_environment_past_its_timeout_ends_its_episode():
+    runner = EpisodeRunner("test_followers", IdsTokenizer(), max_turns=MAX_TURNS,
+                           timeout=0.2, workers=1, frame=([], []))
+    sl = DecodeSlice(0, engine(), episodes=runner)
+    sl.load_version(0, rc.params("dense", 0))
+    i = multi_turn_index()
+    GATE.clear()  # the environment never answers in time
+    try:
+        sl.submit(episode_requests()[i])
+        (t,) = sl.drain()
+    finally:
+        GATE.set()
+    assert t.episode["end"] == "env_timeout" and t.episode["reward"] == 0.0
+    assert t.episode["env_s"] >= 0.2

@@ -30,6 +30,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import inspect
+import threading
 import time
 
 from dora_jax.envs import base
@@ -89,7 +90,7 @@ class EpisodeRunner:
       tokenizer: decodes turns and encodes observations (data/tokenizer.py).
       max_turns: model turns per episode; 0: the environment's own `max_turns`.
       timeout: seconds an environment call may take.
-      workers: threads for environment calls (per slice).
+      workers: environment calls at once (per slice).
       frame: (ids before, ids after) an observation's text; None: the tokenizer's
         chat template's framing of a tool message (`observation_frame`).
     """
@@ -100,8 +101,8 @@ class EpisodeRunner:
         self.tokenizer = tokenizer
         self.max_turns = max_turns or self.env_cls.max_turns
         self.timeout = timeout
-        self._pool = concurrent.futures.ThreadPoolExecutor(workers,
-                                                           thread_name_prefix=f"env {env}")
+        self._name = f"env {env}"
+        self._running = threading.BoundedSemaphore(workers)  # calls at once
         self._frame = observation_frame(tokenizer) if frame is None else frame
         self._markers = sorted(getattr(tokenizer, "special_tokens", ()) or (), key=len,
                                reverse=True)
@@ -115,7 +116,17 @@ class EpisodeRunner:
     def step(self, episode: Episode, turn_tokens: list) -> concurrent.futures.Future:
         """Sends a model turn to the episode's environment; the future gives
         (StepResult, seconds, error or None) and never raises."""
-        return self._pool.submit(self._call, episode.env, list(turn_tokens))
+        future, turn = concurrent.futures.Future(), list(turn_tokens)
+
+        def call():
+            with self._running:
+                if future.set_running_or_notify_cancel():
+                    future.set_result(self._call(episode.env, turn))
+
+        # A daemon thread per call: a call that never returns (past `timeout` its
+        # episode has ended) cannot hold the process at exit, as a pool's would.
+        threading.Thread(target=call, name=self._name, daemon=True).start()
+        return future
 
     def _call(self, env: base.Environment, turn_tokens: list):
         start = time.perf_counter()
@@ -137,7 +148,7 @@ class EpisodeRunner:
         return before + body + after
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing to release: calls run on daemon threads."""
 
 
 async def _awaited(awaitable):
