@@ -229,18 +229,22 @@ def test_a_slice_decodes_other_requests_while_an_episode_waits():
 
 
 def test_an_episode_migrates_between_turns_with_its_kv():
+    """Exported while its environment still works on its turn: the destination takes
+    the kept KV and the pending call, and the episode goes on there."""
     src, dst = make_slice(0, mesh_index=0), make_slice(1, mesh_index=1)
+    i = multi_turn_index()
+    req = episode_requests()[i]
     GATE.clear()
     try:
-        i = multi_turn_index()
-        req = episode_requests()[i]
         src.submit(req)
         step_until_at_environment(src)
+        (moved,) = src.export_requests([req.request_id])
+        assert moved.kept is not None and moved.env_call is not None
+        assert not src.holds(req.request_id) and src.idle
+        dst.import_requests([moved])
+        assert dst.num_at_environment == 1
     finally:
         GATE.set()
-    (moved,) = src.export_requests([req.request_id])
-    assert moved.kept is not None and moved.episode is not None
-    dst.import_requests([moved])
     (t,) = dst.drain()
     want, turns = reference_episode(PROMPTS[i])
     assert t.response_tokens == want and [x[:3] for x in t.episode["turns"]] == turns

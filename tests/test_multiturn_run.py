@@ -95,3 +95,24 @@ def test_episodes_run_audited_with_their_turns_in_the_ledger(mode, chatty_tokeni
     if mode == "partial_rollout":  # reloads land between (and within) turns
         mixed = [s for _, s in samples if len({v for v, _ in s["versions"]}) > 1]
         assert mixed, "partial rollout should mix versions within some episodes"
+
+
+@pytest.mark.slow
+def test_episodes_migrate_between_slices_and_stay_on_their_version(chatty_tokenizer,
+                                                                   tmp_path, monkeypatch):
+    """DORA with a migration forced wherever legal (test_runtime's
+    `_forced_migrations`): episodes leave their slice mid-episode, at their
+    environment or decoding, and finish on another under their group's version."""
+    from test_runtime import _forced_migrations
+
+    forced = _forced_migrations(monkeypatch)
+    cfg = config(chatty_tokenizer, "dora", steps=3)
+    summary = experiment.run(cfg, str(tmp_path))
+    events, audit = audit_workdir(cfg, str(tmp_path))
+    assert audit.ok, audit.summary()
+    assert forced and summary["migrations"] >= 1
+    moved = [s for _, s in episode_samples(events) if len(s["slices"]) > 1]
+    assert moved, "some consumed episode should have moved"
+    for s in moved:
+        assert check_turns(s, s["response_len"]) is None
+    assert any(sum(1 for t in s["turns"] if t[0] == "model") > 1 for s in moved)

@@ -170,6 +170,7 @@ class PausableSlice:
         self.reloads = []
 
     num_requests = property(lambda self: 1)
+    idle = False
     kv_free_tokens = None
 
     def step(self):

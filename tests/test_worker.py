@@ -23,6 +23,7 @@ class FakeSlice:
         self.gate.set()
 
     num_requests = property(lambda self: len(self.held))
+    idle = property(lambda self: not self.held)
 
     def holds(self, rid):
         return rid in self.held

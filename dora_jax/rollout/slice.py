@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import time
 from typing import Callable, Iterable, Optional
 
@@ -125,6 +126,11 @@ class DecodeSlice(EpisodeTurns):
     def num_at_environment(self) -> int:
         """Episodes waiting for their environment's answer."""
         return len(self._env_wait)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing held, in flight or finished and not yet returned by `step`."""
+        return not (self._held or self._done or self._pending or self._inflight is not None)
 
     @property
     def kv_free_tokens(self):
@@ -282,14 +288,6 @@ class DecodeSlice(EpisodeTurns):
         self._sync()
         ids = list(self._held) if request_ids is None else list(
             dict.fromkeys(tuple(r) for r in request_ids))
-        # An episode at its environment moves once the observation is in (or it ends
-        # here, and its finished trajectory is returned by the next step).
-        settling = [r for r in ids if r in self._env_wait]
-        if settling:
-            concurrent.futures.wait([self._env_wait[r][2] for r in settling],
-                                    timeout=self.episodes.timeout)
-            self._collect_observations(force=settling)
-            ids = [r for r in ids if r in self._held or r not in settling]
         missing = [r for r in ids if r not in self._held]
         if missing:
             raise KeyError(f"slice {self.slice_id} does not hold request(s) {missing}")
@@ -297,6 +295,10 @@ class DecodeSlice(EpisodeTurns):
         for rid in ids:
             seq = self._held.pop(rid)
             prefix = None
+            if rid in self._env_wait:  # moves with its kept KV and its pending call
+                seq, seq.kept, future, sent = self._env_wait.pop(rid)
+                out.append(dataclasses.replace(seq.to_inflight(None), env_call=(future, sent)))
+                continue
             if seq.slot is None:
                 self._waiting.remove(seq)
             else:
@@ -328,7 +330,11 @@ class DecodeSlice(EpisodeTurns):
             if f.prefix is None:
                 if seq.kept is not None:
                     seq.kept = jax.device_put(seq.kept, dst)
-                self._waiting.append(seq)
+                if f.env_call is not None:  # still at its environment
+                    self._env_wait[f.request.request_id] = (seq, seq.kept, *f.env_call)
+                    seq.kept = None
+                else:
+                    self._waiting.append(seq)
                 continue
             slot = self.slots.lowest_free()
             used = len(f.request.prompt_tokens) + len(f.response_tokens)

@@ -55,15 +55,14 @@ class EpisodeTurns:
         self._env_wait[seq.request.request_id] = (seq, kept, future, time.perf_counter())
         return True
 
-    def _collect_observations(self, force=()):
+    def _collect_observations(self):
         """Takes the environments' answers that are in: an episode goes on (queued
-        first, its observation appended) or ends. An episode in `force` whose answer
-        is not in is timed out now."""
+        first, its observation appended) or ends (its call past the timeout too)."""
         now = time.perf_counter()
         for rid, (seq, kept, future, sent) in list(self._env_wait.items()):
             if future.done():
                 result, seconds, error = future.result()
-            elif now - sent > self.episodes.timeout or rid in force:
+            elif now - sent > self.episodes.timeout:
                 result, seconds, error = None, now - sent, "env_timeout"
             else:
                 continue

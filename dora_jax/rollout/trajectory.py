@@ -186,6 +186,9 @@ class InFlight:
     kept: Optional[Any] = None
     unwritten: int = 0
     episode: Optional[Any] = None  # rollout.episodes.Episode
+    # An episode exported while its environment works on its turn: (the call's
+    # future, when it was sent); the destination waits for it as the source would.
+    env_call: Optional[tuple] = None
 
 
 @dataclasses.dataclass(slots=True)

@@ -130,7 +130,7 @@ class SliceWorker:
                 # Block for a command when there is nothing to decode, or while the
                 # coordinator answers finished samples.
                 while True:
-                    block = sl.num_requests == 0 or self._awaiting_ack
+                    block = sl.idle or self._awaiting_ack
                     if block:
                         self._mark("awaiting the coordinator's answer" if self._awaiting_ack
                                    else "idle")
