@@ -32,27 +32,20 @@ configs/tiny.py (8 fake CPU devices: trainer data=2 x fsdp=2, 4 decode slices of
 slots); groups of 8, 8 groups per step, 16 admitted ahead, max_staleness 2.
 """
 
-from dora_jax import config as config_lib
+from dora_jax.configs import quickstart
 from dora_jax.data import word_problems
 
 VARIANTS = (None, "guess", "python", "no_tool", "tiny")
 
 
 def get_config(arg=None):
-    c = config_lib.base()
-    c.model.update(dict(vocab_size=word_problems.TOKENIZER_VOCAB, d_model=128, num_layers=2,
-                        num_heads=4, num_kv_heads=2, head_dim=32, mlp_hidden=384,
-                        tie_embeddings=True, qk_norm=True, rope_theta=10_000.0))
-    c.mesh.trainer.update(dict(data=2, fsdp=2, tensor=1, expert=1))
-    c.mesh.slice.update(dict(tensor=1, expert=1))
-    c.mesh.num_slices = 4
-    c.rollout.update(dict(slots_per_slice=8, max_prefill_length=64, max_decode_len=64,
-                          prefill_buckets=(64,), decode_steps=8))
-    c.trainer.update(dict(learning_rate=3e-4, length_buckets=(128,)))
-    c.coordinator.update(dict(mode="dora", group_size=8, train_batch_size=8,
-                              rollout_batch_size=16, max_staleness=2, num_steps=100))
-    c.data.update(dict(source="env", env="calculator", num_prompts=2000,
-                       tokenizer=word_problems.TOKENIZER_DIR))
+    c = quickstart.get_config()  # its tokenizer, model, mesh and learning rate
+    c.rollout.update(dict(max_prefill_length=64, max_decode_len=64, prefill_buckets=(64,)))
+    c.trainer.length_buckets = (128,)
+    c.coordinator.num_steps = 100
+    c.eval.every = 0  # episodes report their rewards in metrics.jsonl and the ledger
+    c.data.update(dict(source="env", env="calculator", task="", task_args={},
+                       num_prompts=2000, tokenizer=word_problems.TOKENIZER_DIR))
     if arg == "guess":
         c.data.env = "guess"
         c.rollout.max_decode_len = 112
