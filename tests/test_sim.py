@@ -266,7 +266,10 @@ def test_episode_finishes_when_worked_by_hand():
     assert {k: x for k, x in m["slot_idle"].items() if x} == pytest.approx(expected, abs=2e-3)
     consumed = [r for r in sim.ledger if r["event"] == "consume"]
     assert consumed[0]["samples"] == [dict(sample=0, versions=[[0, 20]], slices=[0],
-                                           response_len=20, finish="eos", turns=3,
+                                           response_len=20, finish="eos",
+                                           turns=[["model", 0, 3], ["env", 3, 8, 0.5],
+                                                  ["model", 8, 12], ["env", 12, 18, 1.5],
+                                                  ["model", 18, 20]],
                                            observation_tokens=11)]
 
 
@@ -302,7 +305,7 @@ def test_multiturn_workload_shape_and_single_turn_unchanged():
 
 def _episodes_of(ledger):
     return [s for r in ledger if r["event"] == "consume" for s in r["samples"]
-            if s.get("turns", 1) > 1]
+            if s.get("turns")]
 
 
 def test_dora_keeps_each_episode_on_one_version_with_several_live():
@@ -332,7 +335,7 @@ def test_multiturn_preset_runs_in_every_mode_and_loses_nothing(mode, tmp_path):
         for smp in r["samples"]:
             ep = episode(r["group_id"], smp["sample"])
             assert smp["response_len"] == ep.response_len
-            assert smp.get("turns", 1) == len(ep.model)
+            assert smp.get("turns", [["model", 0, ep.response_len]]) == ep.turn_ranges()
             assert smp.get("observation_tokens", 0) == sum(ep.observations)
     assert math.isclose(sum(s["slot_idle"].values()), 1.0, abs_tol=2e-3), s["slot_idle"]
     assert s["slot_idle"]["env"] > 0

@@ -47,6 +47,19 @@ class Episode(NamedTuple):
         trainer reads and the KV holds)."""
         return sum(self.model) + sum(self.observations)
 
+    def turn_ranges(self) -> list:
+        """The ledger's `turns` (dora_jax/turns.py): response-token ranges, each
+        observation with its environment's latency."""
+        out, at = [], 0
+        for i, n in enumerate(self.model):
+            if i:
+                obs = self.observations[i - 1]
+                out.append(["env", at, at + obs, round(float(self.latencies[i - 1]), 6)])
+                at += obs
+            out.append(["model", at, at + n])
+            at += n
+        return out
+
 
 def single_turn(length: int) -> Episode:
     """The episode of a single-turn request of `length` tokens."""

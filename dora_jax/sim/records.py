@@ -70,9 +70,8 @@ class RunRecords:
         for k in range(self.config.group_size):
             r = self.done.pop((gid, k))
             ep = r.episode
-            turns = len(ep.model)
             samples.append(sample_entry(k, r.runs(), r.slices, r.length, "eos",
-                                        turns=turns if turns > 1 else None,
+                                        turns=ep.turn_ranges() if len(ep.model) > 1 else None,
                                         observation_tokens=sum(ep.observations)))
             tokens += r.length + self.prompt_len
             generated += sum(ep.model)
