@@ -1,13 +1,13 @@
 """Multi-turn, tool-using episodes on a CPU: a small policy learns to call a tool.
 
 SFT:  python -m dora_jax.sft --config=configs/multiturn.py --workdir=/tmp/mt_sft \\
-        --steps=120 --batch_size=32 --learning_rate=3e-3
+        --steps=70 --batch_size=32 --learning_rate=3e-3
 RL:   python -m dora_jax.main --config=configs/multiturn.py --workdir=/tmp/mt \\
         --config.init_checkpoint=/tmp/mt_sft/checkpoints
 Modes side by side (every run audited):
       XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m dora_jax.bench.modes \\
         --config=configs/multiturn.py --workdir=/tmp/mt_modes \\
-        --modes=sync,partial_rollout,dora_k2 --steps=30 --reps=1 --sft_steps=120
+        --modes=sync,one_step_off,partial_rollout,dora_k2 --steps=30 --reps=2 --sft_steps=40
 
 Task (`data.env="calculator"`, dora_jax/envs/arithmetic.py): "37*41+12 = ?" with
 two-digit numbers. The model may call `<calc>37*41+12</calc>`; the environment
@@ -19,6 +19,9 @@ observations carry no loss) and stops early on purpose, so RL has room: the
 metrics' `episodes` record gives the environment's reward, the share of episodes
 that called the tool (`tool_use`) and that got the right value from it
 (`tool_correct`); summary.json compares the first and last fifth of the run.
+Expect (measured on a 2-core CPU, colab/multiturn.ipynb): about a minute of
+compilation, then ~1 s per step; over 100 steps the episode reward rose from 0.61 to
+0.75 and correct tool use from 0.90 to 0.94; `:no_tool` with the same budget: 0.00.
 
 Variants: `:guess` (dora_jax/envs/guess.py: find a number in 1..16 from "higher" /
 "lower", six turns, 112 tokens), `:python` (the same arithmetic with
