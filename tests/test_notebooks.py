@@ -72,7 +72,7 @@ def test_saved_outputs_show_the_curves():
     (r0, u0, c0), (r1, u1, c1) = [tuple(map(float, m)) for m in re.findall(
         r"reward ([\d.]+), tool use ([\d.]+), correct tool use ([\d.]+)", text)]
     assert r1 > r0 and c1 > c0, text
-    text, _ = _outputs("multiturn.ipynb", "experiment.run(")
+    text, _ = _outputs("multiturn.ipynb", "one episode in the ledger")
     assert "audit clean: True" in text and '"turns": [["model", 0, ' in text
     text, _ = _outputs("multiturn.ipynb", "sandbox.run_python")
     for refused in ("write outside scratch", "network", "fork bomb", "memory", "endless loop"):

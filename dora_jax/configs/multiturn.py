@@ -23,14 +23,21 @@ Expect (measured on a 2-core CPU, colab/multiturn.ipynb): about a minute of
 compilation, then ~1 s per step; over 100 steps the episode reward rose from 0.61 to
 0.75 and correct tool use from 0.90 to 0.94; `:no_tool` with the same budget: 0.00.
 
-Variants: `:guess` (dora_jax/envs/guess.py: find a number in 1..16 from "higher" /
-"lower", six turns, 112 tokens), `:python` (the same arithmetic with
-`<python>print(37*41+12)</python>`, run in dora_jax/envs/sandbox.py's confined
-process), `:no_tool` (the same arithmetic with no tool, one turn: the baseline that
-measures what the tool is worth), `:tiny` (3 steps of 2 groups: a smoke run).
+Variants (each warm-started as above, with its own --config):
+  python -m dora_jax.main --config=configs/multiturn.py:guess --workdir=/tmp/mt_guess
+      dora_jax/envs/guess.py: find a number in 1..16 from "higher" / "lower", six
+      turns, 112 tokens
+  python -m dora_jax.main --config=configs/multiturn.py:python --workdir=/tmp/mt_py
+      the same arithmetic with `<python>print(37*41+12)</python>`, run in
+      dora_jax/envs/sandbox.py's confined process
+  python -m dora_jax.main --config=configs/multiturn.py:no_tool --workdir=/tmp/mt_bare
+      the same arithmetic with no tool, one turn: the baseline that measures what
+      the tool is worth
+  python -m dora_jax.main --config=configs/multiturn.py:tiny --workdir=/tmp/mt_tiny
+      3 steps of 2 groups from the random init: a smoke run of the whole path
 
 Tokenizer and model as configs/quickstart.py (the 512-token BPE of
-dora_jax/assets/tokenizer, a 459,520-parameter Qwen3-family policy); mesh as
+dora_jax/assets/tokenizer; a Qwen3-family policy of 459,520 parameters); mesh as
 configs/tiny.py (8 fake CPU devices: trainer data=2 x fsdp=2, 4 decode slices of 8
 slots); groups of 8, 8 groups per step, 16 admitted ahead, max_staleness 2.
 """
