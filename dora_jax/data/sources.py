@@ -178,10 +178,11 @@ def demonstration_for(cfg: Config, tokenizer=None) -> Callable[[dict], list]:
     so that the observations carry no loss)."""
     if cfg.data.source == "env":
         from dora_jax.envs import base
-        from dora_jax.rollout.episodes import demonstration_tokens
+        from dora_jax.rollout.episodes import demonstration_tokens, observation_frame
 
         env_cls, tokenizer = base.get(cfg.data.env), tokenizer or tokenizer_for(cfg)
-        return lambda record: demonstration_tokens(env_cls, record, tokenizer)
+        frame = observation_frame(tokenizer)  # once, not per demonstration
+        return lambda record: demonstration_tokens(env_cls, record, tokenizer, frame)
     if cfg.data.reward_name not in TEXT_REWARDS:
         return tasks.demonstration_fn(cfg.data.reward_name)
     from dora_jax.data.text_tasks import ANSWER_FORMATS

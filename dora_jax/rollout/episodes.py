@@ -72,6 +72,13 @@ class Episode:
                 "end": self.end, "error": self.error}
 
 
+def observation_tokens(tokenizer, frame: tuple, text: str) -> list:
+    """Token ids of an observation's text between the ids of `frame`
+    (`observation_frame`), the tokenizer's special-token markers in it broken up."""
+    markers = sorted(getattr(tokenizer, "special_tokens", ()) or (), key=len, reverse=True)
+    return frame[0] + tokenizer.encode(_break_markers(text, markers)) + frame[1]
+
+
 def _break_markers(text: str, markers) -> str:
     # A zero-width space inside each marker keeps the text readable and unable to
     # encode as the special token.
@@ -103,9 +110,7 @@ class EpisodeRunner:
         self.timeout = timeout
         self._name = f"env {env}"
         self._running = threading.BoundedSemaphore(workers)  # calls at once
-        self._frame = observation_frame(tokenizer) if frame is None else frame
-        self._markers = sorted(getattr(tokenizer, "special_tokens", ()) or (), key=len,
-                               reverse=True)
+        self.frame = observation_frame(tokenizer) if frame is None else frame
 
     def begin(self, record: dict) -> Episode:
         """A new episode on `record` (its environment reset)."""
@@ -143,9 +148,7 @@ class EpisodeRunner:
     def observation_tokens(self, text: str) -> list:
         """Token ids of an observation, framed as a tool message, after which the
         model's next turn begins."""
-        before, after = self._frame
-        body = self.tokenizer.encode(_break_markers(text, self._markers))
-        return before + body + after
+        return observation_tokens(self.tokenizer, self.frame, text)
 
     def close(self) -> None:
         """Nothing to release: calls run on daemon threads."""
@@ -177,17 +180,16 @@ def observation_frame(tokenizer) -> tuple[list, list]:
     return tokenizer.encode(before), tokenizer.encode(after)
 
 
-def demonstration_tokens(env_cls, record: dict, tokenizer) -> dict:
+def demonstration_tokens(env_cls, record: dict, tokenizer, frame: tuple) -> dict:
     """An environment's demonstration of `record` as a response: each model turn's
-    text and the turn's end token, each observation framed as the runner frames it;
-    {"response_tokens", "episode"} with the turns."""
-    frame, markers = observation_frame(tokenizer), getattr(tokenizer, "special_tokens", ())
+    text and the turn's end token, each observation framed by `frame` as the runner
+    frames it; {"response_tokens", "episode"} with the turns."""
     tokens, turns = [], []
     for role, text in env_cls.demonstration(record):
         if role == "model":
             ids = tokenizer.encode(text) + [tokenizer.stop_ids[0]]
         else:
-            ids = frame[0] + tokenizer.encode(_break_markers(text, markers)) + frame[1]
+            ids = observation_tokens(tokenizer, frame, text)
         turns.append([role, len(tokens), len(tokens) + len(ids)]
                      + ([0.0] if role == "env" else []))
         tokens += ids

@@ -296,7 +296,7 @@ class DecodeSlice(EpisodeTurns):
             seq = self._held.pop(rid)
             prefix = None
             if rid in self._env_wait:  # moves with its kept KV and its pending call
-                seq, seq.kept, future, sent = self._env_wait.pop(rid)
+                _, seq.kept, future, sent = self._env_wait.pop(rid)
                 out.append(dataclasses.replace(seq.to_inflight(None), env_call=(future, sent)))
                 continue
             if seq.slot is None:

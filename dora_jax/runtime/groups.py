@@ -72,8 +72,8 @@ class GroupBook:
         g = self.groups[t.group_id]
         g.trajectories[t.sample_index] = t
         if t.episode is not None:  # scored by its environment, turn by turn
-            g.rewards[t.sample_index] = done = concurrent.futures.Future()
-            done.set_result((float(t.episode["reward"]), t.episode.get("error")))
+            g.rewards[t.sample_index] = _resolved((float(t.episode["reward"]),
+                                                   t.episode.get("error")))
             return
         g.rewards[t.sample_index] = self._rewards.submit(g.record, t.response_tokens)
 
@@ -144,8 +144,7 @@ class GroupBook:
             for d, (reward, error) in zip(saved["samples"], saved["rewards"]):
                 t = Trajectory(**d)
                 g.trajectories[t.sample_index] = t
-                g.rewards[t.sample_index] = done = concurrent.futures.Future()
-                done.set_result((reward, error))
+                g.rewards[t.sample_index] = _resolved((reward, error))
 
     def write_unconsumed(self, readmit_queue: Iterable[int] = ()) -> None:
         """At exit: an `unconsumed` line for every group still here, and for every
@@ -154,3 +153,10 @@ class GroupBook:
             self._write("unconsumed", group_id=gid, version=g.version)
         for gid in readmit_queue:
             self._write("unconsumed", group_id=gid, version=None)
+
+
+def _resolved(result) -> concurrent.futures.Future:
+    """A future already holding `result`: a reward known without the pool."""
+    done = concurrent.futures.Future()
+    done.set_result(result)
+    return done

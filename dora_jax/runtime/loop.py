@@ -115,7 +115,6 @@ class Runtime(Driver):
         self._reported = 0  # of them, in metrics.jsonl so far
         self._stream = GroupQueue()
         self._inflight_batches: dict[int, tuple] = {}
-        self._episodes: dict[int, dict | None] = {}  # step -> its episodes' figures
         self._to_ack: set = set()  # slices whose finished samples await an answer
         self._scoring: set = set()  # finished groups whose rewards are not all in
         self.max_resident_versions = 1
@@ -163,7 +162,7 @@ class Runtime(Driver):
         self._evaluate(step + 1, ev.params)
         self._trainer_idle_since = ev.end
         self.waits.mark(ev.end, self._wait_kind())
-        group_ids, wait, wait_split = self._inflight_batches.pop(step)
+        group_ids, wait, wait_split, episodes = self._inflight_batches.pop(step)
         self.book.consume(group_ids, step, ev.end)
         pause, every = 0.0, self.cfg.coordinator.checkpoint_every
         if self._saves is not None and every and (step + 1) % every == 0:
@@ -176,7 +175,7 @@ class Runtime(Driver):
                                     slice_failures=len(self.slice_failures) - self._reported,
                                     checkpoint_pause=pause,
                                     checkpoint_copy_wait=ev.copy_wait,
-                                    episodes=self._episodes.pop(step, None))
+                                    episodes=episodes)
         self._reported = len(self.slice_failures)
         self.on_step(record)
 
@@ -251,8 +250,7 @@ class Runtime(Driver):
         trajectories = self.book.batch(a.group_ids)
         now = self.clock()
         self._inflight_batches[a.step] = (a.group_ids, now - self._trainer_idle_since,
-                                          self.waits.take(now))
-        self._episodes[a.step] = episode_record(trajectories)
+                                          self.waits.take(now), episode_record(trajectories))
         self._stream.put(a.step, trajectories)
 
     # ------------------------------------------------------------------ events

@@ -307,10 +307,10 @@ def episode_record(trajectories) -> dict | None:
     to the answer (`tool_correct`, environments that count it), why they ended, and
     how many ran under more than one policy version (`mixed_versions`: partial
     rollout's reloads between or within turns; 0 under C1)."""
-    eps = [t.episode for t in trajectories if getattr(t, "episode", None)]
-    if not eps:
+    runs = [t for t in trajectories if getattr(t, "episode", None)]
+    if not runs:
         return None
-    n = len(eps)
+    eps, n = [t.episode for t in runs], len(runs)
     info = [e.get("info", {}) for e in eps]
     return {
         "episodes": n,
@@ -321,8 +321,8 @@ def episode_record(trajectories) -> dict | None:
         "tool_use": round(sum(1 for i in info if i.get("tool_calls")) / n, 4),
         "tool_correct": round(sum(1 for i in info if i.get("tool_correct")) / n, 4),
         "ends": dict(Counter(e.get("end") for e in eps)),
-        "mixed_versions": sum(1 for t in trajectories if getattr(t, "episode", None)
-                              and len({v for v, n in t.versions if n}) > 1),
+        "mixed_versions": sum(1 for t in runs
+                              if len({v for v, count in t.versions if count}) > 1),
     }
 
 
