@@ -123,7 +123,22 @@ def validated_config(holder, *, with_pretrained: bool = False):
         if d.source in ("jsonl", "gsm8k", "math") and not os.path.exists(d.path):
             config_lib.fail("data.path", f"no such file: {d.path} (a JSONL file of prompts: "
                                          "--config.data.path=FILE)")
+        if d.source == "env":
+            _check_sandbox(d)
     return (cfg, pretrained) if with_pretrained else cfg
+
+
+def _check_sandbox(d) -> None:
+    """Fails closed: a tool that runs the model's code needs its sandbox's layers."""
+    from dora_jax import config as config_lib
+    from dora_jax.envs import base, sandbox
+
+    if base.get(d.env).sandbox_isolation is None:
+        return
+    try:
+        sandbox.require(d.env_isolation)
+    except sandbox.SandboxUnavailable as e:
+        config_lib.fail("data.env_isolation", str(e))
 
 
 def _cpu_variant(spec: str | None) -> str | None:

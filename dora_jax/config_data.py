@@ -67,6 +67,12 @@ class DataConfig(Section):
     env_max_turns: int = field(0, min=0)
     env_timeout: float = field(30.0, gt=0)
     env_workers: int = field(4, min=1)
+    # How the python tool's sandbox isolates model code (envs/sandbox.py):
+    # "namespaces" (user, pid, mount, network namespaces on a minimal root, seccomp
+    # allow-list) or "filters" (seccomp and Landlock only, for hosts without user
+    # namespaces; no writable scratch). A host lacking a required layer stops the
+    # run before any compute.
+    env_isolation: str = field("namespaces", choices=("namespaces", "filters"))
 
     @property
     def reward_name(self) -> str:

@@ -73,7 +73,7 @@ def episode_runner(cfg: Config, tokenizer) -> EpisodeRunner | None:
     if d.source != "env":
         return None
     return EpisodeRunner(d.env, tokenizer, max_turns=d.env_max_turns, timeout=d.env_timeout,
-                         workers=d.env_workers)
+                         workers=d.env_workers, isolation=d.env_isolation)
 
 
 def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,

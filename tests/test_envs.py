@@ -83,7 +83,9 @@ def test_the_python_tool_runs_in_the_sandbox(tmp_path):
     assert env.step("<python>print(2*3+4)</python>").observation == "10"
     target = tmp_path / "written"
     out = env.step(f"<python>open({str(target)!r}, 'w').write('x')</python>")
-    assert out.observation.startswith("error:") and not target.exists()
+    # The model sees the end of the traceback and the sandbox's own line.
+    assert out.observation.startswith("FileNotFoundError: ")
+    assert out.observation.endswith("error: exit status 1") and not target.exists()
 
 
 def test_the_registry_names_its_environments():

@@ -101,15 +101,21 @@ class CalculatorArithmetic(_ToolArithmetic):
 @base.register("python")
 class PythonArithmetic(_ToolArithmetic):
     """The arithmetic task with `<python>code</python>`: what the code prints, run in
-    a sandboxed process (time, memory, no network, writes only to a scratch dir)."""
+    envs/sandbox.py at `sandbox_isolation`. A failed call shows its output (a
+    traceback, say) and then the sandbox's own line on how it ended."""
 
     tool = "python"
+    sandbox_isolation = "namespaces"
 
     def run_tool(self, text: str) -> str:
         from dora_jax.envs import sandbox
 
-        result = sandbox.run_python(text)
-        return result.stdout.strip() if result.ok else f"error: {result.error}"
+        result = sandbox.run_python(text, isolation=self.sandbox_isolation)
+        if result.ok:
+            return result.stdout.strip()
+        # The output's last line explains the failure (a traceback's); the error is ours.
+        last = (result.stdout.strip().splitlines() or [""])[-1][:_MAX_OBSERVATION // 2]
+        return f"{last}\nerror: {result.error}".strip()
 
     @classmethod
     def call_text(cls, record: dict) -> str:

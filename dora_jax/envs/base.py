@@ -44,6 +44,10 @@ class Environment:
     `step`, `records` and, for a warm start, `demonstration`."""
 
     max_turns: int = 4
+    # Environments that run the model's code in envs/sandbox.py set this to the
+    # isolation level (data.env_isolation sets it per run; the run checks the host
+    # offers it before any compute, and each episode's ledger line records it).
+    sandbox_isolation: str | None = None
 
     def reset(self, record: dict) -> str:
         raise NotImplementedError

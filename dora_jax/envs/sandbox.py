@@ -1,26 +1,31 @@
-"""Run model-written Python in a separate, restricted process.
+"""Run model-written Python where it cannot reach the host.
 
-The parent never executes the code.  It starts a fresh interpreter
-(``python -I -S``, clean environment, own session and process group, cwd a fresh
-scratch directory removed afterwards) running ``_sandbox_child.py``, which restricts
-itself before running the code:
+Under RL the code is an adversary's: only the kernel and the process boundary are
+trusted, nothing inside the child's interpreter. Each call starts a fresh interpreter
+(``python -I -S -B``, clean environment, own session) on ``_sandbox_child.py``, which
+isolates itself before the code runs. Two isolation levels:
 
-- rlimits: address space, CPU seconds, file size, open files, no core dumps;
-- an empty network namespace (``unshare``), unprivileged through a user namespace
-    when the process is not root;
-- capabilities emptied when the child runs as root;
-- Landlock: file-system writes only beneath the scratch directory, no TCP
-    bind/connect, no signals to processes outside the sandbox;
-- seccomp (libseccomp through ctypes): no fork/vfork/clone-without-CLONE_THREAD/
-    execve, no socket(), no ptrace or admin syscalls, no kill() of other processes;
-- a ``sys.addaudithook`` hook refusing sockets, process creation, ctypes and
-    writes outside the scratch directory with a readable "refused: ..." error.
+- ``namespaces`` (the default): own user namespace (the child's root is an
+  unprivileged host uid), pid namespace (the code is pid 1; nothing it starts
+  outlives it), mount namespace on a minimal read-only root (the interpreter's stdlib
+  and shared libraries, /dev/null, /dev/zero, /dev/urandom, and a size-capped tmpfs
+  /scratch as cwd and HOME; no /tmp, /proc, /run, home, repository or host socket),
+  empty network, IPC and UTS namespaces; capabilities dropped, no_new_privs,
+  rlimits (address space, CPU, file size, files, tasks); Landlock where the host has
+  it; a seccomp allow-list (``_sandbox_filters.py``; anything else fails, other ABIs
+  kill the process).
+- ``filters``, for hosts without user namespaces, chosen explicitly: the host's
+  file system stays visible read-only under Landlock (no writes at all, no scratch),
+  the same seccomp allow-list without threads, capabilities dropped, rlimits.
 
-Each kernel layer is used where the host offers it and skipped where it does not
-(``protections()`` says which are active); the wall-clock timeout, which kills the
-whole process group with SIGKILL, and the bounded output read do not depend on any.
-Reading files is allowed: only writes, network and process creation are banned.
-Only the standard library is importable in the child (``-S`` skips site-packages).
+Fail closed: a layer the level requires and the host lacks stops the call before any
+code runs, and ``require`` says so in one line naming the layer and the kernel.
+Only stdin (the request), stdout and stderr cross the boundary. The result is what
+this process observes: the exit status, its own timer, output read with a bound.
+The first output line is the bootstrap's report of the layers it ran under, written
+before the code started. The wall-clock timeout kills the process group; the
+scratch tmpfs disappears with the child's mount namespace, so no file outlives a
+call. At most ``max_sandboxes`` calls run at once in a process.
 """
 
 from __future__ import annotations
@@ -29,16 +34,21 @@ import dataclasses
 import functools
 import json
 import os
+import platform
 import selectors
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
+import threading
 import time
 
-_CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_child.py")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_CHILD = os.path.join(_HERE, "_sandbox_child.py")
+_FILTERS = os.path.join(_HERE, "_sandbox_filters.py")
 _TRUNCATED = "\n[output truncated]"
+_HEADER = b"\0sandbox "
+_MAX_HEADER = 4096
+ISOLATION_LEVELS = ("namespaces", "filters")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,19 +59,37 @@ class SandboxLimits:
     max_output_bytes: int = 4096  # stdout+stderr kept (rest dropped, read bounded)
     max_code_chars: int = 8000  # longer code is refused before any process starts
     max_file_mb: int = 1  # RLIMIT_FSIZE: largest file the code may write
+    scratch_mb: int = 8  # the scratch tmpfs's size
+    scratch_files: int = 256  # and its inodes
+    max_tasks: int = 8  # threads of the call (RLIMIT_NPROC inside its namespaces)
+    max_sandboxes: int = 4  # calls at once in this process; more wait up to timeout_s
 
 
 @dataclasses.dataclass(frozen=True)
 class SandboxResult:
     ok: bool
     stdout: str  # stdout and stderr interleaved, as a terminal would show them
-    error: str | None  # one line, e.g. "timeout after 5.0 s", "MemoryError", "refused: socket"
+    error: str | None  # one line, written by this process: "exit status 1", "timeout after 5.0 s"
     seconds: float
-    protections: dict[str, bool] = dataclasses.field(default_factory=dict, compare=False)
+    isolation: str | None = None  # the level the code ran under; None: it did not run
+    protections: dict = dataclasses.field(default_factory=dict, compare=False)
+
+
+class SandboxUnavailable(RuntimeError):
+    """The host lacks a layer the isolation level requires (one line)."""
 
 
 def _refused(reason: str) -> SandboxResult:
     return SandboxResult(ok=False, stdout="", error=f"refused: {reason}", seconds=0.0)
+
+
+_slots_lock = threading.Lock()
+_slots: dict[int, threading.BoundedSemaphore] = {}
+
+
+def _slot(n: int) -> threading.BoundedSemaphore:
+    with _slots_lock:
+        return _slots.setdefault(n, threading.BoundedSemaphore(n))
 
 
 def _kill_group(pgid: int) -> None:
@@ -71,146 +99,156 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-def _exited_unreaped(pid: int, deadline: float) -> bool:
-    """Waits until ``pid`` has exited, leaving it a zombie; False past the deadline."""
-    while True:
-        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.005)
-
-
-def _read_bounded(proc: subprocess.Popen, status_fd: int, limits: SandboxLimits,
-                  deadline: float) -> tuple[bytes, bool, bytes, bool]:
-    """Drains the child's output and status pipes until both close or the deadline.
-
-    Output past ``max_output_bytes`` is read and dropped so the child never blocks on a
-    full pipe; memory stays bounded either way.
-    """
-    out_fd = proc.stdout.fileno()
-    kept, truncated, status = bytearray(), False, bytearray()
-    # selectors rather than select.select: a busy parent may hold fds past FD_SETSIZE.
-    with selectors.DefaultSelector() as selector:
-        for fd in (out_fd, status_fd):
-            selector.register(fd, selectors.EVENT_READ)
-        while selector.get_map():
+def _read_bounded(proc: subprocess.Popen, keep: int, deadline: float) -> tuple[bytes, bool, bool]:
+    """The child's output until it closes or the deadline: (kept bytes, truncated,
+    timed out). Past `keep` bytes output is read and dropped, so the child never
+    blocks on a full pipe and memory stays bounded."""
+    fd = proc.stdout.fileno()
+    kept, truncated = bytearray(), False
+    with selectors.DefaultSelector() as selector:  # fds may pass FD_SETSIZE
+        selector.register(fd, selectors.EVENT_READ)
+        while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                return bytes(kept), truncated, bytes(status), True
-            for key, _ in selector.select(min(left, 0.5)):
-                fd = key.fd
-                chunk = os.read(fd, 65536)
-                if not chunk:
-                    selector.unregister(fd)
-                elif fd == out_fd:
-                    room = limits.max_output_bytes - len(kept)
-                    if len(chunk) > room:
-                        truncated = True
-                    kept += chunk[:max(room, 0)]
-                elif len(status) < 65536:
-                    status += chunk
-    return bytes(kept), truncated, bytes(status), False
+                return bytes(kept), truncated, True
+            if not selector.select(min(left, 0.5)):
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return bytes(kept), truncated, False
+            room = keep - len(kept)
+            truncated |= len(chunk) > room
+            kept += chunk[:max(room, 0)]
 
 
-def _parse_status(raw: bytes) -> tuple[dict[str, bool], bool, str | None]:
-    """Layers reported by the child, whether it reported an outcome, and the error."""
-    layers, finished, error = {}, False, None
-    for line in raw.decode("utf-8", errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(record, dict):
-            continue
-        if isinstance(record.get("layers"), dict) and not layers:
-            layers = {str(k): bool(v) for k, v in record["layers"].items()}
-        elif "error" in record and not finished:
-            finished = True
-            error = record["error"] if isinstance(record["error"], str) else None
-    return layers, finished, error
+def _exited(pid: int, deadline: float) -> bool:
+    """Waits for `pid` to exit, leaving it unreaped (its pid, the group id, cannot be
+    reused before the group is killed); False past the deadline."""
+    while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.002)
+    return True
 
 
-def _died_error(returncode: int, output: bytes, limits: SandboxLimits) -> str:
-    """Why a child died without reporting an outcome itself."""
-    if returncode == -signal.SIGXCPU:
+def _split_header(output: bytes) -> tuple[dict | None, bytes]:
+    if not output.startswith(_HEADER):
+        return None, output
+    line, _, rest = output.partition(b"\n")
+    try:
+        return json.loads(line[len(_HEADER):]), rest
+    except ValueError:
+        return None, output
+
+
+def _setup_failure(output: bytes) -> str:
+    """Why a child that never ran the code stopped (its bootstrap's own line)."""
+    for line in output.decode("utf-8", "replace").splitlines():
+        if line.startswith("\0sandbox-refused "):
+            layer = line.split(" ", 1)[1].strip()[:60]
+            return f"refused: the sandbox needs {layer}, unavailable on Linux {platform.release()}"
+        if line.startswith("\0sandbox-error "):
+            return f"sandbox failed to start: {line.split(' ', 1)[1].strip()[:200]}"
+    return "sandbox failed to start"
+
+
+def _exit_error(returncode: int, limits: SandboxLimits) -> str | None:
+    if returncode == 0:
+        return None
+    if returncode > 0:
+        return f"exit status {returncode}"
+    sig = -returncode
+    if sig == signal.SIGXCPU:
         return f"cpu time limit exceeded ({limits.cpu_s} s)"
-    if returncode == -signal.SIGKILL:  # the hard RLIMIT_CPU, or the kernel's OOM killer
+    if sig == signal.SIGKILL:
         return f"killed: cpu time ({limits.cpu_s} s) or memory limit"
-    if b"MemoryError" in output or b"Cannot allocate memory" in output or (
-        returncode == -signal.SIGABRT
-    ):
-        return f"MemoryError (memory limit {limits.memory_mb} MB)"
-    if returncode < 0:
-        return f"killed by signal {signal.Signals(-returncode).name}"
-    return f"exited with code {returncode} without reporting"
+    if sig == signal.SIGSYS:
+        return "killed: a system call of another ABI"
+    return f"killed by signal {signal.Signals(sig).name}"
 
 
 def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *,
-               audit_hook: bool = True) -> SandboxResult:
-    """Runs ``code`` in a fresh, restricted interpreter and returns what it printed.
+               isolation: str = "namespaces", _missing: tuple = ()) -> SandboxResult:
+    """Runs `code` under `isolation` and returns what it printed.
 
-    ``audit_hook=False`` leaves only the kernel layers and rlimits in place; it exists so
-    tests can check that those hold on their own.
+    `_missing` names layers to treat as absent (simulating a weaker host, for tests
+    and bench.sandbox): "user_ns", "seccomp", "landlock", "landlock_scoping".
     """
+    if isolation not in ISOLATION_LEVELS:
+        raise ValueError(f"isolation must be one of {ISOLATION_LEVELS}, got {isolation!r}")
     if not isinstance(code, str):
         return _refused("code is not a string")
     if len(code) > limits.max_code_chars:
         return _refused(f"code longer than {limits.max_code_chars} characters")
     if "\x00" in code:
         return _refused("NUL character in code")
-    child_limits = json.dumps({"memory_mb": limits.memory_mb, "cpu_s": limits.cpu_s,
-                               "fsize_mb": limits.max_file_mb, "audit_hook": audit_hook})
-    scratch = tempfile.mkdtemp(prefix="dora-sandbox-")
-    status_r, status_w = os.pipe()
-    start = time.monotonic()
+    request = json.dumps({
+        "code": code, "isolation": isolation, "missing": list(_missing), "filters": _FILTERS,
+        "limits": {"memory_mb": limits.memory_mb, "cpu_s": limits.cpu_s,
+                   "fsize_mb": limits.max_file_mb, "scratch_kb": limits.scratch_mb * 1024,
+                   "scratch_files": limits.scratch_files, "max_tasks": limits.max_tasks}})
+    slot = _slot(limits.max_sandboxes)
+    if not slot.acquire(timeout=limits.timeout_s):
+        return _refused(f"{limits.max_sandboxes} sandboxes already running")
     try:
-        env = {"LC_ALL": "C.UTF-8", "HOME": scratch, "TMPDIR": scratch, "PATH": "/usr/bin:/bin"}
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", _CHILD, str(status_w), child_limits, code],
-                cwd=scratch, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, pass_fds=(status_w,), start_new_session=True,
-                close_fds=True)
-        finally:
-            os.close(status_w)
-        try:
-            deadline = start + limits.timeout_s
-            output, truncated, raw_status, timed_out = _read_bounded(
-                proc, status_r, limits, deadline)
-            if not timed_out:  # pipes closed; the exit must also come before the deadline
-                timed_out = not _exited_unreaped(proc.pid, deadline)
-        finally:
-            # Past the deadline, or after a normal exit in case anything in the group
-            # outlived the leader: nothing of the child's may survive this call.  The
-            # leader is not reaped yet, so its pid (the group id) cannot be reused.
-            _kill_group(proc.pid)
-            proc.stdout.close()
-            proc.wait()
-        seconds = time.monotonic() - start
+        return _run(request, limits)
     finally:
-        os.close(status_r)
-        shutil.rmtree(scratch, ignore_errors=True)
+        slot.release()
 
-    layers, finished, error = _parse_status(raw_status)
-    if timed_out:
-        error = f"timeout after {limits.timeout_s} s"
-    elif not finished and proc.returncode != 0:  # a plain os._exit(0) counts as success
-        error = _died_error(proc.returncode, output, limits)
+
+def _run(request: str, limits: SandboxLimits) -> SandboxResult:
+    start = time.monotonic()
+    env = {"LC_ALL": "C.UTF-8", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.Popen(
+        [os.path.realpath(sys.executable), "-I", "-S", "-B", _CHILD], cwd="/", env=env,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True, close_fds=True)
+    try:
+        try:
+            proc.stdin.write(request.encode())
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        deadline = start + limits.timeout_s
+        output, truncated, timed_out = _read_bounded(
+            proc, limits.max_output_bytes + _MAX_HEADER, deadline)
+        if not timed_out:  # output closed; the exit must also come before the deadline
+            timed_out = not _exited(proc.pid, deadline)
+    finally:
+        # Nothing of the call may survive it, whatever happened above.
+        _kill_group(proc.pid)
+        proc.stdout.close()
+        proc.wait()
+    seconds = time.monotonic() - start
+    header, output = _split_header(output)
+    if header is None:
+        error = f"timeout after {limits.timeout_s} s" if timed_out else _setup_failure(output)
+        return SandboxResult(ok=False, stdout="", error=error, seconds=seconds)
+    truncated |= len(output) > limits.max_output_bytes
+    output = output[:limits.max_output_bytes]
+    error = f"timeout after {limits.timeout_s} s" if timed_out else _exit_error(
+        proc.returncode, limits)
     text = output.decode("utf-8", errors="replace") + (_TRUNCATED if truncated else "")
     return SandboxResult(ok=error is None, stdout=text, error=error, seconds=seconds,
-                         protections=layers)
+                         isolation=header.get("isolation"),
+                         protections=dict(header.get("layers", {})))
 
 
-@functools.lru_cache(maxsize=1)
-def protections() -> dict[str, bool]:
-    """Which protection layers the sandbox manages to apply on this host.
+@functools.lru_cache(maxsize=None)
+def _probe(isolation: str, missing: tuple) -> SandboxResult:
+    return run_python("pass", isolation=isolation, _missing=missing)
 
-    Probed once by running an empty program; rlimits, the audit hook, the clean
-    environment, the scratch directory and the process-group kill are always present.
-    """
-    result = run_python("pass")
-    layers = dict(result.protections)
-    layers.setdefault("rlimits", False)
-    layers.setdefault("audit_hook", False)
-    return layers
+
+def protections(isolation: str = "namespaces", _missing: tuple = ()) -> dict:
+    """The layers a call at `isolation` runs under on this host, as its child
+    reported them (probed once); empty if the level cannot run here."""
+    return dict(_probe(isolation, tuple(_missing)).protections)
+
+
+def require(isolation: str = "namespaces", _missing: tuple = ()) -> None:
+    """Raises SandboxUnavailable (one line) if a call at `isolation` cannot run here."""
+    result = _probe(isolation, tuple(_missing))
+    if not result.ok:
+        lower = " (data.env_isolation='filters' lowers the requirement)" if (
+            isolation == "namespaces") else ""
+        raise SandboxUnavailable(f"python tool at isolation '{isolation}': {result.error}{lower}")

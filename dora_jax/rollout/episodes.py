@@ -69,7 +69,8 @@ class Episode:
         """JSON form (Trajectory.episode; the ledger's per-sample turns)."""
         return {"turns": [list(t) for t in self.turns], "reward": float(self.reward),
                 "info": dict(self.info), "env_s": round(self.env_seconds, 6),
-                "end": self.end, "error": self.error}
+                "end": self.end, "error": self.error,
+                "sandbox": self.env.sandbox_isolation}
 
 
 def observation_tokens(tokenizer, frame: tuple, text: str) -> list:
@@ -103,8 +104,10 @@ class EpisodeRunner:
     """
 
     def __init__(self, env: str, tokenizer, *, max_turns: int = 0, timeout: float = 30.0,
-                 workers: int = 4, frame: tuple | None = None):
+                 workers: int = 4, frame: tuple | None = None,
+                 isolation: str = "namespaces"):
         self.env_cls = base.get(env)
+        self.isolation = isolation
         self.tokenizer = tokenizer
         self.max_turns = max_turns or self.env_cls.max_turns
         self.timeout = timeout
@@ -115,6 +118,8 @@ class EpisodeRunner:
     def begin(self, record: dict) -> Episode:
         """A new episode on `record` (its environment reset)."""
         env = self.env_cls()
+        if env.sandbox_isolation is not None:
+            env.sandbox_isolation = self.isolation
         env.reset(record)
         return Episode(env)
 

@@ -121,7 +121,8 @@ class GroupBook:
                 t.sample_index, t.versions, t.slice_ids, len(t.response_tokens),
                 t.finish_reason, reward, overlong_penalty=penalty, reward_error=error,
                 turns=episode.get("turns"), env_s=episode.get("env_s"),
-                episode_end=episode.get("end"), env_info=episode.get("info")))
+                episode_end=episode.get("end"), env_info=episode.get("info"),
+                sandbox=episode.get("sandbox")))
         return entries
 
     # ------------------------------------------------------------ recovery
