@@ -207,7 +207,8 @@ def _child(request, as_root, sync):
         abi, scoped = filters.load_landlock(["/"], ["/scratch"], [f"/dev/{d}" for d in _DEVICES],
                                             5 if "landlock_scoping" in missing else 99)
     else:
-        abi, scoped = filters.load_landlock(["/"], [], ["/dev/null"],
+        # Reads only of what the interpreter needs, as the minimal root would hold.
+        abi, scoped = filters.load_landlock(_host_paths(), [], ["/dev/null"],
                                             5 if "landlock_scoping" in missing else 99)
     layers["landlock"], layers["landlock_abi"], layers["landlock_scoping"] = abi > 0, abi, scoped
     # Threads only where the pid namespace's task limit counts them.

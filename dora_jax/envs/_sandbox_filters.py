@@ -21,8 +21,7 @@ ALLOWED = frozenset({
     "preadv2", "pwritev2", "lseek", "close", "fstat", "stat", "lstat", "newfstatat",
     "statx", "open", "openat", "access", "faccessat", "faccessat2", "getdents64",
     "getcwd", "chdir", "fchdir", "readlink", "readlinkat", "mkdir", "mkdirat", "rmdir",
-    "unlink", "unlinkat", "rename", "renameat", "renameat2", "chmod", "fchmod",
-    "fchmodat", "utimensat", "ftruncate", "truncate", "fsync", "fdatasync",
+    "unlink", "unlinkat", "rename", "renameat", "renameat2", "ftruncate", "truncate", "fsync", "fdatasync",
     "fadvise64", "flock", "umask", "dup", "dup2", "dup3", "fcntl", "pipe", "pipe2",
     "poll", "ppoll", "select", "pselect6", "statfs", "fstatfs",
     # memory
@@ -159,7 +158,8 @@ def load_landlock(readable, writable, device_files, abi_cap=99):
     if ruleset < 0:
         return 0, False
     writes = handled & ~((1 << 6) | (1 << 9) | (1 << 11) | (1 << 15))  # no devices, sockets
-    rules = [(p, _EXECUTE | _READ_FILE | _READ_DIR) for p in readable]
+    rules = [(p, _EXECUTE | _READ_FILE | (_READ_DIR if os.path.isdir(p) else 0))
+             for p in readable]
     rules += [(p, writes) for p in writable]
     rules += [(p, (_READ_FILE | _WRITE_FILE | (_TRUNCATE if abi >= 3 else 0)))
               for p in device_files]

@@ -14,8 +14,9 @@ isolates itself before the code runs. Two isolation levels:
   rlimits (address space, CPU, file size, files, tasks); Landlock where the host has
   it; a seccomp allow-list (``_sandbox_filters.py``; anything else fails, other ABIs
   kill the process).
-- ``filters``, for hosts without user namespaces, chosen explicitly: the host's
-  file system stays visible read-only under Landlock (no writes at all, no scratch),
+- ``filters``, for hosts without user namespaces, chosen explicitly: Landlock
+  lets the code read only the interpreter's stdlib and libraries and write nothing
+  (no scratch),
   the same seccomp allow-list without threads, capabilities dropped, rlimits.
 
 Fail closed: a layer the level requires and the host lacks stops the call before any
