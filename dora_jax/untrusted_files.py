@@ -24,8 +24,9 @@ Caps, chosen far above any real file and far below what would hurt a host:
 tokenizer.json `TOKENIZER_JSON_CAP` (64 MiB; the largest real vocabularies are
 ~20 MiB), any other config/metadata JSON `CONFIG_JSON_CAP` (8 MiB; config.json and
 tokenizer_config.json are KBs, a chat template some 10 KB), shard indexes
-`INDEX_JSON_CAP` (64 MiB: ~100k tensor names), prompt files streamed with
-`LINE_CAP` (16 MiB) per line.
+`INDEX_JSON_CAP` (64 MiB: ~100k tensor names), a checkpoint's coordinator state
+`STATE_JSON_CAP` (1 GiB: it holds finished groups' tokens), prompt files streamed
+with `LINE_CAP` (16 MiB) per line.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ TOKENIZER_JSON_CAP = 64 * 2 ** 20
 CONFIG_JSON_CAP = 8 * 2 ** 20
 INDEX_JSON_CAP = 64 * 2 ** 20
 LINE_CAP = 16 * 2 ** 20
+# A checkpoint's coordinator state: the finished groups it holds, tokens included.
+STATE_JSON_CAP = 2 ** 30
+# A workdir's ledger: some hundred bytes per event, millions of events in a long run.
+LEDGER_CAP = 16 * 2 ** 30
 # Real files nest a handful of levels (a tokenizer's normalizer sequences ~6, a
 # prompt's tool arguments ~10); Python's parser overflows its stack near 1000.
 MAX_JSON_DEPTH = 128
@@ -110,9 +115,13 @@ def open_regular(path: str, *, within: str | None = None,
 
 
 def _read_fd(fd: int, path: str, cap: int, error) -> bytes:
+    # The first read asks for the whole file (one buffer, no copy in the join); the
+    # size is only a hint, the cap is what bounds the loop.
+    want = min(os.fstat(fd).st_size + 1, cap + 1)
     chunks, size = [], 0
     while size <= cap:
-        chunk = os.read(fd, min(cap + 1 - size, 2 ** 24))
+        chunk = os.read(fd, max(min(cap + 1 - size, want), 1))
+        want = 2 ** 24
         if not chunk:
             break
         chunks.append(chunk)
