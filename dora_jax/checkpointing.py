@@ -33,11 +33,16 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from dora_jax import untrusted_files
+from dora_jax.model.hf_config import CheckpointError
+
 _log = logging.getLogger(__name__)
 # Orbax writes a step into `<step>.orbax-checkpoint-tmp` (orbax-checkpoint 0.12:
 # atomicity_types.TMP_DIR_SUFFIX; older versions add `-<timestamp>`) and renames it
 # once complete; one left behind is a save a crash interrupted.
 TMP_MARK = ".orbax-checkpoint-tmp"
+# The file Orbax's JsonCheckpointHandler writes the JSON blob to (orbax-checkpoint 0.12).
+_EXTRA_FILE = "metadata"
 
 
 @dataclasses.dataclass
@@ -127,6 +132,7 @@ class Checkpointer:
         if step not in self.all_steps():
             raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; "
                                     f"have {self.all_steps()}")
+        self._check_extra(step)
         target = jax.tree.map(_abstract, target)
         out = self._manager.restore(
             int(step), args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
@@ -176,8 +182,22 @@ class Checkpointer:
                                                extra=ocp.args.JsonRestore()))
         return out.state
 
+    def _check_extra(self, step: int) -> None:
+        """Checks a local checkpoint's JSON blob before Orbax parses it: a regular
+        file, capped, nesting bounded (untrusted_files). Orbax reads it whole with
+        json.loads, so a FIFO there would hang the restore, a link to /dev/zero fill
+        memory, and `[[[...]]]` raise a bare RecursionError."""
+        if "://" in str(self.directory):
+            return  # a bucket holds no FIFOs or links; Orbax reads it as it is
+        path = os.path.join(self.directory, str(step), "extra", _EXTRA_FILE)
+        if os.path.lexists(path):
+            untrusted_files.loads(untrusted_files.read_bytes(
+                path, untrusted_files.STATE_JSON_CAP, error=CheckpointError), path,
+                CheckpointError)
+
     def read_extra(self, step: int) -> dict:
         """Checkpoint `step`'s JSON blob alone (the train state is not read)."""
+        self._check_extra(step)
         out = self._manager.restore(int(step),
                                     args=ocp.args.Composite(extra=ocp.args.JsonRestore()))
         return dict(out.extra)

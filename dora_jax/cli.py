@@ -86,8 +86,10 @@ def user_errors() -> tuple:
     from dora_jax import config as config_lib
     from dora_jax.data.prompts import DataError
     from dora_jax.model.hf_config import CheckpointError
+    from dora_jax.untrusted_files import UntrustedFileError
 
-    return (config_lib.ConfigError, DataError, CheckpointError, FileNotFoundError)
+    return (config_lib.ConfigError, DataError, CheckpointError, UntrustedFileError,
+            FileNotFoundError)
 
 
 @contextlib.contextmanager

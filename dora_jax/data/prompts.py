@@ -9,12 +9,15 @@ state so a run can resume without repeating or skipping a prompt.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import grain
 
+from dora_jax import untrusted_files
+
 Record = dict[str, Any]
+# Token ids travel as int32 (no vocabulary comes near 2**31).
+_MAX_TOKEN_ID = 2 ** 31 - 1
 
 
 class DataError(ValueError):
@@ -46,6 +49,8 @@ def check_record(record: Record, where: str, vocab_size: int | None = None) -> R
             raise DataError(f"{where}: 'tokens'[{i}] is {_short(t)}, not a non-negative int")
         if vocab_size is not None and t >= vocab_size:
             raise DataError(f"{where}: 'tokens'[{i}] is {t}, not below vocab_size {vocab_size}")
+        if t > _MAX_TOKEN_ID:  # with no vocab_size to check: would overflow int32 later
+            raise DataError(f"{where}: 'tokens'[{i}] is {_short(t)}, over {_MAX_TOKEN_ID}")
     return record
 
 
@@ -67,11 +72,10 @@ def jsonl_objects(path: str) -> Iterator[tuple[str, int, dict]]:
     """(where, line number, object) for each non-blank line of a JSONL file; a line
     that is not UTF-8 or not a JSON object raises DataError naming `<path>:<line>`."""
     try:
-        f = open(path, "rb")  # decoded line by line, so a bad byte names its line
-    except IsADirectoryError:
-        raise DataError(f"{path}: a directory, not a JSONL file") from None
-    with f:
-        for lineno, raw in enumerate(f, 1):
+        # Streamed from a regular file, each line capped (untrusted_files): a FIFO or a
+        # link to /dev/zero is one line, never a hang or a read without end.
+        numbered = untrusted_files.lines(path, error=DataError)
+        for lineno, raw in numbered:
             where = f"{path}:{lineno}"
             try:
                 line = raw.decode("utf-8")
@@ -82,15 +86,14 @@ def jsonl_objects(path: str) -> Iterator[tuple[str, int, dict]]:
                 line = line.removeprefix("\ufeff")  # a byte-order mark some editors write
             if not line.strip():
                 continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg})") from None
-            except RecursionError:
-                raise DataError(f"{where}: JSON nests too deeply") from None
+            # Nesting and integer digits bounded: a 100k-deep line or a token id of
+            # thousands of digits names its line.
+            obj = untrusted_files.loads(line, where, error=DataError)
             if not isinstance(obj, dict):
                 raise DataError(f"{where}: expected a JSON object")
             yield where, lineno, obj
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
 
 
 def read_jsonl(path: str, tokenize: Callable[[str], list[int]] | None = None,

@@ -18,8 +18,10 @@ from __future__ import annotations
 import functools
 import math
 import re
+import string
 import threading
 import time
+import types
 
 import jinja2
 import jinja2.ext
@@ -33,7 +35,26 @@ MAX_CHARS = 4_000_000
 MAX_INT_BITS = 100_000  # ~30,000 digits; Python refuses to print longer ints anyway
 MAX_SOURCE_CHARS = 1_000_000  # of the template itself
 _ITER_CHECK_EVERY = 1024  # loop iterations between deadline checks
+# What one filter or method call may take on, per second left before the deadline:
+# a call runs in one piece that no deadline check can interrupt, so it only starts
+# if its input is small enough to end in time. Worst cases measured (jinja2 3.1, one
+# core, 1M-weight inputs) with a 3-7x margin for slower hosts: per-item filters
+# (|sort, |map, |xmlattr, |groupby ~250-450k items/s), text filters done in Python
+# or regexes (|urlize ~0.7M chars/s, |wordwrap, |pprint ~1.5M/s), and the rest,
+# C-speed string and container work (>15M chars/s).
+ITEM_RATE = 100_000
+SLOW_TEXT_RATE = 200_000
+FAST_RATE = 5_000_000
+_PER_ITEM = frozenset({"sort", "unique", "dictsort", "groupby", "map", "select", "reject",
+                       "selectattr", "rejectattr", "batch", "slice", "max", "min", "sum",
+                       "xmlattr"})
+_SLOW_TEXT = frozenset({"urlize", "wordwrap", "pprint", "title", "wordcount", "urlencode",
+                        "striptags"})
 _DIGITS = re.compile(r"\d+")
+# A printf directive: %[(key)][flags][width][.precision][length]type.
+_PRINTF = re.compile(r"%(?:\([^)]*\))?[#0 +\-]*(\*|\d+)?(?:\.(\*|\d*))?[hlL]?(.)", re.S)
+# A str.format spec: [[fill]align][sign][z][#][0][width][grouping][.precision][type].
+_SPEC = re.compile(r"(?:.?[<>=^])?[-+ ]?z?#?0?(\d*)[,_]?(?:\.(\d*))?[a-zA-Z%]?\Z", re.S)
 
 
 class TemplateLimit(Exception):
@@ -50,7 +71,16 @@ def _weight(value, limit: int = MAX_CHARS) -> int:
             total += len(x)
         elif isinstance(x, (list, tuple, set, frozenset)):
             total += len(x)
-            if total <= limit:
+            if total > limit:
+                break
+            # Flat containers of strings or ints (the usual big ones) are weighed in C
+            # calls: item by item in Python would take seconds at MAX_CHARS items.
+            kinds = set(map(type, x))
+            if kinds <= {str}:
+                total += sum(map(len, x))
+            elif kinds <= {int}:
+                total += sum(map(int.bit_length, x)) // 3 + len(x)
+            else:
                 stack.extend(x)
         elif isinstance(x, dict):
             total += len(x)
@@ -82,12 +112,53 @@ def _check_ints(args, what: str) -> None:
             raise TemplateLimit(f"refused {what} with argument {a}: over {MAX_CHARS}")
 
 
-def _check_format(fmt, what: str) -> None:
-    # A width or precision in a format string ("%1000000000d", "{:>1000000000}")
-    # builds that many characters in one C call.
-    if isinstance(fmt, str) and any(len(d) > 7 or int(d) > MAX_CHARS
-                                    for d in _DIGITS.findall(fmt)):
-        raise TemplateLimit(f"refused {what}: a format width or precision over {MAX_CHARS}")
+def _too_wide(digits: str | None) -> bool:
+    return bool(digits) and digits != "*" and (len(digits) > 7 or int(digits) > MAX_CHARS)
+
+
+def _check_format(fmt, what: str, args=(), kwargs=None, *, printf: bool) -> None:
+    """Refuses a format whose width or precision (written, or taken from an argument
+    by `*`) or whose output would pass MAX_CHARS, before the one C call that would
+    allocate it: "%1000000000d", "{:>1000000000}", "%*s" % (10**9, x)."""
+    if not isinstance(fmt, str):
+        return
+    values = [*args] if isinstance(args, (tuple, list)) else [args]
+    values += list((kwargs or {}).values())
+    fields, widths = 0, 0
+    if printf:
+        for m in _PRINTF.finditer(fmt):
+            width, precision = m.group(1), m.group(2)
+            fields += 1
+            if "*" in (width, precision):  # the width is the next argument
+                _check_ints(values, what)
+            for d in (width, precision):
+                if _too_wide(d):
+                    raise TemplateLimit(f"refused {what}: a format width or precision of "
+                                        f"{d} is over {MAX_CHARS}")
+                widths += int(d) if d and d != "*" else 0
+    else:
+        try:
+            parts = list(string.Formatter().parse(fmt))
+        except ValueError:
+            return  # malformed: the call itself raises, having built nothing
+        for _, field, spec, _ in parts:
+            if field is None:
+                continue
+            fields += 1
+            if "{" in (spec or ""):
+                raise TemplateLimit(f"refused {what}: a nested format spec {spec!r} (its "
+                                    "width would come from an argument)")
+            m = _SPEC.match(spec or "")
+            found = [m.group(1), m.group(2)] if m else _DIGITS.findall(spec)
+            for d in found:
+                if _too_wide(d):
+                    raise TemplateLimit(f"refused {what}: a format width or precision of "
+                                        f"{d} is over {MAX_CHARS}")
+                widths += int(d) if d else 0
+    # Each field prints one argument at most (its repr may be ~4x that, e.g. \x00;
+    # the result is weighed again once built).
+    if fields and len(fmt) + widths + fields * _weight(values) > MAX_CHARS:
+        raise TemplateLimit(f"refused {what}: its output would pass {MAX_CHARS} chars")
 
 
 def _projected_replace(s, old, new, count=-1) -> int:
@@ -130,6 +201,44 @@ class GuardedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
         deadline = getattr(self._state, "deadline", None)
         if deadline is not None and time.monotonic() > deadline:
             raise TemplateLimit(f"exceeded {self._state.limit:g} s")
+
+    def _afford(self, what: str, value, *, rate: int, items: bool = False) -> None:
+        """Refuses a call on `value` that would run past the deadline: its work (items
+        of `value`, or its weight) at `rate` per second must fit in the time left."""
+        deadline = getattr(self._state, "deadline", None)
+        if deadline is None:
+            return
+        budget = int(max(deadline - time.monotonic(), 0.0) * rate)
+        if items:
+            work = len(value) if hasattr(value, "__len__") else 0
+        else:
+            work = _weight(value, min(budget, MAX_CHARS) + 1)
+        if work > budget:
+            raise TemplateLimit(f"refused {what} on an input of {work} "
+                                f"{'items' if items else 'chars'}: it would run past the "
+                                f"{self._state.limit:g} s time limit")
+
+    def _listed(self, iterable, what: str) -> list:
+        """A lazy iterable (a |map or |select generator) as a list, built with deadline
+        checks: the filter it feeds then sees a size to be weighed."""
+        out = []
+        for i, item in enumerate(iterable):
+            if i % _ITER_CHECK_EVERY == 0:
+                self._tick()
+                if i > MAX_CHARS:
+                    raise TemplateLimit(f"refused {what}: its input passes {MAX_CHARS} items")
+            out.append(item)
+        return out
+
+    def compile(self, source, name=None, filename=None, raw=False, defer_init=False):
+        # Compiling folds constant filter calls (`{{ 'literal'|urlize }}`): under the
+        # same deadline as a render.
+        self._state.deadline = time.monotonic() + TIME_LIMIT_S
+        self._state.limit = TIME_LIMIT_S
+        try:
+            return super().compile(source, name, filename, raw, defer_init)
+        finally:
+            self._state.deadline = None
 
     def render(self, template: jinja2.Template, *, time_limit_s: float = TIME_LIMIT_S,
                max_chars: int = MAX_CHARS, **context) -> str:
@@ -189,14 +298,23 @@ class GuardedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
     def _guard_filter(self, name: str, func):
         offset = 2 if hasattr(func, "jinja_pass_arg") else 1  # (context,) value, args...
 
+        rate, per_item = ((ITEM_RATE, True) if name in _PER_ITEM else
+                          (SLOW_TEXT_RATE, False) if name in _SLOW_TEXT else (FAST_RATE, False))
+
         @functools.wraps(func)
         def guarded(*args, **kwargs):
             self._tick()
             rest = [*args[offset:], *kwargs.values()]
             _check_ints(rest, f"|{name}")
             value = args[offset - 1] if len(args) >= offset else None
+            if hasattr(value, "__next__"):  # a generator: sized before the filter runs
+                value = self._listed(value, f"|{name}")
+                args = (*args[:offset - 1], value, *args[offset:])
+            self._afford(f"|{name}", value, rate=rate, items=per_item)
+            if rest:
+                self._afford(f"|{name}", rest, rate=FAST_RATE)
             if name == "format":
-                _check_format(value, "|format")
+                _check_format(value, "|format", rest, printf=True)
             elif name == "replace" and len(args) >= offset + 2:
                 if _projected_replace(value, *args[offset:offset + 3]) > MAX_CHARS:
                     raise TemplateLimit(f"refused |replace: it would pass {MAX_CHARS} chars")
@@ -230,7 +348,7 @@ class GuardedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
             if _weight(left) + _weight(right) > MAX_CHARS:
                 raise TemplateLimit(f"refused '+': it would pass {MAX_CHARS} chars")
         elif op == "%" and isinstance(left, str):
-            _check_format(left, "'%' formatting")
+            _check_format(left, "'%' formatting", right, printf=True)
         return _sized(self.binop_table[op](left, right), f"'{op}'")
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - as Jinja's
@@ -239,6 +357,10 @@ class GuardedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
         name = getattr(__obj, "__name__", "a call")
         _check_ints([*args, *kwargs.values()], f"{name}()")
         owner = getattr(__obj, "__self__", None)
+        # A method runs in one C call (str.split, str.replace...): it starts only if
+        # it can end before the deadline.
+        if isinstance(__obj, types.BuiltinFunctionType):
+            __self._afford(f"{name}()", [owner, args, kwargs], rate=FAST_RATE)
         if isinstance(owner, str):
             if name == "replace" and _projected_replace(owner, *args[:3]) > MAX_CHARS:
                 raise TemplateLimit(f"refused replace(): it would pass {MAX_CHARS} chars")
@@ -264,7 +386,9 @@ class GuardedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
         @functools.wraps(wrapped)
         def guarded(*args, **kwargs):
             self._tick()
-            _check_format(fmt, f"{value.__name__}()")
+            mapping = args[0] if value.__name__ == "format_map" and args else None
+            _check_format(fmt, f"{value.__name__}()", () if mapping else args,
+                          mapping if isinstance(mapping, dict) else kwargs, printf=False)
             return _sized(wrapped(*args, **kwargs), f"{value.__name__}()")
         return guarded
 

@@ -34,6 +34,7 @@ import jinja2
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from dora_jax import untrusted_files
 from dora_jax.data import template_sandbox
 
 DEFAULT_CHAT_TEMPLATE = (
@@ -77,24 +78,21 @@ class TokenizerParameters:
     stop_ids: tuple = ()
 
 
-def _read_text(path: str) -> str:
+def _read_text(path: str, directory: str, cap: int = untrusted_files.CONFIG_JSON_CAP) -> str:
+    """A file of the tokenizer directory, checked to be a regular file inside it and
+    at most `cap` bytes (untrusted_files)."""
     try:
-        with open(path, "rb") as f:
-            return f.read().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise TokenizerError(f"{path}: not valid UTF-8 (byte {e.start})") from None
-    except OSError as e:
-        raise TokenizerError(f"cannot read {path}: {e.strerror}") from None
+        return untrusted_files.read_text(path, cap, within=directory, error=TokenizerError)
+    except FileNotFoundError:
+        raise TokenizerError(f"cannot read {path}: no such file") from None
 
 
-def _read_json(path: str) -> dict:
-    try:
-        data = json.loads(_read_text(path))
-    except json.JSONDecodeError as e:
-        raise TokenizerError(f"{path}: not valid JSON ({e.msg}, line {e.lineno})") from None
-    if not isinstance(data, dict):
-        raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+def _read_json(path: str, directory: str) -> dict:
+    text = _read_text(path, directory)
+    value = untrusted_files.loads(text, path, error=TokenizerError)
+    if not isinstance(value, dict):
+        raise TokenizerError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _token_text(value, field: str, path: str) -> str | None:
@@ -131,10 +129,10 @@ def _bool_field(cfg: dict, field: str, path: str) -> bool:
     return value
 
 
-def _eos_ids_of(path: str, vocab_size: int) -> list[int]:
+def _eos_ids_of(path: str, directory: str, vocab_size: int) -> list[int]:
     """eos_token_id of a generation/model config: an int, a list of ints, or absent;
     each an id of the vocabulary."""
-    value = _read_json(path).get("eos_token_id")
+    value = _read_json(path, directory).get("eos_token_id")
     ids = [] if value is None else value if isinstance(value, list) else [value]
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise TokenizerError(f"{path}: eos_token_id must be an int or a list of ints, got "
@@ -219,26 +217,36 @@ class Tokenizer:
         if not os.path.isdir(path):
             raise TokenizerError(f"tokenizer directory {path} does not exist")
         tok_file = os.path.join(path, _TOKENIZER_FILE)
-        if not os.path.isfile(tok_file):
+        if not os.path.lexists(tok_file):
             raise TokenizerError(f"{tok_file} not found: the directory has no fast tokenizer")
+        # Read here (regular file, inside the directory, capped), not by the Rust
+        # side's from_file, which would block on a FIFO or read /dev/zero forever.
         try:
-            backend = tokenizers.Tokenizer.from_file(tok_file)
+            tok_bytes = untrusted_files.read_bytes(
+                tok_file, untrusted_files.TOKENIZER_JSON_CAP, within=path, error=TokenizerError)
+        except FileNotFoundError:
+            raise TokenizerError(f"cannot read {tok_file}: no such file") from None
+        untrusted_files.check_depth(tok_bytes, tok_file, error=TokenizerError)
+        try:
+            backend = tokenizers.Tokenizer.from_str(
+                untrusted_files.decode(tok_bytes, tok_file, TokenizerError))
         except Exception as e:  # the Rust side raises plain Exceptions
             raise TokenizerError(f"cannot read {tok_file}: {_one_line(e)}") from None
         cfg_file = os.path.join(path, _CONFIG_FILE)
-        cfg = _read_json(cfg_file) if os.path.isfile(cfg_file) else {}
+        # lexists, not isfile: a FIFO or device under a known name is refused, not skipped.
+        cfg = _read_json(cfg_file, path) if os.path.lexists(cfg_file) else {}
         token = {f: _token_text(cfg.get(f), f, cfg_file)
                  for f in ("eos_token", "pad_token", "bos_token")}
         template = _pick_template(cfg.get("chat_template"), cfg_file)
         source_file = cfg_file if template is not None else None
         template_file = os.path.join(path, _TEMPLATE_FILE)
-        if template is None and os.path.isfile(template_file):
+        if template is None and os.path.lexists(template_file):
             # Newer checkpoints keep the template in its own file.
-            template, source_file = _read_text(template_file), template_file
+            template, source_file = _read_text(template_file, path), template_file
         vocab_size = backend.get_vocab_size(with_added_tokens=True)
         stop_ids = [i for name in _STOP_ID_FILES
-                    if os.path.isfile(os.path.join(path, name))
-                    for i in _eos_ids_of(os.path.join(path, name), vocab_size)]
+                    if os.path.lexists(os.path.join(path, name))
+                    for i in _eos_ids_of(os.path.join(path, name), path, vocab_size)]
         eos_token = token["eos_token"]
         if eos_token is None:
             if not stop_ids:
@@ -278,7 +286,7 @@ class Tokenizer:
                       ensure_ascii=False)
         if len(self.stop_ids) > 1:
             gen_file = os.path.join(path, _STOP_ID_FILES[0])
-            gen = _read_json(gen_file) if os.path.isfile(gen_file) else {}
+            gen = _read_json(gen_file, path) if os.path.isfile(gen_file) else {}
             gen["eos_token_id"] = list(self.stop_ids)
             with open(gen_file, "w", encoding="utf-8") as f:
                 json.dump(gen, f, indent=2)

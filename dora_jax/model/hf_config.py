@@ -10,8 +10,9 @@ refused by name rather than loaded approximately.
 
 from __future__ import annotations
 
-import json
 import os
+
+from dora_jax import untrusted_files
 
 FAMILIES = ("qwen3", "qwen3_moe", "qwen2", "llama")
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -47,16 +48,13 @@ def read(directory: str) -> dict:
     if not os.path.isdir(directory):
         raise CheckpointError(f"{directory}: no such checkpoint directory")
     try:
-        with open(path, "rb") as f:
-            hf = json.loads(f.read().decode("utf-8"))
+        # A regular file inside the checkpoint, capped (untrusted_files: a FIFO, a
+        # link to /dev/zero or nesting 100k deep is one line, not a hang or a crash).
+        hf = untrusted_files.loads(
+            untrusted_files.read_bytes(path, untrusted_files.CONFIG_JSON_CAP, within=directory,
+                                       error=CheckpointError), path, CheckpointError)
     except FileNotFoundError:
         raise CheckpointError(f"{directory}: no config.json") from None
-    except IsADirectoryError:
-        raise CheckpointError(f"{path}: a directory, not a file") from None
-    except UnicodeDecodeError:
-        raise CheckpointError(f"{path}: not valid UTF-8") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e.msg})") from None
     if not isinstance(hf, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(hf).__name__}")
     return hf

@@ -22,6 +22,7 @@ import json
 import os
 from typing import NamedTuple
 
+from dora_jax import untrusted_files
 from dora_jax.model.hf_config import CheckpointError
 
 MAX_HEADER = 100 * 2 ** 20  # the reference reader's limit
@@ -70,8 +71,10 @@ def read_header(path: str, f, file_size: int) -> tuple[int, dict]:
     if 8 + n > file_size:
         raise SafetensorsError(f"{path}: header length {n} runs past the end of the "
                                f"{file_size}-byte file (truncated?)")
+    blob = f.read(n)
+    untrusted_files.check_depth(blob, f"{path}: header", error=SafetensorsError)
     try:
-        header = json.loads(f.read(n).decode("utf-8"), object_pairs_hook=_unique_object(path))
+        header = json.loads(blob.decode("utf-8"), object_pairs_hook=_unique_object(path))
     except UnicodeDecodeError:
         raise SafetensorsError(f"{path}: header is not valid UTF-8") from None
     except json.JSONDecodeError as e:
@@ -166,18 +169,6 @@ def parse(path: str, f, file_size: int, itemsizes: dict) -> tuple[int, dict, lis
 
 # ------------------------------------------------------------------ shard index
 
-def _roots(directory: str) -> list[str]:
-    """Where the files of `directory` may really live: the directory itself, and for
-    a Hugging Face hub cache snapshot (<repo>/snapshots/<rev>, whose files are
-    symlinks into <repo>/blobs) that blobs folder."""
-    real = os.path.realpath(directory)
-    roots = [real]
-    parent = os.path.dirname(real)
-    if os.path.basename(parent) == "snapshots":
-        roots.append(os.path.join(os.path.dirname(parent), "blobs"))
-    return roots
-
-
 def confined(directory: str, filename: str, where: str, what: str = "shard") -> str:
     """The path of `filename` inside `directory`; a name that is absolute, climbs out
     with `..`, or is a symlink to a file outside the directory is refused (`where`:
@@ -189,24 +180,20 @@ def confined(directory: str, filename: str, where: str, what: str = "shard") -> 
         raise SafetensorsError(f"{where}: {what} {filename!r} climbs out of the checkpoint "
                                "directory")
     path = os.path.join(directory, filename)
-    real = os.path.realpath(path)
-    if not any(os.path.commonpath([real, root]) == root for root in _roots(directory)):
+    real = untrusted_files.outside(path, directory)
+    if real is not None:
         raise SafetensorsError(f"{where}: {what} {filename!r} is a link to {real}, outside "
                                "the checkpoint directory")
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise SafetensorsError(f"{where}: {what} {filename!r} does not exist")
     return path
 
 
 def read_index(path: str) -> dict[str, str]:
     """The `weight_map` of a model.safetensors.index.json: tensor name -> shard file."""
-    try:
-        with open(path, "rb") as f:
-            index = json.loads(f.read().decode("utf-8"))
-    except UnicodeDecodeError:
-        raise SafetensorsError(f"{path}: not valid UTF-8") from None
-    except json.JSONDecodeError as e:
-        raise SafetensorsError(f"{path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+    index = untrusted_files.loads(untrusted_files.read_bytes(
+        path, untrusted_files.INDEX_JSON_CAP, within=os.path.dirname(path),
+        error=SafetensorsError), path, SafetensorsError)
     if not isinstance(index, dict):
         raise SafetensorsError(f"{path}: expected a JSON object, got {type(index).__name__}")
     weight_map = index.get("weight_map")

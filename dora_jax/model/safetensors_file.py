@@ -19,6 +19,7 @@ from typing import Callable, Iterable, NamedTuple
 import ml_dtypes
 import numpy as np
 
+from dora_jax import untrusted_files
 from dora_jax.model import safetensors_check
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
@@ -42,12 +43,15 @@ class SafetensorsFile:
         """Reads and checks the header (safetensors_check: every rule of the format);
         a bad file raises one SafetensorsError line naming it and the tensor."""
         self.path = path
+        error = safetensors_check.SafetensorsError
         try:
-            with open(path, "rb") as f:
-                n, self.metadata, entries = safetensors_check.parse(
-                    path, f, os.fstat(f.fileno()).st_size, _ITEMSIZES)
-        except IsADirectoryError:
-            raise safetensors_check.SafetensorsError(f"{path}: a directory, not a file") from None
+            # A regular file (a FIFO would block, a device read forever): untrusted_files.
+            fd = untrusted_files.open_regular(path, error=error)
+        except FileNotFoundError:
+            raise error(f"{path}: no such file") from None
+        with os.fdopen(fd, "rb") as f:
+            n, self.metadata, entries = safetensors_check.parse(
+                path, f, os.fstat(f.fileno()).st_size, _ITEMSIZES)
         self._info = {e.name: TensorInfo(np.dtype(_DTYPES[e.dtype]), e.shape,
                                          8 + n + e.begin, 8 + n + e.end) for e in entries}
         self._map = None

@@ -15,6 +15,8 @@ import json
 import os
 import uuid
 
+from dora_jax import untrusted_files
+
 
 class DamagedFile(ValueError):
     """A workdir file that cannot be read as what it should hold; the message is one
@@ -50,8 +52,9 @@ def write_json_atomic(path: str, value, **dump_kwargs) -> None:
 def read_json_object(path: str) -> dict:
     """The JSON object in `path`; DamagedFile (one line naming the file) if it is
     empty, not JSON, or not an object. FileNotFoundError if it is missing."""
-    with open(path, "rb") as f:
-        data = f.read()
+    # A workdir may be handed over too: a regular file, capped, nesting bounded.
+    data = untrusted_files.read_bytes(path, untrusted_files.CONFIG_JSON_CAP, error=DamagedFile)
+    untrusted_files.check_depth(data, path, error=DamagedFile)
     if not data.strip():
         raise DamagedFile(f"{path}: empty")
     try:

@@ -37,6 +37,7 @@ import os
 import threading
 from typing import Iterable
 
+from dora_jax import untrusted_files
 from dora_jax.turns import check_turns
 from dora_jax.versions import num_tokens
 
@@ -131,13 +132,16 @@ def read(path: str) -> list[dict]:
     mid-write: it is left out (whether or not it parses), as `LedgerWriter` drops it.
     Any other line that is not a JSON event raises LedgerError naming the file and
     line; blank lines are skipped."""
-    with open(path, "rb") as f:
-        lines = f.read().split(b"\n")
+    # A resumed workdir may be handed over: a regular file (a FIFO would hang), and
+    # each event line's nesting bounded.
+    lines = untrusted_files.read_bytes(path, untrusted_files.LEDGER_CAP,
+                                       error=LedgerError).split(b"\n")
     events = []
     for number, raw in enumerate(lines[:-1], start=1):  # lines[-1]: after the last newline
         if not raw.strip():
             continue
         where = f"{path}:{number}"
+        untrusted_files.check_depth(raw, where, error=LedgerError)
         try:
             event = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError:
