@@ -26,10 +26,15 @@ talking to the coordinator only over pebble's anonymous pipes. No process of the
 binds or listens on any socket, so no other process, of this user or root, a sandbox
 escapee included, even one sharing this host's mount or network namespace, has an
 endpoint to connect to. (The forkserver method this replaced listens on a unix socket
-in a `pymp-*` temp dir and, on Python before 3.14, serves whoever connects: it forks a
-child that unpickles what the client sends, which is code execution as the run's user;
-tests/test_pool_endpoints.py shows it.) Never `fork` either: the coordinator runs JAX
-threads, and a fork of a threaded process may deadlock.
+in a `pymp-*` temp dir and, on Python 3.11 at least, serves whoever connects: it forks
+a child that unpickles what the client sends, which is code execution as the run's
+user; tests/test_pool_endpoints.py shows it.) Never `fork` either: the coordinator runs JAX
+threads, and a fork of a threaded process may deadlock. `spawn` rather than a fork
+server of our own (one on an inherited socketpair, or checking SO_PEERCRED): it is a
+start method pebble and CPython support as they are, with no IPC code here to get
+wrong. What is left is process isolation, not an endpoint: whoever may ptrace-read
+the coordinator or a worker (root; the same user, where the run's /proc is visible)
+can still open their pipes through /proc/<pid>/fd.
 
 The price is the warm start: a forkserver child was a copy of a server that had
 imported sympy once; a spawned worker imports the `preload` modules itself, in its
@@ -38,9 +43,9 @@ takes about 2 s at `record_reward`'s preload (math_verify and reasoning_gym; abo
 for math_verify alone) instead of 0.03 s, on a loaded 2-core host. A replacement
 follows a timeout (`coordinator.reward_timeout`, 60 s by default) or a worker's death,
 runs in the background while the other workers go on scoring, and does not stall the
-coordinator. A spawned worker also imports the coordinator's `__main__` module (as
-`__mp_main__`; not for a package's `__main__.py`), so an entry point that scores must
-import JAX inside its main function, as `dora_jax.main` does, not at the top.
+coordinator. As under the forkserver, a worker imports the coordinator's `__main__`
+module (as `__mp_main__`; not a package's `__main__.py`): a script that makes a pool
+does so under `if __name__ == "__main__"`, and keeps JAX out of its top-level imports.
 """
 
 from __future__ import annotations
