@@ -19,8 +19,33 @@ stop such a call. So rewards run in a pebble process pool:
   is named in the reason;
 - closing the pool kills its workers: it never waits on a hung call.
 
-Workers are forked from a forkserver, never from the coordinator: the coordinator runs
-JAX threads, and a fork of a threaded process may deadlock.
+How workers start, and why nothing can connect to them. Each worker is a fresh
+interpreter started with multiprocessing's `spawn` method: fork+exec of
+`sys.executable`, handed its start data over an anonymous pipe it inherits, then
+talking to the coordinator only over pebble's anonymous pipes. No process of the pool
+binds or listens on any socket, so no other process, of this user or root, a sandbox
+escapee included, even one sharing this host's mount or network namespace, has an
+endpoint to connect to. (The forkserver method this replaced listens on a unix socket
+in a `pymp-*` temp dir and, on Python 3.11 at least, serves whoever connects: it forks
+a child that unpickles what the client sends, which is code execution as the run's
+user; tests/test_pool_endpoints.py shows it.) Never `fork` either: the coordinator runs JAX
+threads, and a fork of a threaded process may deadlock. `spawn` rather than a fork
+server of our own (one on an inherited socketpair, or checking SO_PEERCRED): it is a
+start method pebble and CPython support as they are, with no IPC code here to get
+wrong. What is left is process isolation, not an endpoint: whoever may ptrace-read
+the coordinator or a worker (root; the same user, where the run's /proc is visible)
+can still open their pipes through /proc/<pid>/fd.
+
+The price is the warm start: a forkserver child was a copy of a server that had
+imported sympy once; a spawned worker imports the `preload` modules itself, in its
+initializer, before its first call. Replacing a worker killed for its time therefore
+takes about 2 s at `record_reward`'s preload (math_verify and reasoning_gym; about 0.9 s
+for math_verify alone) instead of 0.03 s, on a loaded 2-core host. A replacement
+follows a timeout (`coordinator.reward_timeout`, 60 s by default) or a worker's death,
+runs in the background while the other workers go on scoring, and does not stall the
+coordinator. As under the forkserver, a worker imports the coordinator's `__main__`
+module (as `__mp_main__`; not a package's `__main__.py`): a script that makes a pool
+does so under `if __name__ == "__main__"`, and keeps JAX out of its top-level imports.
 """
 
 from __future__ import annotations
@@ -80,7 +105,7 @@ class RewardPool:
         self._lock = threading.Lock()
         self._pool = pebble.ProcessPool(
             max_workers=num_workers, initializer=_init_worker,
-            initargs=(fn, memory_mb, preload), context=_context(preload))
+            initargs=(fn, memory_mb, preload), context=_context())
 
     def submit(self, record: dict, response: Sequence) -> concurrent.futures.Future:
         """Future of (reward, error text or None) for one response."""
@@ -150,14 +175,10 @@ def when_all_done(futures: list, callback: Callable[[], None]) -> None:
         f.add_done_callback(done)
 
 
-def _context(preload: Sequence[str]):
-    """The forkserver context, its server preloading `preload` (when this process
-    starts it: the first pool's modules). A worker killed for its time is replaced by
-    a fork of that clean, warm server in milliseconds, where a fresh interpreter
-    would spend a second or more re-importing sympy."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([__name__, *preload])
-    return context
+def _context():
+    """The `spawn` context: a worker is a fresh interpreter on inherited pipes, so no
+    listening socket exists for another process to reach (module docstring)."""
+    return multiprocessing.get_context("spawn")
 
 
 def modules_for(fn) -> tuple[str, ...]:
