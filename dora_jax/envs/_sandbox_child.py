@@ -201,15 +201,11 @@ def _child(request, as_root, sync):
     tasks = limits["max_tasks"] + (1 if as_root else 2)
     layers["rlimits"] = _rlimits(limits, tasks if spaced else 1)
     layers["no_new_privs"] = _libc.prctl(38, 1, 0, 0, 0) == 0
-    if "landlock" in missing:
-        abi, scoped = 0, False
-    elif spaced:
-        abi, scoped = filters.load_landlock(["/"], ["/scratch"], [f"/dev/{d}" for d in _DEVICES],
-                                            5 if "landlock_scoping" in missing else 99)
-    else:
-        # Reads only of what the interpreter needs, as the minimal root would hold.
-        abi, scoped = filters.load_landlock(_host_paths(), [], ["/dev/null"],
-                                            5 if "landlock_scoping" in missing else 99)
+    # Without the minimal root: reads only of what the interpreter needs, no writes.
+    paths = (["/"], ["/scratch"], [f"/dev/{d}" for d in _DEVICES]) if spaced else (
+        _host_paths(), [], ["/dev/null"])
+    abi, scoped = (0, False) if "landlock" in missing else filters.load_landlock(
+        *paths, 5 if "landlock_scoping" in missing else 99)
     layers["landlock"], layers["landlock_abi"], layers["landlock_scoping"] = abi > 0, abi, scoped
     # Threads only where the pid namespace's task limit counts them.
     layers["seccomp"] = "seccomp" not in missing and filters.load_seccomp(threads=spaced)
