@@ -7,8 +7,40 @@ Every benchmark is an absl program whose configs come from `--config=...` flags
 from an installed package.
 """
 
+import json
 import pathlib
 
 from dora_jax import configs
 
 CONFIGS = pathlib.Path(configs.DIR)
+
+
+def write_figures(path: str, figures: dict) -> None:
+    """A benchmark's figures as JSON (`--json_out`), for programs that read them
+    (`bench.accelerator`); written whole, then renamed, so a reader never sees half."""
+    if not path:
+        return
+    tmp = pathlib.Path(path + ".tmp")
+    tmp.write_text(json.dumps(figures, indent=1))
+    tmp.replace(path)
+
+
+def model_shape(model_cfg, params) -> dict:
+    """What the simulator's cost model needs of a model: its sizes and bytes."""
+    import jax.numpy as jnp
+
+    from dora_jax.model import transformer
+
+    m = model_cfg
+    total = transformer.count_params(params)
+    active = total
+    if m.moe.enabled:  # a token reads top_k of each MoE layer's experts
+        moe_layers = sum(i % m.moe.moe_every == m.moe.moe_every - 1 for i in range(m.num_layers))
+        unread = m.moe.num_experts - m.moe.top_k
+        active = total - moe_layers * unread * 3 * m.d_model * m.moe.expert_hidden
+    dtype_bytes = jnp.dtype(m.param_dtype).itemsize
+    return dict(params=total, active_params=active, layers=m.num_layers, hidden=m.d_model,
+                kv_bytes_per_token=m.num_layers * 2 * m.num_kv_heads * m.head_dim
+                * jnp.dtype(m.dtype).itemsize,
+                param_bytes=dtype_bytes, dtype=m.dtype, param_dtype=m.param_dtype,
+                remat=m.remat)

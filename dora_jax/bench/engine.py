@@ -41,7 +41,7 @@ from jax.sharding import Mesh
 
 from dora_jax import config as config_lib
 from dora_jax.model import hf_checks
-from dora_jax.bench import CONFIGS
+from dora_jax.bench import CONFIGS, model_shape, write_figures
 from dora_jax.model import transformer
 from dora_jax.rollout import DecodeSlice, Engine, Request
 
@@ -60,6 +60,7 @@ _REPEATS = flags.DEFINE_integer("repeats", 3, "interleaved repeats (best is kept
 _SWEEP = flags.DEFINE_list("sweep", ["1", "2", "4", "8", "16"],
                            "decode_steps values compared first (all slots busy, first "
                            "model, largest S); empty to skip")
+_JSON_OUT = flags.DEFINE_string("json_out", "", "also write the figures to this JSON file")
 
 
 def make_requests(n: int, max_prompt: int, vocab: int, seed: int = 0) -> list:
@@ -180,14 +181,17 @@ def sweep_decode_steps(name: str, slots: int, decode_len: int, per_slot: int, re
               f"tokens/s, ratio {t_fixed / t_slice:.2f}")
 
 
-def bench_model(name: str, slots: int, decode_len: int, per_slot: int, repeats: int) -> float:
+def bench_model(name: str, slots: int, decode_len: int, per_slot: int, repeats: int) -> dict:
+    """The model's figures: tokens/s of both samplers in both regimes, and seconds
+    per decode step by busy slots (all slots busy, EOS disabled)."""
     cfg = hf_checks.validated(_MODEL_CONFIGS[name].value)
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), config_lib.SLICE_MESH_AXES)
     graphdef, params = transformer.create(cfg.model, cfg.seed)
     S, max_prompt = slots, cfg.rollout.max_prefill_length
     print(f"\n== {name}: {transformer.count_params(params):,} params, S={S} slots, "
           f"max_decode_len={decode_len}, {per_slot * S} requests, prompts 4..{max_prompt} tokens")
-    ratio = None
+    figures = dict(model=name, slots=S, decode_len=decode_len,
+                   **model_shape(cfg.model, params), regimes={}, step_seconds={})
     eos_long_tail = frequent_token(graphdef, params, cfg.model.vocab_size)
     for label, eos in (("all slots busy (no EOS)", -1),
                        (f"long-tailed lengths (EOS={eos_long_tail})", eos_long_tail)):
@@ -211,14 +215,18 @@ def bench_model(name: str, slots: int, decode_len: int, per_slot: int, repeats: 
         print(f"   slice (continuous batching) {tokens / t_slice:8.0f} tokens/s   "
               f"fixed-batch while_loop {tokens / t_fixed:8.0f} tokens/s   ratio {r:.2f}   "
               f"slot utilisation {sl.stats.utilisation:.2f}")
+        figures["regimes"]["all_busy" if eos < 0 else "long_tail"] = dict(
+            tokens=tokens, slice_tokens_per_s=tokens / t_slice,
+            fixed_tokens_per_s=tokens / t_fixed, ratio=r,
+            slot_utilisation=sl.stats.utilisation)
         if eos < 0:
-            ratio = r
             print("   busy slots   ms per decode step   tokens/s")
             ks = range(1, S + 1) if S <= 8 else sorted({1, 2, 4, 8, S // 4, S // 2, S})
             for k in ks:
                 dt = min(step_time(sl, reqs[:k]) for _ in range(repeats))
+                figures["step_seconds"][str(k)] = dt
                 print(f"   {k:10d} {dt * 1e3:20.3f} {k / dt:10.0f}")
-    return ratio
+    return figures
 
 
 def main(argv):
@@ -229,12 +237,16 @@ def main(argv):
     if _SWEEP.value:
         sweep_decode_steps(_MODELS.value[0], max(slots), _DECODE_LEN.value, _PER_SLOT.value,
                            _REPEATS.value)
-    ratios = {(m, S): bench_model(m, S, _DECODE_LEN.value, _PER_SLOT.value, _REPEATS.value)
-              for S in slots for m in _MODELS.value}
+    runs = {(m, S): bench_model(m, S, _DECODE_LEN.value, _PER_SLOT.value, _REPEATS.value)
+            for S in slots for m in _MODELS.value}
+    ratios = {key: run["regimes"]["all_busy"]["ratio"] for key, run in runs.items()}
     print("\nall-slots-busy ratio (slice / fixed-batch tokens/s): " +
           ", ".join(f"{m} S={S}: {r:.2f}" for (m, S), r in ratios.items()))
     final = min(r for (m, S), r in ratios.items() if S == max(slots))
     print(f"slice/fixed-batch tokens/s ratio: {final:.2f}")
+    device = jax.devices()[0]
+    write_figures(_JSON_OUT.value, dict(platform=device.platform, device_kind=device.device_kind,
+                                        runs=list(runs.values()), ratio=final))
 
 
 if __name__ == "__main__":

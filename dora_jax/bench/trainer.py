@@ -49,7 +49,7 @@ from ml_collections import config_flags
 
 from dora_jax import config as config_lib
 from dora_jax.model import hf_checks
-from dora_jax.bench import CONFIGS
+from dora_jax.bench import CONFIGS, model_shape, write_figures
 from dora_jax.model import transformer
 from dora_jax.rl import losses
 from dora_jax.rl.batch import TrainBatch
@@ -66,6 +66,7 @@ _ROUNDS = flags.DEFINE_integer("rounds", 5, "interleaved rounds (median reported
 _LENGTHS = flags.DEFINE_enum("lengths", "synthetic", ["synthetic", "long_tail"],
                              "synthetic: trainer vs plain optax on one batch; long_tail: "
                              "packed vs padded on long-tailed batches")
+_JSON_OUT = flags.DEFINE_string("json_out", "", "also write the figures to this JSON file")
 
 
 def _batch(cfg: config_lib.Config, num_groups: int, group_size: int, rng, prompt_len: int,
@@ -253,6 +254,17 @@ def main(argv):
         print(f"{name} / plain-optax: {rate / plain_rate:.2f}")
     headline = next(iter(rates.values()))  # the sharded (config-mesh) trainer when run
     print(f"trainer/plain-optax tokens/s ratio: {headline / plain_rate:.2f}")
+    device = jax.devices()[0]
+    write_figures(_JSON_OUT.value, dict(
+        platform=device.platform, device_kind=device.device_kind,
+        **model_shape(cfg.model, host_params), tokens_per_step=tokens_per_step,
+        batch_rows=batch.batch_size, batch_length=batch.length,
+        # forward-pass equivalents per trained token: forward 1, backward 2, and a
+        # recomputed forward under remat (this step computes no other log-probs)
+        train_passes=3.0 + (cfg.model.remat != "none"),
+        step_seconds={name: statistics.median(ts) for name, ts in times.items()},
+        tokens_per_s=dict(rates, **{"plain optax": plain_rate}),
+        ratio=headline / plain_rate))
 
 
 if __name__ == "__main__":
