@@ -76,7 +76,7 @@ def _alone(spans: list, cores: float) -> list:
     return out
 
 
-def _line(x, y) -> tuple:
+def nonnegative_line(x, y) -> tuple:
     """Least-squares intercept and slope, neither negative; a flat line when x does
     not vary."""
     x, y = np.asarray(x, float), np.asarray(y, float)
@@ -163,7 +163,7 @@ def fit(runs: list, slots: int, cores: float = 0.0, call_steps: int = 16) -> Cos
             train_y.append(sec)
         loads += [sec for s, sec in zip(run["spans"], alone) if s["kind"] == "load"]
         migrations += [sec for s, sec in zip(run["spans"], alone) if s["kind"] == "migrate"]
-    train_fixed, train_per_token = _line(train_x, train_y)
+    train_fixed, train_per_token = nonnegative_line(train_x, train_y)
     return CostModel(step_fixed=step_fixed, step_per_seq=step_per_seq, step_per_ctx=0.0,
                      prefill_fixed=0.0, prefill_per_token=float(prefill_per_token),
                      weight_bytes=0.0,

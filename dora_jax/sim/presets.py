@@ -25,11 +25,17 @@ of 4 model turns on average (geometric, up to 32: a few run many), each turn abo
 400 tokens, observations about 300 tokens, and an environment answering in 100 ms
 at the median (log-normal, sigma 0.8: from a few decode steps of about 20 ms to
 several hundred ms, clipped at 2 s); responses are cut at 30,720 positions.
+
+Every `device_presets/*.json` (a report's preset, fitted by `sim/device_fit.py` to
+our engine's figures on one device) is loaded into PRESETS too, by its name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+import pathlib
 
 from dora_jax.sim.cost import CostModel, Efficiency, Workload
 from dora_jax.sim.episodes import Turns
@@ -80,6 +86,7 @@ class Preset:
     max_staleness: int = 3
     efficiency: Efficiency = Efficiency()
     paper: dict = dataclasses.field(default_factory=dict)
+    provenance: dict = dataclasses.field(default_factory=dict)  # where a loaded one came from
 
     @property
     def num_slices(self) -> int:
@@ -170,3 +177,98 @@ PRESETS = {
         total_devices=64, trainer_devices=32, slice_devices=8, slots_per_slice=256,
         hardware=H800, model=QWEN25_32B, workload=MULTITURN, efficiency=H800_FIT),
 }
+
+DEVICE_PRESETS_DIR = pathlib.Path(__file__).parent / "device_presets"
+_MODEL_REQUIRED = ("params", "kv_bytes_per_token", "layers", "hidden")
+_MODEL_OPTIONAL = ("active_params", "param_bytes")
+_INTS = ("total_devices", "trainer_devices", "slice_devices", "slots_per_slice", "group_size",
+         "train_batch_size", "rollout_batch_size", "max_staleness")
+_MAY_BE_ZERO = ("step_overhead", "collective_latency", "train_fixed", "max_staleness")
+
+
+def preset_from_dict(d: dict, source: str = "preset") -> Preset:
+    """A Preset from its JSON form (`device_fit.device_preset`); ValueError naming
+    `source` and the field when one is missing, unknown or of the wrong kind, so that
+    a bad file fails where it is loaded and not mid-simulation."""
+    def bad(field, why):
+        raise ValueError(f"{source}: field {field!r} {why}")
+
+    def number(field, v, positive=True):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            bad(field, f"must be a finite number, got {v!r}")
+        if v < 0 or (positive and v == 0 and field.split(".")[-1] not in _MAY_BE_ZERO):
+            bad(field, f"must be positive, got {v!r}")
+        return v
+
+    def table(field, value, required, optional=()):
+        if not isinstance(value, dict):
+            bad(field, f"must be an object, got {value!r}")
+        for k in value:
+            if k not in required + optional:
+                bad(f"{field}.{k}", "is unknown")
+        for k in required:
+            if k not in value:
+                bad(f"{field}.{k}", "is missing")
+        return {k: number(f"{field}.{k}", v) for k, v in value.items()}
+
+    if not isinstance(d, dict):
+        raise ValueError(f"{source}: a preset must be a JSON object")
+    known = {f.name for f in dataclasses.fields(Preset)}
+    for k in d:
+        if k not in known:
+            bad(k, "is not a Preset field")
+    kw = dict(d)
+    for k in ("name", "description", "total_devices", "trainer_devices", "slice_devices",
+              "slots_per_slice", "hardware", "model"):
+        if k not in kw:
+            bad(k, "is missing")
+    for k in ("name", "description"):
+        if not isinstance(kw[k], str) or not kw[k]:
+            bad(k, f"must be a non-empty string, got {kw[k]!r}")
+    for k in _INTS:
+        if k in kw and (not isinstance(kw[k], int) or isinstance(kw[k], bool)):
+            bad(k, f"must be an integer, got {kw[k]!r}")
+        if k in kw:
+            number(k, kw[k])
+    kw["hardware"] = table("hardware", kw["hardware"], tuple(H800))
+    kw["model"] = table("model", kw["model"], _MODEL_REQUIRED, _MODEL_OPTIONAL)
+    if "efficiency" in kw:
+        fields = tuple(f.name for f in dataclasses.fields(Efficiency))
+        kw["efficiency"] = Efficiency(**table("efficiency", kw["efficiency"], (), fields))
+    if "workload" in kw:
+        try:
+            work = dict(kw["workload"])
+            if work.get("turns") is not None:
+                work["turns"] = Turns(**work["turns"])
+            work["replay"] = tuple(work.get("replay", ()))
+            kw["workload"] = Workload(**work)
+        except (TypeError, ValueError) as e:
+            bad("workload", f"is not a Workload: {e}")
+    paper = kw.get("paper", {})
+    if not isinstance(paper, dict) or not all(isinstance(v, list) for v in paper.values()):
+        bad("paper", f"must map modes to [minutes, share], got {paper!r}")
+    kw["paper"] = {mode: tuple(v) for mode, v in paper.items()}
+    rollout = kw["total_devices"] - kw["trainer_devices"]
+    if rollout <= 0 or rollout % kw["slice_devices"]:
+        bad("trainer_devices", f"must leave whole slices of {kw['slice_devices']} devices "
+            f"of the {kw['total_devices']}, got {kw['trainer_devices']}")
+    return Preset(**kw)
+
+
+def load_device_presets(directory=DEVICE_PRESETS_DIR, reserved=()) -> dict:
+    """{name: Preset} of every *.json in `directory` (none when it is absent);
+    ValueError naming the file for a bad one or a name already taken."""
+    out = {}
+    for path in sorted(pathlib.Path(directory).glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON: {e}") from None
+        preset = preset_from_dict(data, str(path))
+        if preset.name in reserved or preset.name in out:
+            raise ValueError(f"{path}: field 'name' {preset.name!r} is already a preset")
+        out[preset.name] = preset
+    return out
+
+
+PRESETS.update(load_device_presets(reserved=PRESETS))
