@@ -38,6 +38,8 @@ import time
 
 from absl import app, flags
 
+from dora_jax.bench import CONFIGS
+
 _OUT = flags.DEFINE_string("out", "accelerator_report", "directory of the report")
 _BUDGET = flags.DEFINE_integer("budget_s", 0, "seconds for all parts (0: the size's default)")
 _SIZE = flags.DEFINE_enum("size", "auto", ["auto", "tiny", "device"],
@@ -71,7 +73,7 @@ def overrides(prefix: str, fields: dict) -> list:
 SIZES = {
     "tiny": Size(
         budget_s=1200,
-        shares=dict(tests=0.2, engine=0.15, trainer=0.15, quickstart=0.45, preset=0.05),
+        shares=dict(tests=0.2, engine=0.15, trainer=0.1, quickstart=0.45, preset=0.1),
         engine=["--models=tiny,moe", "--slots=4", "--sweep=", "--decode_len=16",
                 "--requests_per_slot=1", "--repeats=1"],
         trainer=["--mesh=single", "--groups=2", "--group_size=4", "--steps=1", "--rounds=1"],
@@ -121,7 +123,7 @@ def child_env(platform: str, out: str) -> dict:
     return env
 
 
-def part_command(name: str, size: Size, out: str) -> list:
+def part_command(name: str, size: Size, out: str, platform: str) -> list:
     wrap = [sys.executable, "-m", "dora_jax.bench.peak_memory",
             os.path.join(out, f"{name}_memory.json")]
     repo_tests = os.path.join(os.path.dirname(__file__), "..", "..", "tests")
@@ -142,6 +144,9 @@ def part_command(name: str, size: Size, out: str) -> list:
         return wrap + ["dora_jax.sim.device_fit", f"--engine={os.path.join(out, 'engine.json')}",
                        f"--trainer={os.path.join(out, 'trainer.json')}",
                        f"--run={os.path.join(out, 'quickstart', 'rl')}",
+                       f"--config={CONFIGS / 'quickstart.py'}",
+                       # on a CPU the quickstart's slices and trainer share the cores
+                       f"--cores={os.cpu_count() if platform == 'cpu' else 0}",
                        f"--out={os.path.join(out, 'preset.json')}"]
     raise ValueError(f"unknown part {name!r}; known: {', '.join(PARTS)}")
 
@@ -236,7 +241,12 @@ def summary_lines(report: dict) -> list:
                      f"{'clean' if q['audit_ok'] else 'FAILED'}: {q['audit']}")
     p = fig("preset")
     if p:
-        lines.append(f"preset {p.get('name')}: efficiency {p.get('efficiency')}")
+        eff = p["efficiency"]
+        minutes = p["provenance"].get("predicted_step_minutes", {})
+        lines.append(f"preset {p['name']}: hbm {eff['hbm']:.3f}, step overhead "
+                     f"{eff['step_overhead'] * 1e3:.2f} ms, mfu decode {eff['mfu_decode']:.3f}, "
+                     f"mfu train {eff['mfu_train']:.3f}; predicted min/step on 64 devices: "
+                     + ", ".join(f"{m} {v:.2f}" for m, v in minutes.items()))
     if report["platform"] == "cpu":
         lines.append("cpu: not shown here: " + "; ".join(CPU_CANNOT))
     return lines
@@ -268,7 +278,7 @@ def check(out: str, size_name: str, budget_s: int, parts: list) -> dict:
     start = time.monotonic()
     for name in parts:
         share = budget_s * size.shares[name]
-        status, seconds = run_part(part_command(name, size, out), env, share,
+        status, seconds = run_part(part_command(name, size, out, host["platform"]), env, share,
                                    os.path.join(out, f"{name}.log"))
         report["parts"][name] = dict(status=status, seconds=round(seconds, 1),
                                      budget_s=round(share, 1),

@@ -231,19 +231,19 @@ def main(argv):
     print(f"{kind}: {peaks_from}: " + json.dumps(peaks))
     print("efficiency: " + json.dumps(dataclasses.asdict(efficiency)))
     print("details: " + json.dumps(details, indent=1))
+    try:
+        loaded = presets.preset_from_dict(preset, f.out or "preset")
+    except ValueError as e:
+        raise SystemExit(f"not simulated: {e}") from None
+    predicted = preset["provenance"]["predicted_step_minutes"] = {}
+    for mode in f.modes:
+        predicted[mode] = simulate(loaded, mode, f.steps)["step_minutes"]
+        print(f"{loaded.name} {mode}: {predicted[mode]:.2f} min/step ({f.steps} simulated steps)")
     if f.out:
         with open(f.out, "w") as out:
             json.dump(preset, out, indent=1)
         print(f"preset written to {f.out}; copied into {presets.DEVICE_PRESETS_DIR} it is "
               f"--preset={preset['name']}")
-    try:
-        loaded = presets.preset_from_dict(preset, f.out or "preset")
-    except ValueError as e:
-        raise SystemExit(f"not simulated: {e}") from None
-    for mode in f.modes:
-        minutes = simulate(loaded, mode, f.steps)["step_minutes"]
-        print(f"{loaded.name} {mode}: {minutes:.2f} min/step ({f.steps} simulated steps)")
-
 
 if __name__ == "__main__":  # flags only here: tests import this module
     flags.DEFINE_string("engine", None, "bench.engine --json_out file")

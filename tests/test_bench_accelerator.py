@@ -1,0 +1,123 @@
+"""The accelerator check: its CPU form end to end, and how it keeps going when a part
+fails or overruns (bench/accelerator.py)."""
+
+import configparser
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, load_repo_config
+from dora_jax.bench import accelerator
+
+ENV = dict(os.environ, PYTHONPATH=str(REPO))
+
+
+def test_a_part_past_its_budget_is_killed_with_its_children(tmp_path):
+    pid_file = tmp_path / "grandchild"
+    command = [sys.executable, "-c",
+               "import subprocess, sys, time; "
+               "p = subprocess.Popen(['sleep', '60']); "
+               f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)"]
+    start = time.monotonic()
+    status, seconds = accelerator.run_part(command, dict(os.environ), 2.0,
+                                           str(tmp_path / "part.log"))
+    assert status == "timed out" and seconds < 10 and time.monotonic() - start < 10
+    grandchild = int(pid_file.read_text())
+    time.sleep(0.2)
+    try:  # the whole process group went (at most a zombie awaiting its reaper is left)
+        state = open(f"/proc/{grandchild}/stat").read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    assert state in ("gone", "Z")
+
+
+def test_a_failing_part_is_recorded_and_the_next_still_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(accelerator, "detect", lambda: dict(
+        platform="cpu", device_kind="cpu", devices=8, jax="x"))
+    commands = {"engine": [sys.executable, "-c", "raise SystemExit(3)"],
+                "trainer": [sys.executable, "-c", "print('ok')"]}
+    monkeypatch.setattr(accelerator, "part_command", lambda name, *a: commands[name])
+    report = accelerator.check(str(tmp_path), "tiny", 100, ["engine", "trainer"])
+    assert report["parts"]["engine"]["status"] == "failed (exit 3)"
+    assert report["parts"]["trainer"]["status"] == "passed"
+    on_disk = json.loads((tmp_path / "report.json").read_text())
+    assert on_disk["parts"].keys() == {"engine", "trainer"}
+    summary = (tmp_path / "summary.txt").read_text()
+    assert re.search(r"engine\s+failed \(exit 3\)", summary)
+    assert "cpu: not shown here" in summary
+
+
+def test_peak_memory_is_recorded_when_the_module_fails(tmp_path):
+    out = tmp_path / "mem.json"
+    code = subprocess.run([sys.executable, "-m", "dora_jax.bench.peak_memory", str(out),
+                           "json.tool", str(tmp_path / "missing.json")],
+                          capture_output=True, env=ENV).returncode
+    assert code != 0
+    assert json.loads(out.read_text()) == dict(peak_bytes=None,
+                                               reason="the part never imported JAX")
+
+
+def test_the_device_shapes_are_valid_configs_of_the_stated_size():
+    from dora_jax.bench import model_shape
+    from dora_jax.model import transformer
+
+    dense = load_repo_config("configs/tiny.py", **{f"model__{k}": v
+                                                   for k, v in accelerator._DENSE.items()})
+    moe = load_repo_config("configs/moe.py:tiny",
+                           **{f"model__{k}": v for k, v in accelerator._MOE.items()},
+                           model__moe__num_experts=16, model__moe__top_k=2,
+                           model__moe__expert_hidden=1408)
+    sizes = {}
+    for name, cfg in (("dense", dense), ("moe", moe)):
+        shape = model_shape(cfg.model, transformer.abstract_params(cfg.model)[1])
+        sizes[name] = (shape["params"], shape["active_params"])
+    assert 0.8e9 < sizes["dense"][0] < 1.0e9 and sizes["dense"][0] == sizes["dense"][1]
+    total, active = sizes["moe"]
+    # 8 layers of 16 experts (3 x 2048 x 1408 each), 2 of them read per token
+    assert total - active == 8 * 14 * 3 * 2048 * 1408
+    flags = " ".join(accelerator.SIZES["device"].engine)
+    assert "--config.model.d_model=2048" in flags and "--moe_config.model.moe.num_experts=16" in flags
+
+
+def test_the_accelerator_extras_pin_the_jax_the_package_requires():
+    import jax
+
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    floor = re.search(r"^jax>=([\d.]+)$", cfg["options"]["install_requires"], re.M).group(1)
+    extras = cfg["options.extras_require"]
+    assert extras["cuda"].strip() == f"jax[cuda12]=={floor}"
+    assert extras["tpu"].strip() == f"jax[tpu]=={floor}"
+    assert jax.__version__ == floor, "the extras would install another jax than the tested one"
+
+
+@pytest.mark.slow
+def test_the_cpu_form_runs_every_part_and_reports(tmp_path):
+    out = tmp_path / "report"
+    proc = subprocess.run([sys.executable, "-m", "dora_jax.bench.accelerator", f"--out={out}"],
+                          capture_output=True, text=True, env=ENV, timeout=1500)
+    report = json.loads((out / "report.json").read_text())
+    logs = {n: (out / f"{n}.log").read_text()[-3000:] for n in report["parts"]}
+    assert proc.returncode == 0, (proc.stdout[-3000:], logs)
+    assert (report["platform"], report["size"]) == ("cpu", "tiny")
+    assert list(report["parts"]) == list(accelerator.PARTS)
+    parts = {n: p["figures"] for n, p in report["parts"].items()}
+    assert parts["tests"]["tests"] > 0 and parts["tests"]["failures"] == 0
+    assert parts["tests"]["comparisons"], "the kernel tests recorded no comparison"
+    assert all(c["max_abs_err"] <= c["tol"] for c in parts["tests"]["comparisons"] if "tol" in c)
+    assert [r["model"] for r in parts["engine"]["runs"]] == ["tiny", "moe"]
+    assert all(r["regimes"]["all_busy"]["slice_tokens_per_s"] > 0 for r in parts["engine"]["runs"])
+    assert parts["trainer"]["tokens_per_s"]
+    assert parts["quickstart"]["audit_ok"] is True and parts["quickstart"]["mode"] == "dora"
+    assert set(parts["preset"]["provenance"]["predicted_step_minutes"]) == {"sync", "dora"}
+    for part in report["parts"].values():
+        assert part["memory"]["peak_bytes"] is None and "cpu" in part["memory"]["reason"]
+    summary = (out / "summary.txt").read_text()
+    for line in ("tests:", "engine tiny", "engine moe", "trainer:", "quickstart: dora",
+                 "preset cpu", "cpu: not shown here"):
+        assert line in summary, summary
