@@ -151,7 +151,8 @@ def test_command_line_fits_writes_and_predicts(tmp_path):
         capture_output=True, text=True, check=True, timeout=300).stdout
     lines = out.strip().splitlines()
     assert lines[0].startswith("NVIDIA H200: public figures for NVIDIA H200")
-    assert lines[-1].startswith("h200 sync: ") and lines[-1].endswith("(2 simulated steps)")
+    assert lines[-2].startswith("h200 sync: ") and lines[-2].endswith("(2 simulated steps)")
+    assert lines[-1].startswith(f"preset written to {tmp_path}/h200.json")
     written = json.loads((tmp_path / "h200.json").read_text())
     assert written["efficiency"]["hbm"] == pytest.approx(TRUTH.hbm, rel=0.01)
 

@@ -69,19 +69,7 @@ def modes_run(tmp_path_factory):
     return workdir, subprocess.CompletedProcess([], returncode, stdout, stderr)
 
 
-@pytest.mark.slow
-def test_bench_engine():
-    out = run_module("dora_jax.bench.engine", "--models=tiny", "--slots=4", "--decode_len=8",
-                     "--requests_per_slot=2", "--repeats=1", "--sweep=",
-                     "--config.model.num_layers=1")
-    parse(final_line(out), rf"slice/fixed-batch tokens/s ratio: {NUMBER}", 0.01, 100)
-
-
-@pytest.mark.slow
-def test_bench_trainer():
-    out = run_module("dora_jax.bench.trainer", "--mesh=single", "--steps=1", "--rounds=1",
-                     "--groups=2", "--group_size=4", "--config.model.num_layers=1")
-    parse(final_line(out), rf"trainer/plain-optax tokens/s ratio: {NUMBER}", 0.01, 100)
+# bench.engine and bench.trainer: tests/test_bench_accelerator.py runs them (its CPU form).
 
 
 @pytest.mark.slow

@@ -21,7 +21,8 @@ peaks measured on this host, which must then be the benchmark's):
   step_overhead from the run (step_fixed + call_overhead / call_steps: a tiny model,
   whose weight reads are negligible) or 0, and hbm from a - step_overhead;
 - train: mfu_train = 2 active passes tokens / (flops (step_seconds - train_fixed)),
-  train_fixed from the run or 0; mfu_prefill (not measured) is taken as mfu_train.
+  train_fixed from the run or 0 (not subtracted, and flagged, when it is not small
+  beside the bench's step); mfu_prefill (not measured) is taken as mfu_train.
 Nothing is clamped: an efficiency outside (0, 1] is kept and flagged in `details`.
 """
 
@@ -150,7 +151,15 @@ def fit_efficiency(engine: dict, trainer: dict, peaks: dict,
                        f"cost (step_overhead {overhead_from})")
     key = next(k for k in trainer["step_seconds"] if k.startswith(TRAINER_KEY))
     train_fixed = run_cost.train_fixed if run_cost is not None else 0.0
-    train_seconds = trainer["step_seconds"][key] - train_fixed
+    step_seconds = trainer["step_seconds"][key]
+    train_fixed_from = "run" if run_cost is not None else "assumed 0 (no run)"
+    if train_fixed >= step_seconds / 2:  # another model's host costs: not this step's
+        flagged.append(f"the run's train_fixed ({train_fixed:.3g} s) is not small beside the "
+                       f"bench's step ({step_seconds:.3g} s): mfu_train over the whole step")
+        train_fixed_from = f"run, not subtracted ({train_fixed:.3g} s)"
+        train_seconds = step_seconds
+    else:
+        train_seconds = step_seconds - train_fixed
     passes = trainer["train_passes"]
     mfu_train = (2 * trainer["active_params"] * passes * trainer["tokens_per_step"]
                  / (flops * train_seconds))
@@ -162,7 +171,7 @@ def fit_efficiency(engine: dict, trainer: dict, peaks: dict,
                 for name, value in (("hbm", hbm), ("mfu_decode", mfu_decode),
                                     ("mfu_train", mfu_train)) if not 0 < value <= 1]
     details = dict(decode_runs=lines, step_overhead_from=overhead_from,
-                   train_fixed_from="run" if run_cost is not None else "assumed 0 (no run)",
+                   train_fixed_from=train_fixed_from,
                    trainer_step=key, assumed=dict(mfu_prefill="= mfu_train (not measured)",
                                                   link="default (one device: no collectives)",
                                                   collective_latency="default"),
