@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import REPO, load_repo_config
+from conftest import REPO
 from dora_jax.bench import accelerator
 
 ENV = dict(os.environ, PYTHONPATH=str(REPO))
@@ -62,26 +62,40 @@ def test_peak_memory_is_recorded_when_the_module_fails(tmp_path):
                                                reason="the part never imported JAX")
 
 
-def test_the_device_shapes_are_valid_configs_of_the_stated_size():
+def _configs_from_flags(args: list, names: dict) -> dict:
+    """The validated configs a benchmark would build from `args` (its config flags and
+    their overrides, parsed as ml_collections parses them)."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    from dora_jax.model import hf_checks
+
+    values = flags.FlagValues()
+    argv = ["bench"] + [a for a in args if a.split("=")[0].split(".")[0][2:] in names]
+    for name, default in names.items():  # overrides are read from the argv given here
+        config_flags.DEFINE_config_file(name, str(REPO / default), flag_values=values,
+                                        sys_argv=argv)
+    values(argv)
+    return {name: hf_checks.validated(values[name].value) for name in names}
+
+
+def test_the_device_form_flags_build_valid_configs_of_the_stated_size():
     from dora_jax.bench import model_shape
     from dora_jax.model import transformer
 
-    dense = load_repo_config("configs/tiny.py", **{f"model__{k}": v
-                                                   for k, v in accelerator._DENSE.items()})
-    moe = load_repo_config("configs/moe.py:tiny",
-                           **{f"model__{k}": v for k, v in accelerator._MOE.items()},
-                           model__moe__num_experts=16, model__moe__top_k=2,
-                           model__moe__expert_hidden=1408)
-    sizes = {}
-    for name, cfg in (("dense", dense), ("moe", moe)):
-        shape = model_shape(cfg.model, transformer.abstract_params(cfg.model)[1])
-        sizes[name] = (shape["params"], shape["active_params"])
-    assert 0.8e9 < sizes["dense"][0] < 1.0e9 and sizes["dense"][0] == sizes["dense"][1]
-    total, active = sizes["moe"]
+    device = accelerator.SIZES["device"]
+    engine = _configs_from_flags(device.engine, {"config": "configs/tiny.py",
+                                                 "moe_config": "configs/moe.py:tiny"})
+    trainer = _configs_from_flags(device.trainer, {"config": "configs/tiny.py"})["config"]
+    sizes = {name: model_shape(cfg.model, transformer.abstract_params(cfg.model)[1])
+             for name, cfg in dict(engine, trainer=trainer).items()}
+    assert 0.8e9 < sizes["config"]["params"] < 1.0e9
+    assert sizes["config"]["params"] == sizes["config"]["active_params"] == sizes["trainer"]["params"]
     # 8 layers of 16 experts (3 x 2048 x 1408 each), 2 of them read per token
-    assert total - active == 8 * 14 * 3 * 2048 * 1408
-    flags = " ".join(accelerator.SIZES["device"].engine)
-    assert "--config.model.d_model=2048" in flags and "--moe_config.model.moe.num_experts=16" in flags
+    assert sizes["moe_config"]["params"] - sizes["moe_config"]["active_params"] == (
+        8 * 14 * 3 * 2048 * 1408)
+    assert {s["dtype"] for s in sizes.values()} == {"bfloat16"}
+    assert trainer.trainer.length_buckets == (128,)
 
 
 def test_the_accelerator_extras_pin_the_jax_the_package_requires():

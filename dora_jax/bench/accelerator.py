@@ -85,8 +85,10 @@ SIZES = {
         budget_s=540,
         shares=dict(tests=0.18, engine=0.3, trainer=0.18, quickstart=0.28, preset=0.06),
         engine=["--models=tiny,moe", "--slots=64", "--sweep=", "--decode_len=256",
-                "--requests_per_slot=2", "--repeats=2", "--config.rollout.max_prefill_length=64",
-                "--moe_config.rollout.max_prefill_length=64"]
+                "--requests_per_slot=2", "--repeats=2"]
+        + [f"--{c}.{k}" for c in ("config", "moe_config")
+           for k in ("rollout.max_prefill_length=64", "rollout.prefill_buckets=(64,)",
+                     "trainer.length_buckets=(512,)")]
         + overrides("config.model", _DENSE) + overrides("moe_config.model", _MOE)
         + overrides("moe_config.model.moe", dict(num_experts=16, top_k=2, expert_hidden=1408)),
         trainer=["--mesh=single", "--groups=8", "--group_size=8", "--steps=3", "--rounds=3",
