@@ -141,3 +141,17 @@ def test_the_cpu_form_runs_every_part_and_reports(tmp_path):
     for line in ("tests:", "8 fake devices", "engine tiny", "engine moe", "trainer:", "quickstart: dora",
                  "preset cpu", "cpu: not shown here"):
         assert line in summary, summary
+
+
+@pytest.mark.parametrize("devices, mode, slices", [(1, "sync", 1), (2, "dora", 1), (5, "dora", 4),
+                                                    (8, "dora", 4)])
+def test_the_quickstart_layout_fits_the_devices_there_are(devices, mode, slices):
+    from dora_jax import config as config_lib
+    from dora_jax.bench.quickstart_run import fit_layout
+    from dora_jax.model import hf_checks
+
+    c = config_lib.load(str(REPO / "configs/quickstart.py"))
+    said = fit_layout(c, devices)
+    cfg = hf_checks.validated(c, devices)  # fails if the layout needs more devices
+    assert (cfg.coordinator.mode, cfg.mesh.num_slices) == (mode, slices), said
+    assert cfg.mesh.colocated == (devices == 1)
