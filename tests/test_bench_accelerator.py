@@ -155,3 +155,11 @@ def test_the_quickstart_layout_fits_the_devices_there_are(devices, mode, slices)
     cfg = hf_checks.validated(c, devices)  # fails if the layout needs more devices
     assert (cfg.coordinator.mode, cfg.mesh.num_slices) == (mode, slices), said
     assert cfg.mesh.colocated == (devices == 1)
+
+
+def test_the_installer_script_parses_and_names_each_extra():
+    script = REPO / "launchers" / "accelerator.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    text = script.read_text()
+    assert 'pip install -q -e ".[$extra,test]"' in text and "dora_jax.bench.accelerator" in text
+    assert os.access(script, os.X_OK)
