@@ -1,0 +1,241 @@
+"""LoRA: adapters leave the base exact until trained, compute W x + scale B A x (numpy
+references), train alone, shard like their weights, fold into W for export, and
+carry a small fraction of the weights' bytes."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
+
+from dora_jax import config as config_lib
+from dora_jax.config import LoRAConfig, ModelConfig, MoEConfig
+from dora_jax.model import layers, lora, moe, sharding, transformer as tf
+
+DENSE = ModelConfig(vocab_size=32, d_model=16, num_layers=2, num_heads=2, num_kv_heads=1,
+                    head_dim=8, mlp_hidden=24)
+MOE = dataclasses.replace(DENSE, moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=12,
+                                               num_shared_experts=1, shared_expert_hidden=8,
+                                               capacity_factor=4.0))
+
+
+def with_lora(cfg, **kw):
+    return dataclasses.replace(cfg, lora=LoRAConfig(**{"rank": 4, "alpha": 8.0, **kw}))
+
+
+def randomise_b(params, seed=0, std=0.3):
+    """Every B drawn at random (fresh adapters are zero, which would hide them)."""
+    keys = iter(jax.random.split(jax.random.key(seed), 1000))
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: (std * jax.random.normal(next(keys), x.shape)).astype(x.dtype)
+        if "lora_b" in jax.tree_util.keystr(p) else x, params)
+
+
+def paths(tree):
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+TOKENS = jax.random.randint(jax.random.key(1), (2, 8), 0, 32)
+
+
+def test_rank_zero_is_the_model_without_lora():
+    """Rank 0 adds no param and ignores the other LoRA fields; the base of an
+    adapted model is, bit for bit, the model without adapters (same seed)."""
+    g0, p0 = tf.create(DENSE, 3)
+    g1, p1 = tf.create(dataclasses.replace(DENSE, lora=LoRAConfig(alpha=-1.0, targets=("q",),
+                                                                  dtype="bfloat16")), 3)
+    assert paths(p0) == paths(p1) and not any("lora" in p for p in paths(p0))
+    for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(tf.apply(g0, p0, TOKENS)[0], tf.apply(g1, p1, TOKENS)[0])
+    base, adapters = lora.split(tf.create(with_lora(DENSE), 3)[1])
+    assert paths(base) == paths(p0) and paths(adapters)
+    for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(p0)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("scan", [True, False])
+@pytest.mark.parametrize("kind", ["dense", "moe_dropless", "moe_capacity"])
+def test_fresh_adapters_give_the_base_logits_exactly(kind, scan):
+    base_cfg = DENSE if kind == "dense" else dataclasses.replace(
+        MOE, moe=dataclasses.replace(MOE.moe, dispatch=kind.removeprefix("moe_")))
+    base_cfg = dataclasses.replace(base_cfg, scan_layers=scan)
+    cfg = with_lora(base_cfg, experts=base_cfg.moe.enabled)
+    g0, p0 = tf.create(base_cfg, 0)
+    g1, p1 = tf.create(cfg, 0)
+    ref = tf.apply(g0, p0, TOKENS)[0]
+    np.testing.assert_array_equal(tf.apply(g1, p1, TOKENS)[0], ref)
+    # The adapters are in the computation: non-zero B moves the logits.
+    assert not np.allclose(tf.apply(g1, randomise_b(p1), TOKENS)[0], ref, atol=1e-3)
+
+
+def test_decoding_with_adapters_equals_the_full_forward():
+    """What a decode slice computes from published adapted params (expert adapters
+    included) is the trainer's forward."""
+    cfg = with_lora(MOE, experts=True)
+    g, p = tf.create(cfg, 0)
+    p = randomise_b(p)
+    full = jax.jit(lambda p: tf.apply(g, p, TOKENS, dropless=True)[0])(p)
+    kv = jax.jit(lambda p: tf.apply(g, p, TOKENS[:, :5], dropless=True, return_kv=True)[2])(p)
+    cache = tf.init_cache(cfg, 2, 8)
+    cache = tf.KVCache(cache.k.at[:, :, :5].set(kv.k), cache.v.at[:, :, :5].set(kv.v))
+    logits, _ = jax.jit(functools.partial(tf.decode, g))(p, TOKENS[:, 5], jnp.full((2,), 5),
+                                                         cache)
+    assert float(jnp.max(jnp.abs(full[:, 5] - full[:, 5].mean()))) > 0.1
+    np.testing.assert_allclose(logits, full[:, 5], rtol=1e-4, atol=1e-4)
+
+
+def _silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def _ab(adapter, scale):
+    """A, B as numpy (f32) and the term x -> scale * (x A) B of 2-D x."""
+    a, b = np.asarray(adapter.lora_a[...]), np.asarray(adapter.lora_b[...])
+    return lambda x: scale * (x.reshape(len(x), -1) @ a.reshape(-1, a.shape[-1])) @ b.reshape(
+        b.shape[0], -1)
+
+
+def test_projection_delta_matches_numpy():
+    """q at position 0 (no rotation, no norm), o and the SwiGLU against W x + scale
+    B A x written in numpy."""
+    cfg = with_lora(dataclasses.replace(DENSE, qk_norm=False), alpha=6.0)
+    scale = 6.0 / 4
+    attn = layers.Attention(cfg, rngs=nnx.Rngs(params=0))
+    for ad in (attn.lora_q, attn.lora_o):
+        ad.lora_b[...] = jax.random.normal(jax.random.key(2), ad.lora_b.shape)
+    x = np.asarray(jax.random.normal(jax.random.key(3), (5, 16)))
+    q, _, _ = attn._qkv(jnp.asarray(x)[None], jnp.zeros((1, 5), jnp.int32))
+    want_q = x @ np.asarray(attn.wq[...]).reshape(16, -1) + _ab(attn.lora_q, scale)(x)
+    np.testing.assert_allclose(np.asarray(q[0]).reshape(5, -1), want_q, rtol=1e-5, atol=1e-5)
+    o = np.asarray(jax.random.normal(jax.random.key(4), (5, 2, 8)))
+    want_o = o.reshape(5, -1) @ np.asarray(attn.wo[...]).reshape(-1, 16) + _ab(
+        attn.lora_o, scale)(o)
+    np.testing.assert_allclose(np.asarray(attn._out(jnp.asarray(o)[None])[0]), want_o,
+                               rtol=1e-5, atol=1e-5)
+
+    mlp = layers.SwiGLU(16, 24, jnp.float32, jnp.float32, rngs=nnx.Rngs(params=1), cfg=cfg)
+    for ad in (mlp.lora_gate, mlp.lora_up, mlp.lora_down):
+        ad.lora_b[...] = jax.random.normal(jax.random.key(5), ad.lora_b.shape)
+    w = {n: np.asarray(getattr(mlp, f"w_{n}")[...]) for n in ("gate", "up", "down")}
+    d = {n: _ab(getattr(mlp, f"lora_{n}"), scale) for n in ("gate", "up", "down")}
+    h = _silu(x @ w["gate"] + d["gate"](x)) * (x @ w["up"] + d["up"](x))
+    np.testing.assert_allclose(np.asarray(mlp(jnp.asarray(x)[None])[0]),
+                               h @ w["down"] + d["down"](h), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dropless", [True, False])
+def test_expert_adapters_match_numpy(dropless):
+    """Each token through its top-k experts, each expert with its own A and B."""
+    cfg = with_lora(dataclasses.replace(MOE, moe=dataclasses.replace(
+        MOE.moe, num_shared_experts=0)), experts=True, targets=("gate", "up", "down"))
+    layer = moe.MoE(cfg, rngs=nnx.Rngs(params=0))
+    for ad in (layer.lora_gate, layer.lora_up, layer.lora_down):
+        ad.lora_b[...] = jax.random.normal(jax.random.key(6), ad.lora_b.shape)
+    x = np.asarray(jax.random.normal(jax.random.key(7), (6, 16)))
+    y, aux = layer(jnp.asarray(x)[None], dropless=dropless)
+    assert float(aux["dropped_fraction"]) == 0.0
+    ab = {n: (np.asarray(getattr(layer, f"lora_{n}").lora_a[...]),
+              np.asarray(getattr(layer, f"lora_{n}").lora_b[...])) for n in ("gate", "up", "down")}
+    w = {n: np.asarray(getattr(layer, f"w_{n}")[...]) for n in ("gate", "up", "down")}
+    s = cfg.lora.scale
+
+    def proj(n, e, v):
+        a, b = ab[n]
+        return v @ w[n][e] + s * (v @ a[e]) @ b[e]
+
+    want = np.zeros_like(x)
+    for i, v in enumerate(x):
+        logits = v @ np.asarray(layer.router[...])
+        p = np.exp(logits - logits.max())
+        p /= p.sum()
+        top = np.argsort(-p, kind="stable")[:2]
+        for e, we in zip(top, p[top] / p[top].sum()):
+            want[i] += we * proj("down", e, _silu(proj("gate", e, v)) * proj("up", e, v))
+    np.testing.assert_allclose(np.asarray(y[0]), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("base_cfg", [DENSE, MOE], ids=["dense", "moe"])
+def test_merged_weights_give_the_adapted_logits(base_cfg):
+    cfg = with_lora(base_cfg, experts=base_cfg.moe.enabled)
+    g, p = tf.create(cfg, 0)
+    p = randomise_b(p)
+    merged = lora.merged_weights(p, cfg.lora)
+    g0, p0 = tf.create(base_cfg, 0)
+    assert paths(merged) == paths(p0)
+    np.testing.assert_allclose(tf.apply(g0, merged, TOKENS)[0], tf.apply(g, p, TOKENS)[0],
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_adapters_shard_like_their_weights_and_sharded_equals_unsharded(load_config):
+    """MoE with expert adapters under the trainer rules, data2 x tensor2 x expert2."""
+    cfg = with_lora(load_config("configs/moe.py:tiny", model__num_layers=1).model, experts=True)
+    g, p = tf.create(cfg, 5)
+    p = randomise_b(p, std=0.1)
+    ref = jax.jit(lambda p, t: tf.apply(g, p, t)[0])(p, TOKENS)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 1, 2, 2), config_lib.TRAINER_MESH_AXES)
+    rules = config_lib.TRAINER_RULES
+    shardings = sharding.param_shardings(p, mesh, rules)
+    sp = jax.device_put(p, shardings)
+    attn, mlp = sp["blocks"][0]["attn"], sp["blocks"][0]["mlp"]
+    assert attn["lora_q"]["lora_b"][...].sharding.spec == P(None, None, "tensor", None)
+    assert attn["lora_o"]["lora_a"][...].sharding.spec == P(None, "tensor", None, None)
+    assert mlp["lora_gate"]["lora_b"][...].sharding.spec == P(None, "expert", None, "tensor")
+    assert mlp["shared"]["lora_down"]["lora_a"][...].sharding.spec == P(None, "tensor", None)
+    batch = jax.sharding.NamedSharding(mesh, P(("data", "fsdp", "expert")))
+    tokens = jnp.tile(TOKENS, (4, 1))
+    fwd = jax.jit(lambda p, t: tf.apply(g, p, t)[0], in_shardings=(shardings, batch))
+    with sharding.activation_rules(mesh, rules):
+        out = fwd(sp, jax.device_put(tokens, batch))
+    assert len(out.sharding.device_set) == 8
+    np.testing.assert_allclose(np.asarray(out)[:2], np.asarray(ref), rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("change, named", [
+    (dict(rank=-1), "model.lora.rank"),
+    (dict(rank=4, alpha=0.0), "model.lora.alpha"),
+    (dict(rank=4, targets=("q", "ffn")), "model.lora.targets"),
+    (dict(rank=4, targets=()), "model.lora.targets"),
+    (dict(rank=4, targets=("q", "q")), "model.lora.targets"),
+    (dict(rank=4, experts=True, targets=("q",)), "model.lora.experts"),
+    (dict(rank=4, dtype="float16"), "model.lora.dtype"),
+])
+def test_config_errors_name_the_field(change, named, load_config):
+    c = load_config("configs/moe.py:tiny", validate=False)
+    c.model.lora.update(change)
+    with pytest.raises(config_lib.ConfigError, match=rf"config\.{named}:"):
+        config_lib.validate(c)
+
+
+def test_expert_adapters_need_an_moe_model(load_config):
+    c = load_config("configs/tiny.py", validate=False)
+    c.model.lora.update(dict(rank=4, experts=True))
+    with pytest.raises(config_lib.ConfigError, match=r"config\.model\.lora\.experts: .*dense"):
+        config_lib.validate(c)
+    c.model.lora.experts = False
+    assert config_lib.validate(c).model.lora.scale == 32.0 / 4
+
+
+QWEN3_8B = ModelConfig(vocab_size=151_936, d_model=4096, num_layers=36, num_heads=32,
+                       num_kv_heads=8, head_dim=128, mlp_hidden=12_288,
+                       param_dtype="bfloat16", dtype="bfloat16", rope_theta=1e6)
+
+
+@pytest.mark.slow
+def test_publish_bytes_of_adapters_are_a_small_fraction(load_config):
+    """Rank 32 on every projection: Qwen3-8B (bf16 weights, f32 adapters) and
+    Qwen3-30B-A3B (configs/moe.py, f32 weights) publish <= 3% of their weights' bytes."""
+    moe30 = load_config("configs/moe.py").model
+    q8 = lora.publish_bytes(with_lora(QWEN3_8B, rank=32))
+    assert q8["full"] == 2 * 8_190_735_360  # bf16 x 8.19B parameters
+    # 36 layers x (q, k, v, o, gate, up, down) x 32 ranks x (in + out), 4 bytes each.
+    assert q8["adapters"] == 36 * 32 * 4 * (
+        (4096 + 4096) * 2 + (4096 + 1024) * 2 + (4096 + 12_288) * 3)
+    m30 = lora.publish_bytes(with_lora(moe30, rank=32))
+    assert m30["full"] == 4 * 30_532_122_624  # every MLP is MoE: attention adapters only
+    assert m30["adapters"] == 48 * 32 * 4 * ((2048 + 4096) * 2 + (2048 + 512) * 2)
+    assert q8["ratio"] <= 0.03 and m30["ratio"] <= 0.03
