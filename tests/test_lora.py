@@ -13,8 +13,11 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from dora_jax import config as config_lib
+from dora_jax.checkpointing import Checkpointer
 from dora_jax.config import LoRAConfig, ModelConfig, MoEConfig
 from dora_jax.model import layers, lora, moe, sharding, transformer as tf
+from dora_jax.rl.trainer import Trainer
+from test_trainer import batch_of, trainer_mesh, trajectories
 
 DENSE = ModelConfig(vocab_size=32, d_model=16, num_layers=2, num_heads=2, num_kv_heads=1,
                     head_dim=8, mlp_hidden=24)
@@ -193,6 +196,109 @@ def test_adapters_shard_like_their_weights_and_sharded_equals_unsharded(load_con
         out = fwd(sp, jax.device_put(tokens, batch))
     assert len(out.sharding.device_set) == 8
     np.testing.assert_allclose(np.asarray(out)[:2], np.asarray(ref), rtol=2e-4, atol=2e-4)
+
+
+@pytest.fixture(scope="module")
+def lora_trainer(load_config):
+    cfg = load_config("configs/tiny.py", num_devices=len(jax.devices()), model__num_layers=1,
+                      model__lora__rank=4, trainer__kl_coef=0.1)
+    return Trainer(cfg, trainer_mesh())
+
+
+def test_only_adapters_get_gradients_and_optimizer_state(lora_trainer):
+    base, adapters = lora.split(lora_trainer.params)
+    batch = batch_of(trajectories(0, 2, 4), 4)
+    _, grads = lora_trainer.loss_and_grads(batch)
+    assert paths(grads) == paths(adapters)
+    # With B = 0, A's gradient is zero and B's is not (the term is scale * B A x).
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        assert (np.abs(np.asarray(g)).max() > 0) == ("lora_b" in jax.tree_util.keystr(path))
+    moments = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(
+        lora_trainer.state.opt_state) if x.ndim]
+    assert len(moments) == 2 * len(paths(adapters))
+    assert all("lora_" in p for p in moments)
+    assert lora.tree_bytes(lora_trainer.state.opt_state) < lora.tree_bytes(base) / 5
+
+
+def test_lora_steps_lower_the_loss_and_keep_the_base(lora_trainer, tmp_path):
+    """On one fixed batch; the KL reference is the base: 0 before any update."""
+    before = jax.tree.map(np.asarray, lora_trainer.params)
+    batch = batch_of(trajectories(0, 2, 4), 4)
+    metrics = [jax.device_get(lora_trainer.train_step(batch)) for _ in range(4)]
+    assert lora_trainer.ref_params is None
+    assert metrics[0]["kl_ref"] == 0.0 and metrics[-1]["kl_ref"] > 0.0
+    assert metrics[-1]["pg_loss"] < metrics[0]["pg_loss"] - 0.05
+    base0, ad0 = lora.split(before)
+    base1, ad1 = lora.split(lora_trainer.params)
+    for a, b in zip(jax.tree.leaves(base0), jax.tree.leaves(base1)):
+        np.testing.assert_array_equal(a, b)
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(ad0),
+                                                        jax.tree.leaves(ad1)))
+    # A checkpoint holds the base once and the adapters, and restores them.
+    with Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(4, lora_trainer.state, force=True)
+        saved = paths(ckpt.saved_tree())
+        state, _ = ckpt.restore(lora_trainer.abstract_state())
+    assert sum("['attn']['wq']" in p for p in saved) == 1
+    assert any(p.startswith("['params']") and "['lora_q']['lora_b']" in p for p in saved)
+    assert any(p.startswith("['opt_state']") and "['lora_q']['lora_b']" in p for p in saved)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(lora_trainer.state)):
+        np.testing.assert_array_equal(a, b)
+
+
+def _leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+@pytest.mark.slow
+def test_lora_sharded_step_matches_unsharded(load_config):
+    """Expert adapters, capacity dispatch, 2 updates x 2 micro-batches, TIS, KL to the
+    base, weight decay: one step on one device and on fsdp2 x tensor2 x expert2."""
+    cfg = load_config("configs/moe.py:tiny", num_devices=len(jax.devices()),
+                      model__num_layers=1, model__moe__dispatch="capacity",
+                      model__moe__capacity_factor=2.0, model__lora__rank=4,
+                      model__lora__experts=True, trainer__num_minibatches=2,
+                      trainer__micro_batches=2, trainer__objective="tis", trainer__is_cap=1.5,
+                      trainer__kl_coef=0.05, trainer__weight_decay=0.01)
+    one = Trainer(cfg, trainer_mesh())
+    sharded = Trainer(cfg, trainer_mesh(fsdp=2, tensor=2, expert=2))
+    start = jax.device_get(one.state)
+    sharded.load_state(start)
+    batch = batch_of(trajectories(2, num_groups=4, group_size=4), 4)
+    m_one = jax.device_get(one.train_step(batch))
+    m_sharded = jax.device_get(sharded.train_step(batch))
+    lr = cfg.trainer.learning_rate
+    for a, b in zip(_leaves(sharded.params), _leaves(one.params)):
+        assert np.abs(a - b).max() < 0.1 * lr  # Adam on ~0 gradients: rounding noise
+    for k in ("loss", "pg_loss", "kl_ref", "grad_norm", "load_balance_loss"):
+        np.testing.assert_allclose(m_sharded[k], m_one[k], rtol=2e-4, atol=1e-6, err_msg=k)
+    assert m_one["kl_ref"] > 0 and m_one["skipped_updates"] == 0
+    (b0, a0), (b1, a1) = lora.split(start.params), lora.split(one.params)
+    for x, y in zip(_leaves(b0), _leaves(b1)):
+        np.testing.assert_array_equal(x, y)
+    assert max(np.abs(x - y).max() for x, y in zip(_leaves(a0), _leaves(a1))) > 1e-4
+    w = sharded.params["blocks"][0]["mlp"]["lora_up"]["lora_a"][...]
+    assert w.sharding.spec == P(None, "expert", "fsdp", None)
+
+
+def test_lora_packed_unscanned_remat_step(load_config):
+    """Packed micro-batches by tokens, layers unrolled and rematerialised."""
+    cfg = load_config("configs/tiny.py", num_devices=len(jax.devices()), model__num_layers=1,
+                      model__scan_layers=False, model__remat="full", model__lora__rank=2,
+                      model__lora__targets=("v", "down"), trainer__tokens_per_microbatch=128)
+    tr = Trainer(cfg, trainer_mesh(data=2, fsdp=2))
+    start = jax.device_get(tr.params)
+    m = jax.device_get(tr.train_step(batch_of(trajectories(3, 2, 4), 4)))
+    assert np.isfinite(m["loss"]) and m["skipped_updates"] == 0
+    (b0, a0), (b1, a1) = lora.split(start), lora.split(tr.params)
+    assert [k for k in paths(a0) if "lora_b" in k] == [
+        "['blocks'][0]['attn']['lora_v']['lora_b'].value",
+        "['blocks'][0]['mlp']['lora_down']['lora_b'].value"]
+    for x, y in zip(_leaves(b0), _leaves(b1)):
+        np.testing.assert_array_equal(x, y)
+    # Every B moves (A's gradient is zero while B is).
+    assert all(np.abs(x - y).max() > 0 for k, x, y in zip(paths(a0), _leaves(a0), _leaves(a1))
+               if "lora_b" in k)
 
 
 @pytest.mark.parametrize("change, named", [
