@@ -4,6 +4,7 @@ carry a small fraction of the weights' bytes."""
 
 import dataclasses
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -345,3 +346,80 @@ def test_publish_bytes_of_adapters_are_a_small_fraction(load_config):
     assert m30["full"] == 4 * 30_532_122_624  # every MLP is MoE: attention adapters only
     assert m30["adapters"] == 48 * 32 * 4 * ((2048 + 4096) * 2 + (2048 + 512) * 2)
     assert q8["ratio"] <= 0.03 and m30["ratio"] <= 0.03
+
+
+def test_runs_start_from_checkpoint_bases_with_fresh_adapters(tiny_hf_checkpoint, load_config,
+                                                               tmp_path):
+    """A Hugging Face base, then an Orbax one (full fine-tuning's params): the base
+    is read, the adapters are the seed's; saved adapters are read back; export
+    folds them into the weights."""
+    from dora_jax.experiment import initial_params
+    from dora_jax.model import hf
+
+    cfg = load_config("configs/qwen3_gsm8k.py:tiny", model__checkpoint=tiny_hf_checkpoint,
+                      model__lora__rank=4)
+    _, params = initial_params(cfg)
+    base, adapters = lora.split(params)
+    _, ours = hf.load_pretrained(tiny_hf_checkpoint, cfg=lora.base_config(cfg.model))
+    _, fresh = lora.split(tf.create(cfg.model, cfg.seed)[1])
+    for a, b in zip(_leaves(base) + _leaves(adapters), _leaves(ours) + _leaves(fresh)):
+        np.testing.assert_array_equal(a, b)
+
+    trained = randomise_b(params)
+    out = str(tmp_path / "hf")
+    hf.save_pretrained(cfg.model, trained, out)
+    _, exported = hf.load_pretrained(out, cfg=lora.base_config(cfg.model))
+    for a, b in zip(_leaves(exported), _leaves(lora.merged_weights(trained, cfg.model.lora))):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+    for saved in (lora.merged_weights(trained, cfg.model.lora), trained):
+        directory = tmp_path / f"init{len(paths(saved))}"
+        with Checkpointer(directory, async_save=False) as ckpt:
+            ckpt.save(1, saved, force=True)
+        again = load_config("configs/qwen3_gsm8k.py:tiny", model__lora__rank=4,
+                            init_checkpoint=str(directory))
+        _, params = initial_params(again)
+        want = saved if lora.has_adapters(saved) else lora.merge(saved, fresh)
+        assert paths(params) == paths(want)
+        for a, b in zip(_leaves(params), _leaves(want)):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_sft_trains_the_adapters_alone(tmp_path, load_config):
+    from dora_jax import sft
+    from dora_jax.model import hf_checks
+    from test_sft import _countdown
+
+    c = _countdown(load_config)
+    c.model.lora.update(dict(rank=8, targets=("q", "v", "up", "down")))
+    cfg = hf_checks.validated(c, num_devices=8)
+    out = sft.train(cfg, str(tmp_path), steps=12, batch_size=8, learning_rate=1e-2,
+                    log_every=11)
+    assert out["loss_last"] < 0.9 * out["loss_first"], out
+    _, init = tf.create(cfg.model, cfg.seed)
+    with Checkpointer(out["checkpoint"], async_save=False) as ckpt:
+        saved, _ = ckpt.restore(init)
+    (b0, a0), (b1, a1) = lora.split(init), lora.split(saved)
+    for x, y in zip(_leaves(b0), _leaves(b1)):
+        np.testing.assert_array_equal(x, y)
+    assert paths(a1) == paths(a0) and any(
+        not np.array_equal(x, y) for x, y in zip(_leaves(a0), _leaves(a1)))
+
+
+@pytest.mark.slow
+def test_a_lora_run_publishes_adapted_params_to_the_slices(small_config, tmp_path):
+    """End to end (sync: every step trains on its own version's samples): the
+    slices decode the trainer's adapted params."""
+    from conftest import audit_workdir
+    from dora_jax import experiment
+
+    c = small_config("sync", validate=False)
+    c.model.lora.rank = 4
+    cfg = config_lib.validate(c, num_devices=8)
+    summary = experiment.run(cfg, str(tmp_path))
+    _, report = audit_workdir(cfg, str(tmp_path))
+    assert report.ok and summary["steps"] == cfg.coordinator.num_steps
+    metrics = [json.loads(line)["trainer"] for line in open(tmp_path / "metrics.jsonl")]
+    # After the adapters moved, the engine's log-probs of its tokens are the trainer's.
+    assert all(m["logprob_mismatch_tokens"] > 0 for m in metrics[1:])
+    assert all(m["logprob_mismatch"] < 1e-3 for m in metrics)
