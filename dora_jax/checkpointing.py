@@ -182,6 +182,13 @@ class Checkpointer:
                                                extra=ocp.args.JsonRestore()))
         return out.state
 
+    def saved_tree(self, step: int | None = None) -> Any:
+        """Checkpoint `step`'s (default: the latest) train-state tree as saved, with
+        array metadata (shape, dtype) for leaves: no array is read."""
+        step = self.latest_step() if step is None else step
+        path = epath.Path(self.directory) / str(step) / "state"
+        return ocp.StandardCheckpointHandler().metadata(path).tree
+
     def _check_extra(self, step: int) -> None:
         """Checks a local checkpoint's JSON blob before Orbax parses it: a regular
         file, capped, nesting bounded (untrusted_files). Orbax reads it whole with

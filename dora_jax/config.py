@@ -20,9 +20,9 @@ from typing import ClassVar
 import ml_collections
 
 from dora_jax.config_model import (  # noqa: F401 - the config's public names
-    ATTENTION_IMPLS, DECODE_RULES, DTYPES, MOE_DISPATCH, REMAT_POLICIES, ROPE_SCALINGS,
-    SLICE_MESH_AXES, TRAINER_MESH_AXES, TRAINER_RULES, MeshConfig, ModelConfig, MoEConfig,
-    _axes_of, colocate, decode_rules_from)
+    ATTENTION_IMPLS, DECODE_RULES, DTYPES, LORA_TARGETS, MOE_DISPATCH, REMAT_POLICIES,
+    ROPE_SCALINGS, SLICE_MESH_AXES, TRAINER_MESH_AXES, TRAINER_RULES, LoRAConfig, MeshConfig,
+    ModelConfig, MoEConfig, _axes_of, colocate, decode_rules_from)
 from dora_jax.config_data import (  # noqa: F401 - the config's public names
     AUTO_REWARDS, DATA_SOURCES, TEXT_REWARDS, TEXT_SOURCES, TOKEN_REWARDS, DataConfig)
 from dora_jax.config_report import EvalConfig, LoggingConfig  # noqa: F401 - public names

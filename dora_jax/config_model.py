@@ -15,6 +15,7 @@ DTYPES = ("float32", "bfloat16")
 ROPE_SCALINGS = ("none", "llama3")  # model/layers.py: rope_frequencies
 ATTENTION_IMPLS = ("auto", "dense", "blockwise", "cudnn", "splash")  # model/attention.py
 REMAT_POLICIES = ("none", "full", "dots", "offload_dots")  # model/transformer.py
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # model/lora.py
 
 TRAINER_MESH_AXES = ("data", "fsdp", "tensor", "expert")
 SLICE_MESH_AXES = ("tensor", "expert")
@@ -24,7 +25,7 @@ TRAINER_RULES = (
     ("batch", ("data", "fsdp", "expert")), ("length", None), ("embed", "fsdp"),
     ("vocab", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor"), ("head_dim", None),
     ("mlp", "tensor"), ("expert", "expert"), ("expert_mlp", "tensor"), ("cache_length", None),
-    ("layers", None),
+    ("layers", None), ("lora_rank", None),
 )
 
 
@@ -87,6 +88,45 @@ class MoEConfig(Section):
 
 
 @dataclasses.dataclass(frozen=True)
+class LoRAConfig(Section):
+    """Low-rank adapters on the projections (model/lora.py): y = W x + alpha / rank *
+    B A x, only A and B trained. rank 0: full fine-tuning, no adapter anywhere."""
+
+    PATH: ClassVar[str] = "model.lora"
+    rank: int = field(0, min=0)
+    alpha: float = 32.0  # scale = alpha / rank
+    targets: tuple = LORA_TARGETS  # attention q, k, v, o; MLP gate, up, down
+    experts: bool = False  # also each MoE expert's gate / up / down (when targeted)
+    dtype: str = field("float32", choices=DTYPES)  # of the adapters, whatever the base's
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank if self.rank else 0.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.enabled:
+            return
+        if not self.alpha > 0:
+            fail(self._f("alpha"), f"must be > 0 with model.lora.rank > 0, got {self.alpha}")
+        if not self.targets:
+            fail(self._f("targets"), f"must name at least one of {LORA_TARGETS} with "
+                                     f"model.lora.rank > 0")
+        for t in self.targets:
+            if t not in LORA_TARGETS:
+                fail(self._f("targets"), f"unknown target {t!r}; known: {LORA_TARGETS}")
+        if len(set(self.targets)) != len(self.targets):
+            fail(self._f("targets"), f"names a target twice: {tuple(self.targets)}")
+        if self.experts and not set(self.targets) & {"gate", "up", "down"}:
+            fail(self._f("experts"), "adapts the experts' gate / up / down: name one of "
+                                     f"them in model.lora.targets, got {tuple(self.targets)}")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig(Section):
     PATH: ClassVar[str] = "model"
     vocab_size: int = field(min=1)
@@ -122,6 +162,7 @@ class ModelConfig(Section):
     remat: str = field("none", choices=REMAT_POLICIES)
     scan_layers: bool = True  # one compiled layer period, scanned over the depth
     moe: MoEConfig = MoEConfig()
+    lora: LoRAConfig = LoRAConfig()
 
     def is_moe_layer(self, layer: int) -> bool:
         m = self.moe
@@ -149,6 +190,9 @@ class ModelConfig(Section):
         if self.moe.enabled and self.moe.moe_every > self.num_layers:
             fail("model.moe.moe_every", f"must be <= model.num_layers ({self.num_layers}) or "
                                          f"no layer is MoE, got {self.moe.moe_every}")
+        if self.lora.enabled and self.lora.experts and not self.moe.enabled:
+            fail("model.lora.experts", "adapts MoE experts, but the model is dense "
+                                       "(model.moe.num_experts = 0)")
         if self.scan_layers and self.num_layers % self.layer_period:
             fail(self._f("scan_layers"), f"scanning needs num_layers ({self.num_layers}) to "
                   f"be a multiple of the dense/MoE period ({self.layer_period})")

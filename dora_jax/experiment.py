@@ -18,7 +18,7 @@ from dora_jax.config import Config
 from dora_jax.data import prompts as prompts_lib
 from dora_jax.data import sources
 from dora_jax import devices
-from dora_jax.model import transformer
+from dora_jax.model import lora, transformer
 from dora_jax.rl.trainer import Trainer
 from dora_jax.rollout.episodes import EpisodeRunner
 from dora_jax.rollout.slice import DecodeSlice
@@ -39,21 +39,38 @@ from dora_jax.timeline import Timeline
 def initial_params(cfg: Config, mesh=None):
     """(graphdef, params) a run starts from: model.checkpoint's weights (placed shard
     by shard on `mesh` under the trainer's rules), else random ones from the seed;
-    then init_checkpoint's params (an Orbax checkpoint, e.g. dora_jax.sft's) if set."""
+    then init_checkpoint's params (an Orbax checkpoint, e.g. dora_jax.sft's) if set.
+    With LoRA the base comes from either, the adapters from the checkpoint when it
+    holds them, else fresh from the seed (`lora.init_adapters`)."""
     if cfg.init_checkpoint and not os.path.isdir(cfg.init_checkpoint):
         raise FileNotFoundError(f"config.init_checkpoint: no checkpoint directory at "
                                 f"{cfg.init_checkpoint!r}")
+    use_lora = cfg.model.lora.enabled
     if cfg.model.checkpoint:
         from dora_jax.model import hf
 
         graphdef, _ = transformer.abstract_params(cfg.model)
-        _, params = hf.load_pretrained(cfg.model.checkpoint, cfg=cfg.model, mesh=mesh,
-                                       rules=cfg.mesh.trainer_rules)
+        _, params = hf.load_pretrained(cfg.model.checkpoint, cfg=lora.base_config(cfg.model),
+                                       mesh=mesh, rules=cfg.mesh.trainer_rules)
+        if use_lora:
+            params = lora.merge(params, lora.init_adapters(cfg.model, cfg.seed))
     else:
         graphdef, params = transformer.create(cfg.model, cfg.seed)
     if cfg.init_checkpoint:
-        params = load_params(cfg.init_checkpoint, params)
+        if use_lora and not _saves_adapters(cfg.init_checkpoint):
+            base, adapters = lora.split(params)  # e.g. full fine-tuning's SFT params
+            params = lora.merge(load_params(cfg.init_checkpoint, base), adapters)
+        else:
+            params = load_params(cfg.init_checkpoint, params)
     return graphdef, params
+
+
+def _saves_adapters(directory: str) -> bool:
+    """Whether the newest params checkpoint in `directory` holds LoRA adapters (its
+    tree read, no array)."""
+    with Checkpointer(directory, async_save=False) as checkpointer:
+        return checkpointer.latest_step() is not None and lora.has_adapters(
+            checkpointer.saved_tree())
 
 
 def warm_up(slices, trainer, cfg: Config) -> None:

@@ -8,7 +8,9 @@ demonstration (the correct response its task defines, e.g. the countdown; for te
 tasks the answer in the format the prompt asks for, then EOS) and writes the params as an Orbax checkpoint in
 `<workdir>/checkpoints/`, which an RL run starts from with
 `--config.init_checkpoint=<workdir>/checkpoints`. Loss values go to
-`<workdir>/sft_metrics.jsonl`. One device; the policies this is for are small.
+`<workdir>/sft_metrics.jsonl`. One device; the policies this is for are small. With
+LoRA (`model.lora.rank` > 0) only the adapters train, as in RL; the checkpoint holds
+base and adapters.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import optax
 from dora_jax.checkpointing import Checkpointer
 from dora_jax.config import Config
 from dora_jax.data import sources
-from dora_jax.model import transformer
+from dora_jax.model import lora, transformer
 from dora_jax.rl import packing
 from dora_jax.rl.batch import TrainBatch
 
@@ -59,13 +61,16 @@ def _layout(cfg: Config, batch: TrainBatch) -> dict:
     return {k: out[k][0] for k in ("tokens", "positions", "segment_ids", "loss_mask")}
 
 
-def _step(graphdef, tx, packed: bool, params, opt_state, rows):
+def _step(graphdef, tx, packed: bool, base, params, opt_state, rows):
     """One teacher-forced update: the token-mean negative log-likelihood over the
     demonstrations, gradients accumulated over the micro-batches (packed: attention
-    kept within each sample, empty micro-batches skipped)."""
+    kept within each sample, empty micro-batches skipped). base: None, or with LoRA
+    the frozen base of `params` (then the adapters)."""
     ntok = jnp.maximum(jnp.sum(rows["loss_mask"]), 1.0)
 
     def loss_fn(p, mb):
+        if base is not None:
+            p = lora.merge(jax.lax.stop_gradient(base), p)
         valid_BT = mb["segment_ids"] > 0
         kwargs = dict(segment_ids_BT=mb["segment_ids"]) if packed else {}
         logits, _, _ = transformer.apply(graphdef, p, mb["tokens"],
@@ -102,6 +107,9 @@ def train(cfg: Config, workdir: str, *, steps: int, batch_size: int, learning_ra
     records, _ = sources.prompt_records(cfg, tokenizer)
     os.makedirs(workdir, exist_ok=True)
     graphdef, params = initial_params(cfg)
+    base = None
+    if cfg.model.lora.enabled:  # the adapters alone train
+        base, params = lora.split(params)
     tx = optax.chain(optax.clip_by_global_norm(cfg.trainer.grad_clip),
                      optax.adamw(learning_rate, weight_decay=cfg.trainer.weight_decay))
     opt_state = tx.init(params)
@@ -114,10 +122,12 @@ def train(cfg: Config, workdir: str, *, steps: int, batch_size: int, learning_ra
         for i in range(steps):
             batch = demonstration_batch(cfg, records, demonstrate,
                                         rng.integers(len(records), size=batch_size))
-            params, opt_state, loss = step(params, opt_state, _layout(cfg, batch))
+            params, opt_state, loss = step(base, params, opt_state, _layout(cfg, batch))
             if i % log_every == 0 or i == steps - 1:
                 losses.append(float(loss))
                 log.write(json.dumps({"step": i, "loss": losses[-1]}) + "\n")
+    if base is not None:
+        params = lora.merge(base, params)
     directory = os.path.join(workdir, "checkpoints")
     with Checkpointer(directory, async_save=False) as checkpointer:
         checkpointer.save(steps, params, {"kind": "sft_params", "loss": losses[-1]}, force=True)

@@ -219,7 +219,7 @@ def test_decode_rules_are_the_trainer_rules_without_data_and_fsdp():
     assert dict(config_lib.DECODE_RULES) == {
         "batch": None, "length": None, "embed": None, "vocab": "tensor", "heads": "tensor",
         "kv_heads": "tensor", "head_dim": None, "mlp": "tensor", "expert": "expert",
-        "expert_mlp": "tensor", "cache_length": None, "layers": None}
+        "expert_mlp": "tensor", "cache_length": None, "layers": None, "lora_rank": None}
 
 
 def test_base_is_the_schema():

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dora_jax.config import ModelConfig
-from dora_jax.model import hf_config, safetensors_file, transformer
+from dora_jax.model import hf_config, lora, safetensors_file, transformer
 from dora_jax.model.hf_config import CheckpointError  # noqa: F401 - callers catch hf.CheckpointError
 from dora_jax.model.sharding import param_shardings
 
@@ -242,7 +242,10 @@ def save_pretrained(cfg: ModelConfig, params, path: str, *, dtype: str | None = 
     generation_config.json, safetensors (sharded past `max_shard_bytes`, with the
     index) and, given a `data.tokenizer.Tokenizer`, its files. `dtype`: the stored
     dtype (default: the params'). Tensors are fetched from the devices one at a
-    time as they are written. Returns the weight files written."""
+    time as they are written. Returns the weight files written. LoRA adapters are
+    folded into their weights first (`lora.merged_weights`)."""
+    if lora.has_adapters(params):
+        params, cfg = lora.merged_weights(params, cfg.lora), lora.base_config(cfg)
     dtype = dtype or cfg.param_dtype
     np_dtype = np.dtype(jnp.dtype(dtype))
     os.makedirs(path, exist_ok=True)

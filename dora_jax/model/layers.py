@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dora_jax.model import lora
 from dora_jax.model.attention import attend, causal_attention
 from dora_jax.model.paged_attention import paged_attention
 from dora_jax.model.sharding import constrain
@@ -89,6 +90,13 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(Dh, "head_dim", cfg.norm_eps, pd, rngs=rngs)
         else:
             self.q_norm = self.k_norm = None
+        # Adapters after the base weights, from a stream of their own.
+        lr = lora.adapter_rngs(rngs) if cfg.lora.enabled else None
+        d, hk = ((D,), ("embed",)), ((H, Dh), ("heads", "head_dim"))
+        self.lora_q = lora.make(cfg, "q", lr, *d, *hk)
+        self.lora_k = lora.make(cfg, "k", lr, *d, (K, Dh), ("kv_heads", "head_dim"))
+        self.lora_v = lora.make(cfg, "v", lr, *d, (K, Dh), ("kv_heads", "head_dim"))
+        self.lora_o = lora.make(cfg, "o", lr, *hk, *d)
         # Static: a tuple of floats, so the module holds no array outside its params.
         self.inv_freq = tuple(float(f) for f in rope_frequencies(cfg))
         self.dtype = jnp.dtype(cfg.dtype)
@@ -96,9 +104,12 @@ class Attention(nnx.Module):
 
     def _qkv(self, x_BTD, positions_BT):
         dt = self.dtype
-        q = jnp.einsum("btd,dhk->bthk", x_BTD, self.wq[...].astype(dt))
-        k = jnp.einsum("btd,dhk->bthk", x_BTD, self.wk[...].astype(dt))
-        v = jnp.einsum("btd,dhk->bthk", x_BTD, self.wv[...].astype(dt))
+        q = lora.adapt(self.lora_q, x_BTD,
+                       jnp.einsum("btd,dhk->bthk", x_BTD, self.wq[...].astype(dt)))
+        k = lora.adapt(self.lora_k, x_BTD,
+                       jnp.einsum("btd,dhk->bthk", x_BTD, self.wk[...].astype(dt)))
+        v = lora.adapt(self.lora_v, x_BTD,
+                       jnp.einsum("btd,dhk->bthk", x_BTD, self.wv[...].astype(dt)))
         if self.bq is not None:
             q, k, v = (y + b[...].astype(dt) for y, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
         if self.q_norm is not None:
@@ -112,7 +123,8 @@ class Attention(nnx.Module):
         return q, k, v
 
     def _out(self, o_BTHD):
-        y = jnp.einsum("bthk,hkd->btd", o_BTHD, self.wo[...].astype(self.dtype))
+        y = lora.adapt(self.lora_o, o_BTHD,
+                       jnp.einsum("bthk,hkd->btd", o_BTHD, self.wo[...].astype(self.dtype)))
         return constrain(y, ("batch", "length", "embed"))
 
     def __call__(self, x_BTD, positions_BT, past=None, segment_ids_BT=None):
@@ -170,16 +182,26 @@ class Attention(nnx.Module):
 
 
 class SwiGLU(nnx.Module):
-    def __init__(self, d_model: int, hidden: int, param_dtype, dtype, *, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, hidden: int, param_dtype, dtype, *, rngs: nnx.Rngs,
+                 cfg=None):
+        """cfg: the ModelConfig, whose `lora` may adapt gate / up / down."""
         self.w_gate = param(rngs, (d_model, hidden), ("embed", "mlp"), param_dtype)
         self.w_up = param(rngs, (d_model, hidden), ("embed", "mlp"), param_dtype)
         self.w_down = param(rngs, (hidden, d_model), ("mlp", "embed"), param_dtype)
         self.dtype = dtype
+        lr = lora.adapter_rngs(rngs) if cfg is not None and cfg.lora.enabled else None
+        d, f = ((d_model,), ("embed",)), ((hidden,), ("mlp",))
+        self.lora_gate = lora.make(cfg, "gate", lr, *d, *f)
+        self.lora_up = lora.make(cfg, "up", lr, *d, *f)
+        self.lora_down = lora.make(cfg, "down", lr, *f, *d)
 
     def __call__(self, x_BTD):
         dt = self.dtype
-        gate = jnp.einsum("btd,df->btf", x_BTD, self.w_gate[...].astype(dt))
-        up = jnp.einsum("btd,df->btf", x_BTD, self.w_up[...].astype(dt))
+        gate = lora.adapt(self.lora_gate, x_BTD,
+                          jnp.einsum("btd,df->btf", x_BTD, self.w_gate[...].astype(dt)))
+        up = lora.adapt(self.lora_up, x_BTD,
+                        jnp.einsum("btd,df->btf", x_BTD, self.w_up[...].astype(dt)))
         h = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-        y = jnp.einsum("btf,fd->btd", h, self.w_down[...].astype(dt))
+        y = lora.adapt(self.lora_down, h,
+                       jnp.einsum("btf,fd->btd", h, self.w_down[...].astype(dt)))
         return constrain(y, ("batch", "length", "embed"))

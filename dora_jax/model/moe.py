@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dora_jax.model import lora
 from dora_jax.model.layers import SwiGLU, param
 from dora_jax.model.sharding import constrain
 
@@ -107,8 +108,15 @@ class MoE(nnx.Module):
         self.w_gate = param(rngs, (E, D, F), ("expert", "embed", "expert_mlp"), pd, std=D ** -0.5)
         self.w_up = param(rngs, (E, D, F), ("expert", "embed", "expert_mlp"), pd, std=D ** -0.5)
         self.w_down = param(rngs, (E, F, D), ("expert", "expert_mlp", "embed"), pd, std=F ** -0.5)
-        self.shared = (SwiGLU(D, m.num_shared_experts * m.shared_expert_hidden, pd, dt, rngs=rngs)
-                       if m.num_shared_experts else None)
+        self.shared = (SwiGLU(D, m.num_shared_experts * m.shared_expert_hidden, pd, dt,
+                              rngs=rngs, cfg=cfg) if m.num_shared_experts else None)
+        # Per expert (model.lora.experts): A [E, in, r], B [E, r, out].
+        lr = lora.adapter_rngs(rngs) if cfg.lora.enabled and cfg.lora.experts else None
+        d, f, e = ((D,), ("embed",)), ((F,), ("expert_mlp",)), dict(lead=(E,),
+                                                                   lead_axes=("expert",))
+        self.lora_gate = lora.make(cfg, "gate", lr, *d, *f, **e)
+        self.lora_up = lora.make(cfg, "up", lr, *d, *f, **e)
+        self.lora_down = lora.make(cfg, "down", lr, *f, *d, **e)
         self.num_experts, self.top_k = E, m.top_k
         self.normalize = m.normalize_topk
         self.capacity_factor = m.capacity_factor
@@ -117,10 +125,17 @@ class MoE(nnx.Module):
 
     def _experts(self, x_ECD):
         dt = self.dtype
-        gate = jnp.einsum("ecd,edf->ecf", x_ECD, self.w_gate[...].astype(dt))
-        up = jnp.einsum("ecd,edf->ecf", x_ECD, self.w_up[...].astype(dt))
+
+        def adapt(adapter, x, y):
+            return y if adapter is None else y + adapter.experts(x)
+
+        gate = adapt(self.lora_gate, x_ECD,
+                     jnp.einsum("ecd,edf->ecf", x_ECD, self.w_gate[...].astype(dt)))
+        up = adapt(self.lora_up, x_ECD,
+                   jnp.einsum("ecd,edf->ecf", x_ECD, self.w_up[...].astype(dt)))
         h = constrain(jax.nn.silu(gate) * up, ("expert", None, "expert_mlp"))
-        return jnp.einsum("ecf,efd->ecd", h, self.w_down[...].astype(dt))
+        return adapt(self.lora_down, h,
+                     jnp.einsum("ecf,efd->ecd", h, self.w_down[...].astype(dt)))
 
     def _dropless(self, x_ND, experts_NK, weights_NK, valid_N=None):
         dt = self.dtype
@@ -134,10 +149,14 @@ class MoE(nnx.Module):
         order = jnp.argsort(flat_e, stable=True)
         x_sorted_MD = x_ND[order // K]
         sizes_E = jnp.zeros(self.num_experts, jnp.int32).at[flat_e].add(1, mode="drop")
-        gate = jax.lax.ragged_dot(x_sorted_MD, self.w_gate[...].astype(dt), sizes_E)
-        up = jax.lax.ragged_dot(x_sorted_MD, self.w_up[...].astype(dt), sizes_E)
-        y_sorted_MD = jax.lax.ragged_dot(jax.nn.silu(gate) * up,
-                                         self.w_down[...].astype(dt), sizes_E)
+
+        def grouped(w, adapter, x_MD):
+            y = jax.lax.ragged_dot(x_MD, w[...].astype(dt), sizes_E)
+            return y if adapter is None else y + adapter.ragged(x_MD, sizes_E)
+
+        gate = grouped(self.w_gate, self.lora_gate, x_sorted_MD)
+        up = grouped(self.w_up, self.lora_up, x_sorted_MD)
+        y_sorted_MD = grouped(self.w_down, self.lora_down, jax.nn.silu(gate) * up)
         y_MD = jnp.zeros_like(y_sorted_MD).at[order].set(y_sorted_MD)
         y_NKD = y_MD.reshape(N, K, -1)
         return jnp.einsum("nkd,nk->nd", y_NKD, weights_NK.astype(dt))

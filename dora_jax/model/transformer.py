@@ -75,7 +75,8 @@ class Block(nnx.Module):
         if cfg.is_moe_layer(layer):
             self.mlp = MoE(cfg, rngs=rngs)
         else:
-            self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden, pd, jnp.dtype(cfg.dtype), rngs=rngs)
+            self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden, pd, jnp.dtype(cfg.dtype), rngs=rngs,
+                              cfg=cfg)
         self.is_moe = cfg.is_moe_layer(layer)
 
     def _mlp(self, x, dropless, valid_BT=None):

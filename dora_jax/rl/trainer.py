@@ -29,6 +29,12 @@ the whole minibatch; seq-mean-* modes divide by its number of non-empty sequence
 seq-mean-token-sum-norm is a sum. MoE aux losses are the mean over micro-batches of
 each (non-empty) micro-batch's (nonlinear) value; padding is never routed.
 
+With LoRA (`model.lora.rank` > 0) only the adapters train (model/lora.py): the loss is
+differentiated with respect to them alone (the base under stop_gradient), the
+optimizer state holds them alone, and the train state's params keep the base once,
+unchanged. The KL reference is then the base itself (every B zeroed in the step), so
+it costs no copy of the params.
+
 An update whose loss or gradient is not finite is skipped: params and optimizer
 state stay as they were (the learning-rate schedule does not advance), and the step
 reports it in `skipped_updates`.
@@ -47,7 +53,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dora_jax.config import Config
 from dora_jax.devices import make_meshes
-from dora_jax.model import transformer
+from dora_jax.model import lora, transformer
 from dora_jax.model.sharding import (activation_rules, copy_tree, logical_to_spec,
                                      param_shardings)
 from dora_jax.rl import losses, objective, packing
@@ -115,7 +121,8 @@ class Trainer:
         cfg.seed)`. The Trainer takes ownership: they are donated to the first step.
       graphdef: the model graphdef; default from `transformer.abstract_params`.
       ref_params: frozen reference params for the KL term. None with kl_coef > 0
-        means a copy of the initial params; with kl_coef == 0 the KL is only reported.
+        means a copy of the initial params (with LoRA: the base, adapters zeroed);
+        with kl_coef == 0 the KL is only reported.
     """
 
     def __init__(self, cfg: Config, mesh: Mesh | None = None, *, params=None,
@@ -133,18 +140,24 @@ class Trainer:
         self._schedule = learning_rate_schedule(t)
         self._param_sh = full_param_shardings(params, self.mesh, self.rules)
         scalar = NamedSharding(self.mesh, PartitionSpec())
-        opt_sh = opt_state_shardings(self._tx, params, self._param_sh, self.mesh)
+        # What the optimizer updates: every param, or with LoRA the adapters alone.
+        self._lora = cfg.model.lora.enabled
+        self._train_sh = (lora.split(self._param_sh)[1] if self._lora else self._param_sh)
+        opt_sh = opt_state_shardings(self._tx, self._trainable(params), self._train_sh,
+                                     self.mesh)
         self._state_sh = TrainState(self._param_sh, opt_sh, scalar, scalar, scalar)
         self._batch_axes = logical_to_spec(("batch",), self.rules, self.mesh)[0]
         self._batch_sh = NamedSharding(self.mesh, PartitionSpec(None, None, self._batch_axes))
         self._packed = t.tokens_per_microbatch > 0
 
         params = jax.device_put(params, self._param_sh)
-        if ref_params is None and t.kl_coef > 0:
+        # With LoRA and no reference given, the step zeroes the adapters of its params.
+        self._base_ref = self._lora and ref_params is None and t.kl_coef > 0
+        if ref_params is None and t.kl_coef > 0 and not self._lora:
             # A real copy: `params` is donated to the first step, the reference is not.
             ref_params = copy_tree(params)
         self._ref = None if ref_params is None else jax.device_put(ref_params, self._param_sh)
-        opt_state = jax.jit(self._tx.init, out_shardings=opt_sh)(params)
+        opt_state = jax.jit(self._tx.init, out_shardings=opt_sh)(self._trainable(params))
         # Three distinct buffers: the state is donated, one buffer cannot be donated twice.
         zeros = [jax.device_put(np.zeros((), np.int32), scalar) for _ in range(3)]
         self._state = TrainState(params, opt_state, *zeros)
@@ -158,7 +171,7 @@ class Trainer:
                                  out_shardings=(self._state_sh, scalar), donate_argnums=0)
         self._grads_jit = jax.jit(self._loss_and_grads, static_argnums=3,
                                   in_shardings=(self._param_sh, bsh, ref_sh),
-                                  out_shardings=(scalar, self._param_sh))
+                                  out_shardings=(scalar, self._train_sh))
 
     # ----------------------------------------------------------------- public API
     @property
@@ -251,7 +264,8 @@ class Trainer:
 
     def loss_and_grads(self, batch: TrainBatch):
         """(loss, grads) of the whole batch as ONE minibatch at the current params,
-        accumulated over `micro_batches`; no update. For tests and debugging."""
+        accumulated over `micro_batches`; no update (grads of the adapters alone with
+        LoRA). For tests and debugging."""
         arrays = self._device_batch(batch, 1)
         with activation_rules(self.mesh, self.rules):
             return self._grads_jit(self._state.params, arrays, self._ref, batch.group_size)
@@ -290,6 +304,16 @@ class Trainer:
         return arrays
 
     # ---------------------------------------------------------------- objective
+    def _trainable(self, params):
+        """The params the optimizer updates: all, or with LoRA the adapters."""
+        return lora.split(params)[1] if self._lora else params
+
+    def _with_trainable(self, params, trainable):
+        """`params` with `trainable` (as `_trainable` gives them) in place."""
+        if not self._lora:
+            return trainable
+        return lora.merge(lora.split(params)[0], trainable)
+
     def _forward(self, params, micro):
         """(logits, MoE aux) of a micro-batch's rows; packed rows attend within each
         sample only, with positions restarting at each."""
@@ -312,11 +336,19 @@ class Trainer:
         num_micro = U
         if self._packed:
             num_micro = jnp.maximum(jnp.sum(jnp.any(micro["segment_ids"] > 0, axis=(1, 2))), 1)
-        grad_fn = jax.value_and_grad(functools.partial(objective.micro_loss, self.cfg,
-                                                       self._forward), has_aux=True)
+        loss_fn = functools.partial(objective.micro_loss, self.cfg, self._forward)
+        trainable = params
+        if self._lora:  # differentiated in the adapters alone; the base is a constant
+            base, trainable = lora.split(params)
+            base = jax.lax.stop_gradient(base)
+            loss_fn = lambda adapters, *rest: objective.micro_loss(  # noqa: E731
+                self.cfg, self._forward, lora.merge(base, adapters), *rest)
+            if self._base_ref:
+                ref_params = jax.lax.stop_gradient(lora.zero_adapters(params))
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
         def grads_of(mb, old_bT):
-            return grad_fn(params, ref_params, mb, adv_B, old_bT, ntok, nseq, num_micro,
+            return grad_fn(trainable, ref_params, mb, adv_B, old_bT, ntok, nseq, num_micro,
                            version)
 
         def body(g_acc, xs):
@@ -341,10 +373,10 @@ class Trainer:
 
         if U == 1:
             return body(None, jax.tree.map(lambda x: x[0], (micro, old_UbT)))
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        zeros = jax.lax.with_sharding_constraint(zeros, self._param_sh)
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable)
+        zeros = jax.lax.with_sharding_constraint(zeros, self._train_sh)
         grads, stats_U = jax.lax.scan(body, zeros, (micro, old_UbT))
-        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trainable)
         return grads, _combine(stats_U, over_updates=False)
 
     def _prepare(self, params, batch, group_size):
@@ -397,7 +429,9 @@ class Trainer:
             stats["learning_rate"] = self._schedule(count)
             # A non-finite update is skipped: params and optimizer state unchanged.
             finite = jnp.isfinite(stats["grad_norm"]) & jnp.isfinite(stats["loss"])
-            params, opt_state = guarded_update(self._tx, grads, opt_state, params, finite)
+            trainable, opt_state = guarded_update(self._tx, grads, opt_state,
+                                                  self._trainable(params), finite)
+            params = self._with_trainable(params, trainable)
             stats["skipped_updates"] = (~finite).astype(jnp.int32)
             return (params, opt_state, count + finite.astype(count.dtype)), stats
 
