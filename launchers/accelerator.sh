@@ -3,7 +3,10 @@
 # runs its accelerator check (python -m dora_jax.bench.accelerator).
 #   launchers/accelerator.sh [cuda|tpu|cpu|auto] [--out=DIR] [--budget_s=540] ...
 # auto: cuda where nvidia-smi sees a GPU, tpu where a TPU is attached, cpu otherwise.
-# The report goes to --out (default: $OUT/accelerator_report when $OUT is set).
+# The report goes to --out (default: $OUT/accelerator_report when $OUT is set). The
+# whole command, install included, aims at DORA_ACCELERATOR_SECONDS (default 570:
+# one device command of at most 10 minutes); the check gets what the install left
+# (a --budget_s given here overrides it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extra="${1:-auto}"
@@ -25,4 +28,6 @@ else python -m pip install -q -e ".[$extra,test]"; fi
 echo "installed .[$extra] in $((SECONDS - start)) s"
 default_out="accelerator_report"
 [[ -n "${OUT:-}" ]] && default_out="$OUT/accelerator_report"
-exec python -m dora_jax.bench.accelerator --out="$default_out" "$@"
+left=$(( ${DORA_ACCELERATOR_SECONDS:-570} - (SECONDS - start) - 10 ))
+(( left < 120 )) && left=120
+exec python -m dora_jax.bench.accelerator --out="$default_out" --budget_s="$left" "$@"
