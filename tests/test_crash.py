@@ -11,6 +11,8 @@ from conftest import REPO
 
 @pytest.mark.slow
 def test_five_kills_lose_and_duplicate_nothing(tmp_path):
+    """Also the entry-point smoke test of `python -m dora_jax.bench.crash`: exit 0 and
+    its documented final line (kills, lost, duplicated, steps), here exactly."""
     cmd = [sys.executable, "-m", "dora_jax.bench.crash", "--config=configs/tiny.py",
            "--kills=5", "--max_delay=1", "--startup_kills=0.2", "--seed=1",
            f"--workdir={tmp_path / 'run'}", "--config.model.num_layers=1",

@@ -125,17 +125,49 @@ def _outside_env(tmp_path, **extra) -> dict:
     return {**env, "MPLBACKEND": "Agg", **extra}
 
 
+# The notebook's check, run after its cells in the same process: what the notebook made.
+_QUICKSTART_CHECK = """
+import json as _json
+print('quickstart check: ' + _json.dumps(dict(
+    ok=bool(report.ok), steps=summary['steps'], rewards=len(rewards),
+    hf=sorted(os.listdir(hf_dir)))))
+"""
+
+
 @pytest.mark.slow
-def test_a_wheel_ships_the_configs_and_the_flagship_runs_outside_the_clone(tmp_path):
-    """pip wheel, installed into a fresh environment: the configs load by name from a
-    directory that is not the clone, and the flagship command answers as documented."""
+def test_colab_quickstart_runs_from_a_wheel_in_a_fresh_environment(tmp_path):
+    """The notebook as a Colab user runs it: its install cell installs the wheel (as
+    DORA_JAX_PIP says) into a fresh environment outside the clone, then every cell
+    runs, a few steps each: warm start, an RL run whose ledger audits clean, the
+    reward curve, the export loaded back. The installed wheel then ships the configs:
+    they load by name from a directory that is not the clone, and the flagship
+    command answers as documented. (One fresh environment and one wheel for both; the
+    in-process run of the notebook that tests/test_e2e.py had is this one.)"""
     python = _fresh_venv(tmp_path)
     env = _outside_env(tmp_path)
     out = subprocess.run([python, "-c", "import dora_jax"], capture_output=True, env=env,
                          cwd=tmp_path)
     assert out.returncode != 0, "dora_jax must not be importable before the install"
-    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed",
-                    _wheel(tmp_path)], check=True, env=env, cwd=tmp_path, timeout=600)
+    script = tmp_path / "quickstart.py"
+    script.write_text(_code("quickstart.ipynb") + "\n" + _QUICKSTART_CHECK)
+    run_env = _outside_env(tmp_path, DORA_JAX_PIP=f"--no-deps --ignore-installed "
+                                                  f"{_wheel(tmp_path)}",
+                           QUICKSTART_DIR=str(tmp_path / "run"), QUICKSTART_SFT_STEPS="10",
+                           QUICKSTART_RL_STEPS="3")
+    # With -c, as in a notebook kernel, __main__ has no file: the reward pool's worker
+    # processes would run a script's file again.
+    run = f"exec(compile(open({str(script)!r}).read(), 'quickstart.ipynb', 'exec'))"
+    out = subprocess.run([python, "-c", run], capture_output=True, text=True, env=run_env,
+                         cwd=tmp_path, timeout=900)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "audit clean: True | steps: 3" in out.stdout, out.stdout
+    check = json.loads(out.stdout.split("quickstart check: ")[-1].splitlines()[0])
+    assert check["ok"] and check["steps"] == 3 and check["rewards"] == 3, check
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(check["hf"]), check
+    assert (tmp_path / "run" / "reward_curve.png").exists()
+    installed = list((tmp_path / "venv").glob("lib/python*/site-packages/dora_jax/configs"))
+    assert installed, "the install cell installed the wheel into the fresh environment"
+
     code = ("import dora_jax, os; from dora_jax import config, configs\n"
             "from dora_jax.model import hf_checks\n"
             "print(os.path.dirname(dora_jax.__file__)); print(','.join(configs.names()))\n"
@@ -152,29 +184,6 @@ def test_a_wheel_ships_the_configs_and_the_flagship_runs_outside_the_clone(tmp_p
     assert out.returncode != 0 and out.stderr.strip() == (
         "error: config.mesh: moe needs 256 devices (trainer 128 + 8 decode slices x 16), "
         "but this host has 1 (cpu): run moe:tiny here"), out.stderr
-
-
-@pytest.mark.slow
-def test_colab_quickstart_runs_from_a_wheel_in_a_fresh_environment(tmp_path):
-    """The notebook as a Colab user runs it: its install cell installs the wheel (as
-    DORA_JAX_PIP says) into a fresh environment outside the clone, then every cell
-    runs, a few steps each."""
-    python = _fresh_venv(tmp_path)
-    script = tmp_path / "quickstart.py"
-    script.write_text(_code("quickstart.ipynb"))
-    env = _outside_env(tmp_path, DORA_JAX_PIP=f"--no-deps --ignore-installed {_wheel(tmp_path)}",
-                       QUICKSTART_DIR=str(tmp_path / "run"), QUICKSTART_SFT_STEPS="10",
-                       QUICKSTART_RL_STEPS="3")
-    # With -c, as in a notebook kernel, __main__ has no file: the reward pool's worker
-    # processes would run a script's file again.
-    run = f"exec(compile(open({str(script)!r}).read(), 'quickstart.ipynb', 'exec'))"
-    out = subprocess.run([python, "-c", run], capture_output=True, text=True, env=env,
-                         cwd=tmp_path, timeout=900)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert "audit clean: True | steps: 3" in out.stdout, out.stdout
-    assert (tmp_path / "run" / "reward_curve.png").exists()
-    installed = list((tmp_path / "venv").glob("lib/python*/site-packages/dora_jax/configs"))
-    assert installed, "the install cell installed the wheel into the fresh environment"
 
 
 @pytest.mark.slow

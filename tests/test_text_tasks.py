@@ -192,6 +192,22 @@ def test_reasoning_gym_record_that_does_not_match_raises():
         verifiers.reasoning_gym_reward({**r, "question": "tampered"}, r["answer"])
 
 
+def test_a_remade_entry_is_made_once_and_never_shared():
+    """Scoring re-makes a record's entry from its seed and index once (a group's
+    samples share it); each caller gets its own copy, so a scorer that changed one
+    could not change what the next response is scored against."""
+    from dora_jax.data import reasoning_gym_tasks
+
+    [r] = text_tasks.reasoning_gym_records("chain_sum", TOK, size=1, seed=5)
+    first = reasoning_gym_tasks.entry(r)
+    first["metadata"]["tampered"] = True
+    first["answer"] = "-1"
+    second = reasoning_gym_tasks.entry(r)
+    assert second is not first and "tampered" not in second["metadata"]
+    assert second["answer"] == r["answer"]
+    assert verifiers.reasoning_gym_reward(r, f"<answer>{r['answer']}</answer>") == 1.0
+
+
 def test_reasoning_gym_rewards_in_the_reward_pool():
     from dora_jax.rewards.pool import RewardPool
 

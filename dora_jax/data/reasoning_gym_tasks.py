@@ -19,6 +19,8 @@ design, recorded here so that it is not mistaken for a hole. Tasks added by a la
 
 from __future__ import annotations
 
+import collections
+import copy
 import json
 import threading
 from fractions import Fraction
@@ -99,30 +101,51 @@ def check_version() -> None:
 
 _lock = threading.Lock()
 _datasets: dict[tuple, Any] = {}
+# Entries made from their seed and index, most recently used last: a group's samples
+# score against the same entry, and some generators take seconds to make one
+# (knight_swap and quantum_lock search for their solutions).
+_entries: collections.OrderedDict[tuple, dict] = collections.OrderedDict()
+_MAX_ENTRIES = 1024
 
 
 def dataset(record: dict):
     """The record's reasoning_gym dataset (`rg_task`, `rg_seed`, `rg_size`,
     `rg_config`), cached; a refused task or another release raises ValueError."""
-    task, seed, size = record["rg_task"], record["rg_seed"], record["rg_size"]
-    check_task(task)
-    config = record.get("rg_config") or {}
-    key = (task, seed, size, json.dumps(config, sort_keys=True))
+    key = _dataset_key(record)
     with _lock:
         if key not in _datasets:
             check_version()
             import reasoning_gym
 
+            task, seed, size, _ = key
+            config = record.get("rg_config") or {}
             _datasets[key] = reasoning_gym.create_dataset(task, size=size, seed=seed, **config)
         return _datasets[key]
+
+
+def _dataset_key(record: dict) -> tuple:
+    """(task, seed, size, config as JSON); a refused task raises ValueError."""
+    task, seed, size = record["rg_task"], record["rg_seed"], record["rg_size"]
+    check_task(task)
+    config = record.get("rg_config") or {}
+    return task, seed, size, json.dumps(config, sort_keys=True)
 
 
 def entry(record: dict) -> dict:
     """The reasoning_gym entry a record was made from, re-created from its seed and
     index, so that scoring never trusts what a record file says the answer is."""
     ds = dataset(record)
+    key = (_dataset_key(record), record["rg_index"])
     with _lock:  # generators are not known to be thread-safe
-        made = ds[record["rg_index"]]
+        made = _entries.get(key)
+        if made is None:
+            made = _entries[key] = ds[record["rg_index"]]
+            if len(_entries) > _MAX_ENTRIES:
+                _entries.popitem(last=False)
+        else:
+            _entries.move_to_end(key)
+    # A copy: a task's scorer must not change the entry the next response scores on.
+    made = copy.deepcopy(made)
     if made["question"] != record["question"]:
         raise ValueError(f"{record.get('prompt_id')!r}: the installed reasoning_gym makes a "
                          "different question for this seed and index than the record holds")
