@@ -23,14 +23,6 @@ from ml_collections import config_flags
 from dora_jax.bench import CONFIGS, write_figures
 from dora_jax.bench.runs import audited_run, run_config, warm_start
 
-_CONFIG = config_flags.DEFINE_config_file("config", str(CONFIGS / "quickstart.py"),
-                                          "config file")
-_WORKDIR = flags.DEFINE_string("workdir", None, "where the warm start and the run go")
-_SFT_STEPS = flags.DEFINE_integer("sft_steps", 150, "supervised warm-start steps")
-_STEPS = flags.DEFINE_integer("steps", 30, "RL train steps")
-_EVAL = flags.DEFINE_bool("eval", False, "keep the config's held-out evaluations")
-
-
 def fit_layout(c, num_devices: int) -> str:
     """Puts `c`'s mesh on `num_devices` devices (module docstring); returns what was
     chosen, in words."""
@@ -53,19 +45,20 @@ def main(argv):
     del argv
     import jax
 
-    workdir = _WORKDIR.value
+    f = flags.FLAGS
+    workdir = f.workdir
     os.makedirs(workdir, exist_ok=True)
-    c = _CONFIG.value
+    c = f.config
     layout = fit_layout(c, jax.device_count())
-    if not _EVAL.value:
+    if not f.eval:
         c.eval.every = 0
     start = time.perf_counter()
-    init = warm_start(c, os.path.join(workdir, "sft"), _SFT_STEPS.value)
+    init = warm_start(c, os.path.join(workdir, "sft"), f.sft_steps)
     sft_seconds = time.perf_counter() - start
-    run = run_config(c, c.coordinator.mode, steps=_STEPS.value, init_checkpoint=init)
+    run = run_config(c, c.coordinator.mode, steps=f.steps, init_checkpoint=init)
     summary = audited_run(run, os.path.join(workdir, "rl"))
     figures = dict(layout=layout, mode=run.coordinator.mode, devices=jax.device_count(),
-                   sft_steps=_SFT_STEPS.value, sft_seconds=sft_seconds, steps=_STEPS.value,
+                   sft_steps=f.sft_steps, sft_seconds=sft_seconds, steps=f.steps,
                    rl_seconds=time.perf_counter() - start - sft_seconds,
                    run_dir=os.path.join(workdir, "rl"),
                    **{k: summary.get(k) for k in ("reward_first", "reward_last", "reward_mean",
@@ -76,6 +69,11 @@ def main(argv):
         raise SystemExit(f"the ledger did not audit clean: {summary['audit']}")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # flags only here: tests import this module
+    config_flags.DEFINE_config_file("config", str(CONFIGS / "quickstart.py"), "config file")
+    flags.DEFINE_string("workdir", None, "where the warm start and the run go")
+    flags.DEFINE_integer("sft_steps", 150, "supervised warm-start steps")
+    flags.DEFINE_integer("steps", 30, "RL train steps")
+    flags.DEFINE_bool("eval", False, "keep the config's held-out evaluations")
     flags.mark_flag_as_required("workdir")
     app.run(main)
