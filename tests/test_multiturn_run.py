@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 
 import pytest
 
@@ -61,13 +62,49 @@ def episode_samples(events):
     return [(e, s) for e in events if e["event"] == "consume" for s in e["samples"]]
 
 
+def _first_observation_waits_for_version_1(monkeypatch, num_slices: int) -> None:
+    """The first environment call of the run waits until every slice holds version 1:
+    its episode's next turn then decodes under the version published meanwhile, so
+    that a publish lands within an episode by construction, not by the machine's pace
+    (the other groups of version 0 train step 0 meanwhile)."""
+    from dora_jax.rollout.slice import DecodeSlice
+
+    loaded, changed, first = {}, threading.Condition(), []
+    load, step = DecodeSlice._load, AlwaysContinue.step
+
+    def recording_load(self, version, params):  # every load: plain, or interrupting
+        seconds = load(self, version, params)
+        with changed:
+            loaded[self.slice_id] = version
+            changed.notify_all()
+        return seconds
+
+    def waiting_step(self, action):
+        with changed:
+            if not first:
+                first.append(action)
+                if not changed.wait_for(lambda: len(loaded) == num_slices
+                                        and min(loaded.values()) >= 1, timeout=200):
+                    raise TimeoutError("version 1 never reached every slice")
+        return step(self, action)
+
+    monkeypatch.setattr(DecodeSlice, "_load", recording_load)
+    monkeypatch.setattr(AlwaysContinue, "step", waiting_step)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dora", "partial_rollout"])
 def test_episodes_run_audited_with_their_turns_in_the_ledger(mode, chatty_tokenizer,
-                                                               tmp_path):
-    cfg = config(chatty_tokenizer, mode, steps=2)
+                                                               tmp_path, monkeypatch):
+    # An environment call may wait for version 1 (partial_rollout, below): well within
+    # the call's time limit, which would end the episode.
+    over = dict(data__env_timeout=300.0) if mode == "partial_rollout" else {}
+    cfg = config(chatty_tokenizer, mode, steps=2, **over)
+    if mode == "partial_rollout":
+        _first_observation_waits_for_version_1(monkeypatch, cfg.mesh.num_slices)
     experiment.run(cfg, str(tmp_path))
-    cfg = config(chatty_tokenizer, mode, steps=4)  # the same run, resumed and continued
+    monkeypatch.undo()
+    cfg = config(chatty_tokenizer, mode, steps=4, **over)  # the same run, resumed and continued
     summary = experiment.run(cfg, str(tmp_path))
     events, audit = audit_workdir(cfg, str(tmp_path))
     assert audit.ok, audit.summary()
@@ -95,6 +132,7 @@ def test_episodes_run_audited_with_their_turns_in_the_ledger(mode, chatty_tokeni
     if mode == "partial_rollout":  # reloads land between (and within) turns
         mixed = [s for _, s in samples if len({v for v, _ in s["versions"]}) > 1]
         assert mixed, "partial rollout should mix versions within some episodes"
+        assert any(v == 0 for s in mixed for v, _ in s["versions"]), mixed
 
 
 @pytest.mark.slow
