@@ -29,7 +29,7 @@ from dora_jax.rl import objective, packing
 from dora_jax.rl.batch import TrainBatch
 from dora_jax.rollout import DecodeSlice, Request
 from dora_jax.rollout.pages import PagePool
-from test_attention import PACKED_21, _naive, _segments
+from test_attention import PACKED_21, _naive, _naive_probs, _segments
 from test_moe import CFG as MOE_CFG, _reference_moe
 from test_paged import _reference as _paged_reference
 
@@ -91,15 +91,10 @@ def _attention_grads(q, k, v, d_out, segment_ids=None):
     B, T, H, D = q.shape
     G = H // k.shape[2]
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    probs = _naive_probs(q, k, segment_ids)
     for b in range(B):
-        mask = np.tril(np.ones((T, T), bool))
-        if segment_ids is not None:
-            seg = np.asarray(segment_ids[b])
-            mask &= seg[:, None] == seg[None, :]
         for h in range(H):
-            s = np.where(mask, q[b, :, h] @ k[b, :, h // G].T / np.sqrt(D), -np.inf)
-            p = np.exp(s - s.max(-1, keepdims=True))
-            p /= p.sum(-1, keepdims=True)
+            p = probs[b, h]
             dp = d_out[b, :, h] @ v[b, :, h // G].T
             ds = p * (dp - (p * dp).sum(-1, keepdims=True))
             dv[b, :, h // G] += p.T @ d_out[b, :, h]

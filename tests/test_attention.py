@@ -16,23 +16,32 @@ def _qkv(B, T, H, K, D, seed=0, dtype=jnp.float32):
             jax.random.normal(kv, (B, T, K, D), dtype))
 
 
-def _naive(q, k, v, segment_ids=None):
-    """Attention written out per head with numpy: the independent reference. With
-    segment ids, each token sees the earlier tokens of its own segment."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+def _naive_probs(q, k, segment_ids=None):
+    """Softmax probabilities [B, H, T, T] per head with numpy; with segment ids, each
+    token sees the earlier tokens of its own segment."""
     B, T, H, D = q.shape
     G = H // k.shape[2]
-    out = np.zeros_like(q)
+    probs = np.zeros((B, H, T, T))
     for b in range(B):
         mask = np.tril(np.ones((T, T), bool))
         if segment_ids is not None:
             seg = np.asarray(segment_ids[b])
             mask &= seg[:, None] == seg[None, :]
         for h in range(H):
-            s = q[b, :, h] @ k[b, :, h // G].T / np.sqrt(D)
-            s = np.where(mask, s, -np.inf)
+            s = np.where(mask, q[b, :, h] @ k[b, :, h // G].T / np.sqrt(D), -np.inf)
             p = np.exp(s - s.max(-1, keepdims=True))
-            out[b, :, h] = (p / p.sum(-1, keepdims=True)) @ v[b, :, h // G]
+            probs[b, h] = p / p.sum(-1, keepdims=True)
+    return probs
+
+
+def _naive(q, k, v, segment_ids=None):
+    """Attention written out per head with numpy: the independent reference."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    G = q.shape[2] // k.shape[2]
+    probs = _naive_probs(q, k, segment_ids)
+    out = np.zeros_like(q)
+    for h in range(q.shape[2]):
+        out[:, :, h] = probs[:, h] @ v[:, :, h // G]
     return out
 
 
