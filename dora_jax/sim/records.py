@@ -59,7 +59,7 @@ class RunRecords:
         reason = idle_reason(sl, colocated_training=(self.colocated
                                                      and self.trainer_busy_until is not None),
                              pending_versions=self._pending_versions, rbs_full=self._rbs_full,
-                             keeps_c1=s.policy.keeps_c1)
+                             keeps_c1=s.policy.keeps_c1, multi=s.multi)
         self.slot_time.book(sl, self.now, reason)
 
     def _consume(self, gid, step) -> tuple:
