@@ -67,11 +67,48 @@ def test_only_dora_holds_several_versions_per_slice():
         assert scheduler_config(preset, mode).versions_per_slice == 1
 
 
-def test_dora_with_k_plus_one_lora_versions_per_slice_audits_clean():
+def test_dora_with_k_plus_one_lora_versions_per_slice_audits_clean(tmp_path):
+    """...and its timeline stripes a slice's decode calls by version: the saved spans
+    give each version its busy slots, within the slots a slice has."""
+    from dora_jax import timeline
+
     preset = dataclasses.replace(PRESETS["paper128_lora"], train_batch_size=64,
                                  rollout_batch_size=96, total_devices=96, trainer_devices=64)
-    s = simulate(preset, "dora", 4)
+    s = simulate(preset, "dora", 4, str(tmp_path))
     assert s["audit_ok"], s["audit"]
     assert s["versions_per_step"] > 1  # versions decode side by side
     assert s["migrations"] == 0
     assert s["slot_idle"]["version_mismatch"] <= 0.01
+    mixed = [sp for sp in timeline.load_json(str(tmp_path / "timeline.json")) if sp.slots]
+    assert mixed and all(sp.kind == "decode" and len(sp.slots) > 1 for sp in mixed)
+    assert all(sum(sp.slots.values()) <= preset.slots_per_slice + 1e-9 for sp in mixed)
+    assert all(sp.version == max(sp.slots) for sp in mixed)  # the slice's newest
+
+
+def test_a_decode_call_of_several_versions_is_drawn_as_stripes_by_their_slots():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from dora_jax import timeline
+
+    tl = timeline.Timeline()
+    tl.add("slice 0", "decode", 0.0, 1.0, 12, slots={11: 6, 12: 2})
+    tl.add("slice 1", "decode", 0.0, 1.0, 12, slots={12: 8})  # one version: no stripes
+    tl.add("trainer", "train", 0.0, 1.0, 1)
+    fig, ax = plt.subplots()
+    timeline.draw(ax, tl.spans)
+    bars = sorted(((p.get_y(), p.get_height(), p.get_facecolor()) for p in ax.patches
+                   if p.get_width() == 1.0), key=lambda b: b[0])
+    plt.close(fig)
+    heights = sorted(round(h, 6) for _, h, _ in bars)
+    assert heights == [0.2, 0.6, 0.8, 0.8]  # 6 and 2 of 8 slots; two whole bars
+    colours = {round(h, 6): c for _, h, c in bars}
+    assert colours[0.6] != colours[0.2]  # neighbouring versions stay apart
+    # Ten consecutive versions get ten colours (the colour of v is v mod 10).
+    tl2 = [timeline.Span("slice 0", "decode", float(v), v + 1.0, v) for v in range(25, 35)]
+    fig, ax = plt.subplots()
+    timeline.draw(ax, tl2)
+    assert len({p.get_facecolor() for p in ax.patches if p.get_width() == 1.0}) == 10
+    plt.close(fig)

@@ -34,6 +34,7 @@ metrics.jsonl, summary.json and the timeline.
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 from typing import Callable, Optional
@@ -365,8 +366,9 @@ class ClusterSim(RunRecords, Driver):
                 return self._begin_chunk(sl)
         slow = cost.contention(self._busy() + 1)
         extra *= slow
-        versions = 1 if not self.sched.multi else len(
-            {sl.reqs[j].segments[-1][0] for j in np.flatnonzero(sl.active).tolist()})
+        by_version = None if not self.sched.multi else collections.Counter(
+            sl.reqs[j].segments[-1][0] for j in np.flatnonzero(sl.active).tolist())
+        versions = len(by_version) if by_version else 1
         self.stats["decode_steps"] += steps
         self.stats["version_steps"] += versions * steps
         seconds = extra + slow * (cost.steps_seconds(steps, batch, used - parked_kv, versions)
@@ -375,5 +377,6 @@ class ClusterSim(RunRecords, Driver):
         sl.rates = (self.now + extra, float(np.minimum(left, steps).sum()) / steps, batch)
         sl.kv_blocked = bool(sl.waiting)
         self.stats["busy_slot_seconds"] += batch * (seconds - extra)
-        self._span(f"slice {sl.i}", "decode", self.now, self.now + seconds, sl.version)
+        self._span(f"slice {sl.i}", "decode", self.now, self.now + seconds, sl.version,
+                   by_version)
         self._at(self.now + seconds, "chunk", sl.i)
