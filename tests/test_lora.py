@@ -411,7 +411,8 @@ def test_sft_trains_the_adapters_alone(tmp_path, load_config):
 @pytest.mark.slow
 def test_a_lora_run_publishes_adapted_params_to_the_slices(small_config, tmp_path):
     """End to end (sync: every step trains on its own version's samples): the
-    slices decode the trainer's adapted params."""
+    slices decode the trainer's adapted params, and each publish carries the
+    adapters alone (metrics.jsonl's publish_bytes, the summary's)."""
     from conftest import audit_workdir
     from dora_jax import experiment
 
@@ -421,7 +422,32 @@ def test_a_lora_run_publishes_adapted_params_to_the_slices(small_config, tmp_pat
     summary = experiment.run(cfg, str(tmp_path))
     _, report = audit_workdir(cfg, str(tmp_path))
     assert report.ok and summary["steps"] == cfg.coordinator.num_steps
-    metrics = [json.loads(line)["trainer"] for line in open(tmp_path / "metrics.jsonl")]
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    sizes = lora.publish_bytes(cfg.model)
+    assert {r["publish_bytes"] for r in records} == {sizes["adapters"]}
+    assert sizes["adapters"] < sizes["full"] / 10
+    assert summary["publish_bytes"] == sizes["adapters"]
+    metrics = [r["trainer"] for r in records]
     # After the adapters moved, the engine's log-probs of its tokens are the trainer's.
     assert all(m["logprob_mismatch_tokens"] > 0 for m in metrics[1:])
     assert all(m["logprob_mismatch"] < 1e-3 for m in metrics)
+
+
+def test_an_engine_places_a_frozen_base_once():
+    """A version's base and adapters placed on a decode mesh: the next version, given
+    the same base arrays, moves its adapters alone, and decodes as the merged model."""
+    from dora_jax.rollout.placement import ParamPlacement
+
+    cfg = with_lora(DENSE)
+    graphdef, params = tf.create(cfg, 0)
+    base, adapters = lora.split(jax.device_get(params))
+    mesh = Mesh(np.asarray(jax.devices()[1:2]).reshape(1, 1), ("tensor", "expert"))
+    placement = ParamPlacement(tf.abstract_params(cfg)[1], mesh, ())
+    placement.place(lora.merge(base, adapters))
+    assert placement.last_bytes == lora.tree_bytes(params)
+    later = randomise_b(lora.merge(base, adapters))
+    placed = placement.place(lora.merge(base, lora.split(later)[1]))
+    assert placement.last_bytes == lora.tree_bytes(adapters) < lora.tree_bytes(base)
+    tree = jax.tree.unflatten(placement.treedef, list(placed.leaves))
+    np.testing.assert_allclose(tf.apply(graphdef, tree, TOKENS)[0],
+                               tf.apply(graphdef, later, TOKENS)[0], atol=1e-6)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 
+from dora_jax.model import lora
 from dora_jax.model.sharding import param_shardings
 from dora_jax.rollout.state import EngineParams
 
@@ -31,6 +32,14 @@ class ParamPlacement:
         self._leaf_shapes = [(x.shape, x.dtype) for x in leaves]
         self.shardings = EngineParams(tuple(jax.tree.leaves(
             param_shardings(abstract, mesh, rules))))
+        # With LoRA the base is frozen: a base leaf placed from the same source array
+        # as last time (runtime/weights.py hands every version the one base) is not
+        # moved again.
+        adapted = lora.has_adapters(abstract)
+        self._frozen = tuple(adapted and not lora._is_adapter(p)
+                             for p, _ in jax.tree_util.tree_leaves_with_path(abstract))
+        self._last: list = [None] * len(leaves)  # (source, placed) of frozen leaves
+        self.last_bytes = 0  # moved by the latest `place`
 
     @property
     def leaf_shapes(self) -> list:
@@ -64,5 +73,16 @@ class ParamPlacement:
         targets = list(self.shardings.leaves)
         if isinstance(params, EngineParams) and all(
                 getattr(x, "sharding", None) == sh for x, sh in zip(leaves, targets)):
+            self.last_bytes = 0
             return params
-        return EngineParams(tuple(jax.device_put(leaves, targets)))
+        move = [i for i, x in enumerate(leaves)
+                if not (self._frozen[i] and self._last[i] is not None and self._last[i][0] is x)]
+        moved = jax.device_put([leaves[i] for i in move], [targets[i] for i in move])
+        out = [self._last[i][1] if self._frozen[i] and self._last[i] is not None else None
+               for i in range(len(leaves))]
+        for i, x in zip(move, moved):
+            out[i] = x
+            if self._frozen[i]:
+                self._last[i] = (leaves[i], x)
+        self.last_bytes = lora.tree_bytes([leaves[i] for i in move])
+        return EngineParams(tuple(out))

@@ -96,7 +96,9 @@ class Runtime(Driver):
         self.clock = lambda: clock() - self._t0
         self.book = GroupBook(cfg, rewards, ledger.write, self.clock)
         # A copy: the first step donates the trainer's own buffers.
-        self.weights = WeightBook(trainer.version, published_copy(trainer.params))
+        self._adapters_only = cfg.model.lora.enabled  # a LoRA publish: the adapters
+        self.weights = WeightBook(trainer.version, published_copy(trainer.params),
+                                  adapters_only=self._adapters_only)
         self._readmit: dict = {}
         if resumed is not None:
             self._restore(resumed)
@@ -141,7 +143,8 @@ class Runtime(Driver):
                 self.trainer_doing = (f"training step {step}", start)
                 self._drill("train")
                 metrics = self.trainer.train_step(batch)
-                params = published_copy(self.trainer.params)  # the next step donates them
+                # A copy: the next step donates them.
+                params = published_copy(self.trainer.params, self._adapters_only)
                 metrics = jax.device_get(metrics)  # the step's only host sync
                 end = self.clock()
                 self.timeline.add("trainer", "train", start, end, step)
@@ -159,7 +162,7 @@ class Runtime(Driver):
         keep = {v for sl in self.sched.slices for v in (sl.version, sl.loading)}
         keep |= {g.version for g in self.sched.groups.values() if g.n_pending}
         self.weights.publish(step + 1, ev.params, keep)
-        self._evaluate(step + 1, ev.params)
+        self._evaluate(step + 1, self.weights.for_load(step + 1))
         self._trainer_idle_since = ev.end
         self.waits.mark(ev.end, self._wait_kind())
         group_ids, wait, wait_split, episodes = self._inflight_batches.pop(step)
@@ -175,7 +178,8 @@ class Runtime(Driver):
                                     slice_failures=len(self.slice_failures) - self._reported,
                                     checkpoint_pause=pause,
                                     checkpoint_copy_wait=ev.copy_wait,
-                                    episodes=episodes)
+                                    episodes=episodes,
+                                    publish_bytes=self.weights.publish_bytes)
         self._reported = len(self.slice_failures)
         self.on_step(record)
 

@@ -196,7 +196,7 @@ class StepReporter:
 
     def step(self, step, batch, metrics, *, wait, train_time, now, slices, scheduler,
              wait_split=None, slice_failures=0, checkpoint_pause=0.0,
-             checkpoint_copy_wait=0.0, episodes=None) -> dict:
+             checkpoint_copy_wait=0.0, episodes=None, publish_bytes=None) -> dict:
         """Records step `step` (a TrainBatch and the trainer's host metrics); `wait`
         is the trainer's idle time before it, `wait_split` that time by cause,
         `slice_failures` the slices restarted since the previous step,
@@ -204,7 +204,8 @@ class StepReporter:
         coordinator (handing it to the saver thread), `checkpoint_copy_wait` the
         seconds the step waited, before it started, for a save's device-to-host copy
         of the previous state. `episodes`: the batch's multi-turn figures
-        (`episode_record`), None for single-turn samples."""
+        (`episode_record`), None for single-turn samples. `publish_bytes`: what the
+        step's new version carried to the slices (with LoRA, its adapters)."""
         versions = batch.versions_B[::batch.group_size]  # one per group
         lags = Counter(int(step - v) for v in versions)
         self.staleness.update(lags)
@@ -226,6 +227,7 @@ class StepReporter:
             "staleness": {str(k): v for k, v in sorted(lags.items())},
             "migrations": migrations - self._last["migrations"],
             "weight_transfer_seconds": round(transfer - self._last["transfer"], 4),
+            **({} if publish_bytes is None else {"publish_bytes": int(publish_bytes)}),
             "slice_failures": slice_failures,
             "checkpoint_pause_s": round(checkpoint_pause, 4),
             "checkpoint_copy_wait_s": round(checkpoint_copy_wait, 4),
@@ -265,6 +267,8 @@ class StepReporter:
             "weight_transfer_seconds": round(_transfer_seconds(slices), 4),
             "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
         }
+        if "publish_bytes" in r[-1]:
+            out["publish_bytes"] = r[-1]["publish_bytes"]
         if "episodes" in r[0]:  # multi-turn: the first and last steps' windows
             w = max(1, len(r) // 5)
             out["episodes_first"] = _episode_window([x["episodes"] for x in r[:w]])

@@ -11,6 +11,11 @@ so a transfer never holds the coordinator or another slice.
 A slice told to load the version still in training (partial_rollout_rounds) gets a
 future instead, filled with the params when they are published: that slice's loop
 pauses on it, nothing else does.
+
+With LoRA (`model.lora.rank` > 0) a publish carries the adapters alone: the book keeps
+the frozen base once, from version 0, and hands a slice the base and the version's
+adapters together. The base leaves are the same arrays for every version, so an
+engine places them once (rollout/placement.py) and a load moves the adapters.
 """
 
 from __future__ import annotations
@@ -20,16 +25,20 @@ from typing import Any, Iterable
 
 import jax
 
+from dora_jax.model import lora
 from dora_jax.model.sharding import copy_tree
 
 
-def published_copy(params: Any) -> Any:
+def published_copy(params: Any, adapters_only: bool = False) -> Any:
     """A copy of the trainer's params that outlives the next step (which donates
     them), dispatched without waiting. On accelerators it stays on the trainer's
     devices and each slice pulls its shards device to device. On the CPU backend every
     "device" is host memory: one host copy lets each slice place it with a plain copy,
     where resharding device to device runs a cross-device program per slice (about 4x
-    the weight-transfer time on the tiny default, contended by the decoding slices)."""
+    the weight-transfer time on the tiny default, contended by the decoding slices).
+    `adapters_only`: a LoRA publish, the adapter tree alone."""
+    if adapters_only:
+        params = lora.split(params)[1]
     if all(d.platform == "cpu" for x in jax.tree.leaves(params) for d in x.devices()):
         return jax.device_get(params)
     return copy_tree(params)
@@ -38,10 +47,16 @@ def published_copy(params: Any) -> Any:
 class WeightBook:
     """Params by version, from publication until no slice can want them."""
 
-    def __init__(self, version: int, params: Any):
-        """`params`: version `version`'s params, a copy the trainer will not donate."""
+    def __init__(self, version: int, params: Any, adapters_only: bool = False):
+        """`params`: version `version`'s params, a copy the trainer will not donate.
+        `adapters_only`: later publishes carry adapters (LoRA); the base is kept
+        from these params."""
+        self._base = None
+        if adapters_only:
+            self._base, params = lora.split(params)
         self._by_version = {version: params}
         self._awaited: dict[int, list[concurrent.futures.Future]] = {}
+        self.publish_bytes = lora.tree_bytes(params)  # of the latest publish
 
     @property
     def versions(self) -> list[int]:
@@ -53,16 +68,20 @@ class WeightBook:
         keep = set(keep)
         self._by_version = {v: p for v, p in self._by_version.items() if v in keep}
         self._by_version[version] = params
+        self.publish_bytes = lora.tree_bytes(params)
         for box in self._awaited.pop(version, []):
             if not box.done():  # cancelled: its slice failed and restarted since
-                box.set_result(params)
+                box.set_result(self._whole(params))
+
+    def _whole(self, published):
+        return published if self._base is None else lora.merge(self._base, published)
 
     def for_load(self, version: int, in_training: int | None = None):
         """The params a slice loads for `version`: published ones, or a future of
         them if `version` is `in_training` (the step the trainer runs now)."""
         params = self._by_version.get(version)
         if params is not None:
-            return params
+            return self._whole(params)
         if version == in_training:
             box: concurrent.futures.Future = concurrent.futures.Future()
             self._awaited.setdefault(version, []).append(box)
