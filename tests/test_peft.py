@@ -247,3 +247,87 @@ def test_experts_adapters_are_refused_for_export(tmp_path):
     with pytest.raises(peft_format.PeftFormatError, match="no PEFT form") as e:
         peft_format.save_adapters(cfg, params, str(tmp_path))
     assert e.value.field == "model.lora.experts"
+
+
+# ------------------------------------------------------------------ a run's config and export
+
+def _run_config(load_config, checkpoint, **overrides):
+    return load_config("configs/qwen3_gsm8k.py:tiny", model__checkpoint=checkpoint,
+                       **{"model__lora__rank": RANK, "model__lora__alpha": ALPHA, **overrides})
+
+
+def moved(params):
+    """`params` with every adapter moved off its init (the base as it was)."""
+    base, adapters = lora.split(params)
+    return lora.merge(base, jax.tree.map(lambda x: x + 0.25, adapters))
+
+
+def test_a_run_warm_starts_from_a_peft_adapter(load_config, tiny_hf_checkpoint, tmp_path):
+    from dora_jax import config as config_lib
+    from dora_jax.experiment import initial_params
+
+    cfg = _run_config(load_config, tiny_hf_checkpoint)
+    _, params = initial_params(cfg)
+    trained = moved(params)
+    peft_format.save_adapters(cfg.model, trained, str(tmp_path / "adapter"))
+    warm = _run_config(load_config, tiny_hf_checkpoint,
+                       model__lora__checkpoint=str(tmp_path / "adapter"))
+    _, started = initial_params(warm)
+    base, adapters = lora.split(started)
+    for a, b in zip(jax.tree.leaves(adapters), jax.tree.leaves(lora.split(trained)[1])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(lora.split(params)[0])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the base: model.checkpoint's
+
+    # Validation reads adapter_config.json and names the field that disagrees.
+    with pytest.raises(config_lib.ConfigError,
+                       match=r"config.model.lora.rank: 8, but adapter .* has r 4"):
+        _run_config(load_config, tiny_hf_checkpoint, model__lora__rank=8,
+                    model__lora__checkpoint=str(tmp_path / "adapter"))
+    with pytest.raises(config_lib.ConfigError,
+                       match=r"config.model.lora.targets: \('q', 'v'\), but adapter"):
+        _run_config(load_config, tiny_hf_checkpoint, model__lora__targets=("q", "v"),
+                    model__lora__checkpoint=str(tmp_path / "adapter"))
+    with pytest.raises(config_lib.ConfigError, match=r"config.model.lora.checkpoint: .* "
+                                                     r"no adapter_config.json"):
+        _run_config(load_config, tiny_hf_checkpoint, model__lora__checkpoint=str(tmp_path))
+    with pytest.raises(config_lib.ConfigError, match=r"config.model.lora.checkpoint: starts "
+                                                     r"adapters from a PEFT adapter"):
+        _run_config(load_config, tiny_hf_checkpoint, model__lora__rank=0,
+                    model__lora__checkpoint=str(tmp_path / "adapter"))
+
+
+def test_export_writes_the_runs_adapters_in_peft_format(load_config, tiny_hf_checkpoint,
+                                                         tmp_path):
+    from dora_jax import devices, export
+    from dora_jax.checkpointing import Checkpointer
+    from dora_jax.rl.trainer import Trainer
+
+    cfg = _run_config(load_config, tiny_hf_checkpoint)
+    from dora_jax.experiment import initial_params
+
+    graphdef, params = initial_params(cfg)
+    trained = moved(params)
+    trainer = Trainer(cfg, devices.make_meshes(cfg.mesh)[0], params=trained, graphdef=graphdef)
+    with Checkpointer(str(tmp_path / "run" / "checkpoints"), async_save=False) as ckpt:
+        ckpt.save(2, trainer.state, force=True)
+    result = export.export(cfg, str(tmp_path / "run"), str(tmp_path / "adapter"), format="peft")
+    assert result["step"] == 2 and result["base"] == tiny_hf_checkpoint
+    written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert written["base_model_name_or_path"] == os.path.abspath(tiny_hf_checkpoint)
+    assert (tmp_path / "adapter" / "tokenizer.json").exists()
+    back = peft_format.load_adapters(str(tmp_path / "adapter"), cfg.model)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(lora.split(trained)[1])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    # --base_out writes the run's (frozen) base beside them: model.checkpoint's tensors.
+    export.export(cfg, str(tmp_path / "run"), str(tmp_path / "a2"), format="peft",
+                  base_out=str(tmp_path / "base"))
+    saved = safetensors_file.Checkpoint(str(tmp_path / "base"))
+    original = safetensors_file.Checkpoint(tiny_hf_checkpoint)
+    assert saved.names == original.names
+    for n in original.names:
+        np.testing.assert_array_equal(saved.get(n), original.get(n), err_msg=n)
+    elsewhere = dataclasses.replace(cfg, init_checkpoint=str(tmp_path / "run" / "checkpoints"))
+    with pytest.raises(peft_format.PeftFormatError, match="pass --base_out"):
+        export.export(elsewhere, str(tmp_path / "run"), str(tmp_path / "a3"), format="peft")

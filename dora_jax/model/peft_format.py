@@ -36,6 +36,7 @@ import os
 import numpy as np
 
 from dora_jax import untrusted_files
+from dora_jax.model.hf_config import CheckpointError
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -54,9 +55,10 @@ _MUST_BE = {"use_dora": False, "use_rslora": False, "lora_bias": False,
             "alora_invocation_tokens": None, "use_bdlora": None, "arrow_config": None}
 
 
-class PeftFormatError(ValueError):
-    """An adapter directory we cannot read as our adapters; `field` names the config
-    field it contradicts (model.lora.rank, ...) when that is what is wrong."""
+class PeftFormatError(CheckpointError):
+    """An adapter directory we cannot read (or adapters we cannot write) as PEFT's;
+    `field` names the config field it contradicts (model.lora.rank, ...) when that is
+    what is wrong."""
 
     def __init__(self, message: str, field: str | None = None):
         super().__init__(message)
