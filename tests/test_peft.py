@@ -215,7 +215,7 @@ NAME = "base_model.model.model.layers.2.mlp.up_proj.lora_B.weight"
     (lambda t: {n: x for n, x in t.items() if n != NAME}, f"missing tensor '{NAME}'"),
     (lambda t: {**t, NAME: t[NAME][:-1]}, rf"'{NAME}' has shape \(79, 4\), the config needs "
                                           r"\(80, 4\)"),
-    (lambda t: {**t, NAME: t[NAME].astype(np.int32)}, "is int32, not a float"),
+    (lambda t: {**t, NAME: t[NAME].astype(np.int32)}, "is int32, not float32, float16"),
     (lambda t: {**t, NAME: np.full_like(t[NAME], np.nan)}, "non-finite"),
     (lambda t: {**t, "base_model.model.lm_head.lora_A.weight": np.zeros((4, 48), np.float32)},
      "1 tensors the model has no adapter for: base_model.model.lm_head"),

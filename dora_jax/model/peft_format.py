@@ -6,9 +6,12 @@ target_modules by HF module name, peft_type LORA, task_type CAUSAL_LM, ...) and
 adapter_model.safetensors, one pair of tensors per adapted projection of each layer,
 named as PEFT writes them (linear layouts [out, in], as torch's nn.Linear):
 
-  base_model.model.model.layers.i.self_attn.q_proj.lora_A.weight [r, in]   attn.lora_q.lora_a [D, H, Dh, r]
-  base_model.model.model.layers.i.self_attn.q_proj.lora_B.weight [out, r]  attn.lora_q.lora_b [r, H, Dh]
-  ...k_proj / v_proj / o_proj, mlp.gate_proj / up_proj / down_proj  (targets k v o gate up down)
+  base_model.model.model.layers.i.self_attn.q_proj.lora_A.weight [r, D]
+      ours: blocks...attn.lora_q.lora_a [D, r]
+  base_model.model.model.layers.i.self_attn.q_proj.lora_B.weight [H*Dh, r]
+      ours: blocks...attn.lora_q.lora_b [r, H, Dh]
+  ...k_proj / v_proj / o_proj, mlp.gate_proj / up_proj / down_proj (targets k v o
+  gate up down; o_proj's lora_A [r, H*Dh] is our lora_o.lora_a [H, Dh, r])
 
 Ours are A [*in, r], B [r, *out] with the weight's heads split out; the flat HF axes
 are ours flattened in order, as model/hf.py lays out the base weights (o_proj's input
@@ -273,7 +276,8 @@ def load_adapters(directory: str, cfg):
             raise PeftFormatError(f"{path}: tensor {name!r} has shape {tuple(info.shape)}, "
                                   f"the config needs {shape}")
         if not any(info.dtype == np.dtype(jnp.dtype(d)) for d in _FLOATS):
-            raise PeftFormatError(f"{path}: tensor {name!r} is {info.dtype}, not a float")
+            raise PeftFormatError(f"{path}: tensor {name!r} is {info.dtype}, not float32, "
+                                  "float16 or bfloat16")
         used.add(name)
         unit = _to_ours(np.asarray(f.get(name)).astype(np.float32), unit_shape)
         if not np.isfinite(unit).all():
