@@ -144,7 +144,8 @@ def _check_sandbox(d) -> None:
 
 
 def _cpu_variant(spec: str | None) -> str | None:
-    """`spec`'s `tiny` variant where its config declares one (configs/moe.py:tiny)."""
+    """`spec`'s CPU variant where its config declares one: `tiny_<variant>`, else
+    `tiny` (configs/moe.py:lora -> moe.py:tiny_lora, moe.py -> moe.py:tiny)."""
     from dora_jax import configs
 
     if not spec:
@@ -156,8 +157,11 @@ def _cpu_variant(spec: str | None) -> str | None:
             exec(f.read().split("\ndef get_config")[0], module_vars)
     except (OSError, SyntaxError, ImportError):
         return None
-    return f"{path}:tiny" if variant != "tiny" and "tiny" in module_vars.get("VARIANTS", ()) \
-        else None
+    variants = module_vars.get("VARIANTS", ())
+    if variant.startswith("tiny"):
+        return None
+    tiny = f"tiny_{variant}" if f"tiny_{variant}" in variants else "tiny"
+    return f"{path}:{tiny}" if tiny in variants else None
 
 
 def _too_few_devices(cfg, available: int, backend: str) -> str:

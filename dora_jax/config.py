@@ -70,6 +70,11 @@ class RolloutConfig(Section):
     # (slots_per_slice x pages_per_slot). Fewer bound memory, more slots use it.
     kv_pages: int = field(0, min=0)
     paged_attention: str = field("auto", choices=PAGED_ATTENTION_IMPLS)
+    # V: policy versions a slice holds at once, each slot decoding its own request's
+    # version (with LoRA: adapter sets on one base). 1: a slice holds one version and
+    # switches only once empty. V > 1 is modelled by the scheduler and the simulator;
+    # the runtime's slices hold one version (validation refuses V > 1 for a run).
+    versions_per_slice: int = field(1, min=1)
 
     @property
     def cache_length(self) -> int:
@@ -242,6 +247,16 @@ def check_group_fits(group_size: int, num_slices: int, slots_per_slice: int):
               f"slots (mesh.num_slices x rollout.slots_per_slice)")
 
 
+def check_versions(versions_per_slice: int, max_staleness: int) -> None:
+    """V <= K + 1: the staleness window [P - K, P] holds K + 1 versions, so a slice
+    never has a use for more places than that."""
+    check_declared(RolloutConfig, "versions_per_slice", versions_per_slice)
+    if versions_per_slice > max_staleness + 1:
+        fail("rollout.versions_per_slice", f"must be <= coordinator.max_staleness + 1 "
+             f"({max_staleness + 1}: the versions the staleness window holds), got "
+             f"{versions_per_slice}")
+
+
 def check_declared(section, name: str, value) -> None:
     """Checks `value` against the constraint `section` declares for its field `name`
     (schema.field), naming the field as the section's own validation does."""
@@ -250,7 +265,7 @@ def check_declared(section, name: str, value) -> None:
 
 
 def check_schedule(*, mode, num_slices, slots_per_slice, group_size, train_batch_size,
-                   rollout_batch_size, max_staleness) -> None:
+                   rollout_batch_size, max_staleness, versions_per_slice=1) -> None:
     """Every rule a run config places on the scheduler's shape, for a scheduler
     config built directly (the tests, the simulator); one derived from a validated
     `Config` has passed them already (`SchedulerConfig.from_config`)."""
@@ -264,6 +279,7 @@ def check_schedule(*, mode, num_slices, slots_per_slice, group_size, train_batch
     check_declared(MeshConfig, "num_slices", num_slices)
     check_declared(RolloutConfig, "slots_per_slice", slots_per_slice)
     check_group_fits(group_size, num_slices, slots_per_slice)
+    check_versions(versions_per_slice, max_staleness)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,6 +333,14 @@ class Config(Section):
             fail("mesh.colocated", "slices share the trainer's devices only in a mode that "
                   f"takes turns between rollout and training ({turns}), not in {c.mode!r}")
         check_group_fits(c.group_size, mesh.num_slices, r.slots_per_slice)
+        check_versions(r.versions_per_slice, c.max_staleness)
+        if r.versions_per_slice > 1:
+            # The config carries no device memory figures, so whether V full-weight
+            # copies fit is checked where they are known: the simulator's presets.
+            fail("rollout.versions_per_slice", "multi-version slices (V > 1) run only in "
+                 "the simulator for now (python -m dora_jax.sim --versions_per_slice=V); "
+                 f"the runtime's slices hold one version each: use 1, got "
+                 f"{r.versions_per_slice}")
         if c.reward_max_response < r.max_decode_len:
             fail("coordinator.reward_max_response", f"must be >= rollout.max_decode_len "
                   f"({r.max_decode_len}): a complete response must be scored, got "

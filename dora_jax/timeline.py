@@ -3,7 +3,10 @@
 The runtime records spans; `plot` draws the figure a reader of the DORA paper expects
 (`draw`, onto a given Axes): one row per decode slice coloured by the version it served,
 weight loads and migrations hatched, and the trainer's steps on their own row, with its waits left
-blank so the bubble is visible.
+blank so the bubble is visible. A slice that decodes several versions in one call
+(`rollout.versions_per_slice` > 1) is striped, each version's height its share of the
+busy slots. Colours cycle through ten: any ten consecutive versions, so every set of
+co-resident ones (at most K + 1), stay apart.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ class Span:
     start: float
     end: float
     version: int
-
+    slots: dict | None = None  # decode: busy slots per version, when more than one
 
 class Timeline:
     """Thread-safe span recorder; times are seconds since the run started."""
@@ -31,10 +34,13 @@ class Timeline:
         self._spans: list[Span] = []
         self._lock = threading.Lock()
 
-    def add(self, row: str, kind: str, start: float, end: float, version: int) -> None:
+    def add(self, row: str, kind: str, start: float, end: float, version: int,
+            slots: dict | None = None) -> None:
+        """`slots`: {version: busy slots} of a decode call serving several versions."""
         if end > start:
+            slots = dict(sorted(slots.items())) if slots and len(slots) > 1 else None
             with self._lock:
-                self._spans.append(Span(row, kind, start, end, version))
+                self._spans.append(Span(row, kind, start, end, version, slots))
 
     @property
     def spans(self) -> list[Span]:
@@ -55,7 +61,7 @@ def _merge(spans: list[Span]) -> list[Span]:
     for s in sorted(spans, key=lambda s: (s.row, s.start)):
         last = out[-1] if out else None
         if (last and last.row == s.row and last.kind == s.kind and last.version == s.version
-                and s.start - last.end < 1e-3):
+                and last.slots == s.slots and s.start - last.end < 1e-3):
             out[-1] = dataclasses.replace(last, end=max(last.end, s.end))
         else:
             out.append(s)
@@ -65,10 +71,24 @@ def _merge(spans: list[Span]) -> list[Span]:
 _HATCH = {"load": "//", "migrate": "xx", "eval": ".."}
 
 
+def _stripes(s: Span) -> list[tuple[int, float, float]]:
+    """(version, bottom, height) of a span's bar of height 0.8: one stripe per
+    version by its share of the busy slots, oldest first."""
+    if not s.slots:
+        return [(s.version, 0.0, 0.8)]
+    total, out, bottom = sum(s.slots.values()), [], 0.0
+    for v, n in s.slots.items():
+        out.append((v, bottom, 0.8 * n / total))
+        bottom += 0.8 * n / total
+    return out
+
+
 def load_json(path: str) -> list[Span]:
     """The spans a run saved with `Timeline.save_json` (its workdir's timeline.json)."""
     with open(path) as f:
-        return [Span(**d) for d in json.load(f)]
+        spans = [Span(**d) for d in json.load(f)]
+    return [dataclasses.replace(s, slots={int(v): n for v, n in s.slots.items()})
+            if s.slots else s for s in spans]
 
 
 def plot(spans: list[Span], path: str, title: str = "") -> None:
@@ -96,19 +116,18 @@ def draw(ax, spans: list[Span], title: str = "") -> None:
     slice_rows = sorted({s.row for s in spans if s.row != "trainer"},
                         key=lambda r: int(r.split()[-1]) if r.split()[-1].isdigit() else r)
     rows = ["trainer", *slice_rows]
-    versions = sorted({s.version for s in spans})
-    # Few versions: a discrete legend; many: a continuous colour scale.
-    discrete = len(versions) <= 10
-    cmap = plt.get_cmap("tab10" if discrete else "viridis")
-    lo, hi = versions[0], max(versions[-1], versions[0] + 1)
-    colour = {v: cmap(i) if discrete else cmap((v - lo) / (hi - lo))
-              for i, v in enumerate(versions)}
+    versions = sorted({s.version for s in spans} | {v for s in spans for v in s.slots or ()})
+    cmap = plt.get_cmap("tab10")
+    colour = {v: cmap(v % 10) for v in versions}
+    few = len(versions) <= 10
     for s in spans:
         y = rows.index(s.row)
-        ax.barh(y, s.end - s.start, left=s.start, height=0.8, color=colour[s.version],
-                edgecolor="black" if s.kind != "decode" else "none", linewidth=0.4,
-                hatch=_HATCH.get(s.kind))
-        if s.kind == "train" and discrete:
+        for v, bottom, height in _stripes(s):
+            ax.barh(y - 0.4 + bottom, s.end - s.start, left=s.start, height=height,
+                    align="edge", color=colour[v],
+                    edgecolor="black" if s.kind != "decode" else "none", linewidth=0.4,
+                    hatch=_HATCH.get(s.kind))
+        if s.kind == "train" and few:
             ax.text((s.start + s.end) / 2, y, f"step {s.version}", ha="center",
                     va="center", fontsize=7)
     ax.set_yticks(range(len(rows)), rows)
@@ -118,11 +137,9 @@ def draw(ax, spans: list[Span], title: str = "") -> None:
              for k, label in (("load", "weight load"), ("migrate", "migration"),
                               ("eval", "evaluation"))
              if k != "eval" or any(s.kind == k for s in spans)]  # eval: when on
-    if discrete:
-        handles = [Patch(color=colour[v], label=f"v{v}") for v in versions] + marks
-        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    else:
-        scale = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(lo, hi))
-        ax.figure.colorbar(scale, ax=ax, label="policy version (trainer: step)", pad=0.01)
-        ax.legend(handles=marks, loc="lower right", fontsize=8)
+    if few:
+        handles = [Patch(color=colour[v], label=f"v{v}") for v in versions]
+    else:  # the colour of v is v mod 10
+        handles = [Patch(color=cmap(i), label=f"v = {i} mod 10") for i in range(10)]
+    ax.legend(handles=handles + marks, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     ax.set_title(title or "decode slices coloured by policy version; trainer steps on top")

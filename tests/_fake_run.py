@@ -24,8 +24,8 @@ from dora_jax.scheduler.core import Scheduler
 from dora_jax.scheduler.driver import (Driver, admit_record, consume_record, filter_record,
                                        sample_entry)
 from dora_jax.scheduler.ledger import AuditReport, audit_run, unconsumed_records
-from dora_jax.scheduler.types import (Admit, Assign, InterruptReload, LoadVersion, Migrate,
-                                      SchedulerConfig, TrainStep)
+from dora_jax.scheduler.types import (AddVersion, Admit, Assign, Evict, InterruptReload,
+                                      LoadVersion, Migrate, SchedulerConfig, TrainStep)
 
 
 class LivenessError(RuntimeError):
@@ -49,6 +49,10 @@ class _Slice:
     load_left: int = 0
     deferred: bool = False  # loading the version in training: waits for its publish
     requests: dict = field(default_factory=dict)  # (gid, k) -> _Request
+    # Several versions per slice: versions held besides `version`'s role, and the
+    # AddVersion loads in flight (version -> ticks left); decoding goes on meanwhile.
+    held: set = field(default_factory=lambda: {0})
+    adds: dict = field(default_factory=dict)
 
 
 def lengths_from_seed(seed: int, kind: str = "long_tail", max_len: int = 64) -> Callable:
@@ -135,6 +139,7 @@ class FakeRun(Driver):
         waits = [r.length - r.produced for r in active]
         waits += [sl.load_left for sl in self.slices
                   if sl.loading is not None and not sl.deferred]
+        waits += [t for sl in self.slices for t in sl.adds.values()]
         if self.trainer is not None:
             waits.append(self.trainer[1])
         if not waits:
@@ -148,6 +153,11 @@ class FakeRun(Driver):
         self.stats["busy_slot_ticks"] += dt * len(active)
         events = []
         for i, sl in enumerate(self.slices):
+            for v in sorted(sl.adds):
+                sl.adds[v] -= dt
+                if sl.adds[v] == 0:
+                    del sl.adds[v]
+                    events.append(("added", i, v))
             if sl.loading is not None:
                 if sl.deferred:
                     continue
@@ -174,6 +184,7 @@ class FakeRun(Driver):
         sl = self.slices[i]
         sl.requests.clear()
         sl.version, sl.loading, sl.load_left, sl.deferred = None, None, 0, False
+        sl.held, sl.adds = set(), {}
         self.sched.slice_failed(i)
         self.stats["slice_failures"] = self.stats.get("slice_failures", 0) + 1
         self._settle([])
@@ -202,9 +213,14 @@ class FakeRun(Driver):
         if kind == "loaded":
             _, i, v = ev
             sl = self.slices[i]
-            sl.version, sl.loading = v, None
+            sl.version, sl.loading, sl.held = v, None, {v}
             for r in sl.requests.values():  # only after an InterruptReload
                 r.segments.append([v, 0])
+            self.sched.version_loaded(i, v)
+        elif kind == "added":
+            _, i, v = ev
+            self.slices[i].held.add(v)
+            self.slices[i].version = max(self.slices[i].held)
             self.sched.version_loaded(i, v)
         elif kind == "finished":
             _, i, (gid, k) = ev
@@ -243,17 +259,22 @@ class FakeRun(Driver):
     def assign(self, a: Assign):
         sl = self.slices[a.slice_id]
         assert sl.loading is None and len(sl.requests) < self.config.slots_per_slice
+        v = a.version if self.sched.multi else sl.version
+        assert v in sl.held, f"C1: {a} on a slice holding {sl.held}"
         if self.sched.policy.keeps_c1:  # engine-level C1
-            assert sl.version == self.group_version[a.group_id], a
+            assert v == self.group_version[a.group_id], a
         length = int(self._length(a.group_id, a.sample))
         assert length >= 1, "sample lengths must be >= 1"
         sl.requests[(a.group_id, a.sample)] = _Request(
-            a.group_id, a.sample, length, segments=[[sl.version, 0]], slices=[a.slice_id])
+            a.group_id, a.sample, length, segments=[[v, 0]], slices=[a.slice_id])
 
     def migrate(self, a: Migrate):
         src, dst = self.slices[a.src_slice], self.slices[a.dst_slice]
         assert src.loading is None and dst.loading is None, a
-        assert src.version == dst.version, f"C1: migrate across versions {a}"
+        if self.sched.multi:
+            assert self.group_version[a.group_id] in dst.held, f"C1: {a} to {dst.held}"
+        else:
+            assert src.version == dst.version, f"C1: migrate across versions {a}"
         assert len(dst.requests) < self.config.slots_per_slice, a
         r = src.requests.pop((a.group_id, a.sample))
         r.slices.append(a.dst_slice)
@@ -274,6 +295,24 @@ class FakeRun(Driver):
         if self.load_ticks == 0 and not sl.deferred:
             self._released.append(("loaded", a.slice_id, a.version))
 
+    def add_version(self, a: AddVersion):
+        sl = self.slices[a.slice_id]
+        assert a.version <= self.sched.published and a.version not in sl.held | set(sl.adds)
+        assert len(sl.held) + len(sl.adds) < self.config.versions_per_slice, a
+        self.stats["adds"] = self.stats.get("adds", 0) + 1
+        if self.load_ticks == 0:
+            self._released.append(("added", a.slice_id, a.version))
+        else:
+            sl.adds[a.version] = self.load_ticks
+
+    def evict(self, a: Evict):
+        sl = self.slices[a.slice_id]
+        assert all(self.group_version[r.group_id] != a.version for r in sl.requests.values()), \
+            f"C1: {a} while requests of it run there"
+        sl.held.remove(a.version)
+        sl.version = max(sl.held) if sl.held else None
+        self.stats["evictions"] = self.stats.get("evictions", 0) + 1
+
     def train(self, a: TrainStep):
         assert self.trainer is None and len(a.group_ids) == self.config.train_batch_size
         self.trainer = [a.step, self.train_ticks]
@@ -292,6 +331,11 @@ class FakeRun(Driver):
 
     def _observe(self):
         vs = {sl.loading if sl.loading is not None else sl.version for sl in self.slices}
+        if self.sched.multi:
+            vs = {v for sl in self.slices for v in sl.held | set(sl.adds)}
+            per_slice = max(len(sl.held) + len(sl.adds) for sl in self.slices)
+            self.stats["max_versions_per_slice"] = max(
+                self.stats.get("max_versions_per_slice", 0), per_slice)
         self.stats["max_resident_versions"] = max(self.stats["max_resident_versions"],
                                                   len(vs - {None}))
 

@@ -175,6 +175,7 @@ def events_ok(workdir) -> bool:
      "configs/moe.py:tiny here"),
     (["--config=moe"], "moe needs 256 devices (trainer 128 + 8 decode slices x 16), but this "
      "host has 1 (cpu): run moe:tiny here"),
+    (["--config=moe:lora"], "but this host has 1 (cpu): run moe:tiny_lora here"),
     (["--config=configs/moe.py", "--config.data.source=jsonl",
       "--config.data.path=/nowhere/prompts.jsonl"],
      "error: config.data.path: no such file: /nowhere/prompts.jsonl"),

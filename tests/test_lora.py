@@ -72,7 +72,9 @@ def test_fresh_adapters_give_the_base_logits_exactly(kind, scan):
     g0, p0 = tf.create(base_cfg, 0)
     g1, p1 = tf.create(cfg, 0)
     ref = tf.apply(g0, p0, TOKENS)[0]
-    np.testing.assert_array_equal(tf.apply(g1, p1, TOKENS)[0], ref)
+    # B = 0 adds exactly zero, but the adapted program compiles to other fusions
+    # (scanned layers: 5e-7 apart here), so the logits agree to rounding.
+    np.testing.assert_allclose(tf.apply(g1, p1, TOKENS)[0], ref, rtol=0, atol=1e-5)
     # The adapters are in the computation: non-zero B moves the logits.
     assert not np.allclose(tf.apply(g1, randomise_b(p1), TOKENS)[0], ref, atol=1e-3)
 

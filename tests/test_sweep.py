@@ -56,8 +56,10 @@ def test_command_line_prints_the_summary_lines():
     assert names == ["dora/partial_rollout worst", "dora/partial_rollout median",
                      "dora/partial_rollout_rounds median", "dora/sync median",
                      "dora/sync at the same split median", "dora step / bound worst",
-                     "dora step spread over rollout batch sizes worst"]
-    assert all(float(line.split(": ")[1]) > 0 for line in lines if line.startswith("dora"))
+                     "dora step spread over rollout batch sizes worst",
+                     "dora version-mismatch slot time worst"]
+    assert all(float(line.split(": ")[1].split("%")[0]) >= 0 for line in lines
+               if line.startswith("dora"))
 
 
 @pytest.mark.parametrize("args,said", [
@@ -70,3 +72,24 @@ def test_command_line_refuses_bad_input_with_one_line(args, said):
     out = subprocess.run([sys.executable, "-m", "dora_jax.sim.sweep", *args],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and said in out.stderr + out.stdout
+
+
+def test_plan_runs_dora_once_per_versions_per_slice_and_the_baselines_once():
+    runs = plan(PRESETS["paper128_lora"], [64], [1], [0], ["dora", "partial_rollout"],
+                versions=[1, 4])
+    modes = sorted(mode for _, _, mode in runs)
+    assert modes == ["colocated_sync", "dora@1", "dora@4", "partial_rollout", "sync"]
+    for _, preset, mode in runs:
+        if mode.startswith("dora@"):
+            assert preset.versions_per_slice == int(mode[5:])
+
+
+def test_command_line_sweeps_versions_per_slice():
+    out = subprocess.run(
+        [sys.executable, "-m", "dora_jax.sim.sweep", "--preset=paper128_lora",
+         "--trainer_devices=64", "--rbs=1", "--seeds=0", "--steps=3", "--jobs=1",
+         "--versions=1,K+1", "--modes=dora,partial_rollout"],
+        capture_output=True, text=True, check=True, timeout=600).stdout
+    assert "dora with 1 version per slice:" in out and "dora with 4 versions per slice:" in out
+    assert out.count("dora/partial_rollout worst") == 2
+    assert out.count("dora version-mismatch slot time worst") == 2

@@ -32,7 +32,11 @@ def run_config(base, spec: str, *, steps: int, seed: int | None = None,
     mode, k = parse_spec(spec)
     if mode == COLOCATED:
         mode = "sync"
-        c.mesh.update(colocate(c.mesh.to_dict()))
+        grown = colocate(c.mesh.to_dict())
+        # Packed micro-batches are counted over every batch shard: each shard keeps its
+        # tokens per micro-batch when the trainer's data axis grows.
+        c.trainer.tokens_per_microbatch *= grown["trainer"]["data"] // c.mesh.trainer.data
+        c.mesh.update(grown)
     c.coordinator.mode = mode
     if k is not None:
         c.coordinator.max_staleness = k

@@ -26,19 +26,33 @@ evaluation took 2-6 s on slice 0, the run about 4.5 minutes with compilation).
 Mesh as configs/tiny.py (8 fake CPU
 devices): trainer data=2 x fsdp=2, 4 decode slices of 8 slots; groups of 8, 8 groups
 per step, 16 admitted ahead, max_staleness 2, 150 steps.
+
+LoRA: python -m dora_jax.main --config=configs/quickstart.py:lora --workdir=/tmp/qs_lora \\
+          --config.init_checkpoint=/tmp/qs_sft/checkpoints
+Rank-8 adapters (alpha 16) on every projection of the frozen warm start, 38,912
+trained parameters; learning rate 3e-3. A publish carries 155,648 bytes of adapters
+instead of 1,838,080 of weights (8.5%: d_model 128 is small for rank 8). Measured here
+side by side with full fine-tuning, 150 steps from the same warm start, seeds 0-2:
+mean reward over the last 15 steps 0.466 (0.453-0.477) vs 0.500 (0.471-0.530); held-out
+pass@1 0.375/0.453/0.469 -> 0.609/0.531/0.562 vs -> 0.578/0.547/0.672; pass@4 after
+RL 0.73 vs 0.83 (the adapters sharpen more than they widen); each run about 70 s.
 """
 
 from dora_jax import config as config_lib
 from dora_jax.data import word_problems
 
-VARIANTS = (None,)
+VARIANTS = (None, "lora")
 
 TASK_ARGS = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1, operators=["+", "-"],
                  allow_parentheses=False, allow_negation=False)
 
 
+LORA_LEARNING_RATE = 3e-3
+
+
 def get_config(arg=None):
-    del arg
+    if arg not in VARIANTS:
+        raise ValueError(f"configs/quickstart.py: unknown variant {arg!r}; known: {VARIANTS}")
     c = config_lib.base()
     c.model.update(dict(vocab_size=word_problems.TOKENIZER_VOCAB, d_model=128, num_layers=2,
                         num_heads=4, num_kv_heads=2, head_dim=32, mlp_hidden=384,
@@ -58,4 +72,10 @@ def get_config(arg=None):
     # Held-out pass@1 (greedy) and pass@4 every 15 steps, before the first and after
     # the last, on 64 prompts training never sees (the notebook plots the curve).
     c.eval.update(dict(every=15, num_prompts=64, samples=4, k=4))
+    if arg == "lora":
+        # Rank-8 adapters on every projection over the frozen warm start: the trainer's
+        # optimizer covers adapters only, and a publish carries them alone. Adapters
+        # want a larger step than the full model (LORA_LEARNING_RATE, measured below).
+        c.model.lora.update(dict(rank=8, alpha=16.0))
+        c.trainer.learning_rate = LORA_LEARNING_RATE
     return c

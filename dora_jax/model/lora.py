@@ -13,10 +13,19 @@ them out like the weight.
 `split` / `merge` separate the base from the adapters (what the trainer optimises,
 what a publish of a new version must carry); `merged_weights` folds the adapters
 into W for export, giving the params of the same model without adapters.
+
+Several versions at once (a decode slice serving each slot under its own version):
+each adapter leaf then holds V adapter sets, stacked on a "place" axis after the
+layers axis, and `rows(place_B)` says which place each batch row uses. The rows are
+grouped by place and each group goes through its own A and B (`ragged_dot`, as the
+MoE groups tokens by expert), so a step does one adapter's work per row however
+many versions it serves.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import jax
@@ -28,6 +37,19 @@ ADAPTER_KEYS = ("lora_a", "lora_b")
 WEIGHT_OF = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "w_up",
              "down": "w_down"}
 _STREAM_TAG = 0x4C6F5241  # folds adapter keys away from the base's
+# The place of each batch row while a forward with stacked adapters is traced: set
+# around the model call by the engine's programs (`rows`), read by `LoRA.__call__`.
+_ROWS: contextvars.ContextVar = contextvars.ContextVar("lora_rows", default=None)
+
+
+@contextlib.contextmanager
+def rows(place_B):
+    """Within it, stacked adapters [V, ...] apply place_B[b] (int32 [B]) to row b."""
+    token = _ROWS.set(place_B)
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
 
 
 def adapter_rngs(rngs: nnx.Rngs) -> nnx.Rngs:
@@ -57,8 +79,29 @@ class LoRA(nnx.Module):
     def __call__(self, x):
         """scale * B (A x) for x [..., *in_shape]: [..., *out_shape], in x's dtype."""
         a = self.lora_a[...].astype(x.dtype)
+        if a.ndim == self.num_in + 2:  # stacked places: each row its own (`rows`)
+            return self._per_row(x, a, self.lora_b[...].astype(x.dtype))
         h = jnp.tensordot(x, a, axes=self.num_in) * jnp.asarray(self.scale, x.dtype)
         return jnp.tensordot(h, self.lora_b[...].astype(x.dtype), axes=1)
+
+    def _per_row(self, x, a_VIR, b_VRO):
+        place_B = _ROWS.get()
+        if place_B is None:
+            raise ValueError("stacked adapters need each row's place: call the model "
+                             "within lora.rows(place_B)")
+        V, r = a_VIR.shape[0], a_VIR.shape[-1]
+        lead, out_shape = x.shape[:x.ndim - self.num_in], b_VRO.shape[2:]
+        M = math.prod(lead)
+        place_M = jnp.broadcast_to(
+            place_B.reshape(place_B.shape[0], *[1] * (len(lead) - 1)), lead).reshape(M)
+        order_M = jnp.argsort(place_M, stable=True)
+        sizes_V = jnp.bincount(place_M, length=V).astype(jnp.int32)
+        x_MI = x.reshape(M, -1)[order_M]
+        h_MR = jax.lax.ragged_dot(x_MI, a_VIR.reshape(V, -1, r), sizes_V)
+        h_MR = h_MR * jnp.asarray(self.scale, x.dtype)
+        y_MO = jax.lax.ragged_dot(h_MR, b_VRO.reshape(V, r, -1), sizes_V)
+        y_MO = jnp.zeros_like(y_MO).at[order_M].set(y_MO)
+        return y_MO.reshape(*lead, *out_shape)
 
     def experts(self, x_ECD):
         """Per expert (capacity dispatch): x [E, C, in] -> [E, C, out]."""

@@ -57,6 +57,7 @@ from dora_jax.model import transformer
 from dora_jax.model.paged_attention import POOL_AXES
 from dora_jax.model.sharding import logical_to_spec
 from dora_jax.rollout import sampling
+from dora_jax.rollout.adapters import AdapterPlaces, check_versions
 from dora_jax.rollout.pages import PagePool
 from dora_jax.rollout.placement import ParamPlacement
 from dora_jax.rollout.programs import Programs
@@ -109,12 +110,15 @@ class Engine:
       tokenizer_path: the tokenizer's directory (`get_tokenizer`).
       stop_ids: token ids that end a sequence; by default `rollout_cfg.eos_id` and
         the tokenizer's stop ids.
+      versions: LoRA versions resident at once (rollout/adapters.py): with more than
+        one, the programs take `places` stacks and each row's place (`with_rows`).
     """
 
     def __init__(self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, mesh: Mesh, *,
                  rules=DECODE_RULES, sampling_params: SamplingParams | None = None,
                  greedy: bool = False, tokenizer_path: str | None = None,
-                 stop_ids: Sequence[int] | None = None):
+                 stop_ids: Sequence[int] | None = None, versions: int = 1):
+        check_versions(model_cfg, versions)
         self.model_cfg, self.rollout_cfg, self._mesh = model_cfg, rollout_cfg, mesh
         self.tokenizer_path = tokenizer_path
         self.stop_ids = _stop_ids(rollout_cfg, tokenizer_path, stop_ids)
@@ -129,6 +133,9 @@ class Engine:
         self.buckets = prefill_buckets(rollout_cfg)  # padded prefill lengths
         self.graphdef, abstract = transformer.abstract_params(model_cfg)
         self._placement = ParamPlacement(abstract, mesh, self.rules)
+        self.versions = versions
+        self.places = (AdapterPlaces(self._placement, versions, int(model_cfg.scan_layers))
+                       if versions > 1 else None)
         # Paged KV: the host-side page tables of this engine's decode state.
         self.pages = (PagePool(rollout_cfg.pool_pages, rollout_cfg.page_size,
                                rollout_cfg.slots_per_slice, rollout_cfg.cache_length)
@@ -145,7 +152,8 @@ class Engine:
 
         prefix_kv_sh = kv_sharding(transformer.CACHE_AXES)
         state_kv_sh = prefix_kv_sh if self.pages is None else kv_sharding(POOL_AXES)
-        param_sh, state_sh = self._placement.shardings, DecodeState(state_kv_sh, *[rep] * 6)
+        param_sh = (self._placement if self.places is None else self.places).shardings
+        state_sh = DecodeState(state_kv_sh, *[rep] * 6)
         self._prefix_sh = prefix_sh = Prefix(prefix_kv_sh, *[rep] * 7)
         out = (prefix_sh, ResultTokens(rep))
         self._prefill_jit = jax.jit(fn.prefill, in_shardings=(param_sh, *[rep] * 5),

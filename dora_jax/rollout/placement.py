@@ -32,6 +32,11 @@ class ParamPlacement:
         self.shardings = EngineParams(tuple(jax.tree.leaves(
             param_shardings(abstract, mesh, rules))))
 
+    @property
+    def leaf_shapes(self) -> list:
+        """(shape, dtype) of each leaf, in the flattened order of EngineParams."""
+        return list(self._leaf_shapes)
+
     def place(self, params) -> EngineParams:
         """`params` (an nnx.State, its pure dict, or EngineParams; on any devices) on
         the mesh. EngineParams already placed there come back as they are; otherwise

@@ -7,11 +7,13 @@ tokens, or on any of the engine's stop ids (a tokenizer may carry several).
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dora_jax.model import transformer
+from dora_jax.model import lora, transformer
 from dora_jax.model.sharding import activation_rules
 from dora_jax.rollout import sampling
 from dora_jax.rollout.state import DecodeState, EngineParams, Prefix, ResultTokens
@@ -35,6 +37,15 @@ class Programs:
     def _params(self, params: EngineParams):
         return jax.tree.unflatten(self.treedef, list(params.leaves))
 
+    @contextlib.contextmanager
+    def _tracing(self, params: EngineParams):
+        """The model's call: activations sharded by the rules; with stacked adapters,
+        each row under its place (model/lora.py's `rows`)."""
+        with activation_rules(self.mesh, self.rules), contextlib.ExitStack() as stack:
+            if params.rows is not None:
+                stack.enter_context(lora.rows(params.rows))
+            yield
+
     def finished(self, tokens_B, steps_B, limits_B):
         """steps_B: the response index of each token just sampled."""
         stop_B = (jnp.isin(tokens_B, self.stop_ids) if self.stop_ids.size
@@ -53,7 +64,7 @@ class Programs:
 
     def prefill(self, params, tokens_T, true_length, keys_N2, num_generated, limit):
         """A prompt (+ tokens so far) from position 0; N first tokens, one per key."""
-        with activation_rules(self.mesh, self.rules):
+        with self._tracing(params):
             logits_1TV, _, kv = transformer.apply(
                 self.graphdef, self._params(params), tokens_T[None], dropless=True,
                 return_kv=True)
@@ -67,7 +78,7 @@ class Programs:
         """Prefill of `count` tokens (chunk_C, padded) after the prefix's positions,
         attending to them; the result's KV has `length` positions."""
         held = prefix.position
-        with activation_rules(self.mesh, self.rules):
+        with self._tracing(params):
             logits_1CV, _, kv = transformer.apply(
                 self.graphdef, self._params(params), chunk_C[None], dropless=True,
                 return_kv=True, past=prefix.cache, past_length=held)
@@ -141,7 +152,7 @@ class Programs:
     def step(self, params: EngineParams, state: DecodeState, view=None):
         """One decode step of every slot. Paged cache: `view` maps pages for every
         position the step writes; slots without pages are idle."""
-        with activation_rules(self.mesh, self.rules):
+        with self._tracing(params):
             logits_SV, cache = transformer.decode(
                 self.graphdef, self._params(params), state.tokens, state.positions,
                 state.cache, view, self.rollout_cfg.paged_attention)

@@ -18,9 +18,12 @@ from dora_jax.model import transformer
 class EngineParams(NamedTuple):
     """Params as the engine takes them: the leaves of the model's param State, placed
     on the engine mesh. A flat tuple, because flattening an nnx.State on every call
-    costs more host time than a small decode step."""
+    costs more host time than a small decode step. A multi-version engine's adapter
+    leaves hold every place (rollout/adapters.py) and `rows` (int32 [B]) names the
+    place each row of the call decodes under; None on a one-version engine."""
 
     leaves: tuple
+    rows: jax.Array | None = None
 
 
 class DecodeState(NamedTuple):

@@ -12,10 +12,11 @@ from dora_jax.config import MODES
 from .core import Scheduler
 from .invariants import InvariantError
 from .modes import POLICIES, policy_for
-from .types import (Action, Admit, Assign, InterruptReload, LoadVersion, Migrate,
-                    SchedulerConfig, TrainStep)
+from .types import (Action, AddVersion, Admit, Assign, Evict, InterruptReload, LoadVersion,
+                    Migrate, SchedulerConfig, TrainStep)
 
 __all__ = [
-    "MODES", "POLICIES", "Action", "Admit", "Assign", "InterruptReload", "InvariantError",
+    "MODES", "POLICIES", "Action", "AddVersion", "Admit", "Assign", "Evict", "InterruptReload",
+    "InvariantError",
     "LoadVersion", "Migrate", "Scheduler", "SchedulerConfig", "TrainStep", "policy_for",
 ]

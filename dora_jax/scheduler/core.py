@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from typing import Iterator, Optional
 
-from . import invariants
+from . import invariants, residency
 from .modes import policy_for
 from .types import (FINISHED, PENDING, RUNNING, Admit, Assign, GroupState,
                     InterruptReload, LoadVersion, Migrate, SampleState,
@@ -57,6 +57,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self.policy = policy_for(config.mode)
+        # Several versions per slice (residency.py), for a policy that uses them.
+        self.multi = config.versions_per_slice > 1 and self.policy.multi_version
         self.published = 0
         self.next_step = 0
         self.trainer_step: Optional[int] = None
@@ -195,6 +197,8 @@ class Scheduler:
 
         A report for a target that a later LoadVersion superseded is ignored."""
         sl = self.slices[slice_id]
+        if version in sl.adding:  # an AddVersion (several versions per slice)
+            return residency.added(sl, version)
         if sl.loading is None:
             raise ValueError(f"version_loaded: slice {slice_id} is not loading")
         if version > self.published:
@@ -202,7 +206,7 @@ class Scheduler:
                              f"(published {self.published}): the load must wait for it")
         if sl.loading != version:
             return  # superseded load; the latest target will be reported later
-        sl.version, sl.loading = version, None
+        sl.version, sl.loading, sl.held = version, None, {version}
         if sl.interrupted:
             # The paused requests continue under the new params from here on.
             for gid, k in sl.running:
@@ -258,34 +262,42 @@ class Scheduler:
     def do_assign(self, group_id: int, sample: int, slice_id: int) -> Assign:
         g, sl = self.groups[group_id], self.slices[slice_id]
         smp = g.samples[sample]
-        assert smp.status == PENDING and sl.serving and self.free_slots(sl) > 0
+        # Several versions per slice: the group's version, resident there (C1).
+        v = g.version if self.multi else sl.version
+        assert smp.status == PENDING and self.free_slots(sl) > 0 and (
+            residency.serves(sl, v) if self.multi else sl.serving)
         smp.status, smp.slice_id = RUNNING, slice_id
-        smp.versions.append(sl.version)
+        smp.versions.append(v)
         smp.slices.append(slice_id)
         sl.running.add((group_id, sample))
+        sl.in_use[g.version] += 1
         self._reserve_kv(sl)
         g.n_pending -= 1
         g.n_running += 1
         self._pending_v[g.version] -= 1
-        return Assign(group_id, sample, slice_id, sl.version)
+        return Assign(group_id, sample, slice_id, v)
 
     def do_migrate(self, group_id: int, sample: int, dst: int) -> Migrate:
-        smp = self.groups[group_id].samples[sample]
+        g = self.groups[group_id]
+        smp = g.samples[sample]
         src_sl, dst_sl = self.slices[smp.slice_id], self.slices[dst]
         # C1: a migrated request keeps its version, so the destination must hold it.
-        assert smp.status == RUNNING and dst_sl.serving and dst_sl.version == src_sl.version
+        assert smp.status == RUNNING and (residency.serves(dst_sl, g.version) if self.multi
+                                          else dst_sl.serving and dst_sl.version == src_sl.version)
         assert self.free_slots(dst_sl) > 0 and src_sl.loading is None
         src = smp.slice_id
         self._leave(src_sl, (group_id, sample))
         dst_sl.running.add((group_id, sample))
+        dst_sl.in_use[g.version] += 1
         self._reserve_kv(dst_sl)
         smp.slice_id = dst
         smp.slices.append(dst)
         return Migrate(group_id, sample, src, dst)
 
-    @staticmethod
-    def _leave(sl: SliceState, request):
-        sl.running.discard(request)
+    def _leave(self, sl: SliceState, request):
+        if request in sl.running:
+            sl.running.remove(request)
+            sl.in_use -= Counter({self.groups[request[0]].version: 1})
         if not sl.running:
             sl.kv_free = None  # an empty slice's pool is free: its report is stale
 
@@ -299,6 +311,14 @@ class Scheduler:
         assert self._loadable(version)
         sl.loading, sl.interrupted = version, False
         return LoadVersion(slice_id, version)
+
+    def do_add_version(self, slice_id: int, version: int):
+        """AddVersion (residency.py): `version` into a free place of the slice."""
+        return residency.add_version(self, slice_id, version)
+
+    def do_evict(self, slice_id: int, version: int):
+        """Evict (residency.py): an unused version leaves the slice."""
+        return residency.evict(self, slice_id, version)
 
     def do_interrupt_reload(self, slice_id: int, version: int) -> InterruptReload:
         assert not self.policy.keeps_c1, "a C1-keeping mode never reloads under requests"
@@ -334,6 +354,7 @@ class Scheduler:
         for gid, k in sorted(sl.running):
             self.sample_lost(gid, k)
         sl.version, sl.loading, sl.interrupted, sl.kv_free = None, None, False, None
+        sl.held, sl.adding = set(), set()
         self.settled = False  # until decide() gives its versions a slice again
 
     def sample_lost(self, group_id: int, sample: int):

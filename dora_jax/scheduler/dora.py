@@ -55,6 +55,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import TYPE_CHECKING
 
+from . import dora_multi
 from .policies import Policy, assign_pending
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -148,8 +149,11 @@ class DoraPolicy(Policy):
     """Multi-version streaming rollout with bounded staleness and slice rebalancing."""
 
     name = "dora"
+    multi_version = True
 
     def plan(self, sched: "Scheduler") -> list:
+        if sched.multi:  # several versions per slice: dora_multi.py
+            return dora_multi.plan(sched)
         acts = form_guarded_batch(sched)
         # Groups P could still admit: demand for slices while the balance runs.
         room_p = self._room_at_newest(sched)
@@ -324,6 +328,8 @@ class DoraPolicy(Policy):
         req(sched.num_unfinished_samples <= cfg.rollout_batch_size * cfg.group_size,
             "dora: more than RBS x G samples in flight")
         check_feasible(sched, req)
+        if sched.multi:
+            return dora_multi.check(sched, req)
         lo = p - k - (0 if sched.settled else 1)  # just after a publish, before decide()
         for sl in sched.slices:
             v = sl.effective_version

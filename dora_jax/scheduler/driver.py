@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from dora_jax.scheduler.types import (Action, Admit, Assign, InterruptReload, LoadVersion,
-                                      Migrate, TrainStep)
+from dora_jax.scheduler.types import (Action, AddVersion, Admit, Assign, Evict,
+                                      InterruptReload, LoadVersion, Migrate, TrainStep)
 
 
 class Driver:
-    """Carries out the scheduler's actions; subclasses implement the five handlers."""
+    """Carries out the scheduler's actions; subclasses implement the handlers."""
 
     def execute(self, actions: Iterable[Action]) -> None:
         """Carries out `actions` in order (the order `decide()` returned them in)."""
@@ -30,6 +30,10 @@ class Driver:
                 self.migrate(a)
             elif isinstance(a, (LoadVersion, InterruptReload)):
                 self.load(a, interrupt=isinstance(a, InterruptReload))
+            elif isinstance(a, AddVersion):
+                self.add_version(a)
+            elif isinstance(a, Evict):
+                self.evict(a)
             elif isinstance(a, TrainStep):
                 self.train(a)
             else:
@@ -51,6 +55,16 @@ class Driver:
         """Slice `a.slice_id` makes `a.version` resident (with `interrupt`, its
         running samples continue under it: partial rollout)."""
         raise NotImplementedError
+
+    def add_version(self, a: AddVersion) -> None:
+        """Slice `a.slice_id` loads `a.version` into a free place, decoding on
+        (several versions per slice: only the simulator and the tests' fake engine
+        execute them for now)."""
+        raise NotImplementedError("multi-version slices run only in the simulator")
+
+    def evict(self, a: Evict) -> None:
+        """Slice `a.slice_id` drops `a.version`, which nothing on it uses."""
+        raise NotImplementedError("multi-version slices run only in the simulator")
 
     def train(self, a: TrainStep) -> None:
         """The trainer trains step `a.step` on groups `a.group_ids`."""

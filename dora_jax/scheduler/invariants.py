@@ -1,12 +1,15 @@
 """The scheduling core's invariants (`Scheduler.check_invariants`): counters that
 agree with the groups, C1 at the engine boundary, slots and loads consistent, the
-trainer's step accounting, and the mode's own rules (`Policy.check`)."""
+versions each slice holds (residency.check: at most V, every running request's
+version resident), the trainer's step accounting, and the mode's own rules
+(`Policy.check`)."""
 
 from __future__ import annotations
 
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from . import residency
 from .types import FINISHED, PENDING, RUNNING
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -66,9 +69,10 @@ def check(sched: "Scheduler") -> None:
             g = sched.groups.get(gid)
             req(g is not None and g.samples[k].slice_id == sl.slice_id,
                 f"slice {sl.slice_id} holds a stray request ({gid},{k})")
-            if c1:
+            if c1 and not sched.multi:
                 req(sl.version == g.version and sl.loading is None,
                     f"C1: slice {sl.slice_id} v{sl.version} runs group v{g.version}")
+    residency.check(sched, req)  # versions held per slice (C1 with several versions)
     req(sched.next_step == sched.published + busy, "trainer step accounting")
     req(not busy or sched.trainer_step == sched.next_step - 1, "trainer step index")
     sched.policy.check(sched, req)

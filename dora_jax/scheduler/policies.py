@@ -29,7 +29,10 @@ class Policy:
     `replaces_filtered_groups` (a group filtered after scoring is replaced by a new
     one: `config.score_groups` works), `resumable` (a crashed run continues from its
     checkpoint: runtime/recovery.py) and `allows_colocation` (rollout and training
-    take turns, so they may share the devices: `mesh.colocated`).
+    take turns, so they may share the devices: `mesh.colocated`) and
+    `multi_version` (with config.versions_per_slice V > 1 its slices hold up to V
+    versions at once: residency.py; the other modes hold one per slice by their
+    definition, whatever V).
     """
 
     name = ""
@@ -37,6 +40,7 @@ class Policy:
     replaces_filtered_groups = True
     resumable = True
     allows_colocation = False
+    multi_version = False
     # The staleness the mode guarantees: "K" (config.max_staleness), a fixed number,
     # or None (not bounded by the mode).
     bound: Union[int, str, None] = "K"

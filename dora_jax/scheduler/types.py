@@ -7,6 +7,7 @@ state records and the policies (policies.py, dora.py) read them.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -43,6 +44,10 @@ class SchedulerConfig:
       score_groups: a finished group is trained only once the driver has scored it
         (`Scheduler.group_scored`), which may filter it out instead (DAPO's dynamic
         sampling); its admission room then goes to a new group.
+      versions_per_slice: V, versions a slice may hold at once (residency.py); 1: one
+        version per slice, switched only once the slice is empty. Only a mode whose
+        policy has `multi_version` uses V > 1; the others hold one version per slice
+        by their definition (uniform versions, or every slice moved to the newest).
     """
 
     mode: str
@@ -55,6 +60,7 @@ class SchedulerConfig:
     max_groups: Optional[int] = None
     admit_tokens: int = 0
     score_groups: bool = False
+    versions_per_slice: int = 1
 
     def __post_init__(self):
         """Checks a config built directly (tests, the simulator) by the run config's
@@ -63,7 +69,8 @@ class SchedulerConfig:
                        slots_per_slice=self.slots_per_slice, group_size=self.group_size,
                        train_batch_size=self.train_batch_size,
                        rollout_batch_size=self.rollout_batch_size,
-                       max_staleness=self.max_staleness)
+                       max_staleness=self.max_staleness,
+                       versions_per_slice=self.versions_per_slice)
         if self.max_groups is not None and self.max_groups < 0:
             raise ConfigError(f"max_groups must be >= 0 or None, got {self.max_groups}")
         if self.admit_tokens < 0:
@@ -84,7 +91,8 @@ class SchedulerConfig:
                       rollout_batch_size=c.rollout_batch_size, max_staleness=c.max_staleness,
                       max_groups=max_groups,
                       admit_tokens=r.max_prefill_length + r.decode_steps if paged else 0,
-                      score_groups=cfg.trainer.filter_zero_variance)
+                      score_groups=cfg.trainer.filter_zero_variance,
+                      versions_per_slice=r.versions_per_slice)
         self = object.__new__(cls)
         for f in dataclasses.fields(cls):
             object.__setattr__(self, f.name, values[f.name])
@@ -113,7 +121,8 @@ class Admit:
 @dataclass(frozen=True)
 class Assign:
     """Start generating sample `sample` of `group_id` on `slice_id`, under `version`
-    (the slice's resident version).
+    (the slice's resident version; with several versions per slice, the group's,
+    resident there).
 
     In every mode that keeps C1, `version` is the group's; in partial_rollout a
     sample of an older group may start on whatever version its slice now holds (its
@@ -149,6 +158,26 @@ class LoadVersion:
 
 
 @dataclass(frozen=True)
+class AddVersion:
+    """Multi-version slices (config.versions_per_slice > 1): load `version` into a
+    free place of the slice without emptying it; the slice goes on decoding its other
+    versions meanwhile and takes requests of `version` once
+    `version_loaded(slice_id, version)` is reported."""
+
+    slice_id: int
+    version: int
+
+
+@dataclass(frozen=True)
+class Evict:
+    """Multi-version slices: drop `version` from the slice, freeing its place. Issued
+    only when no request of it runs (or is migrating) there."""
+
+    slice_id: int
+    version: int
+
+
+@dataclass(frozen=True)
 class InterruptReload:
     """partial_rollout only: pause the slice, load `version`, re-prefill its in-flight
     requests (prompt + tokens so far) and continue them under the new version once
@@ -167,7 +196,8 @@ class TrainStep:
     group_ids: tuple
 
 
-Action = Union[Admit, Assign, Migrate, LoadVersion, InterruptReload, TrainStep]
+Action = Union[Admit, Assign, Migrate, LoadVersion, AddVersion, Evict, InterruptReload,
+               TrainStep]
 
 
 # ---------------------------------------------------------------------------
@@ -220,6 +250,15 @@ class SliceState:
     # Paged KV: free positions as last reported, less admit_tokens per sample given
     # to the slice since; None: never reported (capacity in slots only).
     kv_free: Optional[int] = None
+    # Versions resident ({version} with one version per slice) and being added
+    # (AddVersion in progress), and running requests per group version: residency.py.
+    held: set = field(default_factory=set)
+    adding: set = field(default_factory=set)
+    in_use: Counter = field(default_factory=Counter)
+
+    def __post_init__(self):
+        if self.version is not None and not self.held:
+            self.held = {self.version}
 
     @property
     def serving(self) -> bool:

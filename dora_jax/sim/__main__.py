@@ -1,7 +1,8 @@
 """Simulates every mode of a preset deployment and compares them with the paper.
 
     python -m dora_jax.sim --preset=paper128 --workdir=/tmp/sim128 [--steps=20] \
-        [--trainer_devices=N] [--rollout_batch_size=N] [--max_staleness=K] [--explain]
+        [--trainer_devices=N] [--rollout_batch_size=N] [--max_staleness=K] \
+        [--versions_per_slice=V] [--explain]
 
 Per mode (each in `<workdir>/<mode>/`, with a real run's outputs and its ledger
 audited): step time, rollout-only share, trainer wait, slot utilisation and
@@ -25,7 +26,10 @@ minutes) and the slots' time by state, in the fixed order of
 `cluster.SLOT_REASONS` (busy decoding; idle to a chunk's end, in prefill, loading,
 while a colocated trainer trains, short of KV memory, with pending work only at
 other versions, held by the scheduler, admission closed by the mode, RBS reached);
-states under 0.5% are left out. `env` is the slot time multi-turn episodes spend
+states under 0.5% are left out, except `version_mismatch` (slots idle on a slice
+because only other versions have pending work), always shown to two decimals, and
+`versions/step`, the mean number of distinct versions in a decode step's batch
+(--versions_per_slice V lets a dora slice hold V versions at once). `env` is the slot time multi-turn episodes spend
 waiting for their environment (`--preset=multiturn`), slot kept, not decoding.
 """
 
@@ -51,6 +55,8 @@ _TRAINER = flags.DEFINE_integer("trainer_devices", None,
 _RBS = flags.DEFINE_integer("rollout_batch_size", None, "RBS: groups admitted and not "
                             "consumed (streaming modes: RBS x G samples in flight)")
 _K = flags.DEFINE_integer("max_staleness", None, "K")
+_V = flags.DEFINE_integer("versions_per_slice", None, "V: versions a dora slice holds at "
+                          "once (1..K+1; default: the preset's)")
 _EXPLAIN = flags.DEFINE_bool("explain", False, "after the table, per mode: the trainer's "
                              "wait by cause and the slots' time by state")
 
@@ -71,8 +77,11 @@ def configured_preset():
     k = preset.max_staleness if _K.value is None else _K.value
     if k < 0:
         raise app.UsageError(f"--max_staleness must be >= 0, got {k}")
+    v = preset.versions_per_slice if _V.value is None else _V.value
+    if not 1 <= v <= k + 1:
+        raise app.UsageError(f"--versions_per_slice must be in 1..K+1 = {k + 1}, got {v}")
     return dataclasses.replace(preset, trainer_devices=tr, rollout_batch_size=rbs,
-                               max_staleness=k)
+                               max_staleness=k, versions_per_slice=v)
 
 
 def _simulate(preset, mode, steps, workdir):
@@ -91,7 +100,9 @@ def explain_line(mode: str, summary: dict) -> str:
     """One mode's trainer wait by cause and slot-time by state (see --explain)."""
     w = summary["trainer_wait_split"]
     slots = "  ".join(f"{k} {100 * x:.0f}%" for k, x in summary["slot_idle"].items()
-                      if x >= 0.005)
+                      if x >= 0.005 and k != "version_mismatch")
+    slots += (f"  version_mismatch {100 * summary['slot_idle']['version_mismatch']:.2f}%"
+              f"  versions/step {summary.get('versions_per_step', 1):.2f}")
     return (f"{mode:26} trainer wait: guard {100 * w['guard']:.0f}%  starvation "
             f"{100 * w['starvation']:.0f}%  (fill {w['fill_seconds'] / 60:.1f} min)  "
             f"| slots: {slots}")

@@ -21,7 +21,10 @@ trainer are simulated, on a float clock with the costs of `cost.CostModel`:
   sees a waiting episode as a running request: dora may migrate it, which moves its
   KV at the usual cost but stalls no decoding (it is not decoding), and it keeps a
   slot reserved at its destination until its observation arrives there.
-- Weight loads share the transfer bandwidth with the loads in progress.
+- Weight loads share the transfer bandwidth with the loads in progress. With
+  several versions per slice (dora, versions_per_slice > 1) a version is added to a
+  slice while it decodes its others and evicted at once; a chunk's steps pay one
+  more weight (or adapter) read per extra distinct version among its requests.
 - The trainer trains a batch in `train_seconds(tokens)`; colocated sync pays its
   reshard, and the slices cannot decode while it trains.
 
@@ -31,6 +34,7 @@ metrics.jsonl, summary.json and the timeline.
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 from typing import Callable, Optional
@@ -40,8 +44,8 @@ import numpy as np
 from dora_jax.runtime.report import WaitClock
 from dora_jax.scheduler.core import Scheduler
 from dora_jax.scheduler.driver import Driver, admit_record
-from dora_jax.scheduler.types import (Admit, Assign, InterruptReload, LoadVersion, Migrate,
-                                      SchedulerConfig, TrainStep)
+from dora_jax.scheduler.types import (AddVersion, Admit, Assign, Evict, InterruptReload,
+                                      LoadVersion, Migrate, SchedulerConfig, TrainStep)
 from dora_jax.sim.cost import CostModel
 from dora_jax.sim.episodes import Episode
 from dora_jax.sim.slice import Request, Slice
@@ -84,7 +88,7 @@ class ClusterSim(RunRecords, Driver):
         self.done: dict = {}
         self.trainer_busy_until: Optional[float] = None
         self.stats = dict(busy_slot_seconds=0.0, migrations=0, loads=0, interrupts=0,
-                          preemptions=0)
+                          preemptions=0, decode_steps=0, version_steps=0)
         self._loads_in_progress = 0
         self._changed = True
         self._open: dict = {}  # row -> [kind, start, end, version]: back-to-back spans merge
@@ -145,11 +149,11 @@ class ClusterSim(RunRecords, Driver):
     def assign(self, a: Assign):
         sl = self.slices[a.slice_id]
         if self.episode is not None:
-            r = Request(a.group_id, a.sample, 0, sl.version, a.slice_id,
+            r = Request(a.group_id, a.sample, 0, a.version, a.slice_id,
                         self.episode(a.group_id, a.sample))
         else:
             r = Request(a.group_id, a.sample, max(1, int(self.length(a.group_id, a.sample))),
-                        sl.version, a.slice_id)
+                        a.version, a.slice_id)
         sl.waiting.append(r)
 
     def migrate(self, a: Migrate):
@@ -163,6 +167,20 @@ class ClusterSim(RunRecords, Driver):
         sl.pending.append(a)
         if sl.chunk is None:
             self._apply_commands(sl)
+
+    def add_version(self, a: AddVersion):
+        """The slice decodes on while the version's weights (or adapters) arrive."""
+        sl = self.slices[a.slice_id]
+        sl.adding.add(a.version)
+        self._loads_in_progress += 1
+        seconds = self.cost.load_seconds(self._loads_in_progress)
+        self.stats["loads"] += 1
+        self._at(self.now + seconds, "added", sl.i, a.version)
+
+    def evict(self, a: Evict):
+        sl = self.slices[a.slice_id]
+        sl.held.discard(a.version)
+        sl.version = max(sl.held) if sl.held else None
 
     def train(self, a: TrainStep):
         idle_since = self.metrics[-1]["time"] if self.metrics else 0.0
@@ -231,7 +249,7 @@ class ClusterSim(RunRecords, Driver):
         if sl.loading != version:
             self._changed = True
             return  # superseded (a later load was sent)
-        sl.version, sl.loading = version, None
+        sl.version, sl.loading, sl.held = version, None, {version}
         sl.prompts = set()
         if interrupt:  # partial rollout: everything held continues under the new params
             for j in sl.where.values():
@@ -243,6 +261,15 @@ class ClusterSim(RunRecords, Driver):
                     sl.fresh.append(r)
             for r in sl.waiting:
                 r.segments.append((version, r.produced))
+        self.sched.version_loaded(i, version)
+        self._changed = True
+
+    def _on_added(self, i, version):
+        sl = self.slices[i]
+        self._loads_in_progress -= 1
+        sl.adding.discard(version)
+        sl.held.add(version)
+        sl.version = max(sl.held)
         self.sched.version_loaded(i, version)
         self._changed = True
 
@@ -339,11 +366,17 @@ class ClusterSim(RunRecords, Driver):
                 return self._begin_chunk(sl)
         slow = cost.contention(self._busy() + 1)
         extra *= slow
-        seconds = extra + slow * (cost.steps_seconds(steps, batch, used - parked_kv)
+        by_version = None if not self.sched.multi else collections.Counter(
+            sl.reqs[j].segments[-1][0] for j in np.flatnonzero(sl.active).tolist())
+        versions = len(by_version) if by_version else 1
+        self.stats["decode_steps"] += steps
+        self.stats["version_steps"] += versions * steps
+        seconds = extra + slow * (cost.steps_seconds(steps, batch, used - parked_kv, versions)
                                   + cost.calls_seconds(steps, batch >= self.config.slots_per_slice))
         sl.chunk = (self.now + extra, self.now + seconds, steps)
         sl.rates = (self.now + extra, float(np.minimum(left, steps).sum()) / steps, batch)
         sl.kv_blocked = bool(sl.waiting)
         self.stats["busy_slot_seconds"] += batch * (seconds - extra)
-        self._span(f"slice {sl.i}", "decode", self.now, self.now + seconds, sl.version)
+        self._span(f"slice {sl.i}", "decode", self.now, self.now + seconds, sl.version,
+                   by_version)
         self._at(self.now + seconds, "chunk", sl.i)

@@ -9,8 +9,12 @@
   attention, which a paged cache makes follow the real contexts);
 - a prefill costs `prefill_fixed + prefill_per_token` per token (a group's prompt
   once per slice; a resumed request re-prefills its tokens so far);
+- with several versions per slice, each distinct version of the batch beyond the
+  first adds `per_version_read` to a step: its weights read again (full weights) or
+  its adapters (LoRA: the base is read once, `step_fixed`);
 - a weight load moves `weight_bytes` over `transfer_bandwidth` shared by the loads
-  in progress (contention), after `transfer_latency`;
+  in progress (contention), after `transfer_latency` (with LoRA a publish moves the
+  adapters only);
 - a migration moves the request's KV (`kv_bytes_per_token` per position) over
   `migrate_bandwidth`, after `migrate_latency`;
 - a slice holds at most `kv_tokens` positions (long contexts limit its samples);
@@ -58,6 +62,7 @@ class CostModel:
     cores: float = 0.0  # shared compute (0: every slice and the trainer has its own)
     call_overhead: float = 0.0
     call_steps: int = 16
+    per_version_read: float = 0.0  # seconds per step per extra distinct version
 
     def calls_seconds(self, k: int, full: bool) -> float:
         """Per-call overhead of k decode steps: one call per step unless full."""
@@ -70,13 +75,17 @@ class CostModel:
         included) share the compute."""
         return max(1.0, busy / self.cores) if self.cores else 1.0
 
-    def step_seconds(self, batch: int, context: float) -> float:
-        return self.step_fixed + self.step_per_seq * batch + self.step_per_ctx * context
+    def step_seconds(self, batch: int, context: float, versions: int = 1) -> float:
+        """One decode step of `batch` sequences of total `context` under `versions`
+        distinct versions."""
+        fixed = self.step_fixed + (self.per_version_read * (versions - 1) if versions > 1 else 0)
+        return fixed + self.step_per_seq * batch + self.step_per_ctx * context
 
-    def steps_seconds(self, k: int, batch: int, context: float) -> float:
+    def steps_seconds(self, k: int, batch: int, context: float, versions: int = 1) -> float:
         """k decode steps during which every one of `batch` samples grows by a token
         per step (context grows by `batch` per step), in closed form."""
-        return k * self.step_seconds(batch, context) + self.step_per_ctx * batch * k * (k - 1) / 2
+        return (k * self.step_seconds(batch, context, versions)
+                + self.step_per_ctx * batch * k * (k - 1) / 2)
 
     def prefill_seconds(self, tokens: int) -> float:
         return self.prefill_fixed + self.prefill_per_token * tokens if tokens else 0.0
@@ -101,7 +110,8 @@ class CostModel:
                       hbm_bytes_per_s: float, hbm_bytes: float, link_bytes_per_s: float,
                       slice_link_bytes_per_s: float, efficiency: "Efficiency",
                       active_params: float | None = None, param_bytes: int = 2,
-                      kv_memory_fraction: float = 0.8) -> "CostModel":
+                      kv_memory_fraction: float = 0.8, adapter_params: float = 0.0,
+                      adapter_param_bytes: int = 4, versions: int = 1) -> "CostModel":
         """Roofline costs from public figures, scaled by achieved fractions
         (`Efficiency`).
 
@@ -121,31 +131,60 @@ class CostModel:
         matmuls (attention's quadratic part is left out: prompts are short and
         re-prefills are rare). A trained token costs `efficiency.train_passes`
         forward passes' FLOPs.
+
+        LoRA (`adapter_params` > 0, `lora_adapter_params`): the base is frozen, each
+        version is an adapter set (`adapter_param_bytes` per parameter). A step reads
+        the base and one adapter set, plus one more per extra distinct version in the
+        batch; its FLOPs include the adapters'; a load (publish) moves the adapters
+        only; training skips the base's weight gradients (one forward pass fewer per
+        token of `train_passes`). `versions` (V): versions a slice holds, each a full
+        copy of the weights (or an adapter set) taken from the KV memory; ValueError
+        naming `rollout.versions_per_slice` if they leave no room for KV.
         """
         eff = efficiency
         n = slice_devices
-        active = params if active_params is None else active_params
+        active = (params if active_params is None else active_params) + adapter_params
         weight_bytes = params * param_bytes
+        adapter_bytes = adapter_params * adapter_param_bytes
+        version_bytes = adapter_bytes if adapter_params else weight_bytes
         slice_bw = n * hbm_bytes_per_s * eff.hbm
-        kv_room = n * hbm_bytes * kv_memory_fraction - weight_bytes
+        resident = weight_bytes + (versions * adapter_bytes if adapter_params else
+                                   (versions - 1) * weight_bytes)
+        kv_room = n * hbm_bytes * kv_memory_fraction - resident
+        if kv_room < kv_bytes_per_token:
+            raise ValueError(
+                f"rollout.versions_per_slice: {versions} versions of {version_bytes / 1e9:.1f} "
+                f"GB on a slice of {n} x {hbm_bytes / 1e9:.0f} GB leave no KV memory")
         collectives = 2 * layers if n > 1 else 0
         ring = 2 * (n - 1) / n  # bytes an all-reduce moves per byte reduced
         return cls(
-            step_fixed=(weight_bytes / slice_bw + eff.step_overhead
+            step_fixed=((weight_bytes + adapter_bytes) / slice_bw + eff.step_overhead
                         + collectives * eff.collective_latency),
+            per_version_read=version_bytes / slice_bw,
             step_per_seq=(2 * active / (n * flops * eff.mfu_decode)
                           + collectives * hidden * param_bytes * ring
                           / (slice_link_bytes_per_s * eff.link)),
             step_per_ctx=kv_bytes_per_token / slice_bw,
             prefill_fixed=eff.step_overhead,
             prefill_per_token=2 * active / (n * flops * eff.mfu_prefill),
-            weight_bytes=weight_bytes, transfer_bandwidth=link_bytes_per_s,
+            weight_bytes=version_bytes, transfer_bandwidth=link_bytes_per_s,
             transfer_latency=1.0, kv_bytes_per_token=kv_bytes_per_token,
             migrate_bandwidth=link_bytes_per_s, migrate_latency=0.05,
             kv_tokens=int(kv_room // kv_bytes_per_token),
             train_fixed=eff.train_fixed,
-            train_per_token=2 * active * eff.train_passes
+            train_per_token=2 * active * (eff.train_passes - (1 if adapter_params else 0))
             / (trainer_devices * flops * eff.mfu_train))
+
+
+def lora_adapter_params(*, layers: int, d_model: int, q_dim: int, kv_dim: int, ffn: int,
+                        rank: int, targets=("q", "k", "v", "o", "gate", "up", "down")) -> int:
+    """Parameters of one LoRA adapter set (model/lora.py: A rank x in, B out x rank on
+    each targeted projection of each layer), from shapes alone, as
+    `lora.publish_bytes` counts them for a dense model."""
+    shapes = dict(q=(d_model, q_dim), k=(d_model, kv_dim), v=(d_model, kv_dim),
+                  o=(q_dim, d_model), gate=(d_model, ffn), up=(d_model, ffn),
+                  down=(ffn, d_model))
+    return layers * rank * sum(sum(shapes[t]) for t in targets)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,11 @@ all the GPUs) and the asynchronous modes give half the GPUs to the trainer — t
 trainer is busy 8.0 min per step in sync and 15.4 min in one-step-off. The presets
 use that split, in slices of 8 GPUs (tensor parallel 8), 256 sequences per slice.
 
+`paper128_lora` is paper128 with LoRA (rank 32 on every projection, float32
+adapters, 1.6% of the base's bytes): a publish moves the adapters, a decode step
+reads the base once and one adapter set per distinct version in its batch, and a
+dora slice holds K + 1 = 4 versions (every slot can decode every live version).
+
 `multiturn` is paper64's deployment on an agentic workload (`MULTITURN`): episodes
 of 4 model turns on average (geometric, up to 32: a few run many), each turn about
 400 tokens, observations about 300 tokens, and an environment answering in 100 ms
@@ -37,7 +42,7 @@ import json
 import math
 import pathlib
 
-from dora_jax.sim.cost import CostModel, Efficiency, Workload
+from dora_jax.sim.cost import CostModel, Efficiency, Workload, lora_adapter_params
 from dora_jax.sim.episodes import Turns
 
 H800 = dict(flops=989e12, hbm_bytes_per_s=3.35e12, hbm_bytes=80e9, link_bytes_per_s=50e9,
@@ -46,6 +51,14 @@ V5P = dict(flops=459e12, hbm_bytes_per_s=2.76e12, hbm_bytes=95e9, link_bytes_per
            slice_link_bytes_per_s=600e9)
 QWEN25_32B = dict(params=32.5e9, kv_bytes_per_token=64 * 2 * 8 * 128 * 2, layers=64,
                   hidden=5120)
+# Qwen2.5-32B's projections (40 query heads and 8 KV heads of dim 128, MLP 27,648)
+# for LoRA's shape arithmetic.
+QWEN25_32B_SHAPE = dict(layers=64, d_model=5120, q_dim=40 * 128, kv_dim=8 * 128, ffn=27648)
+# paper128_lora: rank 32 on every projection (model/lora.py's default targets),
+# float32 adapters (model.lora.dtype's default): 268M parameters, 1.07 GB per version
+# against 65 GB of bf16 base weights (1.6%).
+LORA_RANK = 32
+QWEN25_32B_LORA = lora_adapter_params(**QWEN25_32B_SHAPE, rank=LORA_RANK)
 QWEN3_30B_A3B = dict(params=30.5e9, active_params=3.3e9, kv_bytes_per_token=48 * 2 * 4 * 128 * 2,
                      layers=48, hidden=2048)
 
@@ -85,6 +98,11 @@ class Preset:
     rollout_batch_size: int = 768
     max_staleness: int = 3
     efficiency: Efficiency = Efficiency()
+    # V: versions a dora slice holds at once (the other modes hold one by definition).
+    versions_per_slice: int = 1
+    # LoRA: parameters of one adapter set (0: full fine-tuning), bytes per parameter.
+    adapter_params: float = 0.0
+    adapter_param_bytes: int = 4
     paper: dict = dataclasses.field(default_factory=dict)
     provenance: dict = dataclasses.field(default_factory=dict)  # where a loaded one came from
 
@@ -96,17 +114,30 @@ class Preset:
     def colocated_slices(self) -> int:
         return self.total_devices // self.slice_devices
 
-    def cost(self, colocated: bool = False) -> CostModel:
+    def cost(self, colocated: bool = False, versions: int | None = None) -> CostModel:
+        """The cost model of this deployment with `versions` per slice (default
+        `versions_per_slice`); ValueError naming rollout.versions_per_slice if their
+        weights leave a slice's KV memory short of one longest response."""
         model = dict(self.model)
         active = model.pop("active_params", model["params"])
+        versions = self.versions_per_slice if versions is None else versions
         cost = CostModel.from_hardware(**model, slice_devices=self.slice_devices,
                                        trainer_devices=self.trainer_devices, **self.hardware,
-                                       active_params=active, efficiency=self.efficiency)
+                                       active_params=active, efficiency=self.efficiency,
+                                       adapter_params=self.adapter_params,
+                                       adapter_param_bytes=self.adapter_param_bytes,
+                                       versions=versions)
+        need = self.workload.prompt_len + self.workload.max_len
+        if versions > 1 and cost.kv_tokens < need:
+            raise ValueError(f"rollout.versions_per_slice: {versions} versions leave "
+                             f"{cost.kv_tokens} KV positions per slice, less than one "
+                             f"longest response ({need})")
         if colocated:
             cost = cost.scaled_trainer(self.total_devices / self.trainer_devices)
             # Between training and rollout the weights change layout on the same
             # devices, and the optimizer state makes room for the KV cache: a
-            # transfer of the weights at HBM speed and one over the links.
+            # transfer of the weights at HBM speed and one over the links (with
+            # LoRA, of the adapters: the frozen base is kept in both layouts).
             cost = dataclasses.replace(cost, reshard=cost.load_seconds(1))
         return cost
 
@@ -168,6 +199,12 @@ PRESETS = {
         "paper128", "Qwen2.5-32B on 128 H800",
         total_devices=128, trainer_devices=64, slice_devices=8, slots_per_slice=256,
         hardware=H800, model=QWEN25_32B, efficiency=H800_FIT, paper=PAPER_128),
+    "paper128_lora": Preset(
+        "paper128_lora", f"Qwen2.5-32B with LoRA rank {LORA_RANK} on 128 H800, "
+        "K + 1 adapter versions per slice",
+        total_devices=128, trainer_devices=64, slice_devices=8, slots_per_slice=256,
+        hardware=H800, model=QWEN25_32B, efficiency=H800_FIT, versions_per_slice=4,
+        adapter_params=QWEN25_32B_LORA),
     "v5p": Preset(
         "v5p", "Qwen3-30B-A3B (configs/moe.py) on a v5p pod",
         total_devices=256, trainer_devices=128, slice_devices=16, slots_per_slice=256,
@@ -182,8 +219,10 @@ DEVICE_PRESETS_DIR = pathlib.Path(__file__).parent / "device_presets"
 _MODEL_REQUIRED = ("params", "kv_bytes_per_token", "layers", "hidden")
 _MODEL_OPTIONAL = ("active_params", "param_bytes")
 _INTS = ("total_devices", "trainer_devices", "slice_devices", "slots_per_slice", "group_size",
-         "train_batch_size", "rollout_batch_size", "max_staleness")
-_MAY_BE_ZERO = ("step_overhead", "collective_latency", "train_fixed", "max_staleness")
+         "train_batch_size", "rollout_batch_size", "max_staleness", "versions_per_slice",
+         "adapter_param_bytes")
+_MAY_BE_ZERO = ("step_overhead", "collective_latency", "train_fixed", "max_staleness",
+                "adapter_params")
 
 
 def preset_from_dict(d: dict, source: str = "preset") -> Preset:
@@ -230,6 +269,8 @@ def preset_from_dict(d: dict, source: str = "preset") -> Preset:
             bad(k, f"must be an integer, got {kw[k]!r}")
         if k in kw:
             number(k, kw[k])
+    if "adapter_params" in kw:
+        number("adapter_params", kw["adapter_params"])
     kw["hardware"] = table("hardware", kw["hardware"], tuple(H800))
     kw["model"] = table("model", kw["model"], _MODEL_REQUIRED, _MODEL_OPTIONAL)
     if "efficiency" in kw:

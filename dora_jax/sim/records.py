@@ -17,19 +17,29 @@ from dora_jax.sim.slots import idle_reason
 class RunRecords:
     """Ledger, per-step waits and slot time, and timeline spans of a `ClusterSim`."""
 
-    def _span(self, row, kind, start, end, version):
-        """Timeline span; a decode span that continues the row's last one extends it."""
+    def _span(self, row, kind, start, end, version, slots=None):
+        """Timeline span; a decode span that continues the row's last one with the
+        same versions extends it (`slots`, busy slots per version, then averaged
+        over the joined stretch)."""
+        slot_seconds = {v: n * (end - start) for v, n in (slots or {}).items()}
         last = self._open.get(row)
-        if last and last[0] == kind == "decode" and last[3] == version and start <= last[2]:
+        if (last and last[0] == kind == "decode" and last[3] == version
+                and last[4].keys() == slot_seconds.keys() and start <= last[2]):
             last[2] = max(last[2], end)
+            for v, x in slot_seconds.items():
+                last[4][v] += x
             return
         if last:
-            self.timeline.add(row, *last)
-        self._open[row] = [kind, start, end, version]
+            self._add_span(row, *last)
+        self._open[row] = [kind, start, end, version, slot_seconds]
+
+    def _add_span(self, row, kind, start, end, version, slot_seconds):
+        slots = {v: x / (end - start) for v, x in slot_seconds.items()} if end > start else None
+        self.timeline.add(row, kind, start, end, version, slots)
 
     def _flush_spans(self):
         for row, last in self._open.items():
-            self.timeline.add(row, *last)
+            self._add_span(row, *last)
         self._open = {}
 
     def _note_decision(self):
@@ -59,7 +69,7 @@ class RunRecords:
         reason = idle_reason(sl, colocated_training=(self.colocated
                                                      and self.trainer_busy_until is not None),
                              pending_versions=self._pending_versions, rbs_full=self._rbs_full,
-                             keeps_c1=s.policy.keeps_c1)
+                             keeps_c1=s.policy.keeps_c1, multi=s.multi)
         self.slot_time.book(sl, self.now, reason)
 
     def _consume(self, gid, step) -> tuple:

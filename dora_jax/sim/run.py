@@ -50,7 +50,9 @@ def scheduler_config(preset: Preset, mode: str) -> SchedulerConfig:
         slots_per_slice=preset.slots_per_slice, group_size=preset.group_size,
         train_batch_size=preset.train_batch_size,
         rollout_batch_size=preset.rollout_batch_size,
-        max_staleness=UNBOUNDED if mode == "partial_rollout_unbounded" else preset.max_staleness)
+        max_staleness=UNBOUNDED if mode == "partial_rollout_unbounded" else preset.max_staleness,
+        # Several versions per slice are dora's; the other modes hold one by definition.
+        versions_per_slice=preset.versions_per_slice if mode == "dora" else 1)
 
 
 def simulate(preset: Preset, mode: str, steps: int, workdir: str | None = None, *,
@@ -62,7 +64,7 @@ def simulate(preset: Preset, mode: str, steps: int, workdir: str | None = None, 
         raise ValueError("steps must be >= 2 (figures are over steps 1..N-1)")
     colocated = mode == COLOCATED
     config = scheduler_config(preset, mode)
-    cost = cost or preset.cost(colocated)
+    cost = cost or preset.cost(colocated, versions=config.versions_per_slice)
     workload = preset.workload
     sim = ClusterSim(config, cost, workload.lengths(preset.group_size),
                      prompt_len=workload.prompt_len, colocated=colocated, max_chunk=max_chunk,
@@ -104,6 +106,8 @@ def summarize(sim: ClusterSim, preset: Preset, mode: str, cost: CostModel) -> di
         slot_utilisation=round(sim.stats["busy_slot_seconds"] / (slots * end), 4),
         migrations=sim.stats["migrations"], loads=sim.stats["loads"],
         interrupts=sim.stats["interrupts"], preemptions=sim.stats["preemptions"],
+        # Distinct versions in a decode step's batch, on average over every slice's steps.
+        versions_per_step=round(sim.stats["version_steps"] / max(1, sim.stats["decode_steps"]), 3),
         staleness={str(k): v for k, v in sorted(staleness.items())},
         audit_ok=report.ok, audit=report.summary(),
         cost=dataclasses.asdict(cost))

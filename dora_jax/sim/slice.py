@@ -74,6 +74,9 @@ class Slice:
     def __init__(self, i, slots):
         self.i, self.version = i, 0
         self.loading: Optional[int] = None
+        # Several versions per slice: those resident and those being added (the
+        # slice decodes on while an AddVersion transfers); `version` is the newest.
+        self.held, self.adding = {0}, set()
         self.reqs: list = [None] * slots
         self.active = np.zeros(slots, bool)
         self.produced = np.zeros(slots, np.int64)

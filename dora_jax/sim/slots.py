@@ -8,7 +8,9 @@ is idle because the slice is `loading` weights (has a load waiting for its chunk
 in partial_rollout_rounds, for the version in training to be published), the trainer
 trains on the same devices (`colocated_training`), requests wait on the slice for KV
 memory or were preempted (`kv_full`), only other versions have pending work
-(`version_mismatch`: a mode that keeps C1 cannot run it here), work the slice could
+(`version_mismatch`: a mode that keeps C1 cannot run it here; with several versions
+per slice, none of the slice's resident versions has pending work, and no pending
+version is being added to it), work the slice could
 run is pending but the scheduler holds the slot (`held`: reserved for a request
 migrating in, or the slice drained to switch version), or nothing is pending at all:
 the batch's tail, with the mode refusing to admit though fewer than RBS groups are out
@@ -30,7 +32,7 @@ SLOT_REASONS = ("busy", "chunk_end", "prefill", "loading", "colocated_training",
 
 
 def idle_reason(sl: Slice, *, colocated_training: bool, pending_versions: set,
-                rbs_full: bool, keeps_c1: bool) -> int:
+                rbs_full: bool, keeps_c1: bool, multi: bool = False) -> int:
     """Why the slice's free slots (all of them between chunks) idle now."""
     if colocated_training:
         return COLOCATED
@@ -40,6 +42,10 @@ def idle_reason(sl: Slice, *, colocated_training: bool, pending_versions: set,
         return KV_FULL
     if not pending_versions:
         return RBS_FULL if rbs_full else CLOSED
+    if multi:
+        if sl.held & pending_versions:
+            return HELD
+        return LOADING if sl.adding & pending_versions else MISMATCH
     if keeps_c1 and (len(pending_versions) > 1 or sl.version not in pending_versions):
         return MISMATCH
     return HELD

@@ -1,12 +1,16 @@
 """DORA against the baselines over the settings a user would try, on one preset.
 
     python -m dora_jax.sim.sweep --preset=paper128 [--steps=20] [--seeds=0,1,2] \
-        [--trainer_devices=32,40,48,64] [--rbs=1,1.5,2,3] [--jobs=2] [--workdir=DIR]
+        [--trainer_devices=32,40,48,64] [--rbs=1,1.5,2,3] [--versions=1,K+1] \
+        [--jobs=2] [--workdir=DIR]
 
 For every trainer split, rollout batch size (a multiple of TBS) and workload seed it
 simulates dora, streaming partial rollout and round-synchronous partial rollout;
 sync (at each split) and colocated sync (on all devices) do not depend on the
-rollout batch size and run once per split and seed. Every run's ledger is audited
+rollout batch size and run once per split and seed. `--versions` lists the versions
+per slice V that dora runs with (`K+1` for max_staleness + 1; default: the
+preset's); the baselines hold one version per slice by definition and run once,
+and the table and summary are printed for each V. Every run's ledger is audited
 (C1 where the mode keeps it, C2, C3); a failed audit stops the sweep. With
 `--workdir` each run's outputs go to DIR/<split>/<rbs>/<seed>/<mode>/.
 
@@ -20,6 +24,7 @@ and the bound (`Preset.step_time_bound`), then:
     dora/sync at the same split median: D'  (sync on the trainer / rollout split)
     dora step / bound worst: E
     dora step spread over rollout batch sizes worst: F
+    dora version-mismatch slot time worst: M  (median: M'; share of slot time)
 
 F is max/min of dora's step time over the batch sizes at one split and seed, the
 worst such (split, seed). Ratios above 1 mean DORA is faster.
@@ -43,9 +48,19 @@ PER_SPLIT = ("sync",)  # independent of RBS: once per split and seed
 PER_SEED = ("colocated_sync",)  # independent of the split as well
 
 
-def plan(preset, splits, factors, seeds, modes) -> list:
+def plan(preset, splits, factors, seeds, modes, versions=None) -> list:
     """[(key, preset, mode)] of every run; key = (split, rbs factor, seed), with
-    None where the run does not depend on it."""
+    None where the run does not depend on it. With `versions` (a list of V) dora runs
+    once per V, as mode `dora@V`."""
+    if versions is not None:
+        modes = [m for m in modes if m != "dora"]
+        runs = plan(preset, splits, factors, seeds, modes)
+        for v in versions:
+            at_v = dataclasses.replace(preset, versions_per_slice=v)
+            runs += [(key, p, f"dora@{v}")
+                     for key, p, m in plan(at_v, splits, factors, seeds, ["dora"])
+                     if m == "dora"]
+        return runs
     runs = []
     for seed in seeds:
         seeded = dataclasses.replace(preset, workload=dataclasses.replace(preset.workload,
@@ -72,10 +87,11 @@ def _run(key, preset, mode, steps, workdir):
     out = None
     if workdir:
         out = os.path.join(workdir, *(str(k) for k in key if k is not None), mode)
-    s = simulate(preset, mode, steps, out)
+    s = simulate(preset, mode.split("@")[0], steps, out)
+    dora = mode.startswith("dora")
     return dict(key=key, mode=mode, minutes=s["step_minutes"], audit_ok=s["audit_ok"],
-                audit=s["audit"], bound=preset.step_time_bound()["step"] / 60
-                if mode == "dora" else None)
+                audit=s["audit"], bound=preset.step_time_bound()["step"] / 60 if dora else None,
+                mismatch=s["slot_idle"]["version_mismatch"] if dora else None)
 
 
 def headline(results: list, splits, factors, seeds) -> dict:
@@ -93,6 +109,9 @@ def headline(results: list, splits, factors, seeds) -> dict:
             ratios = [minutes(*c, base) / dora[c] for c in cells]
             out[base] = (min(ratios), statistics.median(ratios))
     out["bound_worst"] = max(dora[c] / at[(c, "dora")]["bound"] for c in cells)
+    mismatch = [at[(c, "dora")].get("mismatch") for c in cells]
+    if None not in mismatch:
+        out["mismatch"] = (max(mismatch), statistics.median(mismatch))
     out["spread_worst"] = max(
         max(dora[(s, f, sd)] for f in factors) / min(dora[(s, f, sd)] for f in factors)
         for s in splits for sd in seeds)
@@ -114,11 +133,19 @@ def main(argv):
                 (preset.total_devices - split) % preset.slice_devices:
             raise app.UsageError(f"--trainer_devices: {split} does not leave whole "
                                  f"{preset.slice_devices}-device slices")
+    k = preset.max_staleness
+    try:
+        versions = None if not f.versions else [k + 1 if v.upper() == "K+1" else int(v)
+                                                 for v in f.versions]
+    except ValueError as e:
+        raise app.UsageError(f"--versions takes numbers or K+1: {e}")
+    if versions and not all(1 <= v <= k + 1 for v in versions):
+        raise app.UsageError(f"--versions: each V must be in 1..K+1 = {k + 1}, got {versions}")
     if any(f < 1 for f in factors):
         raise app.UsageError("--rbs: a rollout batch holds at least one train batch (>= 1)")
     if "dora" not in f.modes:
         raise app.UsageError("--modes must include dora")
-    runs = plan(preset, splits, factors, seeds, f.modes)
+    runs = plan(preset, splits, factors, seeds, f.modes, versions)
     print(f"{preset.name}: {len(runs)} runs of {f.steps} steps, seeds {seeds}", flush=True)
     start = time.perf_counter()
     with concurrent.futures.ProcessPoolExecutor(max(1, f.jobs)) as pool:
@@ -127,6 +154,17 @@ def main(argv):
     bad = [(r["key"], r["mode"], r["audit"]) for r in results if not r["audit_ok"]]
     if bad:
         raise SystemExit(f"ledger audit failed: {bad}")
+    for v in versions or [None]:
+        label = "dora" if v is None else f"dora@{v}"
+        view = [dict(r, mode="dora") if r["mode"] == label else r for r in results
+                if not r["mode"].startswith("dora") or r["mode"] == label]
+        if v is not None:
+            print(f"dora with {v} version{'s' if v > 1 else ''} per slice:")
+        _report(view, preset, f, splits, factors, seeds, start)
+
+
+def _report(results, preset, f, splits, factors, seeds, start):
+    """The table and the summary lines of one set of runs (one V of dora)."""
     at = {(r["key"], r["mode"]): r for r in results}
     cols = [*f.modes, *PER_SPLIT, *PER_SEED]
     print(f"{'trainer':>7} {'RBS':>5} " + " ".join(f"{m:>22}" for m in cols) + f" {'bound':>7}")
@@ -149,6 +187,9 @@ def main(argv):
             print(f"dora/{name} median: {h[base][1]:.3f}")
     print(f"dora step / bound worst: {h['bound_worst']:.3f}")
     print(f"dora step spread over rollout batch sizes worst: {h['spread_worst']:.3f}")
+    if "mismatch" in h:
+        print(f"dora version-mismatch slot time worst: {100 * h['mismatch'][0]:.2f}% "
+              f"(median {100 * h['mismatch'][1]:.2f}%)")
 
 
 def define_flags():
@@ -161,6 +202,8 @@ def define_flags():
                       "trainer splits (devices of the trainer)")
     flags.DEFINE_list("rbs", ["1", "1.5", "2", "3"],
                       "rollout batch sizes, as multiples of the train batch size")
+    flags.DEFINE_list("versions", [], "versions per slice V for dora (numbers or K+1; "
+                      "default: the preset's)")
     flags.DEFINE_list("modes", ["dora", "partial_rollout", "partial_rollout_rounds"],
                       "modes run at every rollout batch size")
     flags.DEFINE_integer("jobs", os.cpu_count() or 1, "runs simulated at once")
