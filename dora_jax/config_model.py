@@ -98,6 +98,11 @@ class LoRAConfig(Section):
     targets: tuple = LORA_TARGETS  # attention q, k, v, o; MLP gate, up, down
     experts: bool = False  # also each MoE expert's gate / up / down (when targeted)
     dtype: str = field("float32", choices=DTYPES)  # of the adapters, whatever the base's
+    # A PEFT adapter directory (adapter_config.json + adapter_model.safetensors, e.g.
+    # peft's save_pretrained or `dora_jax.export --format=peft`) the adapters start
+    # from instead of fresh ones; its r, lora_alpha and target_modules must be the
+    # rank, alpha and targets above. See model/peft_format.py.
+    checkpoint: str = ""
 
     @property
     def enabled(self) -> bool:
@@ -110,6 +115,9 @@ class LoRAConfig(Section):
     def __post_init__(self):
         super().__post_init__()
         if not self.enabled:
+            if self.checkpoint:
+                fail(self._f("checkpoint"), "starts adapters from a PEFT adapter: set "
+                                            "model.lora.rank (its r) too")
             return
         if not self.alpha > 0:
             fail(self._f("alpha"), f"must be > 0 with model.lora.rank > 0, got {self.alpha}")

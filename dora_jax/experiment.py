@@ -40,12 +40,18 @@ def initial_params(cfg: Config, mesh=None):
     """(graphdef, params) a run starts from: model.checkpoint's weights (placed shard
     by shard on `mesh` under the trainer's rules), else random ones from the seed;
     then init_checkpoint's params (an Orbax checkpoint, e.g. dora_jax.sft's) if set.
-    With LoRA the base comes from either, the adapters from the checkpoint when it
-    holds them, else fresh from the seed (`lora.init_adapters`)."""
+    With LoRA the base comes from either, the adapters from model.lora.checkpoint (a
+    PEFT adapter directory, model/peft_format.py) or the checkpoint when it holds
+    them, else fresh from the seed (`lora.init_adapters`)."""
     if cfg.init_checkpoint and not os.path.isdir(cfg.init_checkpoint):
         raise FileNotFoundError(f"config.init_checkpoint: no checkpoint directory at "
                                 f"{cfg.init_checkpoint!r}")
     use_lora = cfg.model.lora.enabled
+    peft_adapters = cfg.model.lora.checkpoint if use_lora else ""
+    if peft_adapters:
+        from dora_jax.model import peft_format
+
+        adapters = peft_format.load_adapters(peft_adapters, cfg.model)
     if cfg.model.checkpoint:
         from dora_jax.model import hf
 
@@ -53,11 +59,19 @@ def initial_params(cfg: Config, mesh=None):
         _, params = hf.load_pretrained(cfg.model.checkpoint, cfg=lora.base_config(cfg.model),
                                        mesh=mesh, rules=cfg.mesh.trainer_rules)
         if use_lora:
-            params = lora.merge(params, lora.init_adapters(cfg.model, cfg.seed))
+            params = lora.merge(params, adapters if peft_adapters
+                                else lora.init_adapters(cfg.model, cfg.seed))
     else:
         graphdef, params = transformer.create(cfg.model, cfg.seed)
+        if peft_adapters:
+            params = lora.merge(lora.split(params)[0], adapters)
     if cfg.init_checkpoint:
-        if use_lora and not _saves_adapters(cfg.init_checkpoint):
+        saves_adapters = use_lora and _saves_adapters(cfg.init_checkpoint)
+        if saves_adapters and peft_adapters:
+            raise ValueError(f"config.model.lora.checkpoint: {peft_adapters} gives the "
+                             f"adapters, but init_checkpoint {cfg.init_checkpoint} holds "
+                             "adapters too: name one of them")
+        if use_lora and not saves_adapters:
             base, adapters = lora.split(params)  # e.g. full fine-tuning's SFT params
             params = lora.merge(load_params(cfg.init_checkpoint, base), adapters)
         else:

@@ -5,9 +5,10 @@
 (`data.tokenizer`, by default the checkpoint's) is read here first, before any
 compute: `check_pretrained` reads both once and returns a `Pretrained` that
 `validate(config, pretrained=...)` merges (the model's architecture, data.tokenizer,
-rollout.eos_id / pad_id); the run reuses its tokenizer. A bad or missing file fails
-with a ConfigError naming the field. No JAX: the entry points call this before JAX
-starts.
+rollout.eos_id / pad_id); the run reuses its tokenizer. A PEFT adapter
+(`model.lora.checkpoint`) has its adapter_config.json held against model.lora. A
+bad or missing file fails with a ConfigError naming the field. No JAX: the entry
+points call this before JAX starts.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def check_pretrained(config: ml_collections.ConfigDict) -> Pretrained:
             fail("model.checkpoint", str(e))
         if not path and os.path.exists(os.path.join(checkpoint, "tokenizer.json")):
             path = checkpoint
+    _check_adapter(model.get("lora", {}))
     tokenizer = None
     if path:
         from dora_jax.data.tokenizer import Tokenizer  # no JAX
@@ -82,6 +84,24 @@ def check_pretrained(config: ml_collections.ConfigDict) -> Pretrained:
         except ValueError as e:
             fail("data.tokenizer", str(e))
     return Pretrained(checkpoint, architecture, path, tokenizer)
+
+
+def _check_adapter(lora_section) -> None:
+    """A PEFT adapter named by model.lora.checkpoint: its adapter_config.json read
+    (never its tensors) and its r / lora_alpha / target_modules held against
+    model.lora's rank / alpha / targets; a ConfigError names the field."""
+    directory = lora_section.get("checkpoint") or ""
+    if not directory:
+        return
+    from dora_jax.config_model import LoRAConfig
+    from dora_jax.model import peft_format  # no JAX until its tensors are read
+
+    given = lora_section.to_dict() if hasattr(lora_section, "to_dict") else dict(lora_section)
+    lora_cfg = LoRAConfig.from_dict(given)
+    try:
+        peft_format.check_config(peft_format.read_config(directory), lora_cfg, directory)
+    except peft_format.PeftFormatError as e:
+        fail(e.field or "model.lora.checkpoint", str(e))
 
 
 def validated(config: ml_collections.ConfigDict, num_devices: int | None = None) -> Config:
