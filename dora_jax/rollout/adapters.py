@@ -52,8 +52,11 @@ class AdapterPlaces:
             tuple(_stacked_sharding(sh, layer_axes) if ad else sh
                   for sh, ad in zip(single, self.is_adapter)),
             NamedSharding(single[0].mesh, PartitionSpec()))
-        self._write = jax.jit(self._write_fn, donate_argnums=(0,),
-                              out_shardings=self.shardings.leaves)
+        self._adapter_idx = tuple(i for i, ad in enumerate(self.is_adapter) if ad)
+        # Only the adapter stacks are donated: the base leaves are shared with the
+        # placement's cache of the frozen base (and with the placed version).
+        self._write = jax.jit(self._write_fn, donate_argnums=(0,), out_shardings=tuple(
+            self.shardings.leaves[i] for i in self._adapter_idx))
 
     def empty(self, base: EngineParams) -> EngineParams:
         """A stack holding `base`'s base leaves and zero adapters in every place."""
@@ -68,11 +71,17 @@ class AdapterPlaces:
         params, placed on this engine). Donates `stack`'s adapters."""
         if not 0 <= place < self.versions:
             raise ValueError(f"place {place} outside [0, {self.versions})")
-        return EngineParams(tuple(self._write(stack.leaves, placed.leaves, np.int32(place))))
+        idx = self._adapter_idx
+        new = self._write(tuple(stack.leaves[i] for i in idx),
+                          tuple(placed.leaves[i] for i in idx), np.int32(place))
+        leaves = list(stack.leaves)
+        for i, x in zip(idx, new):
+            leaves[i] = x
+        return EngineParams(tuple(leaves))
 
     def _write_fn(self, stacked, single, place):
         return tuple(jax.lax.dynamic_update_index_in_dim(s, x.astype(s.dtype), place, self.axis)
-                     if ad else s for s, x, ad in zip(stacked, single, self.is_adapter))
+                     for s, x in zip(stacked, single))
 
     def with_rows(self, stack: EngineParams, place_B) -> EngineParams:
         """The params of a call whose row b decodes under place place_B[b]."""

@@ -229,6 +229,11 @@ class Engine:
         EngineParams (returned as they are if already placed for this engine)."""
         return self._placement.place(params)
 
+    @property
+    def placement(self) -> ParamPlacement:
+        """The model's leaves and their decode shardings on this engine's mesh."""
+        return self._placement
+
     def init_decode_state(self) -> DecodeState:
         """Empty decode state: S inactive slots, zero KV cache (paged: every page
         free — the engine's page tables describe one decode state at a time)."""

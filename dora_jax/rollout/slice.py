@@ -1,4 +1,8 @@
-"""A decode slice: a sub-mesh, an engine, one resident (version, params) and S slots.
+"""A decode slice: a sub-mesh, an engine, its resident version(s) and S slots.
+
+Versions (slice_versions.py): one resident (version, params), or on a multi-version
+engine (LoRA, `Engine(versions=V)`) up to V versions' adapters on one base, each
+slot decoding under its own request's version in the same generate call.
 
 Continuous batching: `step()` prefills waiting requests into free slots, runs one
 `generate_steps` call (up to `rollout.decode_steps` tokens per slot) and returns the
@@ -30,9 +34,9 @@ then joins the response and runs through a prefill on top of the kept KV
 version. Migration moves an episode between turns with its kept KV; a preempted
 or re-prefilled one runs its whole sequence again, observations included.
 
-Constraint C1 is enforced here: `submit`, `import_requests` and `load_version` refuse
-anything that would make the slice serve a request under a version other than its
-own. `interrupt_and_reload` is the deliberate exception (the partial_rollout
+Constraint C1 is enforced here: `submit`, `import_requests`, `load_version` and
+`evict_version` refuse anything that would make the slice serve a request under a
+version other than its own. `interrupt_and_reload` is the deliberate exception (the partial_rollout
 baseline), and the trajectory records which version produced which tokens.
 
 One thread drives a slice; its methods are not thread-safe.
@@ -54,13 +58,15 @@ from dora_jax.rollout.engine import Engine
 from dora_jax.rollout.episodes import EpisodeRunner
 from dora_jax.rollout.slice_episodes import EpisodeTurns
 from dora_jax.rollout.slice_memory import SliceMemory, prompt_key
+from dora_jax.rollout.slice_versions import SliceVersions
 from dora_jax.rollout.slots import SlotTable
 from dora_jax.rollout.trajectory import (Held, InFlight, Request, RolloutError, SliceStats,
                                          SlotOverflowError, VersionMismatchError)
 
 
-class DecodeSlice(EpisodeTurns):
-    """S slots of continuous batching on one engine, serving one resident version.
+class DecodeSlice(EpisodeTurns, SliceVersions):
+    """S slots of continuous batching on one engine, serving its resident versions
+    (one, or up to `engine.versions` on a multi-version engine).
 
     Args:
       slice_id: this slice's id (recorded in trajectories).
@@ -79,8 +85,10 @@ class DecodeSlice(EpisodeTurns):
         # (None: run the whole sequence again), future, when the call was sent).
         self._env_wait: dict = {}
         self.lookahead = lookahead
-        self.version: Optional[int] = None
-        self.params = None
+        self.version: Optional[int] = None  # the one resident (V > 1: the last loaded)
+        self.params = None  # EngineParams (V > 1: every place's adapters, no rows)
+        self._place_versions: list = [None] * engine.versions  # V > 1: version per place
+        self._slot_places = np.zeros(engine.max_concurrent_decodes, np.int32)
         self.stats = SliceStats()
         self.load_log: list = []  # (version, seconds) per weight load
         self.state = engine.init_decode_state()
@@ -144,7 +152,8 @@ class DecodeSlice(EpisodeTurns):
 
     @property
     def held_versions(self) -> set:
-        """Versions of the requests held: empty or {self.version} (C1)."""
+        """Versions of the requests held (one-version slice: empty or
+        {self.version}; C1)."""
         return {seq.version for seq in self._held.values()}
 
     def abandon(self) -> None:
@@ -156,6 +165,7 @@ class DecodeSlice(EpisodeTurns):
         self._pending, self._inflight, self._done = [], None, []
         self.slots.clear()
         self.params = self.version = None
+        self._place_versions = [None] * self.engine.versions
         self.reset_decode_state()
 
     def reset_decode_state(self) -> None:
@@ -168,60 +178,12 @@ class DecodeSlice(EpisodeTurns):
         self._pool_epoch = None if self.engine.pages is None else self.engine.pages.epoch
         self.memory.reset()
 
-    # ------------------------------------------------------------ versions
-
-    def load_version(self, version: int, params) -> float:
-        """Makes `(version, params)` resident: params on any devices (an nnx.State or
-        its pure dict, e.g. the trainer's published copy) or EngineParams of this
-        engine, placed by one `engine.load_params` (no transfer if already placed),
-        waiting for the transfer. Refuses (VersionMismatchError, slice unchanged)
-        while holding requests of another version. Returns the seconds waited."""
-        self._sync()  # requests that finished in flight no longer count
-        other = sorted(self.held_versions - {version})
-        if other:
-            raise VersionMismatchError(
-                f"slice {self.slice_id}: cannot load version {version} while holding "
-                f"{self.num_requests} request(s) of version(s) {other} (C1); drain or "
-                f"migrate them first")
-        return self._load(version, params)
-
-    def interrupt_and_reload(self, version: int, params) -> float:
-        """partial_rollout: loads `version` (params as for `load_version`) with
-        requests in flight, re-prefills each running one (prompt + tokens so far)
-        under the new params and continues it; waiting ones will start under the new
-        version. Returns the seconds waited for the params."""
-        self._sync()
-        running = self.slots.holders()
-        for seq in running:
-            self._flush(seq)
-        seconds = self._load(version, params)
-        self.stats.interrupts += 1
-        for seq in self._held.values():
-            seq.version = version
-            seq.kept, seq.unwritten = None, 0  # KV kept between turns: the old version's
-        for rid, (seq, _, future, sent) in self._env_wait.items():
-            self._env_wait[rid] = (seq, None, future, sent)
-        for seq in running:
-            self._start(seq, seq.slot)
-        return seconds
-
-    def _load(self, version, params) -> float:
-        t0 = time.perf_counter()
-        loaded = jax.block_until_ready(self.engine.load_params(params))
-        seconds = time.perf_counter() - t0
-        self.params, self.version = loaded, version
-        self.memory.forget(list(self.memory.prefixes))  # computed under the old params
-        self.stats.weight_loads += 1
-        self.stats.weight_transfer_seconds += seconds
-        self.load_log.append((version, seconds))
-        return seconds
-
     # ------------------------------------------------------------ requests
 
     def submit(self, request: Request) -> None:
         """Queues a request; it is prefilled at the next `step()`. Raises (slice
-        unchanged) on a version other than the resident one (C1), a bad prompt, a
-        duplicate id or no free slot."""
+        unchanged) on a version not resident (C1), a bad prompt, a duplicate id or no
+        free slot."""
         self._check_accepts([request.request_id], [request.version])
         request.check(self.engine.max_prefill_length, self.engine.model_cfg.vocab_size)
         seq = Held(request, request.version, [], [], [], [self.slice_id], self.clock(), None)
@@ -250,7 +212,8 @@ class DecodeSlice(EpisodeTurns):
             n = self.engine.decode_steps
             if self.engine.pages is not None:
                 self._reserve_pages(n)
-            self.state, result = self.engine.generate_steps(self.params, self.state, n)
+            self.state, result = self.engine.generate_steps(self._generate_params(),
+                                                            self.state, n)
             if self.engine.pages is not None:
                 self.stats.peak_pages = max(self.stats.peak_pages, self.engine.pages.num_used)
             self.stats.generate_calls += 1
@@ -314,7 +277,8 @@ class DecodeSlice(EpisodeTurns):
     def import_requests(self, inflights: Iterable[InFlight]) -> None:
         """Takes over exported requests: moves each KV cache onto this slice's mesh
         and inserts it into a free slot (not-started ones are queued). Refuses (slice
-        unchanged) requests of another version (C1) or more than the free slots."""
+        unchanged) requests of a version not resident (C1) or more than the free
+        slots."""
         inflights = list(inflights)
         self._check_accepts([f.request.request_id for f in inflights],
                             [f.version for f in inflights])
@@ -337,6 +301,7 @@ class DecodeSlice(EpisodeTurns):
                     self._waiting.append(seq)
                 continue
             slot = self.slots.lowest_free()
+            self._set_slot_place(slot, f.version)
             used = len(f.request.prompt_tokens) + len(f.response_tokens)
             self.state = self.engine.insert(jax.device_put(f.prefix, dst), self.state, slot,
                                             length=used)
@@ -346,12 +311,15 @@ class DecodeSlice(EpisodeTurns):
     # ------------------------------------------------------------ internals
 
     def _check_accepts(self, ids, versions):
-        if self.version is None:
+        resident = self.resident_versions
+        if not resident:
             raise RolloutError(f"slice {self.slice_id} has no params loaded (load_version)")
-        bad = sorted({v for v in versions if v != self.version})
+        bad = sorted({v for v in versions if v not in resident})
         if bad:
+            held = (f"version {self.version}" if len(resident) == 1
+                    else f"versions {resident}")
             raise VersionMismatchError(
-                f"slice {self.slice_id} holds version {self.version}; refusing request(s) "
+                f"slice {self.slice_id} holds {held}; refusing request(s) "
                 f"of version(s) {bad} (C1)")
         dup = [r for r in ids if r in self._held]
         if dup or len(set(ids)) != len(ids):
@@ -368,13 +336,15 @@ class DecodeSlice(EpisodeTurns):
         (preempted, or re-prefilled under new params) runs only its own tokens on top
         of it, and on a paged cache they all map the prompt's pages."""
         r, engine, memory = seq.request, self.engine, self.memory
+        self._set_slot_place(slot, seq.version)
+        params = self._params_for(seq.version)
         if seq.kept is not None:
             return self._continue_episode(seq, slot)
         P, key = len(r.prompt_tokens), prompt_key(r)
         base = memory.prefixes.get(key)
         if base is None and seq.tokens:  # the group's prompt, once
             padded, _ = engine.pad_tokens(r.prompt_tokens)
-            base, _ = engine.prefill(params=self.params, padded_tokens=padded,
+            base, _ = engine.prefill(params=params, padded_tokens=padded,
                                      true_length=P, rng=r.key_data())
             memory.prefixes[key] = base
             self.stats.prefills += 1
@@ -382,7 +352,7 @@ class DecodeSlice(EpisodeTurns):
         # Without a prefix the whole sequence runs; with it, only the response so far.
         padded, t = engine.pad_tokens((list(r.prompt_tokens) if base is None else [])
                                       + seq.tokens)
-        prefix, result = engine.prefill(params=self.params, padded_tokens=padded,
+        prefix, result = engine.prefill(params=params, padded_tokens=padded,
                                         true_length=t, rng=r.key_data(),
                                         num_generated=len(seq.tokens), existing_prefix=base,
                                         max_new_tokens=r.max_new_tokens)

@@ -152,6 +152,7 @@ class SliceStats:
     finished: int = 0
     weight_loads: int = 0
     weight_transfer_seconds: float = 0.0
+    weight_bytes: int = 0  # placed by weight loads (LoRA: a base held is not moved)
     interrupts: int = 0
     migrated_in: int = 0
     migrated_out: int = 0

@@ -1,0 +1,140 @@
+"""A decode slice holding several LoRA versions at once (`DecodeSlice.add_version` /
+`evict_version` on a multi-version engine): every slot decodes under its own
+request's version in the same generate call, exactly as a slice holding only that
+version does; versions load into free places while the others decode and leave
+when nothing of them is held."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+import pytest
+
+import _rollout_common as rc
+from dora_jax.config_model import LoRAConfig
+from dora_jax.model import lora, transformer
+from dora_jax.rollout import (DecodeSlice, Engine, Request, RolloutError,
+                              VersionMismatchError)
+from test_lora import randomise_b
+
+MODEL = dataclasses.replace(rc.config("dense").model, lora=LoRAConfig(rank=4, alpha=8.0))
+
+
+@functools.cache
+def _base():
+    return transformer.create(MODEL, 0)[1]
+
+
+@functools.cache
+def version_params(v: int):
+    """Version v: the one base (the same arrays), its own adapters (random B, so
+    versions really differ)."""
+    return randomise_b(_base(), seed=v, std=0.3 + 0.1 * v)
+
+
+@functools.cache
+def engine(kind: str, kv_cache: str, versions: int, mesh_index: int) -> Engine:
+    return Engine(MODEL, rc.rollout(kv_cache=kv_cache), rc.meshes()[1][mesh_index],
+                  sampling_params=rc.SAMPLING[kind], versions=versions)
+
+
+def request(gid, v, prompt, n=None):
+    return Request(gid, f"p{gid}", 0, prompt, seed=1000 + gid, version=v, max_new_tokens=n)
+
+
+# (group id, version, prompt index, max_new_tokens): version 0 ends early.
+FIRST = [(0, 0, 0, 7), (1, 1, 1, None), (2, 0, 2, 9), (3, 1, 3, None)]
+LATER = [(4, 2, 4, None), (5, 3, 5, None)]  # after version 0 is evicted
+
+
+def alone(kind, kv_cache, v, reqs) -> dict:
+    """Trajectories of `reqs` on a one-version slice holding version v only."""
+    sl = DecodeSlice(0, engine(kind, kv_cache, 1, 0))
+    sl.load_version(v, version_params(v))
+    for r in reqs:
+        sl.submit(r)
+    return {t.request_id: t for t in sl.drain()}
+
+
+@pytest.mark.parametrize("kind,kv_cache", [
+    ("greedy", "dense"), ("sampled", "paged"),
+    pytest.param("sampled", "dense", marks=pytest.mark.slow),
+    pytest.param("greedy", "paged", marks=pytest.mark.slow)])
+def test_slots_of_several_versions_decode_as_each_version_alone(kind, kv_cache):
+    reqs = {g: request(g, v, rc.PROMPTS[p], n) for g, v, p, n in FIRST + LATER}
+    sl = DecodeSlice(1, engine(kind, kv_cache, 3, 1))
+    sl.add_version(0, version_params(0))
+    sl.add_version(1, version_params(1))
+    assert sl.resident_versions == [0, 1] and sl.free_places == 1
+    for g, *_ in FIRST:
+        sl.submit(reqs[g])
+    got = {}
+    for _ in range(1):  # decode a while, then a version joins mid-run
+        got.update({t.request_id: t for t in sl.step()})
+    assert sl.num_running == 4
+    sl.add_version(2, version_params(2))
+    with pytest.raises(RolloutError, match="no free place"):
+        sl.add_version(3, version_params(3))
+    with pytest.raises(VersionMismatchError, match="cannot evict version 0"):
+        sl.evict_version(0)
+    while any(sl.holds(reqs[g].request_id) for g, v, *_ in FIRST if v == 0):
+        got.update({t.request_id: t for t in sl.step()})
+    assert sl.holds(reqs[1].request_id)  # version 1 is still decoding
+    sl.evict_version(0)
+    sl.add_version(3, version_params(3))  # into version 0's place
+    assert sl.resident_versions == [1, 2, 3]
+    for g, *_ in LATER:
+        sl.submit(reqs[g])
+    with pytest.raises(VersionMismatchError):
+        sl.submit(request(9, 0, rc.PROMPTS[0]))
+    got.update({t.request_id: t for t in sl.drain()})
+    assert len(got) == len(reqs)
+    for v in range(4):
+        mine = [r for r in reqs.values() if r.version == v]
+        ref = alone(kind, kv_cache, v, mine)
+        for r in mine:
+            t, u = got[r.request_id], ref[r.request_id]
+            assert t.response_tokens == u.response_tokens, (v, r.request_id)
+            np.testing.assert_allclose(t.behaviour_logprobs, u.behaviour_logprobs, atol=1e-5)
+            assert t.versions == [[v, len(t.response_tokens)]]
+    # The versions differ: the same prompt and seed give other tokens under another.
+    other = alone(kind, kv_cache, 1, [dataclasses.replace(reqs[4], version=1)])
+    assert other[reqs[4].request_id].response_tokens != got[reqs[4].request_id].response_tokens
+
+
+def test_later_versions_move_only_their_adapters():
+    """Loads count the bytes they place: the first the whole model, later versions
+    (the same base arrays) their adapters alone, into a one-version slice and into
+    the places of a multi-version one."""
+    full, ad = lora.tree_bytes(_base()), lora.tree_bytes(lora.split(_base())[1])
+    for versions in (1, 3):
+        sl = DecodeSlice(0, Engine(MODEL, rc.rollout(kv_cache="dense"), rc.meshes()[1][2],
+                                   greedy=True, versions=versions))
+        sl.load_version(0, version_params(0))
+        assert sl.stats.weight_bytes == full
+        (sl.load_version if versions == 1 else sl.add_version)(1, version_params(1))
+        assert sl.stats.weight_bytes == full + ad and ad < full / 10
+        assert sl.resident_versions == ([1] if versions == 1 else [0, 1])
+    sl.evict_version(0)
+    sl.load_version(2, version_params(2))  # the only resident one now
+    assert sl.resident_versions == [2] and sl.stats.weight_bytes == full + 2 * ad
+
+
+def test_a_one_version_slice_evicts_and_refuses_as_before():
+    sl = DecodeSlice(0, engine("greedy", "dense", 1, 0))
+    sl.load_version(0, version_params(0))
+    assert sl.resident_versions == [0] and sl.free_places == 0
+    with pytest.raises(RolloutError, match="no free place"):
+        sl.add_version(1, version_params(1))
+    sl.submit(request(0, 0, rc.PROMPTS[0]))
+    with pytest.raises(VersionMismatchError, match="cannot evict version 0"):
+        sl.evict_version(0)
+    with pytest.raises(VersionMismatchError, match="holds version 0"):
+        sl.submit(request(1, 1, rc.PROMPTS[1]))
+    sl.drain()
+    sl.evict_version(0)
+    assert sl.resident_versions == [] and sl.params is None
+    sl.add_version(1, version_params(1))
+    assert sl.resident_versions == [1]
