@@ -157,7 +157,7 @@ def _resumed_run(old: FakeRun, checkpoint, lengths, **kw) -> FakeRun:
     run.checkpoints = list(old.checkpoints)  # still on disk
     run.sched = recovery.scheduler_for(cfg, p, finished)
     for sl in run.slices:
-        sl.version = step
+        sl.version, sl.held = step, {step}
     run.ledger = list(old.ledger) + [dict(event="resume", step=step, time=0)]
     run.book.restore({g: kept[g] for g in p.kept})
     for g in p.kept:
