@@ -257,6 +257,27 @@ def check_versions(versions_per_slice: int, max_staleness: int) -> None:
              f"{versions_per_slice}")
 
 
+def check_multi_version(versions_per_slice: int, policy, mode: str, model) -> None:
+    """V > 1 on real slices: a mode that schedules by residency, and versions that
+    differ by LoRA adapters on one shared base (V full-weight copies run only in the
+    simulator, whose presets know the device memory they need)."""
+    from dora_jax.scheduler.modes import POLICIES
+
+    got = f"got {versions_per_slice}"
+    if not policy.multi_version:
+        fail("rollout.versions_per_slice", f"several versions per slice are scheduled "
+             f"only in {_modes_with(POLICIES, 'multi_version')}, not in {mode!r}: use 1, {got}")
+    if not model.lora.enabled:
+        fail("rollout.versions_per_slice", "several versions per slice share one base and "
+             "differ by their adapters: set model.lora.rank > 0 (V full-weight copies per "
+             "slice run only in the simulator: python -m dora_jax.sim "
+             f"--versions_per_slice=V), {got}")
+    if model.lora.experts and model.moe.num_experts:
+        fail("model.lora.experts", "per-expert adapters cannot be selected per slot: "
+             "several versions per slice (rollout.versions_per_slice > 1) need "
+             "model.lora.experts=False")
+
+
 def check_declared(section, name: str, value) -> None:
     """Checks `value` against the constraint `section` declares for its field `name`
     (schema.field), naming the field as the section's own validation does."""
@@ -335,12 +356,7 @@ class Config(Section):
         check_group_fits(c.group_size, mesh.num_slices, r.slots_per_slice)
         check_versions(r.versions_per_slice, c.max_staleness)
         if r.versions_per_slice > 1:
-            # The config carries no device memory figures, so whether V full-weight
-            # copies fit is checked where they are known: the simulator's presets.
-            fail("rollout.versions_per_slice", "multi-version slices (V > 1) run only in "
-                 "the simulator for now (python -m dora_jax.sim --versions_per_slice=V); "
-                 f"the runtime's slices hold one version each: use 1, got "
-                 f"{r.versions_per_slice}")
+            check_multi_version(r.versions_per_slice, policy, c.mode, m)
         if c.reward_max_response < r.max_decode_len:
             fail("coordinator.reward_max_response", f"must be >= rollout.max_decode_len "
                   f"({r.max_decode_len}): a complete response must be scored, got "

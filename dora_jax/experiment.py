@@ -94,7 +94,8 @@ def warm_up(slices, trainer, cfg: Config) -> None:
     trainer.warmup(batch_size, cfg.coordinator.group_size)
     reprefills = not POLICIES[cfg.coordinator.mode].keeps_c1
     for sl in slices:
-        warm_engine(sl.engine, sl.params, reprefills=reprefills)
+        warm_engine(sl.engine, sl.prefill_params(sl.version), reprefills=reprefills,
+                    generate_params=sl.generate_params())
         sl.reset_decode_state()
 
 
@@ -152,20 +153,22 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     # already finished on the device.
     slices = [DecodeSlice.create(i, mesh, cfg.model, cfg.rollout, rules=cfg.mesh.decode_rules,
                                  lookahead=False, tokenizer_path=cfg.data.tokenizer or None,
-                                 stop_ids=stop_ids, episodes=episode_runner(cfg, tokenizer))
+                                 stop_ids=stop_ids, episodes=episode_runner(cfg, tokenizer),
+                                 versions=cfg.rollout.versions_per_slice)
               for i, mesh in enumerate(slice_meshes)]
     for sl in slices:  # every slice starts on version 0, as the scheduler assumes
         sl.load_version(0, params)
     trainer = make_trainer(cfg, trainer_mesh, params=params, graphdef=graphdef)
     resumed = recovery.load(workdir, cfg, checkpointer, trainer, records)
     if trainer.version:  # every slice holds the version resumed from
+        params = copy_tree(trainer.params)
         for sl in slices:
-            sl.load_version(trainer.version, copy_tree(trainer.params))
+            sl.load_version(trainer.version, params)
     eval_decoder = None
     if cfg.eval.every:
         host = slices[cfg.eval.slice]
         eval_decoder = EvalDecoder(host, cfg.eval, cfg.seed)
-        eval_decoder.warm(host.params)
+        eval_decoder.warm(host.engine.load_params(params))
     warm_up(slices, trainer, cfg)
     if cfg.coordinator.checkpoint_every:  # periodic saves: none may stall the run
         Checkpointer.warm_up(trainer.state)

@@ -78,20 +78,27 @@ def test_measured_runs_save_no_periodic_checkpoints(load_config):
     assert base.coordinator.checkpoint_every == 5
 
 
+@pytest.mark.parametrize("variant", [None, "lora_multi"])
 @pytest.mark.parametrize("flag", ["modes", "curve_modes"])
-def test_every_default_run_of_bench_modes_builds_a_valid_config(flag, load_config):
+def test_every_default_run_of_bench_modes_builds_a_valid_config(flag, variant, load_config):
     """`python -m dora_jax.bench.modes --workdir=DIR` as the README gives it: each of
-    its default runs on its default config (configs/longtail.py) passes validation, the
-    colocated layout's packed micro-batches included (they span twice the shards)."""
-    from dora_jax.bench.runs import run_config
+    its default runs on its default config (configs/longtail.py, and its variant with
+    several versions per slice) passes validation, the colocated layout's packed
+    micro-batches included (they span twice the shards); dora holds the K + 1
+    versions of its window per slice, every other mode one."""
+    from dora_jax.bench.runs import parse_spec, run_config
     from dora_jax.model import hf_checks
 
-    base = load_config("configs/longtail.py", validate=False)
+    path = "configs/longtail.py" + (f":{variant}" if variant else "")
+    base = load_config(path, validate=False)
     per_shard = base.trainer.tokens_per_microbatch // 4  # its trainer: data 2 x fsdp 2
     for spec in getattr(modes, f"_{flag.upper()}").default:
         cfg = hf_checks.validated(run_config(base, spec, steps=2), num_devices=8)
         shards = cfg.mesh.trainer["data"] * cfg.mesh.trainer["fsdp"]
         assert cfg.trainer.tokens_per_microbatch == per_shard * shards, spec
+        multi = variant and parse_spec(spec)[0] == "dora"
+        assert cfg.rollout.versions_per_slice == (
+            cfg.coordinator.max_staleness + 1 if multi else 1), spec
 
 
 # ------------------------------------------------------------------ bench.adversarial

@@ -74,6 +74,22 @@ def test_one_model_size_takes_the_step_overhead_from_the_run_or_flags_zero():
     assert any("assumed 0" in f for f in details["flags"])
 
 
+def test_an_overhead_that_covers_the_fixed_cost_leaves_hbm_unfitted_and_the_preset_valid():
+    """On a loaded host one weight size's intercept can fall under the run's host cost:
+    no weight reads are left to fit, so hbm keeps its default, flagged, and the preset
+    still loads (a negative or infinite hbm once failed the accelerator check)."""
+    engine, trainer = synthetic_figures(MODELS[:1])
+    intercept = engine["runs"][0]["step_seconds"]["1"]
+    run_cost = dataclasses.replace(_cost(MODELS[0], TRUTH), step_fixed=2 * intercept,
+                                   call_overhead=0.0, call_steps=16)
+    peaks = device_fit.PEAKS["NVIDIA H200"]
+    eff, details = device_fit.fit_efficiency(engine, trainer, peaks, run_cost)
+    assert eff.hbm == Efficiency().hbm
+    assert any(f.startswith("hbm not fitted") for f in details["flags"]), details["flags"]
+    preset = device_fit.device_preset("NVIDIA H200", peaks, eff, details=details)
+    assert presets.preset_from_dict(preset).efficiency.hbm == Efficiency().hbm
+
+
 def test_cpu_figures_fit_to_a_preset_that_loads_and_simulates(tmp_path):
     engine = json.loads((FIXTURES / "engine.json").read_text())
     trainer = json.loads((FIXTURES / "trainer.json").read_text())

@@ -173,6 +173,9 @@ class PausableSlice:
     idle = False
     kv_free_tokens = None
 
+    def running_by_version(self):
+        return {self.version: 1}
+
     def step(self):
         time.sleep(0.005)
         self.steps += 1

@@ -138,3 +138,49 @@ def test_a_one_version_slice_evicts_and_refuses_as_before():
     assert sl.resident_versions == [] and sl.params is None
     sl.add_version(1, version_params(1))
     assert sl.resident_versions == [1]
+
+
+def test_a_worker_adds_and_evicts_versions_while_its_slots_decode():
+    """The coordinator's commands on a multi-version slice's own loop: `add` posts
+    VersionLoaded, one generate call serves both
+    versions (the timeline's decode span names the slots per version), and `evict`
+    frees the place for the next version."""
+    import queue
+
+    from dora_jax.runtime.events import SamplesFinished, VersionLoaded
+    from dora_jax.runtime.worker import SliceWorker
+    from dora_jax.timeline import Timeline
+
+    events, timeline = queue.Queue(), Timeline()
+    sl = DecodeSlice(0, engine("greedy", "dense", 2, 0))
+    sl.load_version(0, version_params(0))
+    w = SliceWorker(sl, events, timeline)
+    # Queued before the loop starts, so they apply before its first generate call.
+    w.submit(request(0, 0, rc.PROMPTS[0]))
+    w.add(1, version_params(1))
+    w.submit(request(1, 1, rc.PROMPTS[1]))
+    w.start()
+    finished, loaded = {}, []
+
+    def take_until(done):
+        while not done():
+            ev = events.get(timeout=120)
+            if isinstance(ev, SamplesFinished):
+                finished.update({t.request_id: t for t in ev.trajectories})
+                w.ack()
+            elif isinstance(ev, VersionLoaded):
+                loaded.append(ev.version)
+            else:
+                raise AssertionError(ev)
+
+    try:
+        take_until(lambda: len(finished) == 2 and loaded == [1])
+        w.evict(0)
+        w.add(2, version_params(2))
+        take_until(lambda: loaded == [1, 2])
+    finally:
+        w.stop(timeout=60)
+    assert sl.resident_versions == [1, 2]
+    assert {t.versions[0][0] for t in finished.values()} == {0, 1}
+    mixed = [s for s in timeline.spans if s.kind == "decode" and s.slots]
+    assert mixed and all(s.slots == {0: 1, 1: 1} and s.version == 1 for s in mixed)

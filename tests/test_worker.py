@@ -28,6 +28,9 @@ class FakeSlice:
     def holds(self, rid):
         return rid in self.held
 
+    def running_by_version(self):
+        return {self.version: len(self.held)} if self.held else {}
+
     def step(self):
         self.gate.wait()
         time.sleep(self.step_seconds)

@@ -40,6 +40,10 @@ def run_config(base, spec: str, *, steps: int, seed: int | None = None,
     c.coordinator.mode = mode
     if k is not None:
         c.coordinator.max_staleness = k
+    if c.rollout.versions_per_slice > 1:
+        # Several LoRA versions per slice: as many as the staleness window holds in
+        # dora, the one a slice serves in the other modes.
+        c.rollout.versions_per_slice = c.coordinator.max_staleness + 1 if mode == "dora" else 1
     c.coordinator.num_steps = steps
     # No periodic saves in a measured run: a save holds the coordinator between two
     # steps (the first one in a process for seconds on a CPU), and sync's slices sit
@@ -55,11 +59,16 @@ def run_config(base, spec: str, *, steps: int, seed: int | None = None,
 
 def warm_start(base, workdir: str, steps: int) -> str:
     """The supervised checkpoint RL starts from: trained into `workdir` unless it is
-    already there."""
+    already there. It fine-tunes the whole model: a LoRA run's adapters then train
+    on that base, from fresh."""
     from dora_jax import sft
     from dora_jax.model import hf_checks
 
     directory = os.path.join(workdir, "checkpoints")
+    if base.model.lora.rank:
+        base = base.copy_and_resolve_references()
+        base.model.lora.rank = 0
+        base.rollout.versions_per_slice = 1
     if not os.path.isdir(directory):
         out = sft.train(hf_checks.validated(base), workdir, steps=steps, batch_size=32,
                         learning_rate=3e-3)

@@ -22,6 +22,21 @@ tokens (max/mean 9.1, p90/p50 5.2), none truncated, mean reward 0.95.
 
 Every mode side by side on this workload:
     python -m dora_jax.bench.modes --config=configs/longtail.py --workdir=/tmp/modes
+
+Variants, from the same warm start (its full fine-tuning is the base the adapters
+train on, fresh; bench.modes makes it so itself):
+  python -m dora_jax.main --config=configs/longtail.py:lora --workdir=/tmp/longtail_lora \\
+      --config.init_checkpoint=/tmp/longtail_sft/checkpoints
+    rank-8 adapters (alpha 16) on every projection over the frozen base: the
+    optimizer covers the adapters alone, and each publish carries them alone.
+  python -m dora_jax.main --config=configs/longtail.py:lora_multi --workdir=/tmp/lt_multi \\
+      --config.init_checkpoint=/tmp/longtail_sft/checkpoints
+    lora, and every slice holds the K + 1 = 3 versions of the staleness window at
+    once (rollout.versions_per_slice; dora only): each slot decodes under its own
+    request's version, so no slice waits to drain before taking a newer version.
+    bench.modes on it runs dora with V = K + 1 and every other mode with V = 1:
+    python -m dora_jax.bench.modes --config=configs/longtail.py:lora_multi \\
+        --workdir=/tmp/modes_lora
 """
 
 import os
@@ -29,11 +44,16 @@ import os
 from dora_jax import config as config_lib
 
 
-VARIANTS = (None,)
+VARIANTS = (None, "lora", "lora_multi")
+
+# Adapters want a larger step than the whole model (configs/quickstart.py measured
+# 10x there); not tuned on this task.
+LORA_LEARNING_RATE = 1e-2
 
 
 def get_config(arg=None):
-    del arg
+    if arg not in VARIANTS:
+        raise ValueError(f"configs/longtail.py: unknown variant {arg!r}; known: {VARIANTS}")
     c = config_lib.load(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny.py"))
     c.model.vocab_size = 260
     c.rollout.update(dict(max_prefill_length=8, max_decode_len=256, prefill_buckets=(8,)))
@@ -47,4 +67,9 @@ def get_config(arg=None):
     c.coordinator.rollout_batch_size = 16
     c.data.update(dict(source="countdown", reward="countdown", num_prompts=512,
                        count_median=12.0, count_sigma=1.1, max_count=255))
+    if arg in ("lora", "lora_multi"):
+        c.model.lora.update(dict(rank=8, alpha=16.0))
+        c.trainer.learning_rate = LORA_LEARNING_RATE
+    if arg == "lora_multi":
+        c.rollout.versions_per_slice = c.coordinator.max_staleness + 1
     return c

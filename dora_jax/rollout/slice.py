@@ -106,7 +106,7 @@ class DecodeSlice(EpisodeTurns, SliceVersions):
     def create(cls, slice_id, mesh, model_cfg, rollout_cfg, *, lookahead: bool = True,
                episodes: EpisodeRunner | None = None, **engine_kwargs) -> "DecodeSlice":
         """A slice with its own Engine (engine kwargs: rules, sampling_params, greedy,
-        tokenizer_path, stop_ids)."""
+        tokenizer_path, stop_ids, versions)."""
         return cls(slice_id, Engine(model_cfg, rollout_cfg, mesh, **engine_kwargs),
                    lookahead=lookahead, episodes=episodes)
 
@@ -212,7 +212,7 @@ class DecodeSlice(EpisodeTurns, SliceVersions):
             n = self.engine.decode_steps
             if self.engine.pages is not None:
                 self._reserve_pages(n)
-            self.state, result = self.engine.generate_steps(self._generate_params(),
+            self.state, result = self.engine.generate_steps(self.generate_params(),
                                                             self.state, n)
             if self.engine.pages is not None:
                 self.stats.peak_pages = max(self.stats.peak_pages, self.engine.pages.num_used)
@@ -337,7 +337,7 @@ class DecodeSlice(EpisodeTurns, SliceVersions):
         of it, and on a paged cache they all map the prompt's pages."""
         r, engine, memory = seq.request, self.engine, self.memory
         self._set_slot_place(slot, seq.version)
-        params = self._params_for(seq.version)
+        params = self.prefill_params(seq.version)
         if seq.kept is not None:
             return self._continue_episode(seq, slot)
         P, key = len(r.prompt_tokens), prompt_key(r)

@@ -27,7 +27,7 @@ class EpisodeTurns:
         r, engine = seq.request, self.engine
         chunk = seq.tokens[len(seq.tokens) - seq.unwritten:]
         padded, t = engine.pad_tokens(chunk)
-        prefix, result = engine.prefill(params=self._params_for(seq.version),
+        prefix, result = engine.prefill(params=self.prefill_params(seq.version),
                                         existing_prefix=seq.kept,
                                         padded_tokens=padded, true_length=t,
                                         rng=r.key_data(), num_generated=len(seq.tokens),

@@ -33,6 +33,13 @@ class SliceVersions:
             return sorted(v for v in self._place_versions if v is not None)
         return [] if self.version is None else [self.version]
 
+    def running_by_version(self) -> dict:
+        """{version: slots decoding under it} (what the next generate call serves)."""
+        counts: dict = {}
+        for seq in self.slots.holders():
+            counts[seq.version] = counts.get(seq.version, 0) + 1
+        return counts
+
     @property
     def free_places(self) -> int:
         """How many more versions `add_version` takes now."""
@@ -119,13 +126,13 @@ class SliceVersions:
         if self.engine.versions > 1:
             self._slot_places[slot] = self._place_of(version)
 
-    def _params_for(self, version):
+    def prefill_params(self, version):
         """What a prefill of a request of `version` takes."""
         if self.engine.versions == 1:
             return self.params
         return self.engine.places.with_rows(self.params, [self._place_of(version)])
 
-    def _generate_params(self):
+    def generate_params(self):
         """What a generate call takes: each slot's row under its version's place."""
         if self.engine.versions == 1:
             return self.params

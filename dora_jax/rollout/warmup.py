@@ -25,10 +25,13 @@ def extension_shapes(engine: Engine) -> list:
             for t in reachable(engine.max_decode_len - 1)]
 
 
-def warm_engine(engine: Engine, params, *, reprefills: bool) -> None:
+def warm_engine(engine: Engine, params, *, reprefills: bool, generate_params=None) -> None:
     """Runs every function `engine` compiles on a throwaway decode state (which
     resets a paged engine's pool: the slice then takes a fresh one). `reprefills`:
-    the mode re-prefills prompt + tokens so far (partial_rollout)."""
+    the mode re-prefills prompt + tokens so far (partial_rollout). A multi-version
+    engine's calls name each row's place: `params` those of a prefill (one row),
+    `generate_params` those of a generate call (every slot's row)."""
+    generate_params = params if generate_params is None else generate_params
     r = engine.rollout_cfg
     buckets = [b for b in engine.buckets if reprefills or b <= r.prefill_buckets[-1]]
     state = engine.init_decode_state()
@@ -50,7 +53,7 @@ def warm_engine(engine: Engine, params, *, reprefills: bool) -> None:
             padded, _ = engine.pad_tokens([_FILL] * so_far)
             engine.prefill(params=params, rng=0, padded_tokens=padded, true_length=so_far,
                            num_generated=so_far, existing_prefix=base)
-    state, _ = engine.generate_steps(params, state)
+    state, _ = engine.generate_steps(generate_params, state)
     # A migrated request moves the bucket holding its positions: every length's
     # extract and insert compile too.
     for used in sorted(set(engine.buckets) | {r.cache_length}):
@@ -68,7 +71,7 @@ def warm_engine(engine: Engine, params, *, reprefills: bool) -> None:
                 n = min(left, pool.pages_per_slot)
                 pool.assign(slot, n * pool.page_size - 1)  # the step's token fits too
                 left, slot = left - n, slot + 1
-            state, _ = engine.generate_steps(params, state, 1)
+            state, _ = engine.generate_steps(generate_params, state, 1)
             if bucket >= pool.num_pages:
                 break
     jax.block_until_ready(state)

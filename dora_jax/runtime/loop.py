@@ -159,7 +159,8 @@ class Runtime(Driver):
         self.sched.step_finished(step)
         # Keep the params of every version a slice holds or loads (dora may load an
         # older one onto a freed slice) or that has samples to (re)generate.
-        keep = {v for sl in self.sched.slices for v in (sl.version, sl.loading)}
+        keep = {v for sl in self.sched.slices
+                for v in (sl.version, sl.loading, *sl.held, *sl.adding)}
         keep |= {g.version for g in self.sched.groups.values() if g.n_pending}
         self.weights.publish(step + 1, ev.params, keep)
         self._evaluate(step + 1, self.weights.for_load(step + 1))
@@ -248,6 +249,12 @@ class Runtime(Driver):
         in_training = self.sched.published + 1 if self.sched.trainer_busy else None
         self.workers[a.slice_id].load(a.version, self.weights.for_load(a.version, in_training),
                                       interrupt=interrupt)
+
+    def add_version(self, a):
+        self.workers[a.slice_id].add(a.version, self.weights.for_load(a.version))
+
+    def evict(self, a):
+        self.workers[a.slice_id].evict(a.version)
 
     def train(self, a: TrainStep):
         """The step's groups, scored, go into the trajectory stream."""
@@ -377,7 +384,8 @@ class Runtime(Driver):
     def _work_in_flight(self) -> bool:
         """Something will post an event: a sample running, a load, or a train step."""
         return (self.sched.trainer_busy or bool(self._scoring)
-                or any(sl.running or sl.loading is not None for sl in self.sched.slices))
+                or any(sl.running or sl.loading is not None or sl.adding
+                       for sl in self.sched.slices))
 
     # ------------------------------------------------------------------ loop
     def _decide(self):
@@ -385,7 +393,8 @@ class Runtime(Driver):
         marked, and every slice with finished samples answered (its loop refills)."""
         self.execute(self.sched.decide())
         self.waits.mark(self.clock(), self._wait_kind())
-        resident = {sl.effective_version for sl in self.sched.slices} - {None}
+        resident = {v for sl in self.sched.slices
+                    for v in (sl.effective_version, *sl.held, *sl.adding)} - {None}
         self.max_resident_versions = max(self.max_resident_versions, len(resident))
         for i in self._to_ack:
             self.workers[i].ack()

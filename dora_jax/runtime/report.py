@@ -222,8 +222,7 @@ class StepReporter:
             # Per slice: prompt positions prefilled, response tokens run again.
             "prefill_tokens": self._per_slice_since_last(slices, "prefill_tokens"),
             "reprefill_tokens": self._per_slice_since_last(slices, "reprefill_tokens"),
-            "resident_versions": sorted({sl.version for sl in scheduler.slices
-                                         if sl.version is not None}),
+            "resident_versions": sorted({v for sl in scheduler.slices for v in sl.held}),
             "staleness": {str(k): v for k, v in sorted(lags.items())},
             "migrations": migrations - self._last["migrations"],
             "weight_transfer_seconds": round(transfer - self._last["transfer"], 4),

@@ -3,9 +3,10 @@
 The worker owns its `DecodeSlice` (engine, decode state, resident params): nothing
 else touches them. It decodes while it holds work and, between generate calls,
 applies the commands the coordinator sent — submit, load a version, interrupt and
-reload, export (migration out), import (migration in), evaluate (evaluation.py) —
-then posts events to the coordinator's queue: samples finished, version loaded, an
-evaluation generated, failure.
+reload, add or evict a version (a multi-version slice), export (migration out),
+import (migration in), evaluate (evaluation.py) — then posts events to the
+coordinator's queue: samples finished, version loaded, an evaluation generated,
+failure.
 A slice loading weights or receiving a migration never pauses another slice, and
 the coordinator never waits on a slice's device work.
 
@@ -98,6 +99,15 @@ class SliceWorker:
         nothing, until they are published."""
         self._commands.put(("reload" if interrupt else "load", (version, params)))
 
+    def add(self, version: int, params) -> None:
+        """Multi-version slice: load `version` (params as for `load`, published) into
+        a free place; the other versions' requests decode on meanwhile."""
+        self._commands.put(("add", (version, params)))
+
+    def evict(self, version: int) -> None:
+        """Multi-version slice: free the place of `version`, which nothing here uses."""
+        self._commands.put(("evict", version))
+
     def ack(self) -> None:
         """The coordinator has answered this worker's last finished event."""
         self._commands.put(("ack", None))
@@ -141,11 +151,13 @@ class SliceWorker:
                     if kind is _STOP:
                         return
                     self._apply(kind, arg)
-                start, version = self._clock(), sl.version
-                self._mark(f"decoding {sl.num_requests} request(s) under version {version}")
+                start, version, slots = self._clock(), sl.version, sl.running_by_version()
+                self._mark(f"decoding {sl.num_requests} request(s) under version(s) "
+                           f"{sorted(slots) or [version]}")
                 self._fault_point("generate")
                 finished = sl.step()
-                self._timeline.add(self._row, "decode", start, self._clock(), version)
+                self._timeline.add(self._row, "decode", start, self._clock(),
+                                   max(slots, default=version), slots)
                 if finished:
                     self._awaiting_ack = True
                     self._events.put(SamplesFinished(self.slice_id, finished,
@@ -168,7 +180,7 @@ class SliceWorker:
             self._awaiting_ack = False
         elif kind == "submit":
             sl.submit(arg)
-        elif kind in ("load", "reload"):
+        elif kind in ("load", "reload", "add"):
             version, params = arg
             if isinstance(params, concurrent.futures.Future):
                 self._mark(f"waiting for version {version} to be published")
@@ -179,10 +191,14 @@ class SliceWorker:
             self._fault_point("load")
             if kind == "reload":
                 sl.interrupt_and_reload(version, params)
+            elif kind == "add":
+                sl.add_version(version, params)
             else:
                 sl.load_version(version, params)
             self._timeline.add(self._row, "load", start, self._clock(), version)
             self._events.put(VersionLoaded(self.slice_id, version))
+        elif kind == "evict":
+            sl.evict_version(arg)
         elif kind == "export":
             request_ids, box = arg
             start = self._clock()
@@ -206,7 +222,7 @@ class SliceWorker:
                 self._timeline.add(self._row, "migrate", start, self._clock(), sl.version)
         elif kind == "eval":
             decoder, version, params, records = arg
-            if sl.version == version and sl.params is not None:
+            if sl.engine.versions == 1 and sl.version == version and sl.params is not None:
                 params = sl.params  # resident already: no transfer
             start = self._clock()
             greedy, sampled = decoder.generate(version, params, records)

@@ -58,13 +58,12 @@ class Driver:
 
     def add_version(self, a: AddVersion) -> None:
         """Slice `a.slice_id` loads `a.version` into a free place, decoding on
-        (several versions per slice: only the simulator and the tests' fake engine
-        execute them for now)."""
-        raise NotImplementedError("multi-version slices run only in the simulator")
+        (several versions per slice)."""
+        raise NotImplementedError
 
     def evict(self, a: Evict) -> None:
         """Slice `a.slice_id` drops `a.version`, which nothing on it uses."""
-        raise NotImplementedError("multi-version slices run only in the simulator")
+        raise NotImplementedError
 
     def train(self, a: TrainStep) -> None:
         """The trainer trains step `a.step` on groups `a.group_ids`."""

@@ -143,10 +143,15 @@ def fit_efficiency(engine: dict, trainer: dict, peaks: dict,
         else:
             overhead, overhead_from = 0.0, "assumed 0 (one weight size, no run)"
         reads = float(weights @ (intercepts - overhead))
-        per_byte = reads / float(weights @ weights) if reads else 0.0
-    hbm = 1.0 / (bandwidth * per_byte) if per_byte else float("inf")
+        per_byte = max(reads, 0.0) / float(weights @ weights)
+    if per_byte > 0:
+        hbm = 1.0 / (bandwidth * per_byte)
+    else:  # the run's overhead covers the whole fixed cost: the reads are under the noise
+        hbm = Efficiency().hbm
+        flagged.append(f"hbm not fitted: the step overhead ({overhead_from}) covers the "
+                       f"whole fixed step cost; the default {hbm} is used")
     share = weights / (bandwidth * hbm) / np.maximum(intercepts, 1e-30)
-    if overhead_from.startswith("assumed") or share.max() < 0.05:
+    if per_byte > 0 and (overhead_from.startswith("assumed") or share.max() < 0.05):
         flagged.append(f"hbm rests on weight reads of {share.max():.0%} of the fixed step "
                        f"cost (step_overhead {overhead_from})")
     key = next(k for k in trainer["step_seconds"] if k.startswith(TRAINER_KEY))
