@@ -14,6 +14,9 @@ def test_parse_spec():
     assert runs.parse_spec("partial_rollout_k1") == ("partial_rollout", 1)
     assert runs.parse_spec("one_step_off") == ("one_step_off", None)
     assert runs.parse_spec("colocated_sync") == ("colocated_sync", None)
+    assert runs.parse_spec("dora_k2_v1") == ("dora", 2)
+    assert runs.spec_versions("dora_k2_v1") == ("dora_k2", 1)
+    assert runs.spec_versions("dora_k2") == ("dora_k2", None)
 
 
 def test_ratio_lines_use_the_better_sync_and_the_best_other_mode():

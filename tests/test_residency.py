@@ -16,7 +16,7 @@ from _record_v1 import record
 from dora_jax.config import ConfigError
 from dora_jax.scheduler import (AddVersion, Admit, Assign, Evict, InvariantError, Scheduler,
                                 SchedulerConfig, TrainStep)
-from test_scheduler_props import check_run, scenarios, tick_bound
+from test_scheduler_props import run_with_failures, scenarios
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "scheduler_v1_actions.json"
 
@@ -136,27 +136,14 @@ def multi_scenarios(draw, modes=None, versions=(1, 4)):
 @settings(max_examples=400, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(multi_scenarios(), multi_scenarios(modes=["dora"], versions=(2, 4))),
-       st.lists(st.tuples(st.integers(1, 30), st.integers(0, 5)),
-                                   max_size=3))
+       st.lists(st.tuples(st.integers(1, 30), st.integers(0, 5)), max_size=3))
 def test_residency_invariants_under_random_events(sc, failures):
     """Every mode, V in 1..4 (K >= V - 1), random shapes and lengths, some slices
     failing: the invariants (at most V versions a slice, every running request's
     version resident, in-use counts exact) hold after every event, the ledger audits
     clean (C1, C2, C3) and the run completes."""
-    cfg, lengths, max_len, load, train, steps, kv = sc
-    run = FakeRun(cfg, lengths, load_ticks=load, train_ticks=train, check=True,
-                  kv_capacity=kv)
-    run.start()
-    bound = 2 * tick_bound(cfg, max_len, load, train, steps, kv)
-    for after, i in failures:
-        for _ in range(after):
-            if run.steps_done >= steps:
-                break
-            run.advance(bound)
-        run.fail_slice(i % cfg.num_slices)
-    while run.steps_done < steps:
-        run.advance(bound)
-    check_run(run, steps)
+    cfg = sc[0]
+    run = run_with_failures(sc, failures)
     if run.sched.multi:
         assert run.stats.get("max_versions_per_slice", 0) <= cfg.versions_per_slice
         assert run.stats["migrations"] == 0

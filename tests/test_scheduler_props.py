@@ -161,14 +161,9 @@ def test_filtered_groups_are_replaced_and_accounted(sc, period, phase):
     assert run.sched.filtered == len(filtered)
 
 
-@settings(max_examples=150, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(scenarios(), st.lists(st.tuples(st.integers(1, 30), st.integers(0, 5)), min_size=1,
-                             max_size=4))
-def test_failed_slices_lose_nothing(sc, failures):
-    """Slices fail at random points (after some events, slice i mod S): their running
-    samples are regenerated under their group's version, the slices reload, and the
-    contract holds in every mode."""
+def run_with_failures(sc, failures) -> FakeRun:
+    """A scenario run to its steps with slice `i mod S` failing after `after` events,
+    for each (after, i) in `failures`; the contract checked (check_run)."""
     cfg, lengths, max_len, load, train, steps, kv = sc
     run = FakeRun(cfg, lengths, load_ticks=load, train_ticks=train, check=True,
                   kv_capacity=kv)
@@ -183,3 +178,15 @@ def test_failed_slices_lose_nothing(sc, failures):
     while run.steps_done < steps:
         run.advance(bound)
     check_run(run, steps)
+    return run
+
+
+@settings(max_examples=150, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.lists(st.tuples(st.integers(1, 30), st.integers(0, 5)), min_size=1,
+                             max_size=4))
+def test_failed_slices_lose_nothing(sc, failures):
+    """Slices fail at random points (after some events, slice i mod S): their running
+    samples are regenerated under their group's version, the slices reload, and the
+    contract holds in every mode."""
+    run_with_failures(sc, failures)

@@ -14,9 +14,17 @@ import shutil
 COLOCATED = "colocated_sync"
 
 
+def spec_versions(spec: str) -> tuple[str, int | None]:
+    """'dora_k2_v1' -> ('dora_k2', 1): a run spec's versions per slice, if it names them."""
+    rest, sep, v = spec.rpartition("_v")
+    if sep and v.isdigit():
+        return rest, int(v)
+    return spec, None
+
+
 def parse_spec(spec: str) -> tuple[str, int | None]:
-    """'dora_k2' -> ('dora', 2); 'sync' -> ('sync', None)."""
-    mode, sep, k = spec.rpartition("_k")
+    """'dora_k2' -> ('dora', 2); 'sync' -> ('sync', None); a '_v<V>' suffix is ignored."""
+    mode, sep, k = spec_versions(spec)[0].rpartition("_k")
     if sep and k.isdigit():
         return mode, int(k)
     return spec, None
@@ -25,7 +33,8 @@ def parse_spec(spec: str) -> tuple[str, int | None]:
 def run_config(base, spec: str, *, steps: int, seed: int | None = None,
                init_checkpoint: str | None = None):
     """The ConfigDict of one measured run: `base` with the spec's mode (and layout, for
-    COLOCATED) and staleness bound, and no periodic checkpoints."""
+    COLOCATED), staleness bound and versions per slice ('_v<V>'; else K + 1 for dora
+    on a base holding several, 1 for the other modes), and no periodic checkpoints."""
     from dora_jax.config_model import colocate
 
     c = base.copy_and_resolve_references()
@@ -40,7 +49,10 @@ def run_config(base, spec: str, *, steps: int, seed: int | None = None,
     c.coordinator.mode = mode
     if k is not None:
         c.coordinator.max_staleness = k
-    if c.rollout.versions_per_slice > 1:
+    versions = spec_versions(spec)[1]
+    if versions is not None:
+        c.rollout.versions_per_slice = versions
+    elif c.rollout.versions_per_slice > 1:
         # Several LoRA versions per slice: as many as the staleness window holds in
         # dora, the one a slice serves in the other modes.
         c.rollout.versions_per_slice = c.coordinator.max_staleness + 1 if mode == "dora" else 1
