@@ -19,15 +19,42 @@ from typing import ClassVar
 
 import ml_collections
 
-from dora_jax.config_model import (  # noqa: F401 - the config's public names
-    ATTENTION_IMPLS, DECODE_RULES, DTYPES, LORA_TARGETS, MOE_DISPATCH, REMAT_POLICIES,
-    ROPE_SCALINGS, SLICE_MESH_AXES, TRAINER_MESH_AXES, TRAINER_RULES, LoRAConfig, MeshConfig,
-    ModelConfig, MoEConfig, _axes_of, colocate, decode_rules_from)
 from dora_jax.config_data import (  # noqa: F401 - the config's public names
-    AUTO_REWARDS, DATA_SOURCES, TEXT_REWARDS, TEXT_SOURCES, TOKEN_REWARDS, DataConfig)
+    AUTO_REWARDS,
+    DATA_SOURCES,
+    TEXT_REWARDS,
+    TEXT_SOURCES,
+    TOKEN_REWARDS,
+    DataConfig,
+)
+from dora_jax.config_model import (  # noqa: F401 - the config's public names
+    ATTENTION_IMPLS,
+    DECODE_RULES,
+    DTYPES,
+    LORA_TARGETS,
+    MOE_DISPATCH,
+    REMAT_POLICIES,
+    ROPE_SCALINGS,
+    SLICE_MESH_AXES,
+    TRAINER_MESH_AXES,
+    TRAINER_RULES,
+    LoRAConfig,
+    MeshConfig,
+    ModelConfig,
+    MoEConfig,
+    _axes_of,
+    colocate,
+    decode_rules_from,
+)
 from dora_jax.config_report import EvalConfig, LoggingConfig  # noqa: F401 - public names
-from dora_jax.schema import Section, check, fail, field, schema
-from dora_jax.schema import ConfigError  # noqa: F401 - callers catch config.ConfigError
+from dora_jax.schema import (
+    ConfigError,  # noqa: F401 - callers catch config.ConfigError
+    Section,
+    check,
+    fail,
+    field,
+    schema,
+)
 
 # Allowed values: each list has its one owner here.
 MODES = ("sync", "one_step_off", "partial_rollout", "partial_rollout_rounds", "dora")

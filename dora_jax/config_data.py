@@ -4,7 +4,8 @@ scored (re-exported by config.py; no JAX, reads no file)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Mapping
+from collections.abc import Mapping
+from typing import ClassVar
 
 from dora_jax.schema import Section, fail, field
 

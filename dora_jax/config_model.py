@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import ClassVar, Mapping
+from collections.abc import Mapping
+from typing import ClassVar
 
 from dora_jax.schema import Section, check, fail, field
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 _FLAG = "--xla_force_host_platform_device_count"
 

@@ -10,24 +10,23 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Callable
+from collections.abc import Callable
 
-
+from dora_jax import devices
 from dora_jax.checkpointing import Checkpointer, load_params
 from dora_jax.config import Config
 from dora_jax.data import prompts as prompts_lib
 from dora_jax.data import sources
-from dora_jax import devices
 from dora_jax.model import lora, transformer
+from dora_jax.model.sharding import copy_tree
+from dora_jax.rewards.pool import RewardPool
 from dora_jax.rl.trainer import Trainer
 from dora_jax.rollout.episodes import EpisodeRunner
 from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.rollout.warmup import warm_engine
-from dora_jax.model.sharding import copy_tree
 from dora_jax.runtime import files, recovery, writers
 from dora_jax.runtime.evaluation import EvalDecoder
 from dora_jax.runtime.loop import Runtime
-from dora_jax.rewards.pool import RewardPool
 from dora_jax.runtime.report import StepReporter
 from dora_jax.scheduler.core import Scheduler
 from dora_jax.scheduler.ledger import LedgerWriter

@@ -29,9 +29,9 @@ def export(cfg: Config, workdir: str, out: str, *, dtype: str | None = None,
     """Writes the newest params of the run in `workdir` to `out` (`format`: FORMATS);
     returns {"step", "files", "out"} (and "base" for peft). FileNotFoundError if the
     run has no checkpoint."""
+    from dora_jax import devices
     from dora_jax.checkpointing import Checkpointer
     from dora_jax.data import sources
-    from dora_jax import devices
     from dora_jax.model import hf, lora, peft_format
     from dora_jax.rl.trainer import Trainer
 

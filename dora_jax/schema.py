@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import operator
 import typing
-from typing import ClassVar, Mapping
+from collections.abc import Mapping
+from typing import ClassVar
 
 import ml_collections
 

@@ -35,7 +35,7 @@ import json
 import os
 import re
 import stat
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 

@@ -8,7 +8,7 @@ fake driver — uses this one encoding and these functions. No dependencies.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 
 def extend(runs: list, version: int, n: int) -> list:

@@ -16,16 +16,30 @@ gives exactly the tick-by-tick result at a fraction of the cost.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence, Union
 
 from dora_jax import versions
 from dora_jax.scheduler.core import Scheduler
-from dora_jax.scheduler.driver import (Driver, admit_record, consume_record, filter_record,
-                                       sample_entry)
+from dora_jax.scheduler.driver import (
+    Driver,
+    admit_record,
+    consume_record,
+    filter_record,
+    sample_entry,
+)
 from dora_jax.scheduler.ledger import AuditReport, audit_run, unconsumed_records
-from dora_jax.scheduler.types import (AddVersion, Admit, Assign, Evict, InterruptReload,
-                                      LoadVersion, Migrate, SchedulerConfig, TrainStep)
+from dora_jax.scheduler.types import (
+    AddVersion,
+    Admit,
+    Assign,
+    Evict,
+    InterruptReload,
+    LoadVersion,
+    Migrate,
+    SchedulerConfig,
+    TrainStep,
+)
 
 
 class LivenessError(RuntimeError):
@@ -44,8 +58,8 @@ class _Request:
 
 @dataclass
 class _Slice:
-    version: Optional[int] = 0
-    loading: Optional[int] = None
+    version: int | None = 0
+    loading: int | None = None
     load_left: int = 0
     deferred: bool = False  # loading the version in training: waits for its publish
     requests: dict = field(default_factory=dict)  # (gid, k) -> _Request
@@ -92,9 +106,9 @@ class FakeRun(Driver):
     """
 
     def __init__(self, config: SchedulerConfig,
-                 lengths: Union[Callable[[int, int], int], Sequence],
+                 lengths: Callable[[int, int], int] | Sequence,
                  load_ticks: int = 1, train_ticks: int = 1, check: bool = True,
-                 kv_capacity: Optional[int] = None,
+                 kv_capacity: int | None = None,
                  keep: Callable[[int], bool] = lambda gid: True):
         if load_ticks < 0 or train_ticks < 1:
             raise ValueError("load_ticks must be >= 0 and train_ticks >= 1")
@@ -108,7 +122,7 @@ class FakeRun(Driver):
         self.slices = [_Slice() for _ in range(config.num_slices)]
         self.group_version: dict[int, int] = {}
         self.done: dict[tuple, _Request] = {}  # finished samples, for provenance
-        self.trainer: Optional[list] = None  # [step, ticks left]
+        self.trainer: list | None = None  # [step, ticks left]
         self.steps_done = 0
         self.ledger: list[dict] = []
         self._released: list = []  # events an action completes at once (zero-tick loads)

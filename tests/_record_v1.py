@@ -1,9 +1,14 @@
 """Every mode's action sequence on fixed scenarios, counted and hashed: the V = 1
 reference (fixtures/scheduler_v1_actions.json, recorded before slices could hold
 several versions; `python tests/_record_v1.py` prints it for the current tree)."""
-import hashlib, json, sys
+import hashlib
+import json
+import sys
+
 from _fake_run import FakeRun, lengths_from_seed
+
 from dora_jax.scheduler import MODES, SchedulerConfig
+
 
 def record():
     out = {}

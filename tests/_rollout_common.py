@@ -12,10 +12,10 @@ import functools
 
 import jax
 import numpy as np
-
 from conftest import TINY, load_repo_config
-from dora_jax.model import transformer
+
 from dora_jax.devices import make_meshes
+from dora_jax.model import transformer
 from dora_jax.rollout import DecodeSlice, Engine, SamplingParams
 
 SLOTS = 4

@@ -18,10 +18,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import TINY, load_repo_config
 from flax import nnx
 from jax.sharding import Mesh
+from test_attention import PACKED_21, _naive, _naive_probs, _segments
+from test_moe import CFG as MOE_CFG
+from test_moe import _reference_moe
+from test_paged import _reference as _paged_reference
 
-from conftest import TINY, load_repo_config
 from dora_jax import config as config_lib
 from dora_jax.model import attention, moe, transformer
 from dora_jax.model import paged_attention as pa
@@ -29,9 +33,6 @@ from dora_jax.rl import objective, packing
 from dora_jax.rl.batch import TrainBatch
 from dora_jax.rollout import DecodeSlice, Request
 from dora_jax.rollout.pages import PagePool
-from test_attention import PACKED_21, _naive, _naive_probs, _segments
-from test_moe import CFG as MOE_CFG, _reference_moe
-from test_paged import _reference as _paged_reference
 
 pytestmark = pytest.mark.accelerator
 

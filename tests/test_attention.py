@@ -185,7 +185,8 @@ def test_splash_runs_per_shard_under_the_trainer_rules(packed):
     """Inside activation_rules the kernel runs under shard_map (batch over data x
     fsdp, heads over tensor; segment ids split with the batch) and still equals the
     dense attention."""
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from dora_jax import config as config_lib
     from dora_jax.model import sharding

@@ -10,8 +10,8 @@ import sys
 import time
 
 import pytest
-
 from conftest import REPO
+
 from dora_jax.bench import accelerator
 
 ENV = dict(os.environ, PYTHONPATH=str(REPO))

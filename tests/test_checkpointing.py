@@ -13,8 +13,7 @@ from jax.sharding import Mesh
 from dora_jax import config as config_lib
 from dora_jax.checkpointing import Checkpointer
 from dora_jax.model.sharding import param_specs
-from dora_jax.rl.trainer import TrainState, Trainer
-
+from dora_jax.rl.trainer import Trainer, TrainState
 
 
 def trainer_mesh(data, fsdp, tensor):

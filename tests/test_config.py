@@ -6,11 +6,11 @@ import os
 import re
 
 import pytest
+from conftest import REPO
 
 from dora_jax import config as config_lib
-from dora_jax.model import transformer as tf
-from conftest import REPO
 from dora_jax.model import hf_checks
+from dora_jax.model import transformer as tf
 
 CONFIG_FILES = sorted(str(p.relative_to(REPO)) for p in REPO.glob("configs/[!_]*.py"))
 

@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
 
 
@@ -32,9 +31,9 @@ def test_a_kill_at_a_chosen_point_resumes_whole(point, after, tmp_path):
     step begun, a checkpoint being written, finished groups waiting on a busy
     trainer. The same command without the drill resumes it: one `resume` line,
     nothing lost or trained twice, every step trained, the ledger audited clean."""
-    from dora_jax.scheduler import SchedulerConfig, ledger
-
     from conftest import load_repo_config
+
+    from dora_jax.scheduler import SchedulerConfig, ledger
 
     workdir = tmp_path / "run"
     overrides = ["--config.model.num_layers=1", "--config.coordinator.num_steps=8",

@@ -7,11 +7,11 @@ import subprocess
 import sys
 
 import pytest
+from conftest import REPO, audit_workdir
 
 from dora_jax import experiment
-from dora_jax.scheduler import ledger
-from conftest import REPO, audit_workdir
 from dora_jax.model import hf_checks
+from dora_jax.scheduler import ledger
 
 
 @pytest.mark.parametrize("mode", ["sync", "one_step_off", "partial_rollout", "dora"])
@@ -58,7 +58,6 @@ def test_countdown_task_end_to_end(tmp_path, load_config):
     c.coordinator.update(dict(group_size=2, train_batch_size=2, rollout_batch_size=4,
                               num_steps=2))
     c.data.update(dict(source="countdown", reward="countdown", max_count=7, num_prompts=32))
-    from dora_jax import config as config_lib
 
     cfg = hf_checks.validated(c, num_devices=8)
     experiment.run(cfg, str(tmp_path))
@@ -111,6 +110,7 @@ def test_main_refuses_a_workdir_of_another_config_with_one_line(tmp_path):
     import sys
 
     from conftest import REPO, load_repo_config
+
     from dora_jax.runtime import recovery
 
     (tmp_path / "config.json").write_text(json.dumps(recovery.config_json(
@@ -154,8 +154,9 @@ def test_a_mesh_beyond_the_faked_devices_names_xla_flags(tmp_path):
 
 
 def events_ok(workdir) -> bool:
-    from dora_jax.scheduler import SchedulerConfig
     from conftest import load_repo_config
+
+    from dora_jax.scheduler import SchedulerConfig
 
     cfg = load_repo_config("configs/tiny.py", coordinator__num_steps=2, model__num_layers=1)
     events = ledger.read(os.path.join(workdir, "ledger.jsonl"))

@@ -1,11 +1,11 @@
 """Engine API against full-forward references (tests/_rollout_common.py)."""
 
+import _rollout_common as rc
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import _rollout_common as rc
 from dora_jax.rollout import SamplingParams, key_data_from_seed, prefill_buckets
 from dora_jax.rollout.sampling import truncated_logprobs
 
@@ -177,6 +177,7 @@ def test_warm_up_covers_every_chunked_prefill_shape(config_name):
     import types
 
     from conftest import load_repo_config
+
     from dora_jax.buckets import pick_bucket
     from dora_jax.rollout.warmup import extension_shapes
 
@@ -197,11 +198,10 @@ def test_warm_up_covers_every_chunked_prefill_shape(config_name):
 def test_warm_up_compiles_every_paged_decode_bucket():
     """Warm-up runs a decode call at every bucket of mapped pages the pool can
     reach, so that no bucket compiles mid-run."""
-    from dora_jax.rollout.warmup import warm_engine
-
     import dataclasses
 
     from dora_jax.rollout import Engine
+    from dora_jax.rollout.warmup import warm_engine
 
     # Pages of 2 positions: 10 per slot, buckets 8, 16, 32 and 40 (every slot full).
     eng = Engine(rc.config("dense").model,

@@ -5,11 +5,11 @@ API's calls must do, against full-forward references (tests/_rollout_common.py).
 import dataclasses
 import inspect
 
+import _rollout_common as rc
 import jax
 import numpy as np
 import pytest
 
-import _rollout_common as rc
 from dora_jax.data.tokenizer import TokenizerParameters
 from dora_jax.rollout import Engine, ResultTokens, SlotData
 

@@ -16,7 +16,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
 
 TINY = ["--config=configs/tiny.py", "--config.model.num_layers=1"]

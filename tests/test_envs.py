@@ -4,8 +4,8 @@ observations that cannot forge turn markers, and the config around them."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import load_repo_config
+
 from dora_jax.data import sources, word_problems
 from dora_jax.data.tokenizer import Tokenizer
 from dora_jax.envs import base

@@ -13,17 +13,17 @@ import dataclasses
 import functools
 import threading
 
+import _rollout_common as rc
 import jax
 import numpy as np
 import pytest
 
-import _rollout_common as rc
 from dora_jax.envs import base
 from dora_jax.model import transformer
 from dora_jax.rollout import DecodeSlice, Engine, SamplingParams
 from dora_jax.rollout.episodes import EpisodeRunner
-from dora_jax.turns import check_turns, model_token_mask
 from dora_jax.rollout.trajectory import Request
+from dora_jax.turns import check_turns, model_token_mask
 
 BUDGET = 24  # response tokens of an episode: model turns and observations
 MAX_TURNS = 3

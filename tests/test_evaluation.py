@@ -10,6 +10,7 @@ import queue
 import types
 
 import pytest
+from conftest import audit_workdir
 
 from dora_jax import experiment
 from dora_jax.config_report import EvalConfig
@@ -17,7 +18,6 @@ from dora_jax.data import prompts, sources
 from dora_jax.model import hf_checks
 from dora_jax.runtime.evaluation import Evaluation, pass_at_k, summarise
 from dora_jax.runtime.events import EvalGenerated, EvalScored
-from conftest import audit_workdir
 
 
 def test_pass_at_k_by_its_definition():

@@ -14,12 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import reference as reference_module
 from jax.sharding import Mesh
 
 from dora_jax.config import TRAINER_RULES
-from dora_jax.model import hf, hf_config, safetensors_file, transformer as tf
+from dora_jax.model import hf, hf_config, safetensors_file
+from dora_jax.model import transformer as tf
 from dora_jax.model.sharding import param_shardings
-from conftest import reference as reference_module
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
 FAMILIES = ["qwen3", "qwen3_tied", "qwen3_moe", "qwen2", "llama3"]

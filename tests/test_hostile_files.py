@@ -15,8 +15,8 @@ import time
 import tracemalloc
 
 import pytest
-
 from conftest import REPO
+
 from dora_jax import untrusted_files
 from dora_jax.data import prompts
 from dora_jax.data.tokenizer import ChatTemplateError, Tokenizer, TokenizerError

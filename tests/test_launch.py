@@ -11,8 +11,8 @@ import sys
 
 import pytest
 import yaml
-
 from conftest import REPO, load_repo_config
+
 from dora_jax.data.word_problems import PROBLEMS_FILE
 from dora_jax.launch import jobset, tpu
 from dora_jax.model import hf_checks

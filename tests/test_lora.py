@@ -11,14 +11,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from test_trainer import batch_of, trainer_mesh, trajectories
 
 from dora_jax import config as config_lib
 from dora_jax.checkpointing import Checkpointer
 from dora_jax.config import LoRAConfig, ModelConfig, MoEConfig
-from dora_jax.model import layers, lora, moe, sharding, transformer as tf
+from dora_jax.model import layers, lora, moe, sharding
+from dora_jax.model import transformer as tf
 from dora_jax.rl.trainer import Trainer
-from test_trainer import batch_of, trainer_mesh, trajectories
 
 DENSE = ModelConfig(vocab_size=32, d_model=16, num_layers=2, num_heads=2, num_kv_heads=1,
                     head_dim=8, mlp_hidden=24)
@@ -388,9 +390,10 @@ def test_runs_start_from_checkpoint_bases_with_fresh_adapters(tiny_hf_checkpoint
 
 
 def test_sft_trains_the_adapters_alone(tmp_path, load_config):
+    from test_sft import _countdown
+
     from dora_jax import sft
     from dora_jax.model import hf_checks
-    from test_sft import _countdown
 
     c = _countdown(load_config)
     c.model.lora.update(dict(rank=8, targets=("q", "v", "up", "down")))
@@ -414,6 +417,7 @@ def test_a_lora_run_publishes_adapted_params_to_the_slices(small_config, tmp_pat
     slices decode the trainer's adapted params, and each publish carries the
     adapters alone (metrics.jsonl's publish_bytes, the summary's)."""
     from conftest import audit_workdir
+
     from dora_jax import experiment
 
     c = small_config("sync", validate=False)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dora_jax.rewards.shaping import overlong_penalty
 from dora_jax.rl.losses import (
     aggregate_loss,
     decoupled_ppo_loss,
@@ -20,7 +21,6 @@ from dora_jax.rl.losses import (
     ppo_clip_loss,
     rloo_advantages,
 )
-from dora_jax.rewards.shaping import overlong_penalty
 
 RTOL = 1e-6
 ATOL = 1e-7

@@ -10,7 +10,6 @@ import pytest
 from dora_jax.model import transformer as tf
 
 
-
 @pytest.fixture(scope="module")
 def dense(load_config):
     return load_config("configs/tiny.py").model

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dora_jax.config import MoEConfig, ModelConfig
+from dora_jax.config import ModelConfig, MoEConfig
 from dora_jax.model import moe
 
 CFG = ModelConfig(vocab_size=16, d_model=8, num_layers=1, num_heads=2, num_kv_heads=1,

@@ -9,12 +9,12 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from test_packing import ROW, VOCAB, _assert_close, _padded_reference
+from test_trainer import leaves, make_trajectory, trainer_mesh
 
 from dora_jax.config import LOSS_AGG_MODES, OBJECTIVES
 from dora_jax.rl.batch import TrainBatch
 from dora_jax.rl.trainer import Trainer
-from test_packing import ROW, VOCAB, _assert_close, _padded_reference
-from test_trainer import leaves, make_trajectory, trainer_mesh
 
 
 def episodes(seed, num_groups, group_size):

@@ -9,8 +9,8 @@ import shutil
 import threading
 
 import pytest
-
 from conftest import audit_workdir, load_repo_config
+
 from dora_jax import experiment
 from dora_jax.data import word_problems
 from dora_jax.envs import base

@@ -6,11 +6,11 @@ its version is evicted."""
 import dataclasses
 import functools
 
+import _rollout_common as rc
 import jax
 import numpy as np
 import pytest
 
-import _rollout_common as rc
 from dora_jax.model import lora, transformer
 from dora_jax.rollout import Engine
 from dora_jax.rollout.adapters import check_versions

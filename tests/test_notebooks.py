@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
 
 NOTEBOOKS = ("quickstart.ipynb", "modes.ipynb", "multiturn.ipynb")

@@ -7,18 +7,18 @@ filtering; staleness counted per token."""
 import dataclasses
 import math
 
+import _rollout_common as rc
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_trainer import batch_of, leaves, make_trajectory, trainer_mesh, trajectories
 
-import _rollout_common as rc
 from dora_jax.model import transformer
 from dora_jax.rl import objective
 from dora_jax.rl.batch import TrainBatch
 from dora_jax.rl.trainer import Trainer
 from dora_jax.rollout import Request
-from test_trainer import batch_of, leaves, make_trajectory, trainer_mesh, trajectories
 
 CAP = 1.3
 

@@ -10,13 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_trainer import leaves, make_trajectory, trainer_mesh
 
 from dora_jax.config import LOSS_AGG_MODES
 from dora_jax.model import transformer
 from dora_jax.rl import losses, packing
 from dora_jax.rl.batch import BatchError, TrainBatch
 from dora_jax.rl.trainer import Trainer
-from test_trainer import leaves, make_trajectory, trainer_mesh
 
 VOCAB = 128
 ROW = 64  # the packed row: the largest length bucket below

@@ -10,11 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import TINY, load_repo_config
 
 from dora_jax.model import attention
 from dora_jax.model import transformer as tf
-
-from conftest import TINY, load_repo_config
 
 # Rows of a packed batch: a positive count is a sequence of that many tokens, a
 # negative one a run of padding. The second row has padding between sequences.

@@ -5,6 +5,7 @@ between layouts and per-request length limits."""
 
 import dataclasses
 
+import _rollout_common as rc
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,12 +13,10 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-import _rollout_common as rc
 from dora_jax import config as config_lib
 from dora_jax.model import paged_attention as pa
 from dora_jax.rollout import DecodeSlice, Request
 from dora_jax.rollout.pages import PagePool, PagesExhausted
-
 
 # ------------------------------------------------------------------ page pool
 

@@ -5,13 +5,13 @@ and the slices' free-KV reports bound what the scheduler gives them; the ledger 
 audits clean and every trajectory the trainer receives is the dense cache's run's."""
 
 import numpy as np
+from conftest import audit_workdir
 
 from dora_jax import experiment
 from dora_jax.rl.trainer import Trainer
 from dora_jax.rollout.pages import PagePool
 from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.scheduler.core import Scheduler
-from conftest import audit_workdir
 
 PAGE_SIZE = 2
 KV_PAGES = 12  # a full-length request (16 positions) needs 8; 4 slots would need 32

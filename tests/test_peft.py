@@ -14,10 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import reference
 
 from dora_jax.config_model import LoRAConfig
-from dora_jax.model import hf, lora, peft_format, safetensors_file, transformer as tf
-from conftest import reference
+from dora_jax.model import hf, lora, peft_format, safetensors_file
+from dora_jax.model import transformer as tf
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
 ALL = ("q", "k", "v", "o", "gate", "up", "down")

@@ -9,13 +9,12 @@ import os
 import jax
 import numpy as np
 import pytest
+from conftest import audit_workdir, reference
 
 from dora_jax import config as config_lib
 from dora_jax.data import sources, word_problems
 from dora_jax.data.tokenizer import Tokenizer
-from dora_jax.model import hf
-from conftest import audit_workdir, reference
-from dora_jax.model import hf_checks
+from dora_jax.model import hf, hf_checks
 
 QWEN3_FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "hf", "qwen3")
 

@@ -8,15 +8,22 @@ import json
 import pathlib
 
 import pytest
+from _record_v1 import record
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from _fake_run import FakeRun
-from _record_v1 import record
-from dora_jax.config import ConfigError
-from dora_jax.scheduler import (AddVersion, Admit, Assign, Evict, InvariantError, Scheduler,
-                                SchedulerConfig, TrainStep)
 from test_scheduler_props import run_with_failures, scenarios
+
+from dora_jax.config import ConfigError
+from dora_jax.scheduler import (
+    AddVersion,
+    Admit,
+    Assign,
+    Evict,
+    InvariantError,
+    Scheduler,
+    SchedulerConfig,
+    TrainStep,
+)
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "scheduler_v1_actions.json"
 

@@ -9,10 +9,10 @@ import concurrent.futures
 import json
 import random
 
+from _fake_run import FakeRun, _Request, lengths_from_seed
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _fake_run import FakeRun, _Request, lengths_from_seed
 from dora_jax import versions
 from dora_jax.rollout.trajectory import Trajectory
 from dora_jax.runtime import recovery

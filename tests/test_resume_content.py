@@ -6,13 +6,12 @@ No test here depends on timing: where a run must be in a given state at a
 checkpoint (finished groups waiting for the trainer), the trainer waits inside its
 step until the coordinator reports that state."""
 
-import json
 import os
 import threading
 
 import pytest
-
 from conftest import audit_workdir
+
 from dora_jax import experiment
 from dora_jax.data import prompts as prompts_lib
 from dora_jax.data.sources import prompt_records
@@ -20,7 +19,6 @@ from dora_jax.rl.trainer import Trainer
 from dora_jax.runtime import loop
 from dora_jax.runtime.loop import RunError
 from dora_jax.scheduler import ledger
-
 
 DRAIN_WAIT = 300  # seconds: a bound on a hang, not a pace the test relies on
 

@@ -8,12 +8,19 @@ import queue
 import time
 
 import pytest
+from _fake_run import FakeRun
 
 from dora_jax.runtime.events import Failed, VersionLoaded
 from dora_jax.runtime.worker import SliceWorker
-from _fake_run import FakeRun
-from dora_jax.scheduler import (Admit, Assign, InterruptReload, LoadVersion, Scheduler,
-                                SchedulerConfig, TrainStep)
+from dora_jax.scheduler import (
+    Admit,
+    Assign,
+    InterruptReload,
+    LoadVersion,
+    Scheduler,
+    SchedulerConfig,
+    TrainStep,
+)
 from dora_jax.timeline import Timeline
 
 MODE = "partial_rollout_rounds"

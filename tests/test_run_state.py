@@ -11,11 +11,11 @@ import json
 import os
 
 import pytest
+from test_resume import _admit, _consume  # the same hand-made events
 
 from dora_jax.config import ConfigError
 from dora_jax.runtime import files, recovery
 from dora_jax.scheduler import ledger
-from test_resume import _admit, _consume  # the same hand-made events
 
 
 def _write(path, events, cut_last: int | None = None):
@@ -208,6 +208,7 @@ def test_a_run_cut_mid_line_twice_resumes_twice_and_audits_clean(tmp_path, small
     restores version 2 instead, and finishes. The ledger audits clean and its resume
     lines say what was repaired and skipped."""
     from conftest import audit_workdir
+
     from dora_jax import experiment
     from dora_jax.runtime.loop import RunError
 

@@ -8,14 +8,14 @@ import time
 import jax
 import numpy as np
 import pytest
+from conftest import audit_workdir
 
 from dora_jax import experiment
 from dora_jax.config import MODES
+from dora_jax.model import hf_checks
 from dora_jax.rl.trainer import Trainer
 from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.runtime.loop import RunError
-from conftest import audit_workdir
-from dora_jax.model import hf_checks
 
 
 def _host_leaves(params) -> list:
@@ -211,7 +211,6 @@ def test_dynamic_sampling_filters_and_replaces_groups(tmp_path, small_config):
     reward variance and leave through `filter` records; they are replaced (every step
     still trains TBS groups, the audit is clean, no filtered group is consumed), and
     the trainer reports the engine mismatch of the tokens its own version sampled."""
-    from dora_jax import config as config_lib
     from dora_jax.data.sources import prompt_records
 
     c = small_config("dora", validate=False, num_steps=4)
@@ -263,7 +262,6 @@ def test_a_failed_run_resumes_and_the_whole_ledger_audits(tmp_path, small_config
     workdir (its step count raised) resumes from the newest checkpoint: finished
     groups kept, lost ones admitted again, voided training redone. Then the complete
     run is not trained again, and another config is refused there."""
-    from dora_jax import config as config_lib
 
     def cfg_with(steps, mode="dora"):
         c = small_config(mode, validate=False, num_steps=steps, checkpoint_every=2)

@@ -2,10 +2,19 @@
 
 
 import pytest
-
 from _fake_run import FakeRun, lengths_from_seed
-from dora_jax.scheduler import (MODES, Admit, Assign, InterruptReload, LoadVersion, Scheduler,
-                                SchedulerConfig, TrainStep, policy_for)
+
+from dora_jax.scheduler import (
+    MODES,
+    Admit,
+    Assign,
+    InterruptReload,
+    LoadVersion,
+    Scheduler,
+    SchedulerConfig,
+    TrainStep,
+    policy_for,
+)
 
 
 def config(mode="dora", **kw):

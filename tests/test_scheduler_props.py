@@ -5,10 +5,10 @@ Examples are derandomized (a fixed seed): a failure reproduces on every run."""
 
 import math
 
+from _fake_run import FakeRun, lengths_from_seed
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _fake_run import FakeRun, lengths_from_seed
 from dora_jax.scheduler import MODES, POLICIES, SchedulerConfig
 
 

@@ -8,13 +8,12 @@ import os
 import jax
 import numpy as np
 import pytest
+from conftest import audit_workdir
 
 from dora_jax import experiment, sft
 from dora_jax.data import sources, tasks
-from dora_jax.model import transformer
+from dora_jax.model import hf_checks, transformer
 from dora_jax.rollout.slice import DecodeSlice
-from conftest import audit_workdir
-from dora_jax.model import hf_checks
 
 
 def _countdown(load_config, **rollout):
@@ -42,7 +41,6 @@ def _greedy(graphdef, params, prompt, steps):
 
 def test_sft_learns_demonstrations_and_rl_starts_from_them(tmp_path, load_config,
                                                           monkeypatch):
-    from dora_jax import config as config_lib
 
     cfg = hf_checks.validated(_countdown(load_config), num_devices=8)
     out = sft.train(cfg, str(tmp_path / "sft"), steps=150, batch_size=32, learning_rate=3e-3)
@@ -82,7 +80,6 @@ def test_sft_learns_demonstrations_and_rl_starts_from_them(tmp_path, load_config
 
 
 def test_missing_init_checkpoint_fails_before_compute(tmp_path, load_config):
-    from dora_jax import config as config_lib
 
     c = _countdown(load_config)
     c.init_checkpoint = str(tmp_path / "nowhere")
@@ -92,7 +89,6 @@ def test_missing_init_checkpoint_fails_before_compute(tmp_path, load_config):
 
 
 def test_task_without_demonstrations_is_refused(tmp_path, load_config):
-    from dora_jax import config as config_lib
 
     cfg = hf_checks.validated(load_config("configs/tiny.py", validate=False), num_devices=8)
     with pytest.raises(ValueError, match="'residue' has no demonstrations"):

@@ -1,15 +1,16 @@
 """Sharded forward/decode (trainer and decode-slice rules) equal the unsharded ones."""
 
 import jax
-import pytest
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from dora_jax import config as config_lib
 from dora_jax import devices
-from dora_jax.model import sharding, transformer as tf
-
+from dora_jax.model import sharding
+from dora_jax.model import transformer as tf
 
 
 def test_logical_to_spec_rules():

@@ -6,12 +6,12 @@ slice (audited clean, no slot idle for want of its version)."""
 import dataclasses
 
 import pytest
+from test_sim import ZERO
 
 from dora_jax.sim import PRESETS
 from dora_jax.sim.cost import CostModel, lora_adapter_params
 from dora_jax.sim.presets import H800, QWEN25_32B, QWEN25_32B_SHAPE
 from dora_jax.sim.run import scheduler_config, simulate
-from test_sim import ZERO
 
 
 def test_each_extra_distinct_version_adds_its_read_to_a_step():

@@ -4,16 +4,23 @@ request run alone."""
 
 import json
 
+import _rollout_common as rc
 import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-import _rollout_common as rc
 from dora_jax.config import SLICE_MESH_AXES, TRAINER_RULES
 from dora_jax.model.sharding import param_shardings
-from dora_jax.rollout import (DecodeSlice, Engine, Request, RolloutError, SlotOverflowError,
-                              Trajectory, VersionMismatchError)
+from dora_jax.rollout import (
+    DecodeSlice,
+    Engine,
+    Request,
+    RolloutError,
+    SlotOverflowError,
+    Trajectory,
+    VersionMismatchError,
+)
 
 # Arrival step of each of the six prompts: more requests than slots, staggered.
 ARRIVALS = [0, 0, 1, 1, 3, 6]

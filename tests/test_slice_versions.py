@@ -9,15 +9,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import _rollout_common as rc
 import numpy as np
 import pytest
+from test_lora import randomise_b
 
-import _rollout_common as rc
 from dora_jax.config_model import LoRAConfig
 from dora_jax.model import lora, transformer
-from dora_jax.rollout import (DecodeSlice, Engine, Request, RolloutError,
-                              VersionMismatchError)
-from test_lora import randomise_b
+from dora_jax.rollout import DecodeSlice, Engine, Request, RolloutError, VersionMismatchError
 
 MODEL = dataclasses.replace(rc.config("dense").model, lora=LoRAConfig(rank=4, alpha=8.0))
 

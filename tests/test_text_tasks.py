@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
-
 from _char_tokenizer import BOS, CharTokenizer
-from dora_jax.data import prompts, tasks, text_tasks
+
+from dora_jax.data import prompts, text_tasks
 from dora_jax.rewards import verifiers
 
 TOK = CharTokenizer()

@@ -11,10 +11,14 @@ import sys
 
 import jinja2
 import pytest
-
 from conftest import reference
-from dora_jax.data.tokenizer import (DEFAULT_CHAT_TEMPLATE, Tokenizer, TokenizerParameters,
-                                     train_tokenizer)
+
+from dora_jax.data.tokenizer import (
+    DEFAULT_CHAT_TEMPLATE,
+    Tokenizer,
+    TokenizerParameters,
+    train_tokenizer,
+)
 
 VOCAB = 400
 SAMPLES = ["What is 17 plus 25? The answer is 42.",
@@ -250,6 +254,7 @@ def test_transformers_loads_what_we_save_and_agrees(trained, saved):
 
 def test_engine_hands_out_its_tokenizer(trained, saved):
     import _rollout_common as rc
+
     from dora_jax.rollout import Engine
 
     cfg = rc.config("dense")

@@ -13,8 +13,8 @@ from dora_jax import config as config_lib
 from dora_jax.model import transformer
 from dora_jax.rl import losses
 from dora_jax.rl.batch import BatchError, TrainBatch
-from dora_jax.rollout import Trajectory
 from dora_jax.rl.trainer import Trainer
+from dora_jax.rollout import Trajectory
 
 VOCAB = 128
 

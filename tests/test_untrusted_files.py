@@ -14,8 +14,8 @@ import time
 
 import jinja2.sandbox
 import pytest
-
 from conftest import REPO, load_repo_config
+
 from dora_jax.data import prompts, sources, text_tasks
 from dora_jax.data.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
 from dora_jax.model import hf_config, safetensors_file

@@ -6,12 +6,12 @@ import sys
 import time
 
 import pytest
-
 from _char_tokenizer import CharTokenizer
+
 from dora_jax import config as config_lib
 from dora_jax.data import reasoning_gym_tasks, text_tasks
-from dora_jax.rewards import verifiers
 from dora_jax.model import hf_checks
+from dora_jax.rewards import verifiers
 
 TOK = CharTokenizer()
 MARKER = "__pwn_marker__"

@@ -5,10 +5,9 @@ import threading
 from fractions import Fraction
 
 import pytest
-
 from _char_tokenizer import END_TURN, EOS, CharTokenizer
-from dora_jax.rewards import verifiers as v
 
+from dora_jax.rewards import verifiers as v
 
 # ------------------------------------------------------------------ extraction
 

@@ -31,18 +31,16 @@ import os
 import statistics
 import time
 
-from absl import app, flags
-from ml_collections import config_flags
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import app, flags
 from jax.sharding import Mesh
+from ml_collections import config_flags
 
 from dora_jax import config as config_lib
-from dora_jax.model import hf_checks
 from dora_jax.bench import CONFIGS, model_shape, write_figures
-from dora_jax.model import transformer
+from dora_jax.model import hf_checks, transformer
 from dora_jax.rollout import DecodeSlice, Engine, Request
 
 _MODEL_CONFIGS = {

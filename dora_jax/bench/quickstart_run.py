@@ -23,6 +23,7 @@ from ml_collections import config_flags
 from dora_jax.bench import CONFIGS, write_figures
 from dora_jax.bench.runs import audited_run, run_config, warm_start
 
+
 def fit_layout(c, num_devices: int) -> str:
     """Puts `c`'s mesh on `num_devices` devices (module docstring); returns what was
     chosen, in words."""

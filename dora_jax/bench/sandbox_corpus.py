@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable
+from collections.abc import Callable
 
 RAN, REFUSED = "ran, contained", "refused at start"
 CLASSES = ("guards", "syscalls", "host_ipc", "weaker_hosts", "cleanup_forge", "exhaustion")

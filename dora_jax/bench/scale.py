@@ -199,8 +199,8 @@ def concurrent_samples(layout: str, slots: int, pool_tokens: int, steps: int) ->
 
 def prefills_per_group(groups: int = 2, group_size: int = 4) -> float:
     import jax
-    from jax.sharding import Mesh
     import numpy as np
+    from jax.sharding import Mesh
 
     from dora_jax import config as config_lib
     from dora_jax.bench import CONFIGS

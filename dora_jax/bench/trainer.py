@@ -48,9 +48,8 @@ from jax.sharding import Mesh
 from ml_collections import config_flags
 
 from dora_jax import config as config_lib
-from dora_jax.model import hf_checks
 from dora_jax.bench import CONFIGS, model_shape, write_figures
-from dora_jax.model import transformer
+from dora_jax.model import hf_checks, transformer
 from dora_jax.rl import losses
 from dora_jax.rl.batch import TrainBatch
 from dora_jax.rl.optimizer import make_optimizer

@@ -43,7 +43,6 @@ import os
 
 from dora_jax import config as config_lib
 
-
 VARIANTS = (None, "lora", "lora_multi")
 
 # Adapters want a larger step than the whole model (configs/quickstart.py measured

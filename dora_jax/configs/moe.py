@@ -55,7 +55,6 @@ import os
 
 from dora_jax import config as config_lib
 
-
 VARIANTS = (None, "tiny", "lora", "tiny_lora")
 
 # LoRA: rank-32 adapters on attention q/k/v/o, the base frozen; the adapters alone train

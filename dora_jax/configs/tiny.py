@@ -16,7 +16,6 @@ minute of compilation, then ~0.2 s per step; the mean reward rises from about 0.
 
 from dora_jax import config as config_lib
 
-
 VARIANTS = (None,)
 
 

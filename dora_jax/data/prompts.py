@@ -9,7 +9,8 @@ state so a run can resume without repeating or skipping a prompt.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import grain
 

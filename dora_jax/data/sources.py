@@ -11,7 +11,7 @@ fatal (rewards/pool.py).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

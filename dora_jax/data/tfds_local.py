@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import os
 import re
+from collections.abc import Mapping
 from fractions import Fraction
-from typing import Mapping
 
 import tensorflow_datasets as tfds
 

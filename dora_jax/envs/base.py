@@ -23,7 +23,7 @@ Registered by name with `@register("name")`; a run picks one with `data.env`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

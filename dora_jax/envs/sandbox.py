@@ -235,7 +235,7 @@ def _run(request: str, limits: SandboxLimits) -> SandboxResult:
                          protections=dict(header.get("layers", {})))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _probe(isolation: str, missing: tuple) -> SandboxResult:
     return run_python("pass", isolation=isolation, _missing=missing)
 

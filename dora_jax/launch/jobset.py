@@ -27,8 +27,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from dora_jax.launch import tpu as tpu_lib
-from dora_jax.launch.storage import (  # noqa: F401 - the launchers' names
-    FILE_FIELDS, _get, container_overrides, mounted, storage)
+from dora_jax.launch.storage import FILE_FIELDS, _get, container_overrides, mounted, storage  # noqa: F401 - the launchers' names
 
 SERVER_IMAGE = "us-docker.pkg.dev/cloud-tpu-v2-images/pathways/server:latest"
 PROXY_IMAGE = "us-docker.pkg.dev/cloud-tpu-v2-images/pathways/proxy_server:latest"

@@ -263,8 +263,8 @@ def splash_causal(q_BTHD, k_BTKD, v_BTKD, block: int = 512, interpret: bool = Fa
     Segment ids go to the kernel as its `SegmentIds` (the same ids for queries and
     keys), and-ed with the causal mask inside each block; the block-sparse skipping
     comes from the static causal mask alone."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import (
-        splash_attention_kernel as splash, splash_attention_mask as masks)
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
     B, T, H, D = q_BTHD.shape
     K = k_BTKD.shape[2]

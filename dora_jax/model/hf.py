@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

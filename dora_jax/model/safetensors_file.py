@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Callable, Iterable, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp

@@ -102,7 +102,7 @@ class Block(nnx.Module):
         return x_B1D + h, KVCache(*cache)
 
 
-def stack_layers(blocks) -> "Block":
+def stack_layers(blocks) -> Block:
     """One Block whose every param gains a leading "layers" axis: `blocks` stacked."""
     graphdef = nnx.graphdef(blocks[0])
     states = [nnx.split(b)[1] for b in blocks]

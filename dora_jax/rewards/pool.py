@@ -59,7 +59,7 @@ import resource
 import sys
 import threading
 import traceback
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import pebble
 

@@ -6,7 +6,7 @@ they read are data/tasks.py's (token ids 0, 1, 2 are PAD, EOS and BOS there).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from dora_jax.data.tasks import EOS, countdown_target
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import ast
 import re
 from collections import Counter
+from collections.abc import Callable, Sequence
 from fractions import Fraction
-from typing import Callable, Sequence
 
 from dora_jax.data import reasoning_gym_tasks
 

@@ -18,7 +18,8 @@ one token.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -175,7 +176,7 @@ class TrainBatch:
 
     @classmethod
     def from_trajectories(cls, trajectories: Iterable[Any], *, group_size: int,
-                          length_buckets: Sequence[int], pad_id: int = 0) -> "TrainBatch":
+                          length_buckets: Sequence[int], pad_id: int = 0) -> TrainBatch:
         """Builds a batch from finished trajectories (Trajectory, dict or similar).
 
         Trajectories are grouped by `group_id` (groups in first-appearance order,

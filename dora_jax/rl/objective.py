@@ -27,7 +27,7 @@ tokens sampled by the trainer's current version) measures what is left.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

@@ -54,14 +54,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dora_jax.config import Config
 from dora_jax.devices import make_meshes
 from dora_jax.model import lora, transformer
-from dora_jax.model.sharding import (activation_rules, copy_tree, logical_to_spec,
-                                     param_shardings)
+from dora_jax.model.sharding import activation_rules, copy_tree, logical_to_spec, param_shardings
 from dora_jax.rl import losses, objective, packing
 from dora_jax.rl.batch import BatchError, TrainBatch
-from dora_jax.rl.packing import SAMPLE_ARRAYS, TOKEN_ARRAYS
 from dora_jax.rl.objective import MAX_KEYS, MIN_KEYS, SUM_KEYS, TOKEN_KEYS
-from dora_jax.rl.optimizer import (guarded_update, learning_rate_schedule, make_optimizer,
-                                  opt_state_shardings)
+from dora_jax.rl.optimizer import (
+    guarded_update,
+    learning_rate_schedule,
+    make_optimizer,
+    opt_state_shardings,
+)
+from dora_jax.rl.packing import SAMPLE_ARRAYS, TOKEN_ARRAYS
 
 
 class TrainState(NamedTuple):

@@ -45,7 +45,8 @@ engine) and decode attention reads only each slot's pages (paged_attention.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np

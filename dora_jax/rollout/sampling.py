@@ -40,7 +40,7 @@ class SamplingParams:
     greedy: bool = False
 
     @classmethod
-    def from_rollout(cls, rollout: RolloutConfig, greedy: bool = False) -> "SamplingParams":
+    def from_rollout(cls, rollout: RolloutConfig, greedy: bool = False) -> SamplingParams:
         return cls(temperature=float(rollout.temperature), top_k=int(rollout.top_k),
                    top_p=float(rollout.top_p), greedy=greedy)
 

@@ -48,7 +48,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import time
-from typing import Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
 
 import jax
 import numpy as np
@@ -60,8 +60,15 @@ from dora_jax.rollout.slice_episodes import EpisodeTurns
 from dora_jax.rollout.slice_memory import SliceMemory, prompt_key
 from dora_jax.rollout.slice_versions import SliceVersions
 from dora_jax.rollout.slots import SlotTable
-from dora_jax.rollout.trajectory import (Held, InFlight, Request, RolloutError, SliceStats,
-                                         SlotOverflowError, VersionMismatchError)
+from dora_jax.rollout.trajectory import (
+    Held,
+    InFlight,
+    Request,
+    RolloutError,
+    SliceStats,
+    SlotOverflowError,
+    VersionMismatchError,
+)
 
 
 class DecodeSlice(EpisodeTurns, SliceVersions):
@@ -85,7 +92,7 @@ class DecodeSlice(EpisodeTurns, SliceVersions):
         # (None: run the whole sequence again), future, when the call was sent).
         self._env_wait: dict = {}
         self.lookahead = lookahead
-        self.version: Optional[int] = None  # the one resident (V > 1: the last loaded)
+        self.version: int | None = None  # the one resident (V > 1: the last loaded)
         self.params = None  # EngineParams (V > 1: every place's adapters, no rows)
         self._place_versions: list = [None] * engine.versions  # V > 1: version per place
         self._slot_places = np.zeros(engine.max_concurrent_decodes, np.int32)
@@ -104,7 +111,7 @@ class DecodeSlice(EpisodeTurns, SliceVersions):
 
     @classmethod
     def create(cls, slice_id, mesh, model_cfg, rollout_cfg, *, lookahead: bool = True,
-               episodes: EpisodeRunner | None = None, **engine_kwargs) -> "DecodeSlice":
+               episodes: EpisodeRunner | None = None, **engine_kwargs) -> DecodeSlice:
         """A slice with its own Engine (engine kwargs: rules, sampling_params, greedy,
         tokenizer_path, stop_ids, versions)."""
         return cls(slice_id, Engine(model_cfg, rollout_cfg, mesh, **engine_kwargs),

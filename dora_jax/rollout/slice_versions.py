@@ -18,7 +18,6 @@ from __future__ import annotations
 import time
 
 import jax
-import numpy as np
 
 from dora_jax.rollout.trajectory import RolloutError, VersionMismatchError
 

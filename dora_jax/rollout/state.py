@@ -97,7 +97,7 @@ class ResultTokens:
         if not isinstance(self.data, np.ndarray):
             self.data.copy_to_host_async()
 
-    def convert_to_numpy(self) -> "ResultTokens":
+    def convert_to_numpy(self) -> ResultTokens:
         return self.replace(data=np.asarray(self.data))
 
     def get_result_at_slot(self, slot: int) -> SlotData:
@@ -145,7 +145,7 @@ class ResultTokens:
         return self.data[..., FINISHED] != 0
 
     @staticmethod
-    def pack(tokens_B, logprobs_B, positions_B, lengths_B, valid_B, finished_B) -> "ResultTokens":
+    def pack(tokens_B, logprobs_B, positions_B, lengths_B, valid_B, finished_B) -> ResultTokens:
         i32 = jnp.int32
         return ResultTokens(jnp.stack(
             [tokens_B.astype(i32), jax.lax.bitcast_convert_type(logprobs_B, i32),

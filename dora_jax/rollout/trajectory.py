@@ -10,7 +10,7 @@ InFlight when it is exported.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Union
+from typing import Any
 
 import numpy as np
 
@@ -47,14 +47,14 @@ class Request:
     """
 
     group_id: int
-    prompt_id: Union[int, str]
+    prompt_id: int | str
     sample_index: int
     prompt_tokens: tuple
     seed: object
     version: int
-    group_version: Optional[int] = None
-    max_new_tokens: Optional[int] = None
-    record: Optional[dict] = dataclasses.field(default=None, compare=False)
+    group_version: int | None = None
+    max_new_tokens: int | None = None
+    record: dict | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_tokens", tuple(int(t) for t in self.prompt_tokens))
@@ -101,7 +101,7 @@ class Trajectory:
     """
 
     group_id: int
-    prompt_id: Union[int, str]
+    prompt_id: int | str
     sample_index: int
     version: int
     prompt_tokens: list
@@ -113,8 +113,8 @@ class Trajectory:
     t_submit: float
     t_start: float
     t_finish: float
-    reward: Optional[float] = None
-    episode: Optional[dict] = None
+    reward: float | None = None
+    episode: dict | None = None
 
     @property
     def request_id(self) -> tuple:
@@ -133,7 +133,7 @@ class Trajectory:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Trajectory":
+    def from_dict(cls, d: dict) -> Trajectory:
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
 
@@ -180,16 +180,16 @@ class InFlight:
     versions: list  # run-length encoded, as in Trajectory
     slice_ids: list
     t_submit: float
-    t_start: Optional[float]
-    prefix: Optional[Any]  # engine.Prefix
+    t_start: float | None
+    prefix: Any | None  # engine.Prefix
     # A multi-turn episode between turns: the KV of all but its last `unwritten`
     # tokens (the turn's end and the observation, prefilled on top where it goes on).
-    kept: Optional[Any] = None
+    kept: Any | None = None
     unwritten: int = 0
-    episode: Optional[Any] = None  # rollout.episodes.Episode
+    episode: Any | None = None  # rollout.episodes.Episode
     # An episode exported while its environment works on its turn: (the call's
     # future, when it was sent); the destination waits for it as the source would.
-    env_call: Optional[tuple] = None
+    env_call: tuple | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -205,14 +205,14 @@ class Held:
     runs: list  # run-length encoded versions of `tokens`
     slice_ids: list
     t_submit: float
-    t_start: Optional[float]
-    slot: Optional[int] = None
-    episode: Optional[Any] = None  # rollout.episodes.Episode of a multi-turn request
-    kept: Optional[Any] = None  # as InFlight.kept
+    t_start: float | None
+    slot: int | None = None
+    episode: Any | None = None  # rollout.episodes.Episode of a multi-turn request
+    kept: Any | None = None  # as InFlight.kept
     unwritten: int = 0
 
     @classmethod
-    def from_inflight(cls, f: InFlight, slice_id: int) -> "Held":
+    def from_inflight(cls, f: InFlight, slice_id: int) -> Held:
         return cls(f.request, f.version, list(f.response_tokens), list(f.behaviour_logprobs),
                    [list(r) for r in f.versions], list(f.slice_ids) + [slice_id], f.t_submit,
                    f.t_start, episode=f.episode, kept=f.kept, unwritten=f.unwritten)

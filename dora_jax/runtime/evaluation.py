@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import queue
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

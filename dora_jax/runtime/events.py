@@ -9,7 +9,7 @@ actions (scheduler/types.py).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,7 +19,7 @@ class SamplesFinished:
 
     slice_id: int
     trajectories: list
-    kv_free: Optional[int] = None
+    kv_free: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +81,7 @@ class Failed:
     """`source` (a slice id, or `TRAINER`) raised `error`; the coordinator decides
     whether the run survives it."""
 
-    source: Union[int, str]
+    source: int | str
     error: BaseException
 
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
-from dora_jax.rollout.trajectory import Trajectory
 from dora_jax.rewards import pool, shaping
+from dora_jax.rollout.trajectory import Trajectory
 from dora_jax.scheduler import driver
 from dora_jax.scheduler.types import Admit
 

@@ -23,23 +23,31 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import numpy as np
 
 from dora_jax.data.prompts import PromptStream
+from dora_jax.rewards.pool import RewardPool
 from dora_jax.rollout.trajectory import Request
 from dora_jax.runtime.evaluation import Evaluation
-from dora_jax.runtime.events import (TRAINER, EvalGenerated, EvalScored, Failed, GroupScored,
-                                     SamplesFinished, StepDone, VersionLoaded)
+from dora_jax.runtime.events import (
+    TRAINER,
+    EvalGenerated,
+    EvalScored,
+    Failed,
+    GroupScored,
+    SamplesFinished,
+    StepDone,
+    VersionLoaded,
+)
+from dora_jax.runtime.faults import FaultPlan, KillPlan
 from dora_jax.runtime.groups import GroupBook
 from dora_jax.runtime.report import StepReporter, WaitClock, episode_record
-from dora_jax.rewards.pool import RewardPool
+from dora_jax.runtime.saves import BackgroundSaves
 from dora_jax.runtime.stream import GroupQueue, train_batches
 from dora_jax.runtime.weights import WeightBook, published_copy
-from dora_jax.runtime.faults import FaultPlan, KillPlan
-from dora_jax.runtime.saves import BackgroundSaves
 from dora_jax.runtime.worker import SliceWorker
 from dora_jax.scheduler.core import Scheduler
 from dora_jax.scheduler.driver import Driver

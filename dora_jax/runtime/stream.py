@@ -11,7 +11,7 @@ book (runtime/groups.py).
 from __future__ import annotations
 
 import queue
-from typing import Sequence
+from collections.abc import Sequence
 
 import grain
 

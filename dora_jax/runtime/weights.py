@@ -21,7 +21,8 @@ engine places them once (rollout/placement.py) and a load moves the adapters.
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import jax
 

@@ -39,14 +39,13 @@ import concurrent.futures
 import queue
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.rollout.trajectory import Request
 from dora_jax.runtime.events import EvalGenerated, Failed, SamplesFinished, VersionLoaded
 from dora_jax.runtime.faults import FaultPlan
 from dora_jax.timeline import Timeline
-
 
 _STOP = object()
 
@@ -112,7 +111,7 @@ class SliceWorker:
         """The coordinator has answered this worker's last finished event."""
         self._commands.put(("ack", None))
 
-    def migrate(self, request_ids: list, dst: "SliceWorker") -> None:
+    def migrate(self, request_ids: list, dst: SliceWorker) -> None:
         """Export these requests (those still held) and import them into `dst`, in
         the order of the commands each worker receives (see the module docstring)."""
         box: queue.Queue = queue.Queue(maxsize=1)

@@ -12,8 +12,18 @@ from dora_jax.config import MODES
 from .core import Scheduler
 from .invariants import InvariantError
 from .modes import POLICIES, policy_for
-from .types import (Action, AddVersion, Admit, Assign, Evict, InterruptReload, LoadVersion,
-                    Migrate, SchedulerConfig, TrainStep)
+from .types import (
+                    Action,
+                    AddVersion,
+                    Admit,
+                    Assign,
+                    Evict,
+                    InterruptReload,
+                    LoadVersion,
+                    Migrate,
+                    SchedulerConfig,
+                    TrainStep,
+)
 
 __all__ = [
     "MODES", "POLICIES", "Action", "AddVersion", "Admit", "Assign", "Evict", "InterruptReload",

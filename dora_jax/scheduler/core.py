@@ -32,13 +32,25 @@ Choices the runtime must know:
 from __future__ import annotations
 
 from collections import Counter, deque
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 from . import invariants, residency
 from .modes import policy_for
-from .types import (FINISHED, PENDING, RUNNING, Admit, Assign, GroupState,
-                    InterruptReload, LoadVersion, Migrate, SampleState,
-                    SchedulerConfig, SliceState, TrainStep)
+from .types import (
+    FINISHED,
+    PENDING,
+    RUNNING,
+    Admit,
+    Assign,
+    GroupState,
+    InterruptReload,
+    LoadVersion,
+    Migrate,
+    SampleState,
+    SchedulerConfig,
+    SliceState,
+    TrainStep,
+)
 
 
 class Scheduler:
@@ -61,7 +73,7 @@ class Scheduler:
         self.multi = config.versions_per_slice > 1 and self.policy.multi_version
         self.published = 0
         self.next_step = 0
-        self.trainer_step: Optional[int] = None
+        self.trainer_step: int | None = None
         self.next_group_id = 0
         # Ids of groups lost in a crash, admitted again (in order) before new ones.
         self.readmit_queue: deque = deque()
@@ -153,7 +165,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ events
 
-    def sample_finished(self, group_id: int, sample: int, num_tokens: Optional[int] = None):
+    def sample_finished(self, group_id: int, sample: int, num_tokens: int | None = None):
         """A running sample ended (EOS or max length); its slot is free again."""
         g = self.groups.get(group_id)
         if g is None or not 0 <= sample < len(g.samples):

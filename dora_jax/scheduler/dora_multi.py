@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .core import Scheduler
 
 
-def plan(sched: "Scheduler") -> list:
+def plan(sched: Scheduler) -> list:
     acts = dora.form_guarded_batch(sched)
     acts += _residency(sched)
     acts += _admit(sched)
@@ -123,7 +123,7 @@ def _admit(sched) -> list:
     return acts
 
 
-def check(sched: "Scheduler", req) -> None:
+def check(sched: Scheduler, req) -> None:
     """dora's version rules with several versions per slice: every held or added
     version is in the window [P - K, P] (one older just after a publish, before
     decide()), and a version with unfinished samples has a slice holding or adding

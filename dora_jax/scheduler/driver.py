@@ -10,10 +10,19 @@ driver writes the same format (scheduler/ledger.py defines it and audits it).
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
-from dora_jax.scheduler.types import (Action, AddVersion, Admit, Assign, Evict,
-                                      InterruptReload, LoadVersion, Migrate, TrainStep)
+from dora_jax.scheduler.types import (
+    Action,
+    AddVersion,
+    Admit,
+    Assign,
+    Evict,
+    InterruptReload,
+    LoadVersion,
+    Migrate,
+    TrainStep,
+)
 
 
 class Driver:
@@ -77,7 +86,7 @@ def admit_record(a: Admit, prompt_id, time: float) -> dict:
 
 
 def sample_entry(sample: int, versions: list, slices: list, response_len: int,
-                 finish: str, reward: Optional[float] = None, **extra) -> dict:
+                 finish: str, reward: float | None = None, **extra) -> dict:
     """One sample of a `consume` line: its run-length versions, the slices that
     generated it, its length, why it ended, its reward and any extras (e.g. an
     overlong penalty or a reward error), the latter only when set."""
@@ -97,7 +106,7 @@ def consume_record(group_id: int, prompt_id, version: int, step: int, time: floa
 
 
 def filter_record(group_id: int, prompt_id, version: int, time: float,
-                  reward: Optional[float] = None) -> dict:
+                  reward: float | None = None) -> dict:
     """The ledger's `filter` line: a finished group left untrained because its rewards
     are all equal (DAPO's dynamic sampling); the scheduler admits another instead."""
     rec = dict(event="filter", group_id=group_id, prompt_id=prompt_id, version=version,

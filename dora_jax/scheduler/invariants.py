@@ -20,7 +20,7 @@ class InvariantError(AssertionError):
     """Raised by `Scheduler.check_invariants()` when the state breaks a rule."""
 
 
-def check(sched: "Scheduler") -> None:
+def check(sched: Scheduler) -> None:
     """Raise InvariantError if the state breaks a rule of the core or the mode.
 
     Cheap enough (linear in in-flight samples) to call after every event."""

@@ -35,7 +35,7 @@ import json
 import logging
 import os
 import threading
-from typing import Iterable
+from collections.abc import Iterable
 
 from dora_jax import untrusted_files
 from dora_jax.turns import check_turns

@@ -26,8 +26,13 @@ round with their per-token versions. Staleness is bounded exactly as above.
 
 from __future__ import annotations
 
-from .dora import (admission_feasible, admission_reserve, check_feasible, form_guarded_batch,
-                   in_flight_room)
+from .dora import (
+    admission_feasible,
+    admission_reserve,
+    check_feasible,
+    form_guarded_batch,
+    in_flight_room,
+)
 from .policies import Policy, assign_pending
 
 

@@ -11,7 +11,8 @@ groups frees admission room), slice versions, admission, request assignment.
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING, Callable, Optional, Union
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .types import SchedulerConfig, SliceState
 
@@ -43,26 +44,26 @@ class Policy:
     multi_version = False
     # The staleness the mode guarantees: "K" (config.max_staleness), a fixed number,
     # or None (not bounded by the mode).
-    bound: Union[int, str, None] = "K"
+    bound: int | str | None = "K"
 
-    def staleness_bound(self, config: SchedulerConfig) -> Optional[int]:
+    def staleness_bound(self, config: SchedulerConfig) -> int | None:
         """The largest step - version this mode guarantees (None: not bounded)."""
         return config.max_staleness if self.bound == "K" else self.bound
 
-    def plan(self, sched: "Scheduler") -> list:
+    def plan(self, sched: Scheduler) -> list:
         """Return the actions of one decision pass (already applied to `sched`)."""
         raise NotImplementedError
 
-    def admission_room(self, sched: "Scheduler") -> int:
+    def admission_room(self, sched: Scheduler) -> int:
         """Groups the mode's rollout batch leaves room for now (drivers report a slot
         idle for want of it as `rbs_full`): RBS unconsumed groups."""
         return sched.admission_room(sched.config.rollout_batch_size)
 
-    def check(self, sched: "Scheduler", req: Callable[[bool, str], None]) -> None:
+    def check(self, sched: Scheduler, req: Callable[[bool, str], None]) -> None:
         """Check mode-specific invariants; `req(cond, msg)` raises if cond is false."""
 
 
-def assign_pending(sched: "Scheduler", slice_ok: Callable[[SliceState], bool] = lambda sl: True,
+def assign_pending(sched: Scheduler, slice_ok: Callable[[SliceState], bool] = lambda sl: True,
                    match_version: bool = True) -> list:
     """Give pending samples (oldest version, then oldest group first) a free slot on a
     serving slice accepted by `slice_ok` and, if `match_version` (C1), holding the
@@ -106,7 +107,7 @@ def assign_pending(sched: "Scheduler", slice_ok: Callable[[SliceState], bool] = 
     return acts
 
 
-def train_when_finished(sched: "Scheduler", group_ids) -> list:
+def train_when_finished(sched: Scheduler, group_ids) -> list:
     """A TrainStep on exactly these groups once every one is admitted and trainable
     and the trainer is idle (the batch-synchronous modes)."""
     group_ids = list(group_ids)
@@ -116,7 +117,7 @@ def train_when_finished(sched: "Scheduler", group_ids) -> list:
     return []
 
 
-def converge_slices(sched: "Scheduler", target: int) -> list:
+def converge_slices(sched: Scheduler, target: int) -> list:
     """Uniform-version modes: every empty slice not holding (or loading) `target`
     loads it. Non-empty slices keep their version until they drain (C1)."""
     acts = []
@@ -126,7 +127,7 @@ def converge_slices(sched: "Scheduler", target: int) -> list:
     return acts
 
 
-def check_uniform_slices(sched: "Scheduler", req) -> None:
+def check_uniform_slices(sched: Scheduler, req) -> None:
     """All slices hold (or are loading) one and the same version."""
     vs = {sl.effective_version for sl in sched.slices} - {None}  # None: a failed slice
     req(len(vs) <= 1, f"{sched.config.mode}: slices disagree on version {sorted(vs)}")

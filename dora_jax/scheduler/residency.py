@@ -23,7 +23,8 @@ the timeline and the one-version code paths. With V = 1 nothing here is used:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .types import AddVersion, Evict, SliceState
 
@@ -31,7 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .core import Scheduler
 
 
-def places_free(sched: "Scheduler", sl: SliceState) -> int:
+def places_free(sched: Scheduler, sl: SliceState) -> int:
     """Versions the slice could still take without evicting one."""
     return sched.config.versions_per_slice - len(sl.held) - len(sl.adding)
 
@@ -46,7 +47,7 @@ def evictable(sl: SliceState, version: int) -> bool:
     return version in sl.held and not sl.in_use.get(version)
 
 
-def add_version(sched: "Scheduler", slice_id: int, version: int) -> AddVersion:
+def add_version(sched: Scheduler, slice_id: int, version: int) -> AddVersion:
     sl = sched.slices[slice_id]
     assert sched.multi and sl.loading is None, "AddVersion needs a multi-version slice"
     assert version not in sl.held and version not in sl.adding
@@ -56,7 +57,7 @@ def add_version(sched: "Scheduler", slice_id: int, version: int) -> AddVersion:
     return AddVersion(slice_id, version)
 
 
-def evict(sched: "Scheduler", slice_id: int, version: int) -> Evict:
+def evict(sched: Scheduler, slice_id: int, version: int) -> Evict:
     sl = sched.slices[slice_id]
     assert evictable(sl, version), f"slice {slice_id} still uses v{version}"
     sl.held.discard(version)
@@ -71,7 +72,7 @@ def added(sl: SliceState, version: int) -> None:
     sl.version = max(sl.held)
 
 
-def assign_resident(sched: "Scheduler",
+def assign_resident(sched: Scheduler,
                     slice_ok: Callable[[SliceState], bool] = lambda sl: True) -> list:
     """`policies.assign_pending` for multi-version slices: pending samples, oldest
     version then oldest group first, each to a slice holding its group's version,
@@ -100,7 +101,7 @@ def assign_resident(sched: "Scheduler",
     return acts
 
 
-def check(sched: "Scheduler", req) -> None:
+def check(sched: Scheduler, req) -> None:
     """The residency invariants: at most V versions held or being added per slice,
     none twice; `version` the newest held; `in_use` agrees with the running requests;
     every running request's group version resident on its slice (C1 modes); with

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Union
 
 from dora_jax.config import Config, ConfigError, check_schedule
 
@@ -57,7 +57,7 @@ class SchedulerConfig:
     train_batch_size: int
     rollout_batch_size: int
     max_staleness: int
-    max_groups: Optional[int] = None
+    max_groups: int | None = None
     admit_tokens: int = 0
     score_groups: bool = False
     versions_per_slice: int = 1
@@ -77,7 +77,7 @@ class SchedulerConfig:
             raise ConfigError(f"admit_tokens must be >= 0, got {self.admit_tokens}")
 
     @classmethod
-    def from_config(cls, cfg: Config, max_groups: Optional[int] = None) -> "SchedulerConfig":
+    def from_config(cls, cfg: Config, max_groups: int | None = None) -> SchedulerConfig:
         """The scheduler's view of a validated run config: its values are read, not
         checked again (`validate` ran every rule on them), so the dataclass is
         filled without `__post_init__`."""
@@ -210,10 +210,10 @@ class SampleState:
     """One sample (trajectory) of a group."""
 
     status: str = PENDING
-    slice_id: Optional[int] = None  # set while RUNNING
+    slice_id: int | None = None  # set while RUNNING
     versions: list = field(default_factory=list)  # versions it ran under, in order
     slices: list = field(default_factory=list)  # slices it ran on, in order
-    num_tokens: Optional[int] = None  # reported by sample_finished, informational
+    num_tokens: int | None = None  # reported by sample_finished, informational
 
 
 @dataclass
@@ -243,13 +243,13 @@ class SliceState:
     """A decode slice as the scheduler sees it."""
 
     slice_id: int
-    version: Optional[int]  # resident params; None = holds no params
-    loading: Optional[int] = None  # target version while a load is in progress
+    version: int | None  # resident params; None = holds no params
+    loading: int | None = None  # target version while a load is in progress
     interrupted: bool = False  # the load is an InterruptReload (requests kept, paused)
     running: set = field(default_factory=set)  # {(group_id, sample)}
     # Paged KV: free positions as last reported, less admit_tokens per sample given
     # to the slice since; None: never reported (capacity in slots only).
-    kv_free: Optional[int] = None
+    kv_free: int | None = None
     # Versions resident ({version} with one version per slice) and being added
     # (AddVersion in progress), and running requests per group version: residency.py.
     held: set = field(default_factory=set)
@@ -266,6 +266,6 @@ class SliceState:
         return self.loading is None and self.version is not None
 
     @property
-    def effective_version(self) -> Optional[int]:
+    def effective_version(self) -> int | None:
         """The version the slice holds or is about to hold."""
         return self.loading if self.loading is not None else self.version

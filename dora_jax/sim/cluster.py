@@ -37,19 +37,28 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import numpy as np
 
 from dora_jax.runtime.report import WaitClock
 from dora_jax.scheduler.core import Scheduler
 from dora_jax.scheduler.driver import Driver, admit_record
-from dora_jax.scheduler.types import (AddVersion, Admit, Assign, Evict, InterruptReload,
-                                      LoadVersion, Migrate, SchedulerConfig, TrainStep)
+from dora_jax.scheduler.types import (
+    AddVersion,
+    Admit,
+    Assign,
+    Evict,
+    InterruptReload,
+    LoadVersion,
+    Migrate,
+    SchedulerConfig,
+    TrainStep,
+)
 from dora_jax.sim.cost import CostModel
 from dora_jax.sim.episodes import Episode
-from dora_jax.sim.slice import Request, Slice
 from dora_jax.sim.records import RunRecords
+from dora_jax.sim.slice import Request, Slice
 from dora_jax.sim.slots import SLOT_REASONS, SlotTime
 from dora_jax.timeline import Timeline
 
@@ -73,7 +82,7 @@ class ClusterSim(RunRecords, Driver):
     def __init__(self, config: SchedulerConfig, cost: CostModel,
                  length: Callable[[int, int], int], *, prompt_len: int = 256,
                  colocated: bool = False, max_chunk: int = 64,
-                 episode: Optional[Callable[[int, int], Episode]] = None):
+                 episode: Callable[[int, int], Episode] | None = None):
         self.config, self.cost, self.length, self.episode = config, cost, length, episode
         self.prompt_len, self.colocated, self.max_chunk = prompt_len, colocated, max_chunk
         self.sched = Scheduler(config)
@@ -86,7 +95,7 @@ class ClusterSim(RunRecords, Driver):
         self.metrics: list = []
         self.group_version: dict = {}
         self.done: dict = {}
-        self.trainer_busy_until: Optional[float] = None
+        self.trainer_busy_until: float | None = None
         self.stats = dict(busy_slot_seconds=0.0, migrations=0, loads=0, interrupts=0,
                           preemptions=0, decode_steps=0, version_steps=0)
         self._loads_in_progress = 0

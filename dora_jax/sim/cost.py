@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import numpy as np
 
@@ -99,7 +99,7 @@ class CostModel:
     def train_seconds(self, tokens: int) -> float:
         return self.train_fixed + self.train_per_token * tokens
 
-    def scaled_trainer(self, factor: float) -> "CostModel":
+    def scaled_trainer(self, factor: float) -> CostModel:
         """The trainer on `factor` times the devices (colocated: all of them)."""
         return dataclasses.replace(self, train_fixed=self.train_fixed / factor,
                                    train_per_token=self.train_per_token / factor)
@@ -108,10 +108,10 @@ class CostModel:
     def from_hardware(cls, *, params: float, kv_bytes_per_token: float, layers: int,
                       hidden: int, slice_devices: int, trainer_devices: int, flops: float,
                       hbm_bytes_per_s: float, hbm_bytes: float, link_bytes_per_s: float,
-                      slice_link_bytes_per_s: float, efficiency: "Efficiency",
+                      slice_link_bytes_per_s: float, efficiency: Efficiency,
                       active_params: float | None = None, param_bytes: int = 2,
                       kv_memory_fraction: float = 0.8, adapter_params: float = 0.0,
-                      adapter_param_bytes: int = 4, versions: int = 1) -> "CostModel":
+                      adapter_param_bytes: int = 4, versions: int = 1) -> CostModel:
         """Roofline costs from public figures, scaled by achieved fractions
         (`Efficiency`).
 
@@ -231,7 +231,7 @@ class Workload:
     sigma_sample: float = 0.8
     seed: int = 0
     replay: tuple = ()  # response lengths to cycle through instead, group-major
-    turns: Optional[Turns] = None  # multi-turn episodes; None: every request one turn
+    turns: Turns | None = None  # multi-turn episodes; None: every request one turn
 
     def episodes(self, group_size: int) -> Callable[[int, int], Episode]:
         """episode(group_id, sample) for this workload, deterministic per seed."""

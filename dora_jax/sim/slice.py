@@ -16,7 +16,6 @@ whole sequence if the slice reloaded weights meanwhile) and its next turn decode
 from __future__ import annotations
 
 from collections import Counter
-from typing import Optional
 
 import numpy as np
 
@@ -32,7 +31,7 @@ class Request:
     __slots__ = ("gid", "k", "length", "produced", "segments", "slices", "reprefill",
                  "ready_at", "episode", "turn", "env_until", "observed")
 
-    def __init__(self, gid, k, length, version, slice_id, episode: Optional[Episode] = None):
+    def __init__(self, gid, k, length, version, slice_id, episode: Episode | None = None):
         self.episode = episode or single_turn(length)
         self.gid, self.k, self.length, self.produced = gid, k, self.episode.response_len, 0
         self.segments = [(version, 0)]  # (version, tokens produced when it began)
@@ -40,7 +39,7 @@ class Request:
         self.reprefill = 0  # tokens so far to prefill again before decoding on
         self.ready_at = 0.0  # a migrated request decodes once its KV has arrived
         self.turn = 0  # the model turn it decodes, or the next one while its env runs
-        self.env_until: Optional[float] = None  # when the observation it waits for arrives
+        self.env_until: float | None = None  # when the observation it waits for arrives
         self.observed = False  # that observation arrived, its tokens not yet in the KV
 
     @property
@@ -73,7 +72,7 @@ class Slice:
 
     def __init__(self, i, slots):
         self.i, self.version = i, 0
-        self.loading: Optional[int] = None
+        self.loading: int | None = None
         # Several versions per slice: those resident and those being added (the
         # slice decodes on while an AddVersion transfers); `version` is the newest.
         self.held, self.adding = {0}, set()
@@ -89,7 +88,7 @@ class Slice:
         self.waiting: list = []
         self.prompts: set = set()  # groups whose prompt this slice has prefilled
         self.fresh: list = []  # running requests owed a re-prefill or a KV arrival
-        self.chunk: Optional[tuple] = None  # (start, end, steps) of the chunk in flight
+        self.chunk: tuple | None = None  # (start, end, steps) of the chunk in flight
         self.exports: list = []  # (request key, destination) once the chunk ends
         self.pending: list = []  # load / reload commands once the chunk ends
         # Slot-time accounting (slots.SlotTime.book): booked up to `booked_to` by
