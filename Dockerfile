@@ -1,5 +1,5 @@
 # The image the JobSet of `python -m dora_jax.launch.gke` names for its `main`
-# container (see the README's "Launch on a TPU pod"):
+# container (see docs/launchers.md):
 #   docker build -t REGISTRY/dora-jax:0.1.0 . && docker push REGISTRY/dora-jax:0.1.0
 # Versions are pinned so that a rebuilt image runs the same code: the base image,
 # JAX (whose client talks to the Pathways proxy: JAX_PLATFORMS=proxy, so no libtpu

@@ -84,7 +84,7 @@ def test_measured_runs_save_no_periodic_checkpoints(load_config):
 @pytest.mark.parametrize("variant", [None, "lora_multi"])
 @pytest.mark.parametrize("flag", ["modes", "curve_modes"])
 def test_every_default_run_of_bench_modes_builds_a_valid_config(flag, variant, load_config):
-    """`python -m dora_jax.bench.modes --workdir=DIR` as the README gives it: each of
+    """`python -m dora_jax.bench.modes --workdir=DIR` as docs/benchmarks.md gives it: each of
     its default runs on its default config (configs/longtail.py, and its variant with
     several versions per slice) passes validation, the colocated layout's packed
     micro-batches included (they span twice the shards); dora holds the K + 1

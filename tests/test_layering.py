@@ -57,12 +57,12 @@ def test_mode_registry_is_the_config_list():
     assert tuple(POLICIES) == config.MODES
 
 
-def test_readme_layout_matches_the_package():
+def test_docs_layout_matches_the_package():
     import pathlib
     import re
 
     repo = pathlib.Path(__file__).resolve().parents[1]
-    layout = (repo / "README.md").read_text().split("## Layout")[1].split("```")[1]
+    layout = (repo / "docs" / "layout.md").read_text().split("```")[1]
     block = layout.split("\nconfigs/")[0]  # the dora_jax/ part
     listed = set(re.findall(r"^  (\w+(?:\.py|/))", block, flags=re.M))
     actual = {p.name + ("/" if p.is_dir() else "") for p in (repo / "dora_jax").iterdir()

@@ -20,7 +20,7 @@ checkpoints go to the same place through its gs:// URL
 the JobSet (up to `--max_restarts`) with the same command, which resumes from the
 workdir's newest checkpoint.
 
-The image is built from the repository's Dockerfile (the README says how); it holds
+The image is built from the repository's Dockerfile (docs/launchers.md says how); it holds
 this repository at its working directory (the command names `configs/...` relative
 to it) with dora_jax and pathwaysutils installed (dora_jax.main starts Pathways' JAX
 backend under JAX_PLATFORMS=proxy).
@@ -43,7 +43,7 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/x.py[:variant
                                           lock_config=True)
 _TPU = flags.DEFINE_string("tpu", None, "TPU slice type, e.g. v5p-128, v5e-16, v6e-8")
 _IMAGE = flags.DEFINE_string("image", None, "container image built from this repository's "
-                             "Dockerfile, e.g. REGISTRY/dora-jax:0.1.0 (see the README)")
+                             "Dockerfile, e.g. REGISTRY/dora-jax:0.1.0 (see docs/launchers.md)")
 _BUCKET = flags.DEFINE_string("bucket", None, "Cloud Storage bucket holding the workdir "
                               "(mounted in the head pod by the GCS FUSE CSI driver)")
 _MOUNT = flags.DEFINE_string("mount_path", "", "where the bucket is mounted (default "

@@ -10,7 +10,7 @@ the scheduler, and carries out the actions `decide()` returns (`Driver.execute`)
 commands to the slices and batches for the trainer. It never waits on device work:
 weights reach a slice through the weight book (weights.py) and are placed by the
 slice's own loop; a group's host-side life is the group book's (groups.py).
-The README's "Life of a group" names the function at each hop.
+"Life of a group" in docs/modes.md names the function at each hop.
 
 A failure anywhere (a slice, the trainer, the coordinator) stops the run with one
 `RunError` naming where it happened, after the ledger has recorded an `unconsumed`
