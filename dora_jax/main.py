@@ -66,7 +66,8 @@ def main(argv):
     try:
         with cli.one_line_errors():
             summary = experiment.run(cfg, _WORKDIR.value, on_step=on_step, fresh=_FRESH.value,
-                                     tokenizer=pretrained.tokenizer)
+                                     tokenizer=pretrained.tokenizer,
+                                     progress=lambda line: print(line, flush=True))
     finally:
         if bar is not None:
             bar.close()
