@@ -24,7 +24,7 @@ from dora_jax.rl.trainer import Trainer
 from dora_jax.rollout.episodes import EpisodeRunner
 from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.rollout.warmup import warm_engine
-from dora_jax.runtime import files, recovery, writers
+from dora_jax.runtime import compile_times, files, recovery, writers
 from dora_jax.runtime.evaluation import EvalDecoder
 from dora_jax.runtime.loop import Runtime
 from dora_jax.runtime.report import StepReporter
@@ -86,16 +86,23 @@ def _saves_adapters(directory: str) -> bool:
             checkpointer.saved_tree())
 
 
-def warm_up(slices, trainer, cfg: Config) -> None:
+TRAIN_PHASE, DECODE_PHASE = "train step", "prefill buckets and generate"
+
+
+def warm_up(slices, trainer, cfg: Config, watch=None) -> None:
     """Compiles every jitted function a run will use before its clock starts, so
-    throughput and waits measure steady state."""
+    throughput and waits measure steady state. `watch`: a compile_times.Stopwatch
+    that times the train step and the slices' programs apart."""
+    watch = watch or compile_times.Stopwatch()
     batch_size = cfg.coordinator.train_batch_size * cfg.coordinator.group_size
-    trainer.warmup(batch_size, cfg.coordinator.group_size)
+    with watch(TRAIN_PHASE):
+        trainer.warmup(batch_size, cfg.coordinator.group_size)
     reprefills = not POLICIES[cfg.coordinator.mode].keeps_c1
-    for sl in slices:
-        warm_engine(sl.engine, sl.prefill_params(sl.version), reprefills=reprefills,
-                    generate_params=sl.generate_params())
-        sl.reset_decode_state()
+    with watch(DECODE_PHASE):
+        for sl in slices:
+            warm_engine(sl.engine, sl.prefill_params(sl.version), reprefills=reprefills,
+                        generate_params=sl.generate_params())
+            sl.reset_decode_state()
 
 
 def episode_runner(cfg: Config, tokenizer) -> EpisodeRunner | None:
@@ -110,15 +117,18 @@ def episode_runner(cfg: Config, tokenizer) -> EpisodeRunner | None:
 def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
         on_step: Callable[[dict], None] = lambda record: None,
         make_trainer: Callable[..., Trainer] = Trainer, fresh: bool = False,
-        tokenizer=None) -> dict:
+        tokenizer=None, progress: Callable[[str], None] = lambda line: None) -> dict:
     """Runs `cfg.coordinator.num_steps` train steps end to end; returns the summary.
 
     A workdir holding a run of this config continues it (runtime/recovery.py); one
     holding another config is refused unless `fresh`, which starts over there.
     `make_trainer(cfg, mesh, params=, graphdef=)` builds the trainer (a subclass can
     instrument it). `tokenizer`: the one `model.hf_checks.check_pretrained` read
-    for this config (None: read here). Raises `runtime.loop.RunError` if any part
-    fails; the ledger then still accounts for every admitted group."""
+    for this config (None: read here). `progress` gets a line before the warm-up's
+    compiles (with the time the last run in `workdir` took) and one after (the
+    seconds per phase, kept in the workdir for the next run). Raises
+    `runtime.loop.RunError` if any part fails; the ledger then still accounts for
+    every admitted group."""
     recovery.prepare(workdir, cfg, fresh)
     if cfg.logging.wandb_project:  # a missing package fails here, before any compute
         writers.import_wandb()
@@ -163,14 +173,22 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
         params = copy_tree(trainer.params)
         for sl in slices:
             sl.load_version(trainer.version, params)
+    phases = (["eval"] * bool(cfg.eval.every) + [TRAIN_PHASE, DECODE_PHASE]
+              + ["checkpoint save"] * bool(cfg.coordinator.checkpoint_every))
+    progress(compile_times.announcement(phases, workdir))
+    watch = compile_times.Stopwatch()
     eval_decoder = None
     if cfg.eval.every:
         host = slices[cfg.eval.slice]
         eval_decoder = EvalDecoder(host, cfg.eval, cfg.seed)
-        eval_decoder.warm(host.engine.load_params(params))
-    warm_up(slices, trainer, cfg)
+        with watch("eval"):
+            eval_decoder.warm(host.engine.load_params(params))
+    warm_up(slices, trainer, cfg, watch)
     if cfg.coordinator.checkpoint_every:  # periodic saves: none may stall the run
-        Checkpointer.warm_up(trainer.state)
+        with watch("checkpoint save"):
+            Checkpointer.warm_up(trainer.state)
+    watch.save(workdir)
+    progress(watch.summary())
 
     stream = prompts_lib.PromptStream(prompts_lib.prompt_dataset(
         records, seed=cfg.seed, shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs))

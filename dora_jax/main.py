@@ -20,15 +20,19 @@ Every config field can be overridden; the main ones:
                                         reasoning_gym)
   --config.trainer.learning_rate=1e-6   and trainer.objective, trainer.kl_coef, ...
   --config.init_checkpoint=DIR          params from dora_jax.sft's checkpoints/
-Configs: configs/tiny.py (CPU), configs/quickstart.py, configs/longtail.py,
-configs/qwen3_gsm8k.py[:tiny], configs/moe.py[:tiny] (the flagship: a dry run without a
-checkpoint; on a host without its 256 chips, one line names configs/moe.py:tiny); from
-any directory by name (--config=tiny, --config=moe:tiny: dora_jax/configs).
+
+configs/moe.py, the flagship, is a dry run without a checkpoint; on a host without
+its 256 chips, one line names configs/moe.py:tiny.
+
+Configs (--config=configs/NAME.py[:variant], or from any directory --config=NAME[:variant]):
 """
 
 from absl import app, flags, logging
 
-from dora_jax import cli
+from dora_jax import cli, configs
+
+# The list is read from the configs' directory (dora_jax/configs): it names every one.
+__doc__ += configs.listing() + "\n"
 
 _CONFIG = cli.define_config_flag(lock=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "ledger, metrics, timeline, checkpoints")
@@ -62,7 +66,8 @@ def main(argv):
     try:
         with cli.one_line_errors():
             summary = experiment.run(cfg, _WORKDIR.value, on_step=on_step, fresh=_FRESH.value,
-                                     tokenizer=pretrained.tokenizer)
+                                     tokenizer=pretrained.tokenizer,
+                                     progress=lambda line: print(line, flush=True))
     finally:
         if bar is not None:
             bar.close()

@@ -3,6 +3,7 @@ ledger confirms C1-C3 (C1 may fail only in partial_rollout, by design)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -139,6 +140,13 @@ def test_first_run_on_a_cpu_host_fakes_the_devices_and_says_so(tmp_path):
     first = out.stdout.splitlines()[0]
     assert first.startswith("no accelerator found: running on 8 CPU devices"), first
     assert events_ok(tmp_path)
+    # Before the silent compiles, one line says what they are; after, what they took.
+    assert re.search(r"^compiling: train step, prefill buckets and generate.* \(first run: "
+                     r"timing unknown\)$", out.stdout, flags=re.M), out.stdout
+    assert re.search(r"^compiled in \d+ s: train step [\d.]+ s, ", out.stdout, flags=re.M)
+    # No sharding XLA reaches only by replicating a tensor (when the programs compile
+    # here rather than come from the compilation cache).
+    assert "rematerialization" not in out.stderr
 
 
 def test_a_mesh_beyond_the_faked_devices_names_xla_flags(tmp_path):

@@ -7,6 +7,7 @@ The tools that read a real run (`sim.calibrate`, `sim.validate`, `export`) share
 `bench.modes` run (sync and dora, 3 steps each, tiny config), made once per test
 session even when xdist spreads these tests over workers."""
 
+import ast
 import fcntl
 import json
 import math
@@ -111,6 +112,36 @@ def test_bench_scale():
 
 # bench.crash: tests/test_crash.py::test_five_kills_lose_and_duplicate_nothing runs it
 # (`python -m dora_jax.bench.crash`, tiny config, 1 layer) and checks its final line.
+
+
+def test_help_texts_escape_their_percent_signs():
+    """absl's --help formats a command's docstring with `%` (`%%` prints `%`): a lone
+    `%` in any command's docstring would print the program's path in its place."""
+    paths = [p for p in sorted((REPO / "dora_jax").rglob("*.py")) + sorted(
+        (REPO / "launchers").glob("*.py")) if "app.run(" in p.read_text()]
+    assert len(paths) > 10, paths
+    for path in paths:
+        doc = ast.get_docstring(ast.parse(path.read_text()), clean=False) or ""
+        assert "%" not in doc.replace("%%", ""), f"{path.relative_to(REPO)}: write % as %%"
+
+
+def test_sim_help_prints_percentages():
+    out = run_module("dora_jax.sim", "--help")  # absl's --help exits 1 here
+    doc = (out.stdout + out.stderr).split("\nflags:\n")[0]
+    assert doc.startswith("Simulates every mode") and "--preset" in out.stdout, doc
+    assert "states under 0.5% are left out" in doc, doc
+    assert str(REPO) not in doc and "__main__.py" not in doc
+
+
+def test_main_help_lists_every_config():
+    out = run_module("dora_jax.main", "--help")
+    assert out.returncode == 0, out.stderr[-2000:]
+    listed = out.stdout.split("\nflags:\n")[0].split("\nConfigs (")[1].splitlines()[1:]
+    names = {line.split()[0] for line in listed if line.strip() and
+             not line.strip().startswith("variants:")}
+    shipped = {p.stem for p in (REPO / "configs").glob("[!_]*.py")}
+    assert len(shipped) > 5 and names == shipped, (names, shipped)
+    assert any(line.split()[0] == "multiturn" and "tool" in line for line in listed)
 
 
 def test_sim(tmp_path):

@@ -380,3 +380,35 @@ def test_override_values_cannot_inject_yaml(value):
     [out] = list(yaml.safe_load_all(r.stdout))
     assert out["jobs"]["main"]["command"][-2] == override
     assert _main(out["jobset"])["command"][-2] == override
+
+
+def _readme_launch_commands() -> list[list[str]]:
+    """The launcher commands of docs/launchers.md (dora_jax.launch.*, launchers/*.py) as argv:
+    continuation lines joined, `# ...` comments, `> file` and optional `[--flag]`
+    left out."""
+    lines, out, pending = (REPO / "docs" / "launchers.md").read_text().splitlines(), [], ""
+    for line in lines:
+        if not (pending or line.startswith(("python -m dora_jax.launch", "python launchers/"))):
+            continue
+        pending += " " + line.split(" #")[0].rstrip()
+        if pending.endswith("\\"):
+            pending = pending[:-1]
+            continue
+        argv = [a for a in shlex.split(pending.split(" > ")[0]) if not a.startswith("[")]
+        out.append(argv)
+        pending = ""
+    return out
+
+
+def test_documented_launch_examples_run_as_written():
+    """Each launcher command the docs give renders its job (XManager's in its
+    dry-run form) as written, placeholders included."""
+    commands = _readme_launch_commands()
+    assert {c[1] if c[1] != "-m" else c[2] for c in commands} >= {
+        "dora_jax.launch.gke", "launchers/xm_launch.py"}, commands
+    for argv in commands:
+        if argv[1] == "launchers/xm_launch.py" and "--dry_run" not in argv:
+            argv = [*argv, "--dry_run"]
+        r = _run(*argv[1:])
+        assert r.returncode == 0, f"{shlex.join(argv)}: {r.stderr[-1000:]}"
+        assert yaml.safe_load(r.stdout), shlex.join(argv)

@@ -3,6 +3,7 @@ variables shrink them); they open in Colab, install the package where it is miss
 load their configs by name, and carry the outputs of a full run (saved by
 colab/save_outputs.py)."""
 
+import configparser
 import json
 import os
 import re
@@ -36,17 +37,34 @@ def _outputs(name: str, cell_says: str) -> tuple[str, list[str]]:
     return text, kinds
 
 
+def _repository_url() -> str:
+    """The repository's URL, as the package metadata gives it (setup.cfg)."""
+    meta = configparser.ConfigParser()
+    meta.read(REPO / "setup.cfg")
+    url = meta["metadata"]["url"]
+    assert f"Source = {url}" in meta["metadata"]["project_urls"]
+    return url
+
+
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_opens_in_colab_and_installs_from_the_repository(name):
     cells = _cells(name)
     intro, code = "".join(cells[0]["source"]), _code(name)
     repository = re.search(r"REPOSITORY = '(https://github.com/([^/']+/[^/']+))'", code)
     assert repository, "the install cell names the repository"
+    assert repository.group(1) == _repository_url()
+    assert "OWNER" not in (REPO / "colab" / name).read_text(), "a placeholder is left"
     badge = (f"https://colab.research.google.com/github/{repository.group(2)}/blob/main/"
              f"colab/{name}")
     assert "colab-badge.svg" in intro and badge in intro
     assert "pip', 'install'" in code and "git+{REPOSITORY}" in code
     assert "configs/" not in re.sub(r"#.*", "", code), "configs load by name, not by path"
+
+
+def test_readme_names_the_repository():
+    url = _repository_url()
+    assert f"git clone {url}" in (REPO / "README.md").read_text()
+    assert f"pip install git+{url}" in (REPO / "docs" / "notebooks.md").read_text()
 
 
 def test_saved_outputs_show_the_curves():
@@ -176,7 +194,8 @@ def test_colab_quickstart_runs_from_a_wheel_in_a_fresh_environment(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     where, names, source = out.stdout.split()
     assert where.startswith(str(tmp_path / "venv")), where
-    assert names == "longtail,moe,multiturn,quickstart,qwen3_gsm8k,tiny" and source == "reasoning_gym"
+    assert names == "longtail,moe,multiturn,quickstart,qwen3_gsm8k,tiny"
+    assert source == "reasoning_gym"
     out = subprocess.run([python, "-m", "dora_jax.main", "--config=moe",
                           f"--workdir={tmp_path / 'moe'}"], capture_output=True, text=True,
                          env=env, cwd=tmp_path, timeout=300)

@@ -156,3 +156,32 @@ def test_multislice_trainer_needs_a_data_axis_that_splits(load_config):
         devices.mesh_grids(mesh, _multislice_devices(4))
     trainer, _ = devices.mesh_grids(mesh, _multislice_devices(2))  # 128 chips a slice
     assert len({d.slice_index for d in trainer.flat}) == 1
+
+
+def test_trainer_gradients_compile_without_full_rematerialization(load_config, capfd):
+    """The trainer's forward and backward on its FSDP mesh compile with no sharding
+    XLA can only reach by replicating a tensor (its "Involuntary full
+    rematerialization" warning, on stderr): the embedding lookup's gradient once was."""
+    cfg = load_config("configs/tiny.py", num_devices=8, model__num_layers=1)
+    mesh, _ = devices.make_meshes(cfg.mesh)
+    rules = cfg.mesh.trainer_rules
+    graphdef, params = tf.create(cfg.model, seed=0)
+    param_sh = sharding.param_shardings(params, mesh, rules)
+    params = jax.device_put(params, param_sh)
+    batch = sharding.logical_to_spec(("batch",), rules, mesh)
+    tokens = jax.device_put(jnp.zeros((8, 32), jnp.int32),
+                            jax.sharding.NamedSharding(mesh, P(batch[0], None)))
+
+    def loss(p, tokens):
+        return jnp.mean(tf.apply(graphdef, p, tokens)[0])
+
+    cache = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)  # a cached program warns not
+    try:
+        capfd.readouterr()
+        with sharding.activation_rules(mesh, rules):
+            # The gradients sharded as the params, as the train step keeps them.
+            jax.jit(jax.grad(loss), out_shardings=param_sh).lower(params, tokens).compile()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache)
+    assert "rematerialization" not in capfd.readouterr().err

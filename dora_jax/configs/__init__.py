@@ -10,6 +10,7 @@ Imports nothing: the modules import dora_jax.config, which resolves names here.
 
 from __future__ import annotations
 
+import ast
 import os
 
 DIR = os.path.dirname(os.path.abspath(__file__))
@@ -18,6 +19,33 @@ DIR = os.path.dirname(os.path.abspath(__file__))
 def names() -> list[str]:
     """The shipped configs' names: tiny, quickstart, longtail, moe, ..."""
     return sorted(f[:-3] for f in os.listdir(DIR) if f.endswith(".py") and not f.startswith("_"))
+
+
+def summary(name: str) -> tuple[str, tuple[str, ...]]:
+    """(the first line of config `name`'s docstring, its named variants), read from
+    the file's source: listing the configs imports none of them."""
+    with open(os.path.join(DIR, name + ".py")) as f:
+        tree = ast.parse(f.read())
+    doc = (ast.get_docstring(tree) or "").strip().splitlines()
+    variants = ()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "VARIANTS" for t in node.targets):
+            variants = tuple(v for v in ast.literal_eval(node.value) if v)
+    return (doc[0] if doc else ""), variants
+
+
+def listing(indent: str = "  ") -> str:
+    """The shipped configs, one line each with its summary (and a line of its
+    variants), as a command's help lists them."""
+    width = max(len(n) for n in names()) + 2
+    lines = []
+    for name in names():
+        doc, variants = summary(name)
+        lines.append(f"{indent}{name:<{width}}{doc}")
+        if variants:
+            lines.append(f"{indent}{'':<{width}}variants: {', '.join(variants)}")
+    return "\n".join(lines)
 
 
 def resolve(spec: str) -> str:

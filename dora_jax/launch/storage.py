@@ -19,7 +19,8 @@ def storage(bucket: str, workdir: str, mount_path: str = "") -> dict:
     directly. A restarted pod mounts the same bucket and resumes from it.
     ValueError for a malformed bucket or a workdir outside the mount."""
     if not re.fullmatch(r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]", bucket or ""):
-        raise ValueError(f"--bucket {bucket!r} is not a Cloud Storage bucket name")
+        raise ValueError(f"--bucket {bucket!r} is not a Cloud Storage bucket name (3 to 222 "
+                         "lowercase letters, digits, '-', '_' or '.', e.g. my-bucket)")
     mount = posixpath.normpath(mount_path or f"/gcs/{bucket}")
     if not mount.startswith("/"):
         raise ValueError(f"--mount_path must be absolute, got {mount_path!r}")

@@ -136,8 +136,11 @@ class Transformer(nnx.Module):
                         param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pd))
 
     def _embed(self, tokens):
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(jnp.dtype(self.cfg.dtype))
-        return x
+        # The table's d_model gathered first, as every FSDP weight is before use: a
+        # lookup (and its scatter-add gradient) from a table sharded on d_model into
+        # rows sharded on the batch would make XLA replicate the whole activation.
+        table = constrain(self.embed[...], ("vocab", None))
+        return jnp.take(table, tokens, axis=0).astype(jnp.dtype(self.cfg.dtype))
 
     def _logits(self, x):
         x = self.final_norm(x)

@@ -54,7 +54,7 @@ _log = logging.getLogger(__name__)
 
 # What a run writes into its workdir (all of it goes with --fresh).
 OUTPUTS = ("ledger.jsonl", "metrics.jsonl", "summary.json", "timeline.json", "timeline.png",
-           "checkpoints", "config.json", "tensorboard")
+           "checkpoints", "config.json", "tensorboard", "compile_seconds.json")
 # Fields a resumed run may change: how many steps to train in all, and the process
 # kill drill (runtime/faults.py), which the command that resumes does not repeat.
 MAY_DIFFER = ("coordinator.num_steps", "coordinator.kill_point", "coordinator.kill_after")

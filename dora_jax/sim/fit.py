@@ -5,13 +5,14 @@
 Sync and one-step-off decide nothing a scheduler could do better: their step times
 are set by the hardware, the model and the workload alone. So the efficiencies
 (`cost.Efficiency`) of the H800 presets are fitted to the paper's figures for them
-(arXiv 2604.26256; presets.PAPER_64 / PAPER_128) — colocated sync at 64 and 128 GPUs, one-step-off at 64 — and then
-partial rollout and DORA are predicted without refitting (`python -m dora_jax.sim`).
+(arXiv 2604.26256; presets.PAPER_64 / PAPER_128) — colocated sync at 64 and 128 GPUs,
+one-step-off at 64 — and then partial rollout and DORA are predicted without refitting
+(`python -m dora_jax.sim`).
 
 The split the fit assumes is the one the paper's own figures imply: its sync is
 colocated (rollout, then training, on all the GPUs; the strongest sync baseline)
 and its asynchronous modes give half the GPUs to the trainer. The
-trainer's busy time is 35% of 22.91 min = 8.0 min in sync and 67% of 22.94 min =
+trainer's busy time is 35%% of 22.91 min = 8.0 min in sync and 67%% of 22.94 min =
 15.4 min in one-step-off: the same batch, trained twice as slowly, on half the GPUs.
 
 The fit: `mfu_train` from those two busy times (closed form), then a grid over the

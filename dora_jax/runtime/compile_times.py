@@ -1,0 +1,58 @@
+"""How long a run's warm-up compiles took, per phase: kept in the workdir so the next
+run there can say beforehand how long it will be silent."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+from dora_jax.runtime import files
+
+FILE = "compile_seconds.json"
+
+
+def previous(workdir: str) -> dict[str, float] | None:
+    """The seconds per phase the last warm-up in `workdir` took, or None (none was
+    measured there, or the file is damaged)."""
+    try:
+        times = files.read_json_object(os.path.join(workdir, FILE))
+    except (OSError, files.DamagedFile):
+        return None
+    if not times or not all(isinstance(v, int | float) for v in times.values()):
+        return None
+    return times
+
+
+def announcement(phases: list[str], workdir: str) -> str:
+    """The line printed before compiling `phases`: the time the last run in `workdir`
+    measured, or that there is none."""
+    times = previous(workdir)
+    when = ("first run: timing unknown" if times is None else
+            f"about {sum(times.values()):.0f} s on this host, as the last run here took")
+    return f"compiling: {', '.join(phases)} ({when})"
+
+
+class Stopwatch:
+    """Seconds per named phase: `with watch("train step"): ...`."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    def summary(self) -> str:
+        """`compiled in 41 s: train step 12.3 s, ...`."""
+        total = sum(self.seconds.values())
+        return f"compiled in {total:.0f} s: " + ", ".join(
+            f"{phase} {s:.1f} s" for phase, s in self.seconds.items())
+
+    def save(self, workdir: str) -> None:
+        files.write_json_atomic(os.path.join(workdir, FILE),
+                                {k: round(v, 3) for k, v in self.seconds.items()}, indent=1)
