@@ -203,7 +203,7 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
             stream.next()
         scheduler = recovery.scheduler_for(sched_cfg, resumed.plan,
                                          {g: d["version"] for g, d in resumed.kept.items()})
-        recovery.truncate_metrics(workdir, trainer.version)
+        earlier_metrics = recovery.truncate_metrics(workdir, trainer.version)
     c = cfg.coordinator
     rewards = RewardPool(reward_fn, c.reward_workers, c.reward_timeout,
                          memory_mb=c.reward_memory_mb, max_response=c.reward_max_response)
@@ -216,6 +216,8 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     reporter = StepReporter(writers=writers.make_writers(
         cfg.logging, workdir, purge_step=None if resumed is None else trainer.version,
         run_config=recovery.config_json(cfg)))
+    if resumed is not None:  # the summary covers the whole run, every segment
+        reporter.resume_from(trainer.version, earlier_metrics, resumed.plan.segments)
     timeline = Timeline()
     runtime = Runtime(cfg, scheduler, slices, trainer, stream, rewards, ledger, reporter,
                       timeline, on_step=on_step, checkpointer=checkpointer, resumed=resumed,

@@ -1,6 +1,7 @@
 """Kill -9 at random points, resume with the same command, audit: the crash
 benchmark at its smallest (5 kills), end to end through `python -m dora_jax.main`."""
 
+import json
 import subprocess
 import sys
 
@@ -60,3 +61,15 @@ def test_a_kill_at_a_chosen_point_resumes_whole(point, after, tmp_path):
     left = {e["group_id"] for e in standing if e["event"] in ("filter", "unconsumed")}
     assert admitted <= set(consumed) | left and len(consumed) == len(set(consumed))
     assert len(consumed) == 8 * cfg.coordinator.train_batch_size
+    # The summary is the whole run's, both processes', not the resumed one's alone.
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["steps"] == 8 and summary["resumed_from_step"] < 8
+    assert summary["groups_consumed"] == len(consumed)
+    [first, last] = summary["segments"]
+    assert (first["from_step"], last["from_step"]) == (0, summary["resumed_from_step"])
+    assert first["steps"] + last["steps"] == 8 and first["wall_seconds"] > 0
+    # And the audit command agrees on this real workdir.
+    audit = subprocess.run([sys.executable, "-m", "dora_jax.audit", str(workdir)], cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    assert "steps: 8\n" in audit.stdout

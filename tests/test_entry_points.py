@@ -3,8 +3,8 @@ flags, its own process, the repository as working directory) at tiny sizes. Each
 must exit 0 and end with its documented final line, whose figure must parse as a
 finite number in a plausible range.
 
-The tools that read a real run (`sim.calibrate`, `sim.validate`, `export`) share one
-`bench.modes` run (sync and dora, 3 steps each, tiny config), made once per test
+The tools that read a real run (`sim.calibrate`, `sim.validate`, `export`, `audit`)
+share one `bench.modes` run (sync and dora, 3 steps each, tiny config), made once per test
 session even when xdist spreads these tests over workers."""
 
 import ast
@@ -171,6 +171,14 @@ def test_sim_validate(modes_run):
 
 
 @pytest.mark.slow
+def test_audit(modes_run):
+    workdir, _ = modes_run
+    out = run_module("dora_jax.audit", str(workdir / "dora_k2" / "0"))
+    parse(final_line(out), rf"violations: {NUMBER} \(C1 0, C2 0, C3 0, batch size 0\)", 0, 0)
+    assert f"steps: {MODES_STEPS}\n" in out.stdout
+
+
+@pytest.mark.slow
 def test_export(modes_run, tmp_path):
     workdir, _ = modes_run
     out = run_module("dora_jax.export", *TINY, f"--workdir={workdir / 'sync' / '0'}",
@@ -190,3 +198,7 @@ def test_sft(tmp_path):
     m = parse(final_line(out), rf"sft: loss {NUMBER} -> {NUMBER}; start RL with "
               r"--config.init_checkpoint=(\S+)", 1e-3, 100)
     assert 0 < float(m.group(2)) < 100 and os.path.isdir(os.path.join(m.group(3), "3"))
+    # Progress while it trains: a line per step at 3 steps (every tenth of the run).
+    progress = re.findall(rf"^sft step (\d)/3: loss {NUMBER}, {NUMBER} steps/s$", out.stdout,
+                          flags=re.M)
+    assert [n for n, _, _ in progress] == ["1", "2", "3"], out.stdout

@@ -77,7 +77,10 @@ def test_held_out_split(load_config):
     cfg = hf_checks.validated(c, num_devices=8)
     records, _ = sources.prompt_records(cfg)
     train, held = sources.held_out_split(records, cfg)
-    ids = lambda rs: [r["prompt_id"] for r in rs]
+
+    def ids(rs):
+        return [r["prompt_id"] for r in rs]
+
     assert len(held) == 6 and len(train) == len(records) - 6
     assert not set(ids(train)) & set(ids(held))
     assert ids(train) == [i for i in ids(records) if i not in set(ids(held))]  # order kept
@@ -183,6 +186,10 @@ def test_a_resumed_run_redoes_the_evaluations_of_the_steps_it_trains_again(tmp_p
     lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     assert [m["step"] for m in lines if "eval" not in m] == [0, 1, 2, 3]
     assert [m["step"] for m in lines if "eval" in m] == [0, 2, 4]  # version 2 once
+    # The summary's before and after are the whole run's: version 0 was evaluated
+    # by the failed process, version 4 by the resumed one.
+    assert (summary["eval_first"]["version"], summary["eval_last"]["version"]) == (0, 4)
+    assert summary["steps"] == 4
     from dora_jax.runtime.tensorboard import read_scalars
 
     assert [s for s, _ in read_scalars(str(tmp_path / "tensorboard"))["eval/pass_at_1"]] \

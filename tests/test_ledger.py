@@ -67,3 +67,19 @@ def test_each_violation_is_caught():
     assert _audit(ev).c2
     ev[-1]["reason"] = "zero-variance rewards"
     assert _audit(ev).ok
+
+
+def test_segments_split_at_resumes_and_count_the_steps_that_stand():
+    """A second process resumes at step 1: the first's step 1 is void (trained again),
+    its time counts to its last line; each segment on its own clock."""
+    second = [{"event": "resume", "step": 1, "time": 0.2}]
+    for g, v in [(2, 1), (3, 1)]:
+        second.append({"event": "admit", "group_id": g, "prompt_id": f"p{g}", "version": v,
+                       "time": 0.5, "readmit": True})
+    for g, step in [(2, 1), (3, 1), (4, 2), (5, 2)]:
+        second.append({"event": "consume", "group_id": g, "version": 1, "step": step,
+                       "time": 3.0 + step, "samples": [_sample(0, 1), _sample(1, 1)]})
+    assert ledger.segments(_clean() + second) == [
+        {"from_step": 0, "steps": 1, "wall_seconds": 1.0},
+        {"from_step": 1, "steps": 2, "wall_seconds": 5.0}]
+    assert ledger.segments(_clean()) == [{"from_step": 0, "steps": 2, "wall_seconds": 1.0}]

@@ -64,13 +64,19 @@ def test_plan_keeps_finished_groups_and_regenerates_the_rest():
         _consume(1, 0, 1), _admit(5, 2)]
     # Checkpoint at version 1 (step 0 trained), taken when groups 1 and 2 were
     # finished and 3 still running; 4 and 5 were admitted after it.
+    # A prompt left out before admission (no group) is no group to plan for.
+    events.insert(0, dict(event="filter", prompt_id="p9", time=0.0, reason="too long"))
     p = recovery.plan(events, 1, {1: 0, 2: 0}, checkpoint_next_group_id=4)
     assert (p.step, p.kept, p.readmit) == (1, (1, 2), (4, 5))
     assert p.next_group_id == 6 and p.admitted_since_checkpoint == 2
     assert p.prompt_ids == {1: "p1", 2: "p2", 4: "p4", 5: "p5"}
+    # The run before: step 0 stands (step 1's consume is voided), group 3 filtered.
+    assert [(x["from_step"], x["steps"]) for x in p.segments] == [(0, 1)]
+    assert p.filtered == 1
     cfg = SchedulerConfig(mode="dora", num_slices=2, slots_per_slice=2, group_size=1,
                           train_batch_size=1, rollout_batch_size=3, max_staleness=3)
     sched = recovery.scheduler_for(cfg, p, {1: 0, 2: 0})
+    assert sched.filtered == 1  # the run's count goes on
     admits = [a for a in sched.decide() if type(a).__name__ == "Admit"]
     # With the 2 kept groups unconsumed, FEASIBILITY at step 1 (admitting with one
     # step of K in reserve: 3 unconsumed) leaves room for one, the first lost group.
@@ -172,8 +178,9 @@ def _resumed_run(old: FakeRun, checkpoint, lengths, **kw) -> FakeRun:
 
 @settings(max_examples=120, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
-@given(st.sampled_from([m for m in MODES if POLICIES[m].resumable]), st.integers(1, 4), st.integers(1, 3), st.integers(1, 3),
-       st.integers(0, 2), st.integers(0, 2**16), st.integers(1, 3))
+@given(st.sampled_from([m for m in MODES if POLICIES[m].resumable]), st.integers(1, 4),
+       st.integers(1, 3), st.integers(1, 3), st.integers(0, 2), st.integers(0, 2**16),
+       st.integers(1, 3))
 def test_crashes_at_random_points_lose_and_duplicate_nothing(mode, slices, G, tbs, extra,
                                                               seed, crashes):
     cfg = SchedulerConfig(mode=mode, num_slices=slices, slots_per_slice=3, group_size=G,

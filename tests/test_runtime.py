@@ -296,6 +296,45 @@ def test_a_failed_run_resumes_and_the_whole_ledger_audits(tmp_path, small_config
     assert [s for s, _ in read_scalars(str(tmp_path / "tensorboard"))["reward_mean"]] == [0, 1]
 
 
+def test_a_resumed_runs_summary_covers_the_whole_run(tmp_path, small_config):
+    """A run failed in step 3 and resumed from its checkpoint of step 2 sums up as the
+    same 6 steps run straight through: steps counted from 0, every group consumed;
+    its wall time is its two segments', its tokens and staleness every step's in
+    metrics.jsonl, not the resumed segment's alone."""
+    import json
+
+    cfg = small_config("dora", num_steps=6, checkpoint_every=2)
+    tbs = cfg.coordinator.train_batch_size
+
+    class FailAt3(RecordingTrainer):
+        fail_at_step = 3
+
+    with pytest.raises(RunError):
+        _run(cfg, tmp_path / "resumed", FailAt3)
+    resumed, _ = _run(cfg, tmp_path / "resumed")
+    straight, _ = _run(cfg, tmp_path / "straight")
+    assert resumed["resumed_from_step"] == 2
+    for key in ("steps", "groups_consumed", "groups_filtered", "slice_failures"):
+        assert resumed[key] == straight[key], key
+    assert resumed["steps"] == 6 and resumed["groups_consumed"] == 6 * tbs
+    assert [(x["from_step"], x["steps"]) for x in resumed["segments"]] == [(0, 2), (2, 4)]
+    assert [(x["from_step"], x["steps"]) for x in straight["segments"]] == [(0, 6)]
+    for summary in (resumed, straight):
+        assert all(x["wall_seconds"] > 0 for x in summary["segments"])
+        assert summary["wall_seconds"] == pytest.approx(
+            sum(x["wall_seconds"] for x in summary["segments"]), abs=2e-3)
+    # The resumed segment alone: after step 2's end in its own clock.
+    assert resumed["wall_seconds"] > resumed["segments"][1]["wall_seconds"]
+    metrics = [m for m in _metrics(tmp_path / "resumed") if "eval" not in m]
+    assert [m["step"] for m in metrics] == list(range(6))
+    assert resumed["trained_tokens"] == sum(m["trained_tokens"] for m in metrics)
+    assert resumed["trained_tokens"] > sum(m["trained_tokens"] for m in metrics[2:])
+    assert sum(resumed["staleness"].values()) == 6 * tbs
+    assert resumed["reward_first"] == round(metrics[0]["reward_mean"], 4)
+    on_disk = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+    assert on_disk["steps"] == 6 and on_disk["segments"] == resumed["segments"]
+
+
 @pytest.mark.parametrize("mode", ["dora", "sync"])
 def test_a_failing_slice_is_restarted_and_nothing_is_lost(mode, tmp_path, small_config):
     """Slice 1 raises at its first generate call, holding samples (the fault plan:

@@ -4,6 +4,7 @@ and an RL run started from its checkpoint decodes with exactly those params."""
 import dataclasses
 import json
 import os
+import re
 
 import jax
 import numpy as np
@@ -40,13 +41,20 @@ def _greedy(graphdef, params, prompt, steps):
 
 
 def test_sft_learns_demonstrations_and_rl_starts_from_them(tmp_path, load_config,
-                                                          monkeypatch):
+                                                          monkeypatch, capsys):
 
     cfg = hf_checks.validated(_countdown(load_config), num_devices=8)
     out = sft.train(cfg, str(tmp_path / "sft"), steps=150, batch_size=32, learning_rate=3e-3)
     assert out["loss_last"] < 0.1 * out["loss_first"], out
     log = [json.loads(line) for line in open(tmp_path / "sft" / "sft_metrics.jsonl")]
     assert log[-1]["step"] == 149
+    # A progress line every tenth of the run, as it goes: step, loss, steps/s.
+    progress = re.findall(r"^sft step (\d+)/150: loss (\d+\.\d{4}), (\d+\.\d\d) steps/s$",
+                          capsys.readouterr().out, flags=re.M)
+    assert [int(n) for n, _, _ in progress] == list(range(15, 151, 15)), progress
+    assert all(float(rate) > 0 for _, _, rate in progress)
+    assert float(progress[-1][1]) == pytest.approx(out["loss_last"], abs=1e-4)
+    assert float(progress[-1][1]) < float(progress[0][1])
 
     graphdef, init = transformer.create(cfg.model, cfg.seed)
     from dora_jax.checkpointing import load_params
@@ -86,6 +94,16 @@ def test_missing_init_checkpoint_fails_before_compute(tmp_path, load_config):
     with pytest.raises(FileNotFoundError, match="config.init_checkpoint"):
         experiment.run(hf_checks.validated(c, num_devices=8), str(tmp_path / "rl"))
     assert not os.path.exists(tmp_path / "rl" / "ledger.jsonl")
+
+
+def test_progress_every_sets_the_lines_and_0_silences_them(tmp_path, load_config, capsys):
+    cfg = hf_checks.validated(_countdown(load_config), num_devices=8)
+    sft.train(cfg, str(tmp_path / "a"), steps=3, batch_size=4, learning_rate=1e-3,
+              progress_every=2)
+    assert re.findall(r"^sft step (\d+)/3:", capsys.readouterr().out, flags=re.M) == ["2", "3"]
+    sft.train(cfg, str(tmp_path / "b"), steps=3, batch_size=4, learning_rate=1e-3,
+              progress_every=0)
+    assert "sft step" not in capsys.readouterr().out
 
 
 def test_task_without_demonstrations_is_refused(tmp_path, load_config):

@@ -449,7 +449,7 @@ class Runtime(Driver):
         summary = self.reporter.summary(self.slices, self.timeline)
         summary["max_resident_versions"] = self.max_resident_versions
         summary["groups_filtered"] = self.sched.filtered
-        summary["slice_failures"] = len(self.slice_failures)
+        summary["slice_failures"] = summary.get("slice_failures", 0) + len(self.slice_failures)
         summary["prompts_exhausted"] = steps_done < num_steps
         # Forward passes over prompts (re-prefills included) per admitted group.
         summary["prefills_per_group"] = round(sum(sl.stats.prefills for sl in self.slices)

@@ -177,15 +177,17 @@ def load(workdir: str, cfg: Config, checkpointer, trainer, records: list) -> Res
                    stream_state=extra.get("prompt_stream"), skipped_checkpoints=skipped)
 
 
-def truncate_metrics(workdir: str, step: int) -> None:
+def truncate_metrics(workdir: str, step: int) -> list[dict]:
     """Drops the metrics of steps >= `step` (their training was lost with the crash),
-    replacing the file whole: a crash or a full disk meanwhile leaves it as it was.
-    A line that is not a metrics record (one cut short by the crash) is dropped with
-    a warning: the records are reports, and the run can go on without one."""
+    replacing the file whole: a crash or a full disk meanwhile leaves it as it was;
+    returns the records kept (the earlier segments' steps and evaluations, for the
+    run's summary). A line that is not a metrics record (one cut short by the crash)
+    is dropped with a warning: the records are reports, and the run can go on
+    without one."""
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.exists(path):
-        return
-    keep = []
+        return []
+    keep, records = [], []
     with open(path, "rb") as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
@@ -194,10 +196,12 @@ def truncate_metrics(workdir: str, step: int) -> None:
                 record = json.loads(line)
                 if record["step"] < step:
                     keep.append(json.dumps(record) + "\n")  # the appends need its newline
+                    records.append(record)
             except (ValueError, TypeError, KeyError) as e:  # JSON and UTF-8 errors: ValueError
                 _log.warning("%s:%d: dropped a line that is not a metrics record (%s)", path,
                              number, type(e).__name__)
     files.write_atomic(path, "".join(keep))
+    return records
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +212,9 @@ class ResumePlan:
     prompt_ids: dict  # group id -> prompt id, for every outstanding group
     next_group_id: int
     admitted_since_checkpoint: int  # groups the prompt stream gave out after it
+    filtered: int = 0  # groups filtered before the resume (they stay filtered)
+    # The processes that ran before, as `ledger.segments` (their steps that stand).
+    segments: tuple = ()
 
 
 def plan(events: list, step: int, finished_in_checkpoint: dict,
@@ -215,13 +222,18 @@ def plan(events: list, step: int, finished_in_checkpoint: dict,
     """The plan for resuming at `step` over a ledger's `events` (before the resume
     line is written). `finished_in_checkpoint`: group id -> version of the groups the
     checkpoint holds finished and scored."""
-    events = standing(list(events) + [{"event": "resume", "step": step}])
-    admitted, done = {}, set()
+    events = list(events) + [{"event": "resume", "step": step}]
+    segments = tuple(ledger.segments(events)[:-1])  # the last: the run resuming now
+    events = standing(events)
+    admitted, done, filtered = {}, set(), set()
     for e in events:
         if e["event"] == "admit":
             admitted[e["group_id"]] = e
-        elif e["event"] in ("consume", "filter"):
+        elif e["event"] == "consume":
             done.add(e["group_id"])
+        elif e["event"] == "filter" and "group_id" in e:  # not a prompt left out
+            done.add(e["group_id"])
+            filtered.add(e["group_id"])
     outstanding = sorted(set(admitted) - done)
     kept = tuple(g for g in outstanding if g in finished_in_checkpoint)
     readmit = tuple(g for g in outstanding if g not in finished_in_checkpoint)
@@ -229,7 +241,8 @@ def plan(events: list, step: int, finished_in_checkpoint: dict,
     return ResumePlan(step=step, kept=kept, readmit=readmit,
                       prompt_ids={g: admitted[g]["prompt_id"] for g in outstanding},
                       next_group_id=next_id,
-                      admitted_since_checkpoint=next_id - checkpoint_next_group_id)
+                      admitted_since_checkpoint=next_id - checkpoint_next_group_id,
+                      filtered=len(filtered), segments=segments)
 
 
 def scheduler_for(config: SchedulerConfig, p: ResumePlan, kept_versions: dict) -> Scheduler:
@@ -239,6 +252,7 @@ def scheduler_for(config: SchedulerConfig, p: ResumePlan, kept_versions: dict) -
     sched = Scheduler(config)
     sched.published = sched.next_step = p.step
     sched.next_group_id = p.next_group_id
+    sched.filtered = p.filtered  # the run's count, not this process's
     sched.slices = [SliceState(i, p.step) for i in range(config.num_slices)]
     G = config.group_size
     for gid in p.kept:

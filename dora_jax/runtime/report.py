@@ -5,6 +5,19 @@ Throughput, the trainer-wait fraction (split by cause, `WaitClock`), the step ti
 and the rollout-only share are reported over the steady-state window — from the end of
 step 0 to the end of the last step — because the wait before step 0 is the pipeline
 filling; whole-run figures are given too.
+
+A resumed run (runtime/recovery.py) is one run in several segments, one per process.
+Its summary's totals cover the whole run, from step 0: `steps`, `wall_seconds`
+(summed over `segments`: each one's `from_step`, the `steps` it trained that stand
+and its `wall_seconds`, an earlier segment's to its last ledger line, lost work
+included), `trained_tokens`, `groups_consumed`, `groups_filtered`, the rewards, the
+staleness histogram, migrations, weight transfer time, slice failures, episodes and
+evaluations; the earlier segments' come from metrics.jsonl and the ledger. The
+steady-state rates (`tokens_per_second`, `step_seconds`, `trainer_wait_fraction` and
+`trainer_wait_split`, `train_step_seconds`, `rollout_only_share`) and what the
+slices and timeline of one process measure (`mean_slot_utilisation`,
+`load_overlap_fraction`, `prefills_per_group`, `max_resident_versions`) are the last
+segment's: each process has its own clock and slices.
 """
 
 from __future__ import annotations
@@ -68,7 +81,10 @@ def rollout_only_share(spans, start: float, end: float) -> float | None:
     the trainer was not training (the paper's "rollout-only" time); None if empty."""
     if end <= start:
         return None
-    clip = lambda iv: [(max(a, start), min(b, end)) for a, b in iv if b > start and a < end]
+
+    def clip(iv):
+        return [(max(a, start), min(b, end)) for a, b in iv if b > start and a < end]
+
     decode = _union(clip((s.start, s.end) for s in spans if s.kind == "decode"))
     train = _union(clip((s.start, s.end) for s in spans if s.kind == "train"))
     overlap, j = 0.0, 0
@@ -149,6 +165,12 @@ class _RecordWriter:
                 raise self._error
 
 
+def _step_record(r: dict) -> bool:
+    return (all(isinstance(r.get(k), (int, float)) for k in ("step", "time", "reward_mean",
+                                                             "trained_tokens", "trainer_wait"))
+            and isinstance(r.get("staleness", {}), dict))
+
+
 class StepReporter:
     """Turns each finished step into a metrics record and keeps run totals; the
     records are written on a thread of their own."""
@@ -173,6 +195,21 @@ class StepReporter:
         self._last = {"migrations": 0, "transfer": 0.0, "busy": {}, "total": {},
                       "prefill_tokens": {}, "reprefill_tokens": {}}
         self.staleness = Counter()
+        self._from_step = 0
+        self._earlier: list[dict] = []  # the earlier segments' step records
+        self._segments: list[dict] = []  # the earlier segments (`ledger.segments`)
+
+    def resume_from(self, step: int, records: list[dict], segments) -> None:
+        """Makes the summary cover the whole run resumed at `step`: `records` are
+        metrics.jsonl's records of the steps before it (evaluations among them),
+        `segments` the earlier processes' (`ResumePlan.segments`)."""
+        self._from_step = step
+        # Only what reads as this reporter's own records: the file was handed over.
+        self._earlier = [r for r in records if "eval" not in r and _step_record(r)]
+        self.evals = [r for r in records if isinstance(r.get("eval"), dict)] + self.evals
+        self._segments = [dict(x) for x in segments]
+        for r in self._earlier:
+            self.staleness.update({int(k): v for k, v in r.get("staleness", {}).items()})
 
     def _utilisation_since_last(self, slices) -> dict:
         out = {}
@@ -248,32 +285,42 @@ class StepReporter:
         """Run totals; see the module docstring for the steady-state window. With the
         run's timeline, also the fraction of weight loads that overlapped another
         slice's decoding (loads that did not stall the rest of the rollout)."""
-        r = self.records
-        if not r:
+        r, every, earlier = self.records, self._earlier + self.records, self._earlier
+        if not every:
             return {"steps": 0}
         busy = sum(sl.stats.busy_slot_steps for sl in slices)
         total = sum(sl.stats.total_slot_steps for sl in slices)
+        segments = [*self._segments, {"from_step": self._from_step, "steps": len(r),
+                                      "wall_seconds": round(r[-1]["time"] if r else 0.0, 3)}]
+        wall = sum(x["wall_seconds"] for x in segments)
         out = {
-            "steps": len(r),
-            "wall_seconds": round(r[-1]["time"], 3),
-            "trained_tokens": sum(x["trained_tokens"] for x in r),
-            "reward_first": round(r[0]["reward_mean"], 4),
-            "reward_last": round(r[-1]["reward_mean"], 4),
-            "reward_mean": round(sum(x["reward_mean"] for x in r) / len(r), 4),
+            "steps": every[-1]["step"] + 1,  # counted from step 0, every segment's
+            "wall_seconds": round(wall, 3),
+            "segments": segments,
+            "trained_tokens": sum(x["trained_tokens"] for x in every),
+            "groups_consumed": sum(self.staleness.values()),
+            "reward_first": round(every[0]["reward_mean"], 4),
+            "reward_last": round(every[-1]["reward_mean"], 4),
+            "reward_mean": round(sum(x["reward_mean"] for x in every) / len(every), 4),
             "mean_slot_utilisation": round(busy / total, 4) if total else 0.0,
-            "trainer_wait_fraction_all": round(sum(x["trainer_wait"] for x in r) / r[-1]["time"], 4),
-            "migrations": _migrations(slices),
-            "weight_transfer_seconds": round(_transfer_seconds(slices), 4),
+            "trainer_wait_fraction_all": round(sum(x["trainer_wait"] for x in every)
+                                               / wall, 4) if wall else 0.0,
+            "migrations": sum(x.get("migrations", 0) for x in earlier) + _migrations(slices),
+            "weight_transfer_seconds": round(sum(x.get("weight_transfer_seconds", 0.0)
+                                                 for x in earlier)
+                                             + _transfer_seconds(slices), 4),
+            "slice_failures": sum(x.get("slice_failures", 0) for x in earlier),
             "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
         }
-        if "publish_bytes" in r[-1]:
-            out["publish_bytes"] = r[-1]["publish_bytes"]
-        if "episodes" in r[0]:  # multi-turn: the first and last steps' windows
-            w = max(1, len(r) // 5)
-            out["episodes_first"] = _episode_window([x["episodes"] for x in r[:w]])
-            out["episodes_last"] = _episode_window([x["episodes"] for x in r[-w:]])
-            out["episodes"] = sum(x["episodes"]["episodes"] for x in r)
-            out["episodes_mixed_versions"] = sum(x["episodes"]["mixed_versions"] for x in r)
+        if "publish_bytes" in every[-1]:
+            out["publish_bytes"] = every[-1]["publish_bytes"]
+        if "episodes" in every[0]:  # multi-turn: the first and last steps' windows
+            w = max(1, len(every) // 5)
+            out["episodes_first"] = _episode_window([x["episodes"] for x in every[:w]])
+            out["episodes_last"] = _episode_window([x["episodes"] for x in every[-w:]])
+            out["episodes"] = sum(x["episodes"]["episodes"] for x in every)
+            out["episodes_mixed_versions"] = sum(x["episodes"]["mixed_versions"]
+                                                 for x in every)
         if timeline is not None:
             out["load_overlap_fraction"] = load_overlap_fraction(timeline.spans)
         if self.evals:  # held-out pass@1 and pass@k before and after (by version)

@@ -21,7 +21,8 @@ it has another `admit` with "readmit": true, and its latest admission is the one
 that counts (`standing`).
 `versions` is run-length encoded (`dora_jax.versions`). The runtime, the simulator
 (sim/cluster.py) and the tests' fake engine write the same format (their lines come
-from driver.py), so one auditor serves all three.
+from driver.py), so one auditor serves all three; `python -m dora_jax.audit WORKDIR`
+runs it on a workdir (dora_jax/audit.py), and `segments` splits a run at its resumes.
 A kill mid-write can only cut the last line short: `read` leaves such a line out and
 `LedgerWriter` removes it before appending (that event never happened). A bad line
 anywhere else is an error naming the file and line, never skipped.
@@ -132,6 +133,11 @@ def read(path: str) -> list[dict]:
     mid-write: it is left out (whether or not it parses), as `LedgerWriter` drops it.
     Any other line that is not a JSON event raises LedgerError naming the file and
     line; blank lines are skipped."""
+    return [event for _, event in read_numbered(path)]
+
+
+def read_numbered(path: str) -> list[tuple[int, dict]]:
+    """`read`, each event with its line number (for messages naming the line)."""
     # A resumed workdir may be handed over: a regular file (a FIFO would hang), and
     # each event line's nesting bounded.
     lines = untrusted_files.read_bytes(path, untrusted_files.LEDGER_CAP,
@@ -150,8 +156,38 @@ def read(path: str) -> list[dict]:
             raise LedgerError(f"{where}: not JSON ({e.msg})") from None
         if not isinstance(event, dict) or not isinstance(event.get("event"), str):
             raise LedgerError(f"{where}: not a ledger event (no \"event\" name)")
-        events.append(event)
+        events.append((number, event))
     return events
+
+
+# The fields the auditor reads, by event (`check_fields`).
+_INT_FIELDS = {"admit": ("group_id", "version"), "consume": ("group_id", "version", "step"),
+               "unconsumed": ("group_id",), "resume": ("step",)}
+_SAMPLE_FIELDS = (("sample", int), ("versions", list), ("response_len", int), ("finish", str))
+
+
+def check_fields(event: dict) -> str | None:
+    """What keeps `audit` from reading `event` (a field missing or of the wrong type),
+    None if nothing: a hand-edited or foreign line is named, not a KeyError."""
+    kind = event["event"]
+    for name in _INT_FIELDS.get(kind, ()):
+        if not isinstance(event.get(name), int):
+            return f"{kind} without an integer {name!r}"
+    if kind == "filter" and "group_id" not in event and "prompt_id" not in event:
+        return "filter without a 'group_id' or 'prompt_id'"
+    if kind != "consume":
+        return None
+    samples = event.get("samples")
+    if not isinstance(samples, list) or not all(isinstance(x, dict) for x in samples):
+        return "consume without a list of 'samples'"
+    for x in samples:
+        for name, kind_of in _SAMPLE_FIELDS:
+            if not isinstance(x.get(name), kind_of):
+                return f"consume sample without a {kind_of.__name__} {name!r}"
+        if not all(isinstance(p, list) and len(p) == 2 and all(isinstance(n, int) for n in p)
+                   for p in x["versions"]):
+            return "consume sample whose 'versions' are not [version, tokens] pairs"
+    return None
 
 
 def standing(events: Iterable[dict]) -> list[dict]:
@@ -168,6 +204,29 @@ def standing(events: Iterable[dict]) -> list[dict]:
     return out
 
 
+def segments(events: Iterable[dict]) -> list[dict]:
+    """The run's segments, one per process that wrote to the ledger (a `resume` line
+    starts each after the first): {"from_step", "steps", "wall_seconds"}. `steps`:
+    the train steps it consumed that stand (no later resume voided them);
+    `wall_seconds`: its latest event time (its own clock), lost work included."""
+    out = [{"from_step": 0, "wall_seconds": 0.0}]
+    consumed: list[tuple[int, int]] = []  # (segment, step) of each consume
+    for e in events:
+        if e["event"] == "resume":
+            consumed = [(i, s) for i, s in consumed if s < e["step"]]
+            out.append({"from_step": e["step"], "wall_seconds": 0.0})
+        elif e["event"] == "consume":
+            consumed.append((len(out) - 1, e["step"]))
+        t = e.get("time")
+        if isinstance(t, (int, float)):
+            out[-1]["wall_seconds"] = max(out[-1]["wall_seconds"], t)
+    steps = collections.defaultdict(set)
+    for i, s in consumed:
+        steps[i].add(s)
+    return [{"from_step": x["from_step"], "steps": len(steps[i]),
+             "wall_seconds": round(x["wall_seconds"], 3)} for i, x in enumerate(out)]
+
+
 @dataclasses.dataclass
 class AuditReport:
     steps: int
@@ -178,6 +237,11 @@ class AuditReport:
     c3: list
     batch_size: list
     staleness: dict  # staleness -> number of consumed groups
+    groups_filtered: int = 0
+    groups_unconsumed: int = 0  # in flight at the exit
+    max_staleness: int | None = None  # the bound C3 checked (None: none)
+    c1_checked: bool = True
+    train_batch_size: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -186,7 +250,33 @@ class AuditReport:
     def summary(self) -> str:
         return (f"{self.steps} steps, {self.groups_consumed}/{self.groups_admitted} groups "
                 f"consumed; violations C1={len(self.c1)} C2={len(self.c2)} C3={len(self.c3)} "
-                f"batch-size={len(self.batch_size)}; staleness {dict(sorted(self.staleness.items()))}")
+                f"batch-size={len(self.batch_size)}; "
+                f"staleness {dict(sorted(self.staleness.items()))}")
+
+    def text(self, examples: int = 3) -> str:
+        """The report a person reads: figures, each constraint's violations (the first
+        `examples` of each spelled out) and a last line counting them."""
+        bound = "unbounded" if self.max_staleness is None else f"<= {self.max_staleness}"
+        lines = [f"steps: {self.steps}",
+                 f"groups: {self.groups_admitted} admitted, {self.groups_consumed} consumed, "
+                 f"{self.groups_filtered} filtered, {self.groups_unconsumed} unconsumed at exit",
+                 "staleness (step - version: groups): " + (", ".join(
+                     f"{k}: {v}" for k, v in sorted(self.staleness.items())) or "none")]
+        c1 = ("one version per trajectory" if self.c1_checked else
+              "one version per group; per trajectory not checked, the mode breaks it")
+        checks = [("C1", c1, self.c1),
+                  ("C2", "nothing dropped", self.c2),
+                  ("C3", f"staleness {bound}", self.c3),
+                  ("batch size", f"{self.train_batch_size} groups per step", self.batch_size)]
+        for name, what, found in checks:
+            lines.append(f"{name} ({what}): {len(found)} violation(s)")
+            lines += [f"  {v}" for v in found[:examples]]
+            if len(found) > examples:
+                lines.append(f"  ... and {len(found) - examples} more")
+        n = [len(found) for _, _, found in checks]
+        lines.append(f"violations: {sum(n)} (C1 {n[0]}, C2 {n[1]}, C3 {n[2]}, "
+                     f"batch size {n[3]})")
+        return "\n".join(lines)
 
 
 def audit(events: Iterable[dict], *, train_batch_size: int, group_size: int,
@@ -205,6 +295,7 @@ def audit(events: Iterable[dict], *, train_batch_size: int, group_size: int,
     per_step = collections.Counter()
     staleness = collections.Counter()
     accounted = set()
+    left = {"filter": set(), "unconsumed": set()}
     for e in events:
         kind, gid = e["event"], e.get("group_id")
         if kind == "admit":
@@ -254,6 +345,7 @@ def audit(events: Iterable[dict], *, train_batch_size: int, group_size: int,
             if gid in accounted:
                 c2.append(f"group {gid} {kind} twice")
             accounted.add(gid)
+            left[kind].add(gid)
     for gid, n in consumed.items():
         if n > 1:
             c2.append(f"group {gid} consumed {n} times")
@@ -267,7 +359,10 @@ def audit(events: Iterable[dict], *, train_batch_size: int, group_size: int,
             bad_batch.append(f"step {step} consumed {n} groups, not {train_batch_size}")
     return AuditReport(steps=len(per_step), groups_admitted=len(admitted),
                        groups_consumed=len(consumed), c1=c1, c2=c2, c3=c3,
-                       batch_size=bad_batch, staleness=dict(staleness))
+                       batch_size=bad_batch, staleness=dict(staleness),
+                       groups_filtered=len(left["filter"]),
+                       groups_unconsumed=len(left["unconsumed"]), max_staleness=max_staleness,
+                       c1_checked=check_c1, train_batch_size=train_batch_size)
 
 
 def audit_run(events: Iterable[dict], config: SchedulerConfig,
