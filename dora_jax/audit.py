@@ -84,4 +84,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from absl import app
+
+    app.run(lambda argv: main(argv[1:]))
