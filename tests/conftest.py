@@ -68,7 +68,7 @@ def small_config(load_config):
     """`small_config(mode, **coordinator)`: configs/tiny.py shrunk so that a run
     compiles and trains in seconds (1 layer, 4 slices x 4 slots, 8-token responses);
     `validate=False` gives the ConfigDict; `colocated=True` spreads the trainer and
-    the slices over the same 8 devices (config_model.colocate)."""
+    the slices over the same 8 devices (config.model.colocate)."""
     def make(mode: str, *, rollout=None, validate=True, colocated=False, **coordinator):
         c = load_config("configs/tiny.py", validate=False)
         if colocated:

@@ -13,7 +13,7 @@ import pytest
 from conftest import audit_workdir
 
 from dora_jax import experiment
-from dora_jax.config_report import EvalConfig
+from dora_jax.config.report import EvalConfig
 from dora_jax.data import prompts, sources
 from dora_jax.model import hf_checks
 from dora_jax.runtime.evaluation import Evaluation, pass_at_k, summarise

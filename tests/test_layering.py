@@ -1,7 +1,8 @@
 """The layering the package promises: the scheduling core and the config load without
 JAX (the scheduler's tests, its fake driver and the simulator need no accelerator
-stack); each layer imports only the layers below it (the directions below); the mode
-registry matches the config's list of modes."""
+stack); each layer imports only the layers below it (the directions below), the config
+package lowest of all, and no import cycle joins two packages; the mode registry
+matches the config's list of modes."""
 
 import ast
 import pathlib
@@ -28,12 +29,8 @@ def test_pure_modules_import_no_jax(module):
 
 
 def test_config_imports_only_its_own_modules_from_the_package():
-    code = ("import sys, dora_jax.config\n"
-            "print(sorted(m for m in sys.modules if m.startswith('dora_jax.')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout.strip()
-    assert out == ("['dora_jax.config', 'dora_jax.config_data', 'dora_jax.config_model', "
-                   "'dora_jax.config_report', 'dora_jax.schema']")
+    loaded = _loaded("import dora_jax.config")
+    assert [m for m in loaded if not m.startswith("dora_jax.config")] == ["dora_jax"], loaded
 
 
 def test_versions_encoding_is_ground_floor_and_decode_needs_no_scheduler():
@@ -55,6 +52,18 @@ def test_mode_registry_is_the_config_list():
     from dora_jax.scheduler import POLICIES
 
     assert tuple(POLICIES) == config.MODES
+
+
+def test_policies_have_the_capabilities_of_their_config_row():
+    """What validation allows a mode and what its policy does are one table's row."""
+    import dataclasses
+
+    from dora_jax import config
+    from dora_jax.scheduler import POLICIES
+
+    for mode, caps in config.CAPABILITIES.items():
+        row = dataclasses.asdict(caps)
+        assert {name: getattr(POLICIES[mode], name) for name in row} == row, mode
 
 
 def test_docs_layout_matches_the_package():
@@ -108,15 +117,12 @@ def test_rewards_import_no_runtime_rollout_or_scheduler():
 
 def test_config_is_the_ground_floor_even_when_validating():
     """Validating reads no file and reaches no wing: nothing of model/, rollout/,
-    runtime/ or data/'s file readers (the pretrained files are model/hf_checks.py's);
-    only the pure scheduler, whose policies say what each mode can do."""
+    runtime/ or data/'s file readers (the pretrained files are model/hf_checks.py's),
+    nor the scheduler (what each mode can do is config/modes.py's table)."""
     loaded = _loaded("from dora_jax import config\n"
                      f"config.validate(config.load({str(REPO / 'configs' / 'tiny.py')!r}))")
-    assert not [m for m in loaded if m.startswith(("dora_jax.model", "dora_jax.rollout",
-                                                   "dora_jax.runtime", "dora_jax.data"))], loaded
     assert not [m for m in loaded if m.startswith("dora_jax.")
-                and not m.startswith(("dora_jax.config", "dora_jax.schema",
-                                      "dora_jax.scheduler", "dora_jax.versions"))], loaded
+                and not m.startswith("dora_jax.config")], loaded
 
 
 def test_versions_imports_nothing_of_the_project():
@@ -126,3 +132,134 @@ def test_versions_imports_nothing_of_the_project():
 def test_sharding_imports_no_runtime():
     loaded = _loaded("import dora_jax.model.sharding")
     assert not [m for m in loaded if m.startswith("dora_jax.runtime")], loaded
+
+
+# Static import graph (ast): the layering promised above, without running any import.
+
+PACKAGE = REPO / "dora_jax"
+
+
+def _module(path: pathlib.Path, root: pathlib.Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_module(name: str, root: pathlib.Path) -> bool:
+    p = root.joinpath(*name.split("."))
+    return (p / "__init__.py").is_file() or p.with_suffix(".py").is_file()
+
+
+def _type_checking(node) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _import_nodes(tree: ast.Module, module_level: bool) -> list:
+    """The import statements run when the module is imported (`module_level`: not
+    those in function bodies or `if TYPE_CHECKING:`), or every one in the file."""
+    if not module_level:
+        return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    out, todo = [], list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.append(node)
+        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            todo += [c for c in ast.iter_child_nodes(node)
+                     if not (_type_checking(node) and c in node.body)]
+    return out
+
+
+def _imports(path: pathlib.Path, root: pathlib.Path, module_level: bool) -> set:
+    """The project modules `path` imports: `from a import b` names module a.b when b
+    is one, else a; relative imports resolved."""
+    name, out = _module(path, root), set()
+    for node in _import_nodes(ast.parse(path.read_text()), module_level):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+            continue
+        base = node.module or ""
+        if node.level:
+            here = name.split(".")[:len(name.split(".")) - node.level
+                                     + (path.name == "__init__.py")]
+            base = ".".join(here + ([base] if base else []))
+        out |= {f"{base}.{a.name}" if _is_module(f"{base}.{a.name}", root) else base
+                for a in node.names}
+    return {m for m in out if _is_module(m.split(".")[0], root)}
+
+
+def _import_graph(package: pathlib.Path, module_level: bool = True) -> dict:
+    """module -> the project modules it imports, less its own parent packages (always
+    imported first, so no cycle runs through them)."""
+    root = package.parent
+    graph = {}
+    for path in sorted(package.rglob("*.py")):
+        name = _module(path, root)
+        graph[name] = {m for m in _imports(path, root, module_level)
+                       if m != name and not name.startswith(m + ".")}
+    return graph
+
+
+def _package(module: str) -> str:
+    """The package a module belongs to: dora_jax.scheduler for dora_jax.scheduler.core,
+    a top-level module for itself."""
+    return ".".join(module.split(".")[:2])
+
+
+def _cycle_across_packages(graph: dict) -> list | None:
+    """An import cycle through modules of more than one package, as the list of
+    modules in import order (first repeated last), or None."""
+    state, stack = {}, []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == "open":
+                cycle = stack[stack.index(n):] + [n]
+                if len({_package(c) for c in cycle}) > 1:
+                    return cycle
+            elif n not in state:
+                found = visit(n)
+                if found:
+                    return found
+        stack.pop()
+        state[m] = "done"
+        return None
+
+    for m in sorted(graph):
+        found = m not in state and visit(m)
+        if found:
+            return found
+    return None
+
+
+def test_config_package_imports_nothing_above_it():
+    """Every import in dora_jax/config, in functions too: its own modules only, and
+    dora_jax.configs (the shipped configs' names, which imports nothing)."""
+    files = sorted((PACKAGE / "config").glob("*.py"))
+    assert files
+    above = {f"{f.name}: {m}" for f in files for m in _imports(f, REPO, module_level=False)
+             if m != "dora_jax" and not m.startswith(("dora_jax.config.", "dora_jax.configs"))
+             and m != "dora_jax.config"}
+    assert not above, sorted(above)
+    assert _imports(PACKAGE / "configs" / "__init__.py", REPO, module_level=False) == set()
+
+
+def test_no_import_cycle_joins_two_packages():
+    assert _cycle_across_packages(_import_graph(PACKAGE)) is None
+
+
+def test_the_cycle_check_reports_a_cycle(tmp_path):
+    files = {"p/__init__.py": "", "p/a/__init__.py": "", "p/b/__init__.py": "",
+             "p/a/low.py": "from p.b import high\n",
+             "p/b/high.py": "import p.a.low\n\ndef f():\n    from p.a import low\n",
+             "p/b/side.py": "from . import high\n"}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    graph = _import_graph(tmp_path / "p")
+    assert graph["p.b.side"] == {"p.b.high"}
+    assert _cycle_across_packages(graph) == ["p.a.low", "p.b.high", "p.a.low"]
+    (tmp_path / "p/b/high.py").write_text("def f():\n    import p.a.low\n")
+    assert _cycle_across_packages(_import_graph(tmp_path / "p")) is None
+    assert "p.a.low" in _import_graph(tmp_path / "p", module_level=False)["p.b.high"]

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from conftest import reference
 
-from dora_jax.config_model import LoRAConfig
+from dora_jax.config.model import LoRAConfig
 from dora_jax.model import hf, lora, peft_format, safetensors_file
 from dora_jax.model import transformer as tf
 

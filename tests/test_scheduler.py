@@ -1,5 +1,6 @@
 """Deterministic example tests of the scheduling core (dora_jax.scheduler)."""
 
+import dataclasses
 
 import pytest
 from _fake_run import FakeRun, lengths_from_seed
@@ -36,6 +37,18 @@ def long_tail(g, k):
 def test_config_validation_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         config(**{field: value})
+
+
+def test_the_view_of_a_run_config_is_checked_as_a_config_built_directly(load_config):
+    cfg = load_config("configs/tiny.py")
+    view = SchedulerConfig.from_config(cfg, max_groups=3)
+    assert view == SchedulerConfig(**dataclasses.asdict(view))
+    with pytest.raises(ValueError, match="max_groups must be >= 0 or None, got -1"):
+        SchedulerConfig.from_config(cfg, max_groups=-1)
+    # Values that never passed the run config's validation fail by the same rules.
+    object.__setattr__(cfg.coordinator, "rollout_batch_size", cfg.coordinator.train_batch_size - 1)
+    with pytest.raises(ValueError, match="config.coordinator.rollout_batch_size: must be >="):
+        SchedulerConfig.from_config(cfg)
 
 
 def test_sync_api_walkthrough():

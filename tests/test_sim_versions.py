@@ -51,7 +51,7 @@ def test_versions_that_do_not_fit_are_refused_naming_the_field():
 
 def test_lora_shape_arithmetic_matches_the_models_adapters():
     lora = pytest.importorskip("dora_jax.model.lora")
-    from dora_jax.config_model import LoRAConfig, ModelConfig
+    from dora_jax.config.model import LoRAConfig, ModelConfig
 
     cfg = ModelConfig(vocab_size=32, d_model=16, num_layers=2, num_heads=2, num_kv_heads=1,
                       head_dim=8, mlp_hidden=24, lora=LoRAConfig(rank=4, alpha=8.0))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from test_lora import randomise_b
 
-from dora_jax.config_model import LoRAConfig
+from dora_jax.config.model import LoRAConfig
 from dora_jax.model import lora, transformer
 from dora_jax.rollout import DecodeSlice, Engine, Request, RolloutError, VersionMismatchError
 

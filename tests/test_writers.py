@@ -10,10 +10,10 @@ import types
 import pytest
 
 from dora_jax import config as config_lib
-from dora_jax.config_report import LoggingConfig
+from dora_jax.config.report import LoggingConfig
+from dora_jax.config.schema import ConfigError
 from dora_jax.runtime import writers
 from dora_jax.runtime.report import StepReporter
-from dora_jax.schema import ConfigError
 
 
 class FakeRun:

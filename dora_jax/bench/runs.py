@@ -8,7 +8,7 @@ import json
 import os
 import shutil
 
-# A run spec that is no mode: sync on the colocated layout (config_model.colocate),
+# A run spec that is no mode: sync on the colocated layout (config.model.colocate),
 # the trainer and the slices taking turns on all the devices the config's
 # disaggregated layout uses, so it is compared on the same device count.
 COLOCATED = "colocated_sync"
@@ -35,7 +35,7 @@ def run_config(base, spec: str, *, steps: int, seed: int | None = None,
     """The ConfigDict of one measured run: `base` with the spec's mode (and layout, for
     COLOCATED), staleness bound and versions per slice ('_v<V>'; else K + 1 for dora
     on a base holding several, 1 for the other modes), and no periodic checkpoints."""
-    from dora_jax.config_model import colocate
+    from dora_jax.config.model import colocate
 
     c = base.copy_and_resolve_references()
     mode, k = parse_spec(spec)

@@ -4,9 +4,10 @@ A task's own `score_answer` runs on the policy's answer, and several of them han
 text to Python: `eval` (binary_matrix, spiral_matrix, n_queens, string_insertion) or
 sympy's `parse_expr`, which is `eval` behind a tokenizer (countdown, puzzle24, the
 integration tasks, polynomial_multiplication). A policy trained on such a reward
-learns to run code next to the job. So tasks are allowed by name: each one below was
-read and probed (a code payload in many shapes through its `score_answer`, with an
-audit hook watching every `compile` and process start) for the version in
+learns to run code next to the job. So tasks are allowed by name (the table is
+config/vetted_tasks.py, below the data layer): each one there was read and probed (a
+code payload in many shapes through its `score_answer`, with an audit hook watching
+every `compile` and process start) for the version in
 `VETTED_VERSION`; countdown and puzzle24 are scored by our own arithmetic parser
 instead (`verifiers.safe_arithmetic`); the rest are refused, with their reason, when
 the config is validated. Two more are refused for what their scoring does with any
@@ -14,7 +15,8 @@ text: game_of_life_halting gives every non-empty answer full credit, and
 list_functions cannot re-create its entries from their seed, which scoring relies on.
 Several allowed tasks give small format credit to a wrong answer (0.01-0.25: e.g.
 propositional_logic, spell_backward, palindrome_generation); that is their reward
-design, recorded here so that it is not mistaken for a hole. Tasks added by a later release stay refused until vetted.
+design, recorded here so that it is not mistaken for a hole. Tasks added by a later
+release stay refused until vetted.
 """
 
 from __future__ import annotations
@@ -26,58 +28,13 @@ import threading
 from fractions import Fraction
 from typing import Any
 
-VETTED_VERSION = "0.1.25"
-
-_EVAL = "its score_answer calls eval() on the response"
-_SYMPY = "its score_answer parses the response with sympy's parse_expr, which runs eval()"
-REFUSED: dict[str, str] = {
-    "binary_matrix": _EVAL,
-    "spiral_matrix": _EVAL,
-    "n_queens": _EVAL,
-    "string_insertion": _EVAL,
-    "intermediate_integration": _SYMPY,
-    "simple_integration": _SYMPY,
-    "polynomial_multiplication": _SYMPY,
-    "composite": "it mixes tasks, some of which evaluate the response; name one task",
-    "game_of_life_halting": "its score_answer compares bool(answer) with bool(reference), so "
-                            "every non-empty answer to a 'True' or 'False' question scores 1",
-    "list_functions": "its questions are not reproducible from the seed, so scoring cannot "
-                      "re-derive the entry a response answers",
-}
-
-# Scored by `arithmetic_score` (the response's expression, parsed by our own
-# arithmetic-only parser) instead of the dataset's parse_expr-based score_answer.
-OWN_PARSER = frozenset({"countdown", "puzzle24"})
-
-ALLOWED = OWN_PARSER | frozenset("""
-ab acre advanced_geometry aiw arc_1d arc_agi base_conversion basic_arithmetic bf
-binary_alternation bitwise_arithmetic boxnet caesar_cipher calendar_arithmetic chain_sum
-circuit_logic codeio coin_flip color_cube_rotation complex_arithmetic count_bits
-count_primes course_schedule cryptarithm decimal_arithmetic decimal_chain_sum dice
-emoji_mystery family_relationships figlet_font fraction_simplification futoshiki
-game_of_life gcd graph_color group_anagrams gsm_symbolic
-isomorphic_strings jugs kakurasu knight_swap knights_knaves largest_island lcm
-leg_counting letter_counting letter_jumble mahjong_puzzle
-manipulate_matrix maze mini_sudoku modulo_grid needle_haystack number_filtering
-number_format number_sequence number_sorting palindrome_generation
-palindrome_partitioning path_star polynomial_equations pool_matrix power_function
-prime_factorization products propositional_logic quantum_lock ransom_note rearc
-rectangle_count rotate_matrix rotten_oranges rubiks_cube rush_hour self_reference
-sentence_reordering shortest_path simple_equations simple_geometry sokoban
-spell_backward string_manipulation string_splitting string_synthesis sudoku survo
-syllogism time_intervals tower_of_hanoi tsumego word_ladder word_sequence_reversal
-word_sorting zebra_puzzles
-""".split())
-
-
-def refusal(task: str) -> str | None:
-    """Why `task` may not score model text, or None if it may."""
-    if task in ALLOWED:
-        return None
-    if task in REFUSED:
-        return f"reasoning_gym task {task!r} is refused: {REFUSED[task]}"
-    return (f"reasoning_gym task {task!r} is not one vetted for scoring untrusted text "
-            f"(reasoning-gym {VETTED_VERSION}; see dora_jax/data/reasoning_gym_tasks.py)")
+from dora_jax.config.vetted_tasks import (  # noqa: F401 - the vetting table, read by name
+    ALLOWED,
+    OWN_PARSER,
+    REFUSED,
+    VETTED_VERSION,
+    refusal,
+)
 
 
 def check_task(task: str) -> None:

@@ -20,8 +20,8 @@ from typing import Any
 import ml_collections
 
 from dora_jax.config import Config, ModelConfig, RolloutConfig, validate
+from dora_jax.config.schema import fail, schema
 from dora_jax.model import hf_config
-from dora_jax.schema import fail, schema
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +93,7 @@ def _check_adapter(lora_section) -> None:
     directory = lora_section.get("checkpoint") or ""
     if not directory:
         return
-    from dora_jax.config_model import LoRAConfig
+    from dora_jax.config.model import LoRAConfig
     from dora_jax.model import peft_format  # no JAX until its tensors are read
 
     given = lora_section.to_dict() if hasattr(lora_section, "to_dict") else dict(lora_section)

@@ -191,7 +191,7 @@ def base_config(model_cfg):
     """`model_cfg` without adapters: the base model's architecture."""
     import dataclasses
 
-    from dora_jax.config_model import LoRAConfig
+    from dora_jax.config.model import LoRAConfig
 
     return dataclasses.replace(model_cfg, lora=LoRAConfig())
 

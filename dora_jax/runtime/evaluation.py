@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from dora_jax.config_report import EvalConfig
+from dora_jax.config.report import EvalConfig
 from dora_jax.rewards import pool as pool_lib
 from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.rollout.trajectory import Request

@@ -3,7 +3,7 @@
 `FaultPlan` makes a decode slice raise at a chosen point of its loop (the runtime
 restarts it: runtime/loop.py); `KillPlan` kills the whole process with SIGKILL at a
 chosen point of the run (the same command then resumes it: runtime/recovery.py).
-Both come from `coordinator.fail_*` / `coordinator.kill_*` (config.py).
+Both come from `coordinator.fail_*` / `coordinator.kill_*` (config/sections.py).
 """
 
 from __future__ import annotations

@@ -22,9 +22,9 @@ import json
 import os
 from typing import Protocol
 
-from dora_jax.config_report import LoggingConfig
+from dora_jax.config.report import LoggingConfig
+from dora_jax.config.schema import ConfigError
 from dora_jax.runtime.tensorboard import flatten
-from dora_jax.schema import ConfigError
 
 
 class MetricWriter(Protocol):

@@ -7,7 +7,7 @@ The JAX runtime (`dora_jax.runtime`), the simulator (`dora_jax.sim`) and the tes
 fake engine drive the same `Scheduler`.
 """
 
-from dora_jax.config import MODES
+from dora_jax.config.modes import MODES
 
 from .core import Scheduler
 from .invariants import InvariantError

@@ -149,7 +149,6 @@ class DoraPolicy(Policy):
     """Multi-version streaming rollout with bounded staleness and slice rebalancing."""
 
     name = "dora"
-    multi_version = True
 
     def plan(self, sched: Scheduler) -> list:
         if sched.multi:  # several versions per slice: dora_multi.py

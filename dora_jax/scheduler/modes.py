@@ -1,17 +1,18 @@
 """The registry of scheduling modes: each mode name in `dora_jax.config.MODES`
 maps to its policy class here, and nowhere else. A new mode is a `Policy`
-subclass (policies.py) registered below, plus its name in `config.MODES`."""
+subclass (policies.py) registered below, plus its row of capabilities in
+dora_jax/config/modes.py."""
 
 from __future__ import annotations
 
-from dora_jax.config import MODES
+from dora_jax.config.modes import MODES
 
 from .dora import DoraPolicy
 from .partial import PartialRolloutPolicy, RoundPartialRolloutPolicy
 from .policies import OneStepOffPolicy, Policy, SyncPolicy
 
-# Capabilities are class attributes (Policy): read them here, with no instance, e.g.
-# `POLICIES[mode].keeps_c1`.
+# Capabilities are class attributes (Policy, from config.modes.CAPABILITIES): read
+# them here, with no instance, e.g. `POLICIES[mode].keeps_c1`.
 POLICIES: dict[str, type[Policy]] = {
     p.name: p for p in (SyncPolicy, OneStepOffPolicy, PartialRolloutPolicy,
                         RoundPartialRolloutPolicy, DoraPolicy)}

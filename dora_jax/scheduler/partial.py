@@ -73,7 +73,6 @@ class PartialRolloutPolicy(Policy):
     """Interrupt-and-reload rollout at the newest version, staleness bounded by K."""
 
     name = "partial_rollout"
-    keeps_c1 = False
 
     def plan(self, sched):
         acts = form_guarded_batch(sched)
@@ -95,7 +94,6 @@ class RoundPartialRolloutPolicy(Policy):
     to load the version in training; staleness bounded by K."""
 
     name = "partial_rollout_rounds"
-    keeps_c1 = False
 
     def plan(self, sched):
         acts = form_guarded_batch(sched)

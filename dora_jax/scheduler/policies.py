@@ -10,9 +10,12 @@ groups frees admission room), slice versions, admission, request assignment.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+from dora_jax.config.modes import CAPABILITIES
 
 from .types import SchedulerConfig, SliceState
 
@@ -24,27 +27,25 @@ class Policy:
     """Base class: one decision pass plus the mode's own invariants.
 
     A policy also says which constraints it keeps and what it can do, as class
-    attributes, so the core, the auditor, the config's validation and the runtime need
-    no mode-specific branch: `keeps_c1` (every trajectory from one version; a policy
-    that does not keep it may issue InterruptReload), `staleness_bound`,
-    `replaces_filtered_groups` (a group filtered after scoring is replaced by a new
-    one: `config.score_groups` works), `resumable` (a crashed run continues from its
-    checkpoint: runtime/recovery.py) and `allows_colocation` (rollout and training
-    take turns, so they may share the devices: `mesh.colocated`) and
-    `multi_version` (with config.versions_per_slice V > 1 its slices hold up to V
-    versions at once: residency.py; the other modes hold one per slice by their
-    definition, whatever V).
+    attributes: its mode's row of the config's table (dora_jax/config/modes.py,
+    `Capabilities`: `keeps_c1`, `bound`, `replaces_filtered_groups`, `resumable`,
+    `allows_colocation`, `multi_version`), set on each subclass by its `name`, so the
+    validation of a config and the scheduling of it read the same values.
     """
 
     name = ""
-    keeps_c1 = True
-    replaces_filtered_groups = True
-    resumable = True
-    allows_colocation = False
-    multi_version = False
-    # The staleness the mode guarantees: "K" (config.max_staleness), a fixed number,
-    # or None (not bounded by the mode).
-    bound: int | str | None = "K"
+    keeps_c1: bool
+    replaces_filtered_groups: bool
+    resumable: bool
+    allows_colocation: bool
+    multi_version: bool
+    bound: int | str | None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        caps = CAPABILITIES[cls.name]
+        for f in dataclasses.fields(caps):
+            setattr(cls, f.name, getattr(caps, f.name))
 
     def staleness_bound(self, config: SchedulerConfig) -> int | None:
         """The largest step - version this mode guarantees (None: not bounded)."""
@@ -139,11 +140,6 @@ class SyncPolicy(Policy):
     filtered out (config.score_groups) is replaced by a new one at t."""
 
     name = "sync"
-    bound = 0
-    # The slices decode only while the trainer waits for the batch: on one set of
-    # devices (verl's default deployment) the two take turns, and the new weights are
-    # resharded in place for the slices.
-    allows_colocation = True
 
     def plan(self, sched):
         tbs = sched.config.train_batch_size
@@ -171,11 +167,6 @@ class OneStepOffPolicy(Policy):
     b-2 has published version b-1; only then do the (empty) slices switch version."""
 
     name = "one_step_off"
-    bound = 1
-    # Its batches are fixed runs of group ids with fixed versions: a filtered group
-    # cannot be replaced, and a crash cannot be resumed by re-admitting groups.
-    replaces_filtered_groups = False
-    resumable = False
 
     def plan(self, sched):
         tbs, t = sched.config.train_batch_size, sched.next_step

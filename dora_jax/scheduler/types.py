@@ -6,12 +6,22 @@ state records and the policies (policies.py, dora.py) read them.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Union
 
-from dora_jax.config import Config, ConfigError, check_schedule
+from dora_jax.config import (
+    Config,
+    ConfigError,
+    CoordinatorConfig,
+    MeshConfig,
+    RolloutConfig,
+    check_declared,
+    check_group_fits,
+    check_not_retired,
+    check_rollout_batch,
+    check_versions,
+)
 
 # Sample status values. Strings rather than an Enum so a snapshot is plain JSON.
 PENDING = "pending"
@@ -63,14 +73,18 @@ class SchedulerConfig:
     versions_per_slice: int = 1
 
     def __post_init__(self):
-        """Checks a config built directly (tests, the simulator) by the run config's
-        own rules (config.check_schedule); `from_config` skips this."""
-        check_schedule(mode=self.mode, num_slices=self.num_slices,
-                       slots_per_slice=self.slots_per_slice, group_size=self.group_size,
-                       train_batch_size=self.train_batch_size,
-                       rollout_batch_size=self.rollout_batch_size,
-                       max_staleness=self.max_staleness,
-                       versions_per_slice=self.versions_per_slice)
+        """Checks the shape by the run config's rules on it (dora_jax.config), naming
+        the run config's fields; a config built directly (tests, the simulator) and one
+        read from a run config (`from_config`) alike."""
+        check_not_retired(self.mode)
+        for name in ("mode", "group_size", "train_batch_size", "rollout_batch_size",
+                     "max_staleness"):
+            check_declared(CoordinatorConfig, name, getattr(self, name))
+        check_rollout_batch(self.rollout_batch_size, self.train_batch_size)
+        check_declared(MeshConfig, "num_slices", self.num_slices)
+        check_declared(RolloutConfig, "slots_per_slice", self.slots_per_slice)
+        check_group_fits(self.group_size, self.num_slices, self.slots_per_slice)
+        check_versions(self.versions_per_slice, self.max_staleness)
         if self.max_groups is not None and self.max_groups < 0:
             raise ConfigError(f"max_groups must be >= 0 or None, got {self.max_groups}")
         if self.admit_tokens < 0:
@@ -78,25 +92,17 @@ class SchedulerConfig:
 
     @classmethod
     def from_config(cls, cfg: Config, max_groups: int | None = None) -> SchedulerConfig:
-        """The scheduler's view of a validated run config: its values are read, not
-        checked again (`validate` ran every rule on them), so the dataclass is
-        filled without `__post_init__`."""
+        """The scheduler's view of a validated run config, checked as any other."""
         c, r = cfg.coordinator, cfg.rollout
-        if max_groups is not None and max_groups < 0:
-            raise ConfigError(f"max_groups must be >= 0 or None, got {max_groups}")
         paged = r.kv_cache == "paged"
-        values = dict(mode=c.mode, num_slices=cfg.mesh.num_slices,
-                      slots_per_slice=r.slots_per_slice, group_size=c.group_size,
-                      train_batch_size=c.train_batch_size,
-                      rollout_batch_size=c.rollout_batch_size, max_staleness=c.max_staleness,
-                      max_groups=max_groups,
-                      admit_tokens=r.max_prefill_length + r.decode_steps if paged else 0,
-                      score_groups=cfg.trainer.filter_zero_variance,
-                      versions_per_slice=r.versions_per_slice)
-        self = object.__new__(cls)
-        for f in dataclasses.fields(cls):
-            object.__setattr__(self, f.name, values[f.name])
-        return self
+        return cls(mode=c.mode, num_slices=cfg.mesh.num_slices,
+                   slots_per_slice=r.slots_per_slice, group_size=c.group_size,
+                   train_batch_size=c.train_batch_size,
+                   rollout_batch_size=c.rollout_batch_size, max_staleness=c.max_staleness,
+                   max_groups=max_groups,
+                   admit_tokens=r.max_prefill_length + r.decode_steps if paged else 0,
+                   score_groups=cfg.trainer.filter_zero_variance,
+                   versions_per_slice=r.versions_per_slice)
 
     @property
     def total_slots(self) -> int:

@@ -3,7 +3,7 @@ constraint (`field(default, min=..., choices=...)`), `Section.__post_init__` che
 them, `Section.from_dict` builds a section tree from plain values (unknown fields
 rejected by name), `schema` turns a section class back into a ConfigDict of its
 fields. Errors are `ConfigError`s that name the field. No JAX, nothing else from
-dora_jax (config.py builds the run's sections on it)."""
+dora_jax (the config package builds the run's sections on it)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The data section of the run config: where prompts come from and how they are
-scored (re-exported by config.py; no JAX, reads no file)."""
+scored (re-exported by `dora_jax.config`; no JAX, reads no file)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import ClassVar
 
-from dora_jax.schema import Section, fail, field
+from .schema import Section, fail, field
+from .vetted_tasks import refusal
 
 DATA_SOURCES = ("residue", "countdown", "jsonl", "gsm8k", "math", "reasoning_gym", "tfds",
                 "env")
@@ -86,8 +87,6 @@ class DataConfig(Section):
             if self.source in sources and not getattr(self, name):
                 fail(self._f(name), f"data.source={self.source!r} needs data.{name}")
         if self.source == "reasoning_gym":
-            from dora_jax.data.reasoning_gym_tasks import refusal  # a name table, no import
-
             if refusal(self.task):
                 fail(self._f("task"), refusal(self.task))
         if (self.source == "env") != bool(self.env):

@@ -1,13 +1,13 @@
 """The sections of the run config that say what a run reports beyond training:
 where its metric records go (`logging`) and the evaluation it runs while it trains
-(`eval`). Re-exported by config.py; no JAX, reads no file."""
+(`eval`). Re-exported by `dora_jax.config`; no JAX, reads no file."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import ClassVar
 
-from dora_jax.schema import Section, fail, field
+from .schema import Section, fail, field
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The model and device-layout sections of the config: what is trained (ModelConfig,
 MoEConfig) and on which devices (MeshConfig, the logical-axis rules). Validated like
-every section (schema.py); no JAX. `config.py` re-exports everything here."""
+every section (schema.py); no JAX. `dora_jax.config` re-exports everything here."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 from collections.abc import Mapping
 from typing import ClassVar
 
-from dora_jax.schema import Section, check, fail, field
+from .schema import Section, check, fail, field
 
 MOE_DISPATCH = ("dropless", "capacity")
 DTYPES = ("float32", "bfloat16")
@@ -240,7 +240,8 @@ class MeshConfig(Section):
                 check(f"mesh.{name}.{axis}", shape[axis], min=1)
             object.__setattr__(self, name, {a: shape[a] for a in axes})
         for name, axes in (("trainer_rules", TRAINER_MESH_AXES), ("decode_rules", SLICE_MESH_AXES)):
-            object.__setattr__(self, name, _normalise_rules(self._f(name), getattr(self, name), axes))
+            rules = _normalise_rules(self._f(name), getattr(self, name), axes)
+            object.__setattr__(self, name, rules)
         if self.colocated and self.num_slices * self.slice_devices != self.trainer_devices:
             fail(self._f("num_slices"), f"colocated: {self.num_slices} slices x "
                   f"{self.slice_devices} devices must cover the trainer's {self.trainer_devices}")
