@@ -119,8 +119,9 @@ class RolloutConfig(Section):
     def __post_init__(self):
         super().__post_init__()
         if self.prefill_buckets[-1] < self.max_prefill_length:
-            fail(self._f("prefill_buckets"), f"largest bucket {self.prefill_buckets[-1]} < "
-                                              f"rollout.max_prefill_length {self.max_prefill_length}")
+            fail(self._f("prefill_buckets"),
+                 f"largest bucket {self.prefill_buckets[-1]} < "
+                 f"rollout.max_prefill_length {self.max_prefill_length}")
         if self.kv_pages and self.kv_pages < self.pages_per_slot:
             fail(self._f("kv_pages"), f"{self.kv_pages} pages cannot hold one request of "
                                       f"cache_length {self.cache_length} ({self.pages_per_slot} "
@@ -490,6 +491,7 @@ def load(spec: str) -> ml_collections.ConfigDict:
 
     path, _, variant = configs.resolve(spec).partition(":")
     module_spec = importlib.util.spec_from_file_location("_dora_config", path)
+    assert module_spec is not None and module_spec.loader is not None  # a .py path
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     return module.get_config(variant or None)

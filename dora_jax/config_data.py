@@ -88,8 +88,9 @@ class DataConfig(Section):
         if self.source == "reasoning_gym":
             from dora_jax.data.reasoning_gym_tasks import refusal  # a name table, no import
 
-            if refusal(self.task):
-                fail(self._f("task"), refusal(self.task))
+            reason = refusal(self.task)
+            if reason:
+                fail(self._f("task"), reason)
         if (self.source == "env") != bool(self.env):
             fail(self._f("env"), "data.source='env' and data.env (an environment's name) "
                  "go together" if self.env else "data.source='env' needs data.env, an "

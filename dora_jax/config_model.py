@@ -240,7 +240,8 @@ class MeshConfig(Section):
                 check(f"mesh.{name}.{axis}", shape[axis], min=1)
             object.__setattr__(self, name, {a: shape[a] for a in axes})
         for name, axes in (("trainer_rules", TRAINER_MESH_AXES), ("decode_rules", SLICE_MESH_AXES)):
-            object.__setattr__(self, name, _normalise_rules(self._f(name), getattr(self, name), axes))
+            object.__setattr__(self, name,
+                               _normalise_rules(self._f(name), getattr(self, name), axes))
         if self.colocated and self.num_slices * self.slice_devices != self.trainer_devices:
             fail(self._f("num_slices"), f"colocated: {self.num_slices} slices x "
                   f"{self.slice_devices} devices must cover the trainer's {self.trainer_devices}")

@@ -5,8 +5,8 @@
 RL starts from a supervised model in practice. This trains the config's policy (from
 model.checkpoint's weights when set) to maximise the log-likelihood of each prompt's
 demonstration (the correct response its task defines, e.g. the countdown; for text
-tasks the answer in the format the prompt asks for, then EOS) and writes the params as an Orbax checkpoint in
-`<workdir>/checkpoints/`, which an RL run starts from with
+tasks the answer in the format the prompt asks for, then EOS) and writes the params
+as an Orbax checkpoint in `<workdir>/checkpoints/`, which an RL run starts from with
 `--config.init_checkpoint=<workdir>/checkpoints`. Loss values go to
 `<workdir>/sft_metrics.jsonl`. One device; the policies this is for are small. With
 LoRA (`model.lora.rank` > 0) only the adapters train, as in RL; the checkpoint holds

@@ -77,7 +77,10 @@ def test_held_out_split(load_config):
     cfg = hf_checks.validated(c, num_devices=8)
     records, _ = sources.prompt_records(cfg)
     train, held = sources.held_out_split(records, cfg)
-    ids = lambda rs: [r["prompt_id"] for r in rs]
+
+    def ids(rs):
+        return [r["prompt_id"] for r in rs]
+
     assert len(held) == 6 and len(train) == len(records) - 6
     assert not set(ids(train)) & set(ids(held))
     assert ids(train) == [i for i in ids(records) if i not in set(ids(held))]  # order kept

@@ -176,7 +176,8 @@ def test_colab_quickstart_runs_from_a_wheel_in_a_fresh_environment(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     where, names, source = out.stdout.split()
     assert where.startswith(str(tmp_path / "venv")), where
-    assert names == "longtail,moe,multiturn,quickstart,qwen3_gsm8k,tiny" and source == "reasoning_gym"
+    assert names == "longtail,moe,multiturn,quickstart,qwen3_gsm8k,tiny"
+    assert source == "reasoning_gym"
     out = subprocess.run([python, "-m", "dora_jax.main", "--config=moe",
                           f"--workdir={tmp_path / 'moe'}"], capture_output=True, text=True,
                          env=env, cwd=tmp_path, timeout=300)

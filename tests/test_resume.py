@@ -172,8 +172,9 @@ def _resumed_run(old: FakeRun, checkpoint, lengths, **kw) -> FakeRun:
 
 @settings(max_examples=120, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
-@given(st.sampled_from([m for m in MODES if POLICIES[m].resumable]), st.integers(1, 4), st.integers(1, 3), st.integers(1, 3),
-       st.integers(0, 2), st.integers(0, 2**16), st.integers(1, 3))
+@given(st.sampled_from([m for m in MODES if POLICIES[m].resumable]), st.integers(1, 4),
+       st.integers(1, 3), st.integers(1, 3), st.integers(0, 2), st.integers(0, 2**16),
+       st.integers(1, 3))
 def test_crashes_at_random_points_lose_and_duplicate_nothing(mode, slices, G, tbs, extra,
                                                               seed, crashes):
     cfg = SchedulerConfig(mode=mode, num_slices=slices, slots_per_slice=3, group_size=G,

@@ -14,7 +14,8 @@ text: game_of_life_halting gives every non-empty answer full credit, and
 list_functions cannot re-create its entries from their seed, which scoring relies on.
 Several allowed tasks give small format credit to a wrong answer (0.01-0.25: e.g.
 propositional_logic, spell_backward, palindrome_generation); that is their reward
-design, recorded here so that it is not mistaken for a hole. Tasks added by a later release stay refused until vetted.
+design, recorded here so that it is not mistaken for a hole. Tasks added by a later
+release stay refused until vetted.
 """
 
 from __future__ import annotations

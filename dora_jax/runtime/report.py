@@ -68,7 +68,10 @@ def rollout_only_share(spans, start: float, end: float) -> float | None:
     the trainer was not training (the paper's "rollout-only" time); None if empty."""
     if end <= start:
         return None
-    clip = lambda iv: [(max(a, start), min(b, end)) for a, b in iv if b > start and a < end]
+
+    def clip(iv):
+        return [(max(a, start), min(b, end)) for a, b in iv if b > start and a < end]
+
     decode = _union(clip((s.start, s.end) for s in spans if s.kind == "decode"))
     train = _union(clip((s.start, s.end) for s in spans if s.kind == "train"))
     overlap, j = 0.0, 0
@@ -261,7 +264,8 @@ class StepReporter:
             "reward_last": round(r[-1]["reward_mean"], 4),
             "reward_mean": round(sum(x["reward_mean"] for x in r) / len(r), 4),
             "mean_slot_utilisation": round(busy / total, 4) if total else 0.0,
-            "trainer_wait_fraction_all": round(sum(x["trainer_wait"] for x in r) / r[-1]["time"], 4),
+            "trainer_wait_fraction_all": round(sum(x["trainer_wait"] for x in r)
+                                               / r[-1]["time"], 4),
             "migrations": _migrations(slices),
             "weight_transfer_seconds": round(_transfer_seconds(slices), 4),
             "staleness": {str(k): v for k, v in sorted(self.staleness.items())},

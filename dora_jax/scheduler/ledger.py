@@ -186,7 +186,8 @@ class AuditReport:
     def summary(self) -> str:
         return (f"{self.steps} steps, {self.groups_consumed}/{self.groups_admitted} groups "
                 f"consumed; violations C1={len(self.c1)} C2={len(self.c2)} C3={len(self.c3)} "
-                f"batch-size={len(self.batch_size)}; staleness {dict(sorted(self.staleness.items()))}")
+                f"batch-size={len(self.batch_size)}; "
+                f"staleness {dict(sorted(self.staleness.items()))}")
 
 
 def audit(events: Iterable[dict], *, train_batch_size: int, group_size: int,
@@ -201,9 +202,9 @@ def audit(events: Iterable[dict], *, train_batch_size: int, group_size: int,
     c1, c2, c3, bad_batch = [], [], [], []
     events = standing(events)
     admitted: dict = {}
-    consumed = collections.Counter()
-    per_step = collections.Counter()
-    staleness = collections.Counter()
+    consumed: collections.Counter[int | None] = collections.Counter()
+    per_step: collections.Counter[int] = collections.Counter()
+    staleness: collections.Counter[int] = collections.Counter()
     accounted = set()
     for e in events:
         kind, gid = e["event"], e.get("group_id")

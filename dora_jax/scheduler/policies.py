@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from .types import SchedulerConfig, SliceState
 
@@ -44,7 +44,7 @@ class Policy:
     multi_version = False
     # The staleness the mode guarantees: "K" (config.max_staleness), a fixed number,
     # or None (not bounded by the mode).
-    bound: int | str | None = "K"
+    bound: int | Literal["K"] | None = "K"
 
     def staleness_bound(self, config: SchedulerConfig) -> int | None:
         """The largest step - version this mode guarantees (None: not bounded)."""
@@ -129,7 +129,8 @@ def converge_slices(sched: Scheduler, target: int) -> list:
 
 def check_uniform_slices(sched: Scheduler, req) -> None:
     """All slices hold (or are loading) one and the same version."""
-    vs = {sl.effective_version for sl in sched.slices} - {None}  # None: a failed slice
+    vs = {sl.effective_version for sl in sched.slices
+          if sl.effective_version is not None}  # None: a failed slice
     req(len(vs) <= 1, f"{sched.config.mode}: slices disagree on version {sorted(vs)}")
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Union
 
 from dora_jax.config import Config, ConfigError, check_schedule
 
@@ -196,8 +195,8 @@ class TrainStep:
     group_ids: tuple
 
 
-Action = Union[Admit, Assign, Migrate, LoadVersion, AddVersion, Evict, InterruptReload,
-               TrainStep]
+Action = (Admit | Assign | Migrate | LoadVersion | AddVersion | Evict | InterruptReload
+          | TrainStep)
 
 
 # ---------------------------------------------------------------------------

@@ -7,11 +7,12 @@
 Per mode (each in `<workdir>/<mode>/`, with a real run's outputs and its ledger
 audited): step time, rollout-only share, trainer wait, slot utilisation and
 throughput over steps 1..N-1 (tokens/s: trained tokens, prompts and responses;
-gen tok/s: decoded tokens, which leave out a multi-turn episode's observations), with the paper's figures beside them where it gives
-them. Ends with `dora/sync step-time speedup: X` (against the faster of sync and
-colocated sync, the strongest synchronous baseline), `dora/partial_rollout
-step-time speedup: Y` (partial rollout under the same staleness bound; the
-unbounded variant is listed apart) and `dora rollout-only share: Z`.
+gen tok/s: decoded tokens, which leave out a multi-turn episode's observations),
+with the paper's figures beside them where it gives them. Ends with `dora/sync
+step-time speedup: X` (against the faster of sync and colocated sync, the strongest
+synchronous baseline), `dora/partial_rollout step-time speedup: Y` (partial rollout
+under the same staleness bound; the unbounded variant is listed apart) and
+`dora rollout-only share: Z`.
 
 Before the final lines, `bound:` gives the step time no policy can beat at this
 split (`Preset.step_time_bound`): the trainer's time per batch and the rollout's at
@@ -29,8 +30,9 @@ other versions, held by the scheduler, admission closed by the mode, RBS reached
 states under 0.5% are left out, except `version_mismatch` (slots idle on a slice
 because only other versions have pending work), always shown to two decimals, and
 `versions/step`, the mean number of distinct versions in a decode step's batch
-(--versions_per_slice V lets a dora slice hold V versions at once). `env` is the slot time multi-turn episodes spend
-waiting for their environment (`--preset=multiturn`), slot kept, not decoding.
+(--versions_per_slice V lets a dora slice hold V versions at once). `env` is the slot
+time multi-turn episodes spend waiting for their environment (`--preset=multiturn`),
+slot kept, not decoding.
 """
 
 from __future__ import annotations
@@ -156,7 +158,7 @@ def main(argv):
     dora = results["dora"]["step_minutes"]
     syncs = {m: results[m]["step_minutes"] for m in ("sync", "colocated_sync") if m in results}
     if syncs:
-        best = min(syncs, key=syncs.get)
+        best = min(syncs, key=syncs.__getitem__)
         print(f"dora/sync step-time speedup: {syncs[best] / dora:.2f}  (against {best})")
     if "partial_rollout" in results:
         print(f"dora/partial_rollout step-time speedup: "

@@ -5,8 +5,9 @@
 Sync and one-step-off decide nothing a scheduler could do better: their step times
 are set by the hardware, the model and the workload alone. So the efficiencies
 (`cost.Efficiency`) of the H800 presets are fitted to the paper's figures for them
-(arXiv 2604.26256; presets.PAPER_64 / PAPER_128) — colocated sync at 64 and 128 GPUs, one-step-off at 64 — and then
-partial rollout and DORA are predicted without refitting (`python -m dora_jax.sim`).
+(arXiv 2604.26256; presets.PAPER_64 / PAPER_128) — colocated sync at 64 and 128
+GPUs, one-step-off at 64 — and then partial rollout and DORA are predicted without
+refitting (`python -m dora_jax.sim`).
 
 The split the fit assumes is the one the paper's own figures imply: its sync is
 colocated (rollout, then training, on all the GPUs; the strongest sync baseline)
@@ -85,6 +86,7 @@ def main(argv):
                 + f"  worst {worst:.0%}", flush=True)
             if best is None or worst < best[0]:
                 best = (worst, eff)
+    assert best is not None  # flags.hbm and flags.step_overhead are not empty
     print(f"best: {best[1]}  worst error {best[0]:.1%}")
 
 
