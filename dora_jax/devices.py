@@ -85,7 +85,7 @@ def tpu_slices(devices: Sequence) -> list[int] | None:
     indices = [getattr(d, "slice_index", None) for d in devices]
     if any(i is None for i in indices) or len(set(indices)) < 2:
         return None
-    return indices
+    return [i for i in indices if i is not None]
 
 
 def order_by_slice(devices: Sequence) -> list:

@@ -3,11 +3,11 @@
 Each busy slot produces one token per tick; a sample of length L finishes after L
 ticks of decoding; LoadVersion / InterruptReload take `load_ticks` (a slice being
 reloaded decodes nothing; a load of the version in training waits, without decoding,
-until that version is published, then takes its ticks); a train step takes `train_ticks`; Migrate moves the
-request with its progress. The driver executes actions, feeds events back, checks
-engine-level C1 and writes a ledger of admit / consume records in the format of
-`dora_jax.scheduler.ledger` (time = tick, prompt id = group id); `audit()` checks it
-with the project's auditor.
+until that version is published, then takes its ticks); a train step takes
+`train_ticks`; Migrate moves the request with its progress. The driver executes
+actions, feeds events back, checks engine-level C1 and writes a ledger of admit /
+consume records in the format of `dora_jax.scheduler.ledger` (time = tick, prompt id
+= group id); `audit()` checks it with the project's auditor.
 
 Time advances event to event (jumping over ticks in which nothing finishes), which
 gives exactly the tick-by-tick result at a fraction of the cost.

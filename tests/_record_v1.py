@@ -13,10 +13,12 @@ from dora_jax.scheduler import MODES, SchedulerConfig
 def record():
     out = {}
     for mode in MODES:
-        for S, slots, G, tbs, rbs, k, seed in [(3, 4, 3, 2, 4, 3, 1), (4, 2, 2, 2, 5, 2, 7), (2, 3, 3, 1, 3, 1, 3)]:
+        for S, slots, G, tbs, rbs, k, seed in [(3, 4, 3, 2, 4, 3, 1), (4, 2, 2, 2, 5, 2, 7),
+                                               (2, 3, 3, 1, 3, 1, 3)]:
             cfg = SchedulerConfig(mode=mode, num_slices=S, slots_per_slice=slots, group_size=G,
                                   train_batch_size=tbs, rollout_batch_size=rbs, max_staleness=k)
-            run = FakeRun(cfg, lengths_from_seed(seed, "long_tail", 40), load_ticks=2, train_ticks=3)
+            run = FakeRun(cfg, lengths_from_seed(seed, "long_tail", 40), load_ticks=2,
+                          train_ticks=3)
             acts = []
             orig = run.execute
             run.execute = lambda a, orig=orig: (acts.extend(repr(x) for x in a), orig(a))[1]

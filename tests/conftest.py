@@ -36,7 +36,8 @@ def reference(module: str):
     return pytest.importorskip(module)
 
 
-def load_repo_config(spec: str, *, validate: bool = True, num_devices: int | None = None, **overrides):
+def load_repo_config(spec: str, *, validate: bool = True, num_devices: int | None = None,
+                     **overrides):
     """`configs/x.py[:variant]` from the repository root. Overrides are dotted paths
     given with `__` (`model__num_layers=1`). Returns the validated Config, or the
     ConfigDict with `validate=False`."""

@@ -93,10 +93,16 @@ def test_packed_rows_match_the_naive_reference(block):
     seg = _segments(PACKED_21)
     want = _naive(q, k, v, seg)
     np.testing.assert_allclose(attention.dense_causal(q, k, v, seg), want, atol=1e-5)
-    blockwise = lambda q, k, v: attention.blockwise_causal(q, k, v, block, segment_ids_BT=seg)
+
+    def blockwise(q, k, v):
+        return attention.blockwise_causal(q, k, v, block, segment_ids_BT=seg)
+
     np.testing.assert_allclose(blockwise(q, k, v), want, atol=1e-5)
     w = jax.random.normal(jax.random.key(6), q.shape)
-    loss = lambda fn: lambda q, k, v: jnp.sum(fn(q, k, v) * w)
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v) * w)
+
     ref = jax.grad(loss(lambda q, k, v: attention.dense_causal(q, k, v, seg)),
                    argnums=(0, 1, 2))(q, k, v)
     got = jax.jit(jax.grad(loss(blockwise), argnums=(0, 1, 2)))(q, k, v)
@@ -119,7 +125,10 @@ def test_blockwise_never_computes_blocks_of_other_segments():
     seg = _segments([[8, 8]])
     want = _naive(q, k, v, seg)[:, 8:]
     k, v = k.at[:, :8].set(jnp.nan), v.at[:, :8].set(jnp.inf)
-    fn = lambda q, k, v: attention.blockwise_causal(q, k, v, 4, segment_ids_BT=seg)[:, 8:]
+
+    def fn(q, k, v):
+        return attention.blockwise_causal(q, k, v, 4, segment_ids_BT=seg)[:, 8:]
+
     np.testing.assert_allclose(fn(q, k, v), want, atol=1e-5)
     grads = jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v)), argnums=(0, 1, 2))(q, k, v)
     for g in grads:
@@ -173,7 +182,9 @@ def test_blockwise_training_memory_is_linear_in_length():
         g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v)), argnums=(0, 1, 2)))
         return g.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
 
-    block = lambda q, k, v: attention.blockwise_causal(q, k, v, 128)
+    def block(q, k, v):
+        return attention.blockwise_causal(q, k, v, 128)
+
     ratio_block = peak(block, 2048) / peak(block, 256)
     ratio_dense = peak(attention.dense_causal, 2048) / peak(attention.dense_causal, 256)
     assert ratio_block <= 10, ratio_block
@@ -195,7 +206,10 @@ def test_splash_runs_per_shard_under_the_trainer_rules(packed):
     q, k, v = _qkv(4, 128, 4, 2, 128, seed=4)
     # Each row packed differently, so a shard given another's ids would differ.
     seg = _segments([[128], [50, 78], [30, 30, -68], [-10, 100, 18]]) if packed else None
-    put = lambda x: jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp"), None, "tensor")))
+
+    def put(x):
+        return jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp"), None, "tensor")))
+
     fn = jax.jit(lambda q, k, v, seg: attention.causal_attention(
         q, k, v, "splash", block=128, interpret=True, segment_ids_BT=seg))
     with sharding.activation_rules(mesh, config_lib.TRAINER_RULES):

@@ -90,7 +90,8 @@ def test_the_device_form_flags_build_valid_configs_of_the_stated_size():
     sizes = {name: model_shape(cfg.model, transformer.abstract_params(cfg.model)[1])
              for name, cfg in dict(engine, trainer=trainer).items()}
     assert 0.8e9 < sizes["config"]["params"] < 1.0e9
-    assert sizes["config"]["params"] == sizes["config"]["active_params"] == sizes["trainer"]["params"]
+    assert (sizes["config"]["params"] == sizes["config"]["active_params"]
+            == sizes["trainer"]["params"])
     # 8 layers of 16 experts (3 x 2048 x 1408 each), 2 of them read per token
     assert sizes["moe_config"]["params"] - sizes["moe_config"]["active_params"] == (
         8 * 14 * 3 * 2048 * 1408)
@@ -139,8 +140,8 @@ def test_the_cpu_form_runs_every_part_and_reports(tmp_path):
     for part in report["parts"].values():
         assert part["memory"]["peak_bytes"] is None and "cpu" in part["memory"]["reason"]
     summary = (out / "summary.txt").read_text()
-    for line in ("tests:", "8 fake devices", "engine tiny", "engine moe", "trainer:", "quickstart: dora",
-                 "preset cpu", "cpu: not shown here"):
+    for line in ("tests:", "8 fake devices", "engine tiny", "engine moe", "trainer:",
+                 "quickstart: dora", "preset cpu", "cpu: not shown here"):
         assert line in summary, summary
 
 

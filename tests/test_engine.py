@@ -157,8 +157,8 @@ def test_prefill_extending_a_prefix_equals_a_full_forward():
                                [so_far[-1], int(ext_first.tokens[0])], rc.TEMPERATURE)
     np.testing.assert_allclose(ext_first.logprobs[0], ref[-1], atol=1e-4)
     assert ext.cache.length == whole.cache.length == 16
-    np.testing.assert_allclose(np.asarray(ext.cache.k)[:, :, :n], np.asarray(whole.cache.k)[:, :, :n],
-                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ext.cache.k)[:, :, :n],
+                               np.asarray(whole.cache.k)[:, :, :n], atol=1e-5)
     state = eng.init_decode_state()
     state = eng.insert(whole, state, 0, length=n)
     state = eng.insert(ext, state, 1, length=n)

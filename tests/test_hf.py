@@ -118,7 +118,8 @@ def test_save_writes_back_the_same_tensors(name, tmp_path):
         np.testing.assert_array_equal(saved.get(n), original.get(n), err_msg=n)
     again = hf.config_from_checkpoint(str(tmp_path))
     assert [f for f in hf_config.ARCH_FIELDS if getattr(again, f) != getattr(cfg, f)] == []
-    assert [f for f in hf_config.MOE_ARCH_FIELDS if getattr(again.moe, f) != getattr(cfg.moe, f)] == []
+    assert [f for f in hf_config.MOE_ARCH_FIELDS
+            if getattr(again.moe, f) != getattr(cfg.moe, f)] == []
 
 
 def test_sharded_files_and_bfloat16_round_trip(tmp_path):
@@ -149,7 +150,9 @@ def test_errors_name_what_is_wrong(tmp_path):
     with pytest.raises(hf.CheckpointError, match="use_sliding_window"):
         hf.load_pretrained(str(d))
     (d / "config.json").write_text(json.dumps({**config, "intermediate_size": 64}))
-    with pytest.raises(hf.CheckpointError, match=r"mlp\.\w+_proj\.weight' has shape \((80, 48|48, 80)\), the config needs"):
+    with pytest.raises(hf.CheckpointError,
+                       match=r"mlp\.\w+_proj\.weight' has shape \((80, 48|48, 80)\), "
+                             r"the config needs"):
         hf.load_pretrained(str(d))
     with pytest.raises(hf.CheckpointError, match="no such checkpoint directory"):
         hf.load_pretrained(str(tmp_path / "nowhere"))

@@ -192,7 +192,8 @@ def test_ppo_dual_clip():
 
 def test_ppo_dual_clip_must_exceed_one():
     with pytest.raises(ValueError, match="dual_clip"):
-        ppo_clip_loss(jnp.zeros((1, 1)), jnp.zeros((1, 1)), jnp.zeros((1,)), jnp.ones((1, 1)), dual_clip=1.0)
+        ppo_clip_loss(jnp.zeros((1, 1)), jnp.zeros((1, 1)), jnp.zeros((1,)), jnp.ones((1, 1)),
+                      dual_clip=1.0)
 
 
 def test_ppo_all_masked_is_finite():
@@ -207,7 +208,8 @@ def test_ppo_all_masked_is_finite():
     grad, (loss, m) = jax.grad(run, has_aux=True)(logp)
     close(loss, [[0, 0], [0, 0]])
     close(grad, [[0, 0], [0, 0]])
-    for name in ["clip_frac_low", "clip_frac_high", "dual_clip_frac", "ratio_mean", "ratio_max", "ratio_min"]:
+    for name in ["clip_frac_low", "clip_frac_high", "dual_clip_frac", "ratio_mean", "ratio_max",
+                 "ratio_min"]:
         close(m[name], 0.0)
 
 
@@ -257,14 +259,15 @@ def test_aggregate_modes(mode, kwargs, expected):
 def test_aggregate_all_masked_is_zero_with_finite_grad(mode):
     loss = f32([[1.0, jnp.inf], [jnp.nan, 2.0]])
     mask = jnp.zeros((2, 2), bool)
-    value, grad = jax.value_and_grad(lambda l: aggregate_loss(l, mask, mode))(loss)
+    value, grad = jax.value_and_grad(lambda x: aggregate_loss(x, mask, mode))(loss)
     close(value, 0.0)
     close(grad, [[0, 0], [0, 0]])
 
 
 def test_aggregate_token_mean_grad_uses_num_tokens():
     # d/dloss of sum(loss*mask)/num_tokens = mask/num_tokens = mask/4
-    g = jax.grad(lambda l: aggregate_loss(l, jnp.asarray(AGG_MASK), "token-mean", num_tokens=4))(f32(AGG_LOSS))
+    g = jax.grad(lambda x: aggregate_loss(x, jnp.asarray(AGG_MASK), "token-mean",
+                                          num_tokens=4))(f32(AGG_LOSS))
     close(g, np.asarray(AGG_MASK) / 4)
 
 
@@ -388,8 +391,10 @@ def test_decoupled_mask_mode_drops_tokens_beyond_the_cap():
 
 
 def test_decoupled_gives_no_gradient_to_proximal_or_behaviour():
-    f = lambda prox, mu: jnp.sum(decoupled_ppo_loss(f32([[PROX]]), prox, mu, f32([1.0]),
-                                                    jnp.ones((1, 1)), is_cap=3.0)[0])
+    def f(prox, mu):
+        return jnp.sum(decoupled_ppo_loss(f32([[PROX]]), prox, mu, f32([1.0]),
+                                          jnp.ones((1, 1)), is_cap=3.0)[0])
+
     gp, gm = jax.grad(f, argnums=(0, 1))(f32([[math.log(0.4)]]), f32([[MU]]))
     close(gp, [[0.0]])
     close(gm, [[0.0]])

@@ -182,9 +182,15 @@ def test_padding_is_never_routed_nor_counted():
     tight = _layer(dataclasses.replace(CFG, moe=dataclasses.replace(
         CFG.moe, top_k=1, dispatch="capacity", capacity_factor=1.0)))
     a, b, c = x[0, 0], x[0, 1], x[0, 2]
-    first = lambda v: int(np.argmax(np.asarray(v @ tight.router[...])))
+
+    def first(v):
+        return int(np.argmax(np.asarray(v @ tight.router[...])))
+
     assert first(a) != first(b)  # so b keeps its slot unless padding takes it
-    rows = lambda pad: jnp.stack([jnp.stack([a, pad]), jnp.stack([b, c])])
+
+    def rows(pad):
+        return jnp.stack([jnp.stack([a, pad]), jnp.stack([b, c])])
+
     two = jnp.array([[True, False], [True, True]])
     y_copy, aux = tight(rows(b), valid_BT=two)
     y_zero, _ = tight(rows(jnp.zeros(8)), valid_BT=two)

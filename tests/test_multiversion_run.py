@@ -77,7 +77,7 @@ def test_a_multi_version_run_resumes_and_evaluates(small_config, tmp_path):
     experiment.run(cfg, str(tmp_path))
     c.coordinator.num_steps = 4
     cfg = config_lib.validate(c, num_devices=8)
-    summary = experiment.run(cfg, str(tmp_path))
+    experiment.run(cfg, str(tmp_path))
     events, report = audit_workdir(cfg, str(tmp_path))
     assert report.ok, report
     assert report.steps == 4 and any(e["event"] == "resume" for e in events)

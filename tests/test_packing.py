@@ -244,7 +244,8 @@ def test_sft_step_packed_equals_padded(cfg_of):
         rows = sft._layout(cfg, batch)
         step = jax.jit(functools.partial(sft._step, graphdef, tx, name == "packed", None))
         out[name] = step(params, tx.init(params), rows)
-    assert packing.micro_batches_needed(16, 1, 4) == sft._layout(packed_cfg, batch)["tokens"].shape[0]
+    assert (packing.micro_batches_needed(16, 1, 4)
+            == sft._layout(packed_cfg, batch)["tokens"].shape[0])
     np.testing.assert_allclose(float(out["packed"][2]), float(out["padded"][2]), rtol=1e-5)
     for a, b in zip(leaves(out["packed"][0]), leaves(out["padded"][0])):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

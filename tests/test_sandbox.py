@@ -81,7 +81,8 @@ def _status_of_sandboxed_process(code, **kwargs):
 
 def test_layers_reported_are_the_ones_the_host_sees():
     status, result = _status_of_sandboxed_process(
-        "import os, time\ntime.sleep(1.0)\nprint(repr((os.getpid(), os.getuid(), sorted(os.listdir('/')))))")
+        "import os, time\ntime.sleep(1.0)\n"
+        "print(repr((os.getpid(), os.getuid(), sorted(os.listdir('/')))))")
     assert result.ok, result.stdout
     assert status["Seccomp"] == "2" and status["NoNewPrivs"] == "1"
     assert int(status["CapEff"], 16) == int(status["CapPrm"], 16) == int(status["CapBnd"], 16) == 0
@@ -138,7 +139,8 @@ def test_scratch_is_a_capped_tmpfs_that_vanishes():
     before = set(os.listdir("/tmp"))
     code = ("import os\nos.mkdir('d')\nopen('d/n.txt', 'w').write('kept')\n"
             "print(open('d/n.txt').read(), os.getcwd())\n"
-            "try:\n    i = 0\n    while True:\n        open(f'f{i}', 'wb').write(b'x' * 2**19); i += 1\n"
+            "try:\n    i = 0\n    while True:\n"
+            "        open(f'f{i}', 'wb').write(b'x' * 2**19); i += 1\n"
             "except OSError as e:\n    print(e.errno, i)")
     result = run_python(code, SandboxLimits(scratch_mb=2, max_file_mb=1))
     assert result.ok, result.stdout
@@ -222,7 +224,8 @@ def test_other_abis_kill_the_process(abi):
 
 def test_threads_work_and_are_bounded():
     code = ("import threading, time\nstarted = []\ntry:\n    for _ in range(64):\n"
-            "        t = threading.Thread(target=time.sleep, args=(0.5,)); t.start(); started.append(t)\n"
+            "        t = threading.Thread(target=time.sleep, args=(0.5,)); t.start()\n"
+            "        started.append(t)\n"
             "except RuntimeError:\n    pass\nprint(len(started))")
     result = run_python(code, SandboxLimits(max_tasks=6))
     assert result.ok, result.stdout
@@ -234,7 +237,8 @@ def test_sandboxes_at_once_are_bounded():
     spans = []
 
     def call():
-        r = run_python("import time\na = time.time(); time.sleep(0.4); print(a, time.time())", limits)
+        r = run_python("import time\na = time.time(); time.sleep(0.4); print(a, time.time())",
+                       limits)
         spans.append(tuple(map(float, r.stdout.split())))
 
     threads = [threading.Thread(target=call) for _ in range(5)]
@@ -296,7 +300,8 @@ def test_the_run_refuses_to_start_naming_the_field(monkeypatch):
 
 
 def test_output_truncated_and_decoded_with_replacement():
-    result = run_python("for _ in range(10000):\n    print('y' * 99)", SandboxLimits(max_output_bytes=100))
+    result = run_python("for _ in range(10000):\n    print('y' * 99)",
+                        SandboxLimits(max_output_bytes=100))
     assert result.ok and result.stdout.endswith("[output truncated]")
     assert len(result.stdout.encode()) <= 100 + len(sandbox._TRUNCATED)
     assert run_python("import sys\nsys.stdout.buffer.write(b'ok\\xff\\n')").stdout == "ok\ufffd\n"

@@ -143,7 +143,8 @@ def test_basic_arithmetic_records_are_deterministic_and_verifiable():
     for r in a:
         assert r["verifier"] == "reasoning_gym"
         assert r["question"] in prompt_text(r)
-        assert verifiers.reasoning_gym_reward(r, f"Working...\n<answer>{r['answer']}</answer>") == 1.0
+        answered = f"Working...\n<answer>{r['answer']}</answer>"
+        assert verifiers.reasoning_gym_reward(r, answered) == 1.0
         assert verifiers.reasoning_gym_reward(r, r["answer"]) == 1.0  # the last line
         wrong = str(int(float(r["answer"])) + 1)
         assert verifiers.reasoning_gym_reward(r, f"<answer>{wrong}</answer>") == 0.0

@@ -146,7 +146,8 @@ def part_command(name: str, size: Size, out: str, platform: str, tests_k: str = 
         return wrap + ["dora_jax.bench.quickstart_run", *size.quickstart,
                        f"--workdir={os.path.join(out, 'quickstart')}"]
     if name == "preset":
-        return wrap + ["dora_jax.sim.device_fit", *size.preset, f"--engine={os.path.join(out, 'engine.json')}",
+        return wrap + ["dora_jax.sim.device_fit", *size.preset,
+                       f"--engine={os.path.join(out, 'engine.json')}",
                        f"--trainer={os.path.join(out, 'trainer.json')}",
                        f"--run={os.path.join(out, 'quickstart', 'rl')}",
                        f"--config={CONFIGS / 'quickstart.py'}",
@@ -292,8 +293,8 @@ def check(out: str, size_name: str, budget_s: int, parts: list, tests_k: str = "
     start = time.monotonic()
     for name in parts:
         share = budget_s * size.shares[name]
-        status, seconds = run_part(part_command(name, size, out, host["platform"], tests_k), env, share,
-                                   os.path.join(out, f"{name}.log"))
+        status, seconds = run_part(part_command(name, size, out, host["platform"], tests_k),
+                                   env, share, os.path.join(out, f"{name}.log"))
         report["parts"][name] = dict(status=status, seconds=round(seconds, 1),
                                      budget_s=round(share, 1),
                                      memory=_read_json(os.path.join(out, f"{name}_memory.json")),

@@ -3,8 +3,8 @@
     python -m dora_jax.bench.engine [--models=tiny,moe] [--slots=8,32] [--decode_len=128]
 
 Runs on one device (the first). For each model (`--config`, default configs/tiny.py;
-`--moe_config`, default configs/moe.py:tiny) and the same requests (same prompts, seeds, hence the same tokens and lengths — the
-RNG is per request):
+`--moe_config`, default configs/moe.py:tiny) and the same requests (same prompts,
+seeds, hence the same tokens and lengths — the RNG is per request):
   1. all slots busy: EOS disabled, every request runs max_decode_len tokens; the
      slice keeps its S slots full by refilling freed slots, the fixed-batch sampler
      runs batches of S requests, each as one jitted `lax.while_loop`;
@@ -208,7 +208,8 @@ def bench_model(name: str, slots: int, decode_len: int, per_slot: int, repeats: 
         lengths = [len(v) for v in out_slice.values()]
         tokens = sum(lengths)
         r = t_fixed / t_slice
-        print(f"-- {label}, decode_steps={rollout.decode_steps}: {tokens} tokens, lengths mean {statistics.mean(lengths):.1f} "
+        print(f"-- {label}, decode_steps={rollout.decode_steps}: {tokens} tokens, "
+              f"lengths mean {statistics.mean(lengths):.1f} "
               f"median {statistics.median(lengths):.0f} max {max(lengths)}")
         print(f"   slice (continuous batching) {tokens / t_slice:8.0f} tokens/s   "
               f"fixed-batch while_loop {tokens / t_fixed:8.0f} tokens/s   ratio {r:.2f}   "

@@ -72,7 +72,10 @@ def coordinator_profile(path: str, steps: int, top: int = 8) -> dict:
             continue
         i = frames.index("Runtime.run (loop.py)")
         by[" > ".join(frames[i + 1:i + 3])] += int(n)
-    ms = lambda samples: round(samples * 10.0 / steps, 2)  # 100 Hz: a sample is 10 ms
+
+    def ms(samples):
+        return round(samples * 10.0 / steps, 2)  # 100 Hz: a sample is 10 ms
+
     return {"busy_ms_per_step": ms(sum(by.values())),
             "top": [(name, ms(n)) for name, n in by.most_common(top)]}
 

@@ -5,8 +5,9 @@
 
 Runs colocated_sync (sync on the colocated layout: bench/runs.py), sync,
 one_step_off, partial_rollout (streaming), partial_rollout_rounds
-(round-synchronous) and dora at K = 1, 2, 3 on the same config, prompts, seed and total device count, interleaved (the order
-rotates each repetition) and repeated `--reps` times; the table gives medians. Each
+(round-synchronous) and dora at K = 1, 2, 3 on the same config, prompts, seed and
+total device count, interleaved (the order rotates each repetition) and repeated
+`--reps` times; the table gives medians. Each
 run goes to DIR/<mode>/<rep>/ (ledger.jsonl, metrics.jsonl, summary.json,
 timeline.png) and counts only if its ledger audits clean under the mode's own
 constraints (C1 unless the mode breaks it by design, C2, C3). Both partial rollouts

@@ -137,10 +137,10 @@ class Host:
         sentinel = os.path.join(self.dir, f"case-{self._index}")
         with self._lock:
             self._current = sentinel
-        return {"sentinel": sentinel, "mark": f"{self.marker}-{self._index}", "pid": str(os.getpid()),
-                "pgid": str(os.getpgrp()), "unix": self.unix, "abstract": self.abstract,
-                "port": str(self.port), "fifo": self.fifo, "target": self.target,
-                "repo": str(REPO), "home": os.path.expanduser("~")}
+        return {"sentinel": sentinel, "mark": f"{self.marker}-{self._index}",
+                "pid": str(os.getpid()), "pgid": str(os.getpgrp()), "unix": self.unix,
+                "abstract": self.abstract, "port": str(self.port), "fifo": self.fifo,
+                "target": self.target, "repo": str(REPO), "home": os.path.expanduser("~")}
 
     def end(self, fill: dict, linger: float) -> list[str]:
         """What the case tripped, after `linger` seconds for anything it left running."""
@@ -246,7 +246,8 @@ def _call(case: corpus.Case, code: str, limits):
     error = last[len("error: "):] if last.startswith("error: ") else None
     return sandbox.SandboxResult(ok=error is None, stdout=text, error=error,
                                  seconds=time.monotonic() - start,
-                                 isolation=None if (error or "").startswith("refused") else "namespaces")
+                                 isolation=(None if (error or "").startswith("refused")
+                                            else "namespaces"))
 
 
 def run_case(case: corpus.Case, host: Host, probes: dict) -> dict:
@@ -270,8 +271,9 @@ def run_case(case: corpus.Case, host: Host, probes: dict) -> dict:
             results = [_call(case, code, limits)]
         else:
             results = [None] * case.parallel
-            threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, _call(case, code, limits)))
-                       for i in range(case.parallel)]
+            threads = [threading.Thread(
+                target=lambda i=i: results.__setitem__(i, _call(case, code, limits)))
+                for i in range(case.parallel)]
             for t in threads:
                 t.start()
             for t in threads:
@@ -324,7 +326,8 @@ def control(case: corpus.Case, host: Host) -> bool:
     tripped = host.end(fill, 0.0)
     limits = sandbox.SandboxLimits()
     quiet = sandbox.SandboxResult(ok=True, stdout="", error=None, seconds=0.1)
-    return bool(tripped) and case.check(corpus.Observation(quiet, tripped, quiet, limits, 0.1)) is not None
+    return bool(tripped) and case.check(
+        corpus.Observation(quiet, tripped, quiet, limits, 0.1)) is not None
 
 
 def run_corpus(substring: str = "", cases: list | None = None) -> tuple[list[dict], list[str]]:
@@ -338,7 +341,8 @@ def run_corpus(substring: str = "", cases: list | None = None) -> tuple[list[dic
         for case in chosen:
             rows.append(run_case(case, host, probes))
         stray = os.path.join(host.dir, "stray")
-        left = [f"tripped outside a case: {open(stray).read().strip()}"] if os.path.exists(stray) else []
+        left = ([f"tripped outside a case: {open(stray).read().strip()}"]
+                if os.path.exists(stray) else [])
     for path, uid in _tmp_entries().items():
         if path not in tmp_before and (uid == _SANDBOX_UID or "sandbox-root" in path):
             left.append(f"new entry {path}")

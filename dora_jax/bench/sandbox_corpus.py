@@ -150,10 +150,12 @@ _SYSCALLS = {
     "open_tree": 'hit("open_tree", sc(428, -100, b"/", 1 | 0x80000))\n'
                  'hit("move_mount", sc(429, -100, b"/", -100, b"/scratch", 0))\n'
                  'hit("fsopen", sc(430, b"tmpfs", 0))',
-    "socket": 'for fam, typ in ((1, 1), (1, 2), (2, 1), (2, 2), (10, 1), (16, 3), (17, 3), (40, 1)):\n'
+    "socket": 'for fam, typ in ((1, 1), (1, 2), (2, 1), (2, 2), (10, 1), (16, 3), (17, 3),'
+              ' (40, 1)):\n'
               '    hit(f"socket {fam} {typ}", sc(41, fam, typ, 0))\n'
               'sv = (ctypes.c_int * 2)(); hit("socketpair", sc(53, 1, 1, 0, sv))\n'
-              'import socket\nattempt("python socket", lambda: socket.socket(socket.AF_UNIX).connect("{unix}"))',
+              'import socket\n'
+              'attempt("python socket", lambda: socket.socket(socket.AF_UNIX).connect("{unix}"))',
     "memfd_execveat": 'fd = sc(319, b"x", 0); hit("memfd_create", fd)\n'
                       'argv = (ctypes.c_char_p * 2)(b"x", None)\n'
                       'hit("execveat", sc(322, fd if fd >= 0 else 0, b"", argv, argv, 0x1000))',
@@ -209,10 +211,12 @@ path = b"{sentinel}\0"
 page[2048:2048 + len(path)] = path
 if "{abi}" == "i386":
     code = (b"\xb8\x05\0\0\0" + b"\xbb" + struct.pack("<I", base + 2048) +
-            b"\xb9" + struct.pack("<I", 0o101) + b"\xba" + struct.pack("<I", 0o644) + b"\xcd\x80\xc3")
+            b"\xb9" + struct.pack("<I", 0o101) + b"\xba" + struct.pack("<I", 0o644) +
+            b"\xcd\x80\xc3")
 else:
-    code = (b"\x48\xbf" + struct.pack("<Q", base + 2048) + b"\xbe" + struct.pack("<I", 0o101) +
-            b"\xba" + struct.pack("<I", 0o644) + b"\xb8" + struct.pack("<I", {nr}) + b"\x0f\x05\xc3")
+    code = (b"\x48\xbf" + struct.pack("<Q", base + 2048) + b"\xbe" +
+            struct.pack("<I", 0o101) + b"\xba" + struct.pack("<I", 0o644) + b"\xb8" +
+            struct.pack("<I", {nr}) + b"\x0f\x05\xc3")
 page[0:len(code)] = code
 fn = ctypes.CFUNCTYPE(ctypes.c_long)(base)
 print("ESCAPED {abi} returned", fn(), flush=True)
@@ -297,7 +301,8 @@ attempt("fifo via proc", lambda: os.open("/proc/self/root{fifo}", os.O_RDONLY | 
 _WEAK = {
     "signal_bench": ('''
 for what, f in (("kill", lambda: sc(62, {pid}, 28)), ("kill -1", lambda: sc(62, -1, 28)),
-                ("killpg", lambda: sc(62, -{pgid}, 23)), ("tgkill", lambda: sc(234, {pid}, {pid}, 28)),
+                ("killpg", lambda: sc(62, -{pgid}, 23)),
+                ("tgkill", lambda: sc(234, {pid}, {pid}, 28)),
                 ("tkill", lambda: sc(200, {pid}, 28)), ("kill 0", lambda: sc(62, 0, 28)),
                 ("kill ppid", lambda: sc(62, os.getppid(), 28)),
                 ("pidfd", lambda: sc(424, sc(434, {pid}, 0), 28, None, 0))):
@@ -359,7 +364,8 @@ def late():
 threading.Thread(target=late).start()
 attempt("posix_spawn", lambda: os.posix_spawn(sys.executable, [sys.executable, "-c", later], {}))
 attempt("os.system", lambda: 0 if os.system(f'{sys.executable} -c "{later}" &') == 0 else -1)
-attempt("Popen", lambda: subprocess.Popen([sys.executable, "-c", later], start_new_session=True) and 0)
+attempt("Popen", lambda: subprocess.Popen([sys.executable, "-c", later],
+                                          start_new_session=True) and 0)
 r = sc(57)
 if r == 0:
     time.sleep(0.6); plant(); os._exit(0)
@@ -378,7 +384,7 @@ try:
 except OSError:
     pass
 print("bytes", total)
-''', bounded("bytes", lambda l: l.scratch_mb << 20)),
+''', bounded("bytes", lambda lim: lim.scratch_mb << 20)),
     "fill_scratch_inodes": ('''
 n = 0
 try:
@@ -387,7 +393,7 @@ try:
 except OSError:
     pass
 print("files", n)
-''', bounded("files", lambda l: l.scratch_files)),
+''', bounded("files", lambda lim: lim.scratch_files)),
     "jam_cleanup": ('''
 held = []
 try:
@@ -435,7 +441,7 @@ try:
 except (RuntimeError, OSError):
     pass
 print("tasks", n + 1); stop.set()
-''', bounded("tasks", lambda l: l.max_tasks)),
+''', bounded("tasks", lambda lim: lim.max_tasks)),
     "fork_bomb": ('''
 n = 0
 for _ in range(64):
@@ -446,7 +452,7 @@ for _ in range(64):
     except OSError:
         break
 print("forks", n)
-''', bounded("forks", lambda l: l.max_tasks)),
+''', bounded("forks", lambda lim: lim.max_tasks)),
     "memory_bomb": ('''
 hog = []
 try:
@@ -470,7 +476,8 @@ print("span", t0, time.clock_gettime(time.CLOCK_MONOTONIC))
 CONFIGS = (("namespaces", ()), ("namespaces", ("landlock",)), ("namespaces", ("landlock_scoping",)),
            ("namespaces", ("landlock", "landlock_scoping")), ("namespaces", ("user_ns",)),
            ("namespaces", ("seccomp",)), ("filters", ()), ("filters", ("user_ns",)),
-           ("filters", ("landlock_scoping",)), ("filters", ("landlock",)), ("filters", ("seccomp",)))
+           ("filters", ("landlock_scoping",)), ("filters", ("landlock",)),
+           ("filters", ("seccomp",)))
 _SHORT = (("timeout_s", 3.0), ("cpu_s", 2))
 
 
@@ -493,7 +500,8 @@ def cases() -> list[Case]:
         out += [Case(_name(name, i), "syscalls", _PRE + body, i) for i in both]
     for abi, nr in (("i386", 0), ("x32", 0x40000000 | 2), ("x32_getpid", 0x40000000 | 39)):
         body = _ABI.replace("{abi}", abi.split("_")[0]).replace("{nr}", str(nr))
-        out += [Case(_name(abi, i), "syscalls", _PRE + body, i, check=killed_other_abi) for i in both]
+        out += [Case(_name(abi, i), "syscalls", _PRE + body, i, check=killed_other_abi)
+                for i in both]
     for i in both:
         out.append(Case(_name("host_ipc", i), "host_ipc", _PRE + _HOST_IPC, i, trigger="unix"))
     for trig in ("abstract", "tcp"):  # the same attack, controlled by each endpoint
@@ -504,7 +512,8 @@ def cases() -> list[Case]:
         no = refuses(isolation, missing)
         for name, (body, trig) in _WEAK.items():
             out.append(Case(_name(name, isolation, missing), "weaker_hosts", _PRE + body,
-                            isolation, missing, REFUSED if no else RAN, refused if no else contained,
+                            isolation, missing, REFUSED if no else RAN,
+                            refused if no else contained,
                             linger=1.0 if name == "leave_process" and not no else 0.05,
                             trigger=trig))
     for name, (body, check) in _CLEANUP.items():
@@ -517,7 +526,8 @@ def cases() -> list[Case]:
     for name, body, trig in (("write_host_paths", _WEAK["write_host_paths"][0], "write"),
                              ("signal_bench", _WEAK["signal_bench"][0], "signal"),
                              ("leave_process", _WEAK["leave_process"][0], "write"),
-                             ("host_ipc", _HOST_IPC, "unix"), ("socket", _SYSCALLS["socket"], "unix")):
+                             ("host_ipc", _HOST_IPC, "unix"),
+                             ("socket", _SYSCALLS["socket"], "unix")):
         out.append(Case(_name(name, "namespaces", env=True), "weaker_hosts" if trig != "unix"
                         else "host_ipc", _PRE + body, via_env=True, trigger=trig,
                         linger=1.0 if name == "leave_process" else 0.05))

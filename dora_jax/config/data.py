@@ -87,8 +87,9 @@ class DataConfig(Section):
             if self.source in sources and not getattr(self, name):
                 fail(self._f(name), f"data.source={self.source!r} needs data.{name}")
         if self.source == "reasoning_gym":
-            if refusal(self.task):
-                fail(self._f("task"), refusal(self.task))
+            reason = refusal(self.task)
+            if reason:
+                fail(self._f("task"), reason)
         if (self.source == "env") != bool(self.env):
             fail(self._f("env"), "data.source='env' and data.env (an environment's name) "
                  "go together" if self.env else "data.source='env' needs data.env, an "

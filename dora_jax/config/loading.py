@@ -62,6 +62,7 @@ def load(spec: str) -> ml_collections.ConfigDict:
 
     path, _, variant = configs.resolve(spec).partition(":")
     module_spec = importlib.util.spec_from_file_location("_dora_config", path)
+    assert module_spec is not None and module_spec.loader is not None  # a .py path
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     return module.get_config(variant or None)

@@ -6,6 +6,7 @@ its `Policy`, registered in scheduler/modes.py."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from .schema import fail
 
@@ -30,7 +31,7 @@ class Capabilities:
     """
 
     keeps_c1: bool = True
-    bound: int | str | None = "K"
+    bound: int | Literal["K"] | None = "K"
     replaces_filtered_groups: bool = True
     resumable: bool = True
     allows_colocation: bool = False

@@ -11,7 +11,7 @@ import dataclasses
 import operator
 import typing
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import Any, ClassVar, NoReturn
 
 import ml_collections
 
@@ -20,7 +20,7 @@ class ConfigError(ValueError):
     """A config value is invalid; the message names the field."""
 
 
-def fail(field: str, message: str):
+def fail(field: str, message: str) -> NoReturn:
     raise ConfigError(f"config.{field}: {message}")
 
 
@@ -51,6 +51,8 @@ class Section:
     """A config section: `PATH` is its place in the ConfigDict ('model.moe')."""
 
     PATH: ClassVar[str] = ""
+    if typing.TYPE_CHECKING:  # every section is a dataclass
+        __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
     def _f(self, name: str) -> str:
         return f"{self.PATH}.{name}" if self.PATH else name

@@ -56,7 +56,9 @@ def _check(ok, what):
 
 
 def _mount(source, target, fstype, flags, data=None):
-    enc = (lambda s: s.encode() if isinstance(s, str) else s)
+    def enc(s):
+        return s.encode() if isinstance(s, str) else s
+
     _check(_libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)) == 0,
            f"mount {target}")
 

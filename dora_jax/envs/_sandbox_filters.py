@@ -21,8 +21,8 @@ ALLOWED = frozenset({
     "preadv2", "pwritev2", "lseek", "close", "fstat", "stat", "lstat", "newfstatat",
     "statx", "open", "openat", "access", "faccessat", "faccessat2", "getdents64",
     "getcwd", "chdir", "fchdir", "readlink", "readlinkat", "mkdir", "mkdirat", "rmdir",
-    "unlink", "unlinkat", "rename", "renameat", "renameat2", "ftruncate", "truncate", "fsync", "fdatasync",
-    "fadvise64", "flock", "umask", "dup", "dup2", "dup3", "fcntl", "pipe", "pipe2",
+    "unlink", "unlinkat", "rename", "renameat", "renameat2", "ftruncate", "truncate", "fsync",
+    "fdatasync", "fadvise64", "flock", "umask", "dup", "dup2", "dup3", "fcntl", "pipe", "pipe2",
     "poll", "ppoll", "select", "pselect6", "statfs", "fstatfs",
     # memory
     "mmap", "munmap", "mprotect", "mremap", "brk", "madvise", "mincore",
@@ -44,7 +44,8 @@ CONDITIONAL = frozenset({"ioctl", "prlimit64", "kill", "tgkill", "tkill", "clone
 # filter can inspect (clone3 keeps its flags in memory a filter cannot read).
 ENOSYS = frozenset({"clone3"})
 
-_TERMINAL_IOCTLS = (0x5401, 0x5413, 0x541B, 0x5450, 0x5451)  # TCGETS TIOCGWINSZ FIONREAD FIONCLEX FIOCLEX
+# TCGETS TIOCGWINSZ FIONREAD FIONCLEX FIOCLEX
+_TERMINAL_IOCTLS = (0x5401, 0x5413, 0x541B, 0x5450, 0x5451)
 _CLONE_THREAD = 0x00010000
 _CLONE_NAMESPACES = 0x7E020080  # NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET|NEWTIME
 

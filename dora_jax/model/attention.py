@@ -128,7 +128,7 @@ def _forward(q_blocks, k_blocks, v_blocks, bq, bk, scale, seg_q=None, seg_k=None
         i, q = args
 
         def update(j, carry):
-            o, m, l = carry
+            o, m, denom = carry
             segs = () if seg_q is None else (seg_q[i], seg_k[j])
             s, mask = _block_scores(q, k_blocks[j], i, j, bq, bk, scale, *segs)
             m_new = jnp.maximum(m, s.max(-1))
@@ -136,14 +136,14 @@ def _forward(q_blocks, k_blocks, v_blocks, bq, bk, scale, seg_q=None, seg_k=None
             corr = jnp.exp(m - m_new)
             o = o * corr[..., None] + jnp.einsum("bkgqc,bkcd->bkgqd", p, v_blocks[j],
                                                  preferred_element_type=jnp.float32)
-            return o, m_new, l * corr + p.sum(-1)
+            return o, m_new, denom * corr + p.sum(-1)
 
         if seg_q is None:
             step = update
         else:
             def step(j, carry):
                 # The diagonal block always meets (each query sees itself), so every
-                # query's sum l is positive.
+                # query's sum `denom` is positive.
                 return jax.lax.cond(meet_QK[i, j], lambda c: update(j, c), lambda c: c,
                                     carry)
 
@@ -151,8 +151,8 @@ def _forward(q_blocks, k_blocks, v_blocks, bq, bk, scale, seg_q=None, seg_k=None
                 jnp.zeros(q.shape[:-1], jnp.float32))
         # Causal: only key blocks that start at or before this block's last query.
         last = jnp.minimum((i * bq + bq - 1) // bk + 1, k_blocks.shape[0])
-        o, m, l = jax.lax.fori_loop(0, last, step, init)
-        return o / l[..., None], m + jnp.log(l)
+        o, m, denom = jax.lax.fori_loop(0, last, step, init)
+        return o / denom[..., None], m + jnp.log(denom)
 
     return jax.lax.map(one_q_block, (jnp.arange(q_blocks.shape[0]), q_blocks))
 

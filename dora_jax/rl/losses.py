@@ -176,7 +176,8 @@ def ppo_clip_loss(
 # jit so an eager call (metrics, tests) compiles once instead of per primitive;
 # under an outer jit this simply inlines.
 @functools.partial(jax.jit, static_argnames="use_dual_clip")
-def _ppo_clip_loss(logp, behaviour_logp, advantages, mask, clip_low, clip_high, dual_clip, *, use_dual_clip):
+def _ppo_clip_loss(logp, behaviour_logp, advantages, mask, clip_low, clip_high, dual_clip, *,
+                   use_dual_clip):
     logp_BT = _float(logp)
     valid_BT = jnp.asarray(mask) != 0
     adv = _float(advantages)

@@ -51,7 +51,10 @@ def guarded_update(tx: optax.GradientTransformation, grads, opt_state, params, f
     train state of existing checkpoints no longer restore.
     """
     updates, new_opt_state = tx.update(grads, opt_state, params)
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+    def keep(new, old):
+        return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
     return keep(optax.apply_updates(params, updates), params), keep(new_opt_state, opt_state)
 
 

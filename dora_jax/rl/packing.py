@@ -18,8 +18,9 @@ tokens_per_microbatch // T rows make a micro-batch, so a micro-batch's size (and
 step's peak memory) follows the token budget, not the longest response. U is the most
 micro-batches a minibatch can need (one sample per row), so the step has one shape
 per bucket (the trainer's warm-up compiles them) whatever the lengths; micro-batches
-left empty are skipped by the step. Samples keep their minibatch (samples [m B/M, (m+1) B/M), as in the padded
-layout), so both layouts make the same optimizer updates.
+left empty are skipped by the step. Samples keep their minibatch (samples
+[m B/M, (m+1) B/M), as in the padded layout), so both layouts make the same
+optimizer updates.
 """
 
 from __future__ import annotations

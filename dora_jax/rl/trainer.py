@@ -20,8 +20,8 @@ The step consumes a layout of the batch (packing.py): one padded row per sample,
 micro-batches by row count (`trainer.micro_batches`), or, with
 `trainer.tokens_per_microbatch`, samples packed whole into rows as long as the
 batch's bucket (attention within each sample, positions restarting at each) and
-micro-batches by tokens, those left empty skipped; every per-sequence quantity goes through each token's sample index,
-so both layouts give one objective.
+micro-batches by tokens, those left empty skipped; every per-sequence quantity goes
+through each token's sample index, so both layouts give one objective.
 
 Aggregation across micro-batches is exact: token-mean divides by the token count of
 the whole minibatch; seq-mean-* modes divide by its number of non-empty sequences

@@ -55,7 +55,9 @@ def summarise(cfg: EvalConfig, greedy: list[tuple[float, int]],
               sampled: list[list[tuple[float, int]]]) -> dict:
     """The figures of one evaluation from (reward, response length) pairs: one
     greedy response per prompt, `cfg.samples` sampled ones per prompt."""
-    correct = lambda r: r >= cfg.pass_reward
+    def correct(r):
+        return r >= cfg.pass_reward
+
     n_correct = [sum(correct(r) for r, _ in s) for s in sampled]
     lengths = [n for _, n in greedy]
     sampled_lengths = [n for s in sampled for _, n in s]
@@ -190,7 +192,10 @@ class Evaluation:
         """The evaluation's metrics record."""
         gen = self._pending.pop(ev.version)
         greedy, sampled = self._scores.pop(ev.version)
-        pairs = lambda fs, ts: [(f.result()[0], len(t.response_tokens)) for f, t in zip(fs, ts)]
+
+        def pairs(fs, ts):
+            return [(f.result()[0], len(t.response_tokens)) for f, t in zip(fs, ts)]
+
         figures = summarise(self.cfg, pairs(greedy, gen.greedy),
                             [pairs(fs, ts) for fs, ts in zip(sampled, gen.sampled)])
         errors = sum(f.result()[1] is not None

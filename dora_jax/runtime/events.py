@@ -9,7 +9,7 @@ actions (scheduler/types.py).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Union
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,5 +85,5 @@ class Failed:
     error: BaseException
 
 
-Event = Union[SamplesFinished, VersionLoaded, StepDone, GroupScored, EvalGenerated,
-              EvalScored, Failed]
+Event = (SamplesFinished | VersionLoaded | StepDone | GroupScored | EvalGenerated
+         | EvalScored | Failed)

@@ -276,7 +276,7 @@ class Scheduler:
         smp = g.samples[sample]
         # Several versions per slice: the group's version, resident there (C1).
         v = g.version if self.multi else sl.version
-        assert smp.status == PENDING and self.free_slots(sl) > 0 and (
+        assert v is not None and smp.status == PENDING and self.free_slots(sl) > 0 and (
             residency.serves(sl, v) if self.multi else sl.serving)
         smp.status, smp.slice_id = RUNNING, slice_id
         smp.versions.append(v)
@@ -386,7 +386,9 @@ class Scheduler:
 
     def _recount(self):
         """Rebuild the per-version counters from the groups."""
-        self._unconsumed_v, self._unfinished_v, self._pending_v = Counter(), Counter(), Counter()
+        self._unconsumed_v: Counter[int] = Counter()
+        self._unfinished_v: Counter[int] = Counter()
+        self._pending_v: Counter[int] = Counter()
         self._pending_q: dict = {}  # version -> deque of (group, sample), group order
         self._trainable: set = set()  # group ids of the trainable unconsumed groups
         for gid in sorted(self.groups):

@@ -32,8 +32,8 @@ Choices made where the design leaves room:
 * The staleness guard is applied in its general form: a batch (TBS oldest finished
   groups) is formed only if what stays unconsumed still satisfies FEASIBILITY for
   step t+1. For version t-K this is exactly the plain guard (every unconsumed
-  group of version t-K is in the batch); for newer versions it stops the trainer from eating young groups while
-  old ones would then miss their deadline.
+  group of version t-K is in the batch); for newer versions it stops the trainer
+  from eating young groups while old ones would then miss their deadline.
 * Admission is by what the rollout holds, not by what the trainer has yet to eat:
   the rollout batch is RBS x G samples in flight (admitted, not finished), so
   finished groups waiting for the trainer never stop the rollout (with RBS = TBS
@@ -275,7 +275,7 @@ class DoraPolicy(Policy):
         room = self.admission_room(sched)
         if not room:
             return []
-        free = Counter()
+        free: Counter[int | None] = Counter()
         for i in kept:
             free[sched.slices[i].version] += sched.free_slots(sched.slices[i])
         # Slices loading P are P's capacity already: admitting at an older resident

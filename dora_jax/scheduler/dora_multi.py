@@ -38,6 +38,7 @@ from . import dora, residency
 
 if TYPE_CHECKING:  # pragma: no cover
     from .core import Scheduler
+    from .types import Admit
 
 
 def plan(sched: Scheduler) -> list:
@@ -96,20 +97,22 @@ def _admit(sched) -> list:
         return []
     counts, pend = sched.unconsumed_by_version(), sched.pending_by_version()
     reserve = dora.admission_reserve(k)
-    free_p, free_old = 0, Counter()
+    free_p = 0
+    free_old: Counter[int] = Counter()
     for sl in sched.slices:
         if sl.loading is not None:
             continue
         if p in sl.held or p in sl.adding:
             free_p += sched.free_slots(sl)
         elif sl.held:  # cannot take P yet (V <= K): a top-up at its newest version
+            assert sl.version is not None  # the newest it holds (residency.check)
             free_old[sl.version] += sched.free_slots(sl)
     free_p -= sum(n for n in pend.values() if n > 0)
 
     def ok(w):
         return (w == p or w + k > t) and dora.admission_feasible(counts, w, t, reserve, tbs)
 
-    acts = []
+    acts: list[Admit] = []
     while len(acts) < room and free_p > 0 and ok(p):
         acts.append(sched.do_admit(p))
         counts[p] += 1

@@ -30,7 +30,9 @@ def check(sched: Scheduler) -> None:
 
     cfg = sched.config
     c1 = sched.policy.keeps_c1
-    uncons, unfin, pend = Counter(), Counter(), Counter()
+    uncons: Counter[int] = Counter()
+    unfin: Counter[int] = Counter()
+    pend: Counter[int] = Counter()
     for gid, g in sched.groups.items():
         req(0 <= gid < sched.next_group_id, f"group id {gid} never admitted")
         req(g.version <= sched.published, f"group {gid} from the future")
@@ -66,12 +68,12 @@ def check(sched: Scheduler) -> None:
         if sl.loading is not None and not sl.interrupted:
             req(not sl.running, f"C1: slice {sl.slice_id} loads while holding requests")
         for gid, k in sl.running:
-            g = sched.groups.get(gid)
-            req(g is not None and g.samples[k].slice_id == sl.slice_id,
-                f"slice {sl.slice_id} holds a stray request ({gid},{k})")
+            owner = sched.groups.get(gid)
+            if owner is None or owner.samples[k].slice_id != sl.slice_id:
+                raise InvariantError(f"slice {sl.slice_id} holds a stray request ({gid},{k})")
             if c1 and not sched.multi:
-                req(sl.version == g.version and sl.loading is None,
-                    f"C1: slice {sl.slice_id} v{sl.version} runs group v{g.version}")
+                req(sl.version == owner.version and sl.loading is None,
+                    f"C1: slice {sl.slice_id} v{sl.version} runs group v{owner.version}")
     residency.check(sched, req)  # versions held per slice (C1 with several versions)
     req(sched.next_step == sched.published + busy, "trainer step accounting")
     req(not busy or sched.trainer_step == sched.next_step - 1, "trainer step index")

@@ -291,11 +291,11 @@ def audit(events: Iterable[dict], *, train_batch_size: int, group_size: int,
     c1, c2, c3, bad_batch = [], [], [], []
     events = standing(events)
     admitted: dict = {}
-    consumed = collections.Counter()
-    per_step = collections.Counter()
-    staleness = collections.Counter()
-    accounted = set()
-    left = {"filter": set(), "unconsumed": set()}
+    consumed: collections.Counter[int | None] = collections.Counter()
+    per_step: collections.Counter[int] = collections.Counter()
+    staleness: collections.Counter[int] = collections.Counter()
+    accounted: set[int | None] = set()
+    left: dict[str, set[int | None]] = {"filter": set(), "unconsumed": set()}
     for e in events:
         kind, gid = e["event"], e.get("group_id")
         if kind == "admit":

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from dora_jax.config.modes import CAPABILITIES
 
@@ -39,7 +39,7 @@ class Policy:
     resumable: bool
     allows_colocation: bool
     multi_version: bool
-    bound: int | str | None
+    bound: int | Literal["K"] | None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -130,7 +130,8 @@ def converge_slices(sched: Scheduler, target: int) -> list:
 
 def check_uniform_slices(sched: Scheduler, req) -> None:
     """All slices hold (or are loading) one and the same version."""
-    vs = {sl.effective_version for sl in sched.slices} - {None}  # None: a failed slice
+    vs = {sl.effective_version for sl in sched.slices
+          if sl.effective_version is not None}  # None: a failed slice
     req(len(vs) <= 1, f"{sched.config.mode}: slices disagree on version {sorted(vs)}")
 
 

@@ -116,7 +116,7 @@ def check(sched: Scheduler, req) -> None:
             f"slice {i} holds {sorted(sl.held)} and adds {sorted(sl.adding)}: over V={V}")
         req(sl.version == (max(sl.held) if sl.held else None),
             f"slice {i}: version {sl.version} is not its newest of {sorted(sl.held)}")
-        counts = {}
+        counts: dict[int, int] = {}
         for gid, _ in sl.running:
             v = sched.groups[gid].version
             counts[v] = counts.get(v, 0) + 1

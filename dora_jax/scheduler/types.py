@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Union
 
 from dora_jax.config import (
     Config,
@@ -202,8 +201,8 @@ class TrainStep:
     group_ids: tuple
 
 
-Action = Union[Admit, Assign, Migrate, LoadVersion, AddVersion, Evict, InterruptReload,
-               TrainStep]
+Action = (Admit | Assign | Migrate | LoadVersion | AddVersion | Evict | InterruptReload
+          | TrainStep)
 
 
 # ---------------------------------------------------------------------------

@@ -158,7 +158,7 @@ def main(argv):
     dora = results["dora"]["step_minutes"]
     syncs = {m: results[m]["step_minutes"] for m in ("sync", "colocated_sync") if m in results}
     if syncs:
-        best = min(syncs, key=syncs.get)
+        best = min(syncs, key=syncs.__getitem__)
         print(f"dora/sync step-time speedup: {syncs[best] / dora:.2f}  (against {best})")
     if "partial_rollout" in results:
         print(f"dora/partial_rollout step-time speedup: "

@@ -33,6 +33,7 @@ import collections
 import dataclasses
 import json
 import os
+from collections.abc import Sequence
 
 import numpy as np
 from absl import app, flags
@@ -94,8 +95,13 @@ def decode_points(run: dict, slots: int, cores: float) -> list:
     """(generate calls, decode steps, sequences per step, prefilled tokens, busy
     seconds) of each slice of one run; prefilled tokens are prompts and re-prefills
     as metrics.jsonl counts them (0 for a run that predates those counters)."""
-    busy, util_time, util = collections.Counter(), collections.Counter(), collections.Counter()
-    calls, prefilled = collections.Counter(), collections.Counter()
+    # seconds and tokens (floats) by slice
+    busy: dict[str, float] = collections.defaultdict(float)
+    util_time: dict[str, float] = collections.defaultdict(float)
+    util: dict[str, float] = collections.defaultdict(float)
+    tokens: dict[str, float] = collections.defaultdict(float)
+    calls: collections.Counter[str] = collections.Counter()
+    prefilled: collections.Counter[str] = collections.Counter()
     for s, seconds in zip(run["spans"], _alone(run["spans"], cores)):
         if s["kind"] == "decode":  # one span per slice step: one generate call
             busy[s["row"].split()[-1]] += seconds
@@ -109,7 +115,6 @@ def decode_points(run: dict, slots: int, cores: float) -> list:
         for key in ("prefill_tokens", "reprefill_tokens"):
             for sl, n in m.get(key, {}).items():
                 prefilled[sl] += n
-    tokens = collections.Counter()
     for rec in run["ledger"]:
         if rec["event"] == "consume":
             for smp in rec["samples"]:
@@ -124,9 +129,9 @@ def decode_points(run: dict, slots: int, cores: float) -> list:
     return points
 
 
-def _nonnegative_fit(columns: list, y: list) -> np.ndarray:
+def _nonnegative_fit(columns: list, target: Sequence[float]) -> np.ndarray:
     """Least squares with every coefficient >= 0 (dropping negative ones in turn)."""
-    A, y = np.asarray(columns, float).T, np.asarray(y, float)
+    A, y = np.asarray(columns, float).T, np.asarray(target, float)
     keep = list(range(A.shape[1]))
     while True:
         coef = np.zeros(A.shape[1])

@@ -229,17 +229,19 @@ class ClusterSim(RunRecords, Driver):
         """Moves the requests the scheduler migrated away. One still on its way here
         (migrated twice before it arrived) keeps its export until it arrives; one
         that finished first is gone (its event already told the scheduler)."""
-        keep, exports, sl.exports = [], sl.exports, []  # re-entered via a destination
+        keep: list = []
+        exports, sl.exports = sl.exports, []  # re-entered via a destination
         for key, dst in exports:
             if key in sl.where:
                 r = sl.remove(key)
             else:
-                r = next((w for w in sl.waiting if (w.gid, w.k) == key), None)
-                if r is None:
+                waiting = next((w for w in sl.waiting if (w.gid, w.k) == key), None)
+                if waiting is None:
                     if key not in self.done:
                         keep.append((key, dst))
                     continue
-                sl.waiting.remove(r)
+                sl.waiting.remove(waiting)
+                r = waiting
             d = self.slices[dst]
             r.slices.append(dst)
             r.ready_at = self.now + self.cost.migrate_seconds(self.prompt_len + r.produced)

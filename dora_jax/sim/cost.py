@@ -96,7 +96,7 @@ class CostModel:
     def migrate_seconds(self, tokens: int) -> float:
         return self.migrate_latency + tokens * self.kv_bytes_per_token / self.migrate_bandwidth
 
-    def train_seconds(self, tokens: int) -> float:
+    def train_seconds(self, tokens: float) -> float:
         return self.train_fixed + self.train_per_token * tokens
 
     def scaled_trainer(self, factor: float) -> CostModel:

@@ -86,6 +86,7 @@ def main(argv):
                 + f"  worst {worst:.0%}", flush=True)
             if best is None or worst < best[0]:
                 best = (worst, eff)
+    assert best is not None  # flags.hbm and flags.step_overhead are not empty
     print(f"best: {best[1]}  worst error {best[0]:.1%}")
 
 

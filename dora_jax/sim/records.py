@@ -8,14 +8,44 @@ itself stays in cluster.py.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dora_jax.scheduler.driver import consume_record, sample_entry
 from dora_jax.scheduler.ledger import unconsumed_records
 from dora_jax.sim.slice import Slice
 from dora_jax.sim.slots import idle_reason
 
+if TYPE_CHECKING:  # pragma: no cover
+    from dora_jax.runtime.report import WaitClock
+    from dora_jax.scheduler.core import Scheduler
+    from dora_jax.scheduler.types import SchedulerConfig
+    from dora_jax.sim.slots import SlotTime
+    from dora_jax.timeline import Timeline
+
 
 class RunRecords:
     """Ledger, per-step waits and slot time, and timeline spans of a `ClusterSim`."""
+
+    if TYPE_CHECKING:  # the ClusterSim state it reads and writes (cluster.py sets it)
+        config: SchedulerConfig
+        sched: Scheduler
+        slices: list[Slice]
+        now: float
+        colocated: bool
+        prompt_len: int
+        trainer_busy_until: float | None
+        timeline: Timeline
+        ledger: list
+        metrics: list
+        group_version: dict
+        done: dict
+        waits: WaitClock
+        slot_time: SlotTime
+        _open: dict
+        _step_waits: dict
+        _noted: int
+        _pending_versions: set
+        _rbs_full: bool
 
     def _span(self, row, kind, start, end, version, slots=None):
         """Timeline span; a decode span that continues the row's last one with the

@@ -5,12 +5,12 @@ summary.json, timeline.json and timeline.png into `workdir` (if given) and retur
 the summary. Figures are over the steady-state window (end of step 0 to end of the
 last step), as the runtime reports them: `tokens_per_second` counts trained tokens
 (prompt and response, a multi-turn episode's observations included),
-`generated_tokens_per_second` decoded ones (model turns only). The ledger is audited by the project's
-auditor, and a summary says whether it passed (`audit_ok`). As in the runtime, each
-metrics record has the trainer's wait before its step by cause (`trainer_wait_split`:
-fill / guard / starvation); it also has the slot-seconds since the previous step by
-state (`slot_idle`, cluster.SLOT_REASONS), and the summary both as fractions of the
-window.
+`generated_tokens_per_second` decoded ones (model turns only). The ledger is audited
+by the project's auditor, and a summary says whether it passed (`audit_ok`). As in
+the runtime, each metrics record has the trainer's wait before its step by cause
+(`trainer_wait_split`: fill / guard / starvation); it also has the slot-seconds since
+the previous step by state (`slot_idle`, cluster.SLOT_REASONS), and the summary both
+as fractions of the window.
 """
 
 from __future__ import annotations
@@ -95,12 +95,14 @@ def summarize(sim: ClusterSim, preset: Preset, mode: str, cost: CostModel) -> di
                      for k in ("guard", "starvation")}}
     slot_idle = {k: round(sum(r["slot_idle"][k] for r in m[1:]) / (slots * window), 4)
                  for k in SLOT_REASONS}
+    share = rollout_only_share(sim.timeline.spans, start, end)
+    assert share is not None  # the window is not empty (figures above divide by it)
     return dict(
         preset=preset.name, mode=mode, steps=len(m),
         step_minutes=round(window / (len(m) - 1) / 60, 3),
         tokens_per_second=round(trained / window, 1),
         generated_tokens_per_second=round(generated / window, 1),
-        rollout_only_share=round(rollout_only_share(sim.timeline.spans, start, end), 4),
+        rollout_only_share=round(share, 4),
         trainer_wait_fraction=round(1 - train_busy / window, 4),
         trainer_wait_split=wait_split, slot_idle=slot_idle,
         slot_utilisation=round(sim.stats["busy_slot_seconds"] / (slots * end), 4),

@@ -71,7 +71,8 @@ class Slice:
     produced and left), so a chunk advances them all at once."""
 
     def __init__(self, i, slots):
-        self.i, self.version = i, 0
+        self.i = i
+        self.version: int | None = 0
         self.loading: int | None = None
         # Several versions per slice: those resident and those being added (the
         # slice decodes on while an AddVersion transfers); `version` is the newest.

@@ -85,6 +85,7 @@ class SlotTime:
         if sl.chunk is None:
             sl.acct = (reason, 0, None, env)
         else:  # requests given to the slice mid-chunk, or observed, wait for its end
+            assert sl.rates is not None  # set with the chunk
             parked = env + len(sl.observed)
             boundary = len(sl.observed) + (0 if reason <= KV_FULL or not sl.waiting else min(
                 len(sl.waiting), slots - sl.rates[2] - parked))

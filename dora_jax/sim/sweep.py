@@ -154,7 +154,7 @@ def main(argv):
     bad = [(r["key"], r["mode"], r["audit"]) for r in results if not r["audit_ok"]]
     if bad:
         raise SystemExit(f"ledger audit failed: {bad}")
-    for v in versions or [None]:
+    for v in versions or (None,):
         label = "dora" if v is None else f"dora@{v}"
         view = [dict(r, mode="dora") if r["mode"] == label else r for r in results
                 if not r["mode"].startswith("dora") or r["mode"] == label]

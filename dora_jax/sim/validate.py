@@ -81,18 +81,20 @@ def main(argv):
     del argv
     from dora_jax import config as config_lib
 
+    workdir = _WORKDIR.value
+    assert workdir is not None  # a required flag
     cfg = config_lib.load(_CONFIG.value)
-    if not os.path.exists(os.path.join(_WORKDIR.value, "bench.json")):
-        raise app.UsageError(f"--workdir={_WORKDIR.value} is not a bench.modes output "
+    if not os.path.exists(os.path.join(workdir, "bench.json")):
+        raise app.UsageError(f"--workdir={workdir} is not a bench.modes output "
                              f"directory (no bench.json)")
-    if not os.path.isdir(os.path.join(_WORKDIR.value, _CALIBRATE_ON.value)):
+    if not os.path.isdir(os.path.join(workdir, _CALIBRATE_ON.value)):
         raise app.UsageError(f"--calibrate_on={_CALIBRATE_ON.value}: no such mode folder "
-                             f"in {_WORKDIR.value}")
-    with open(os.path.join(_WORKDIR.value, "bench.json")) as f:
+                             f"in {workdir}")
+    with open(os.path.join(workdir, "bench.json")) as f:
         measured = json.load(f)["rows"]
 
     def runs(name):
-        d = os.path.join(_WORKDIR.value, name)
+        d = os.path.join(workdir, name)
         return [load_run(os.path.join(d, r)) for r in sorted(os.listdir(d))
                 if os.path.exists(os.path.join(d, r, "timeline.json"))]
 
@@ -130,7 +132,7 @@ def main(argv):
               f"{row['tokens/s']:9.0f} {tokens:8.0f} {100 * e_tok:5.0f}%"
               + ("  (calibrated on)" if name == _CALIBRATE_ON.value else ""))
     if not errors:
-        raise SystemExit(f"{_WORKDIR.value}: no audited run of a mode other than "
+        raise SystemExit(f"{workdir}: no audited run of a mode other than "
                          f"{_CALIBRATE_ON.value} to validate against")
     print(f"max relative error: {max(errors):.2f}")
 
