@@ -16,10 +16,10 @@ into W for export, giving the params of the same model without adapters.
 
 Several versions at once (a decode slice serving each slot under its own version):
 each adapter leaf then holds V adapter sets, stacked on a "place" axis after the
-layers axis, and `rows(place_B)` says which place each batch row uses. The rows are
-grouped by place and each group goes through its own A and B (`ragged_dot`, as the
-MoE groups tokens by expert), so a step does one adapter's work per row however
-many versions it serves.
+layers axis, and `rows(place_B)` says which place each batch row uses. Every row is
+projected through each place's A, keeps its own place's rank-r activations and goes
+through the stacked Bs as one contraction: dense matmuls, V times the adapters' small
+FLOPs, however many versions a step serves.
 """
 
 from __future__ import annotations
@@ -94,13 +94,12 @@ class LoRA(nnx.Module):
         M = math.prod(lead)
         place_M = jnp.broadcast_to(
             place_B.reshape(place_B.shape[0], *[1] * (len(lead) - 1)), lead).reshape(M)
-        order_M = jnp.argsort(place_M, stable=True)
-        sizes_V = jnp.bincount(place_M, length=V).astype(jnp.int32)
-        x_MI = x.reshape(M, -1)[order_M]
-        h_MR = jax.lax.ragged_dot(x_MI, a_VIR.reshape(V, -1, r), sizes_V)
-        h_MR = h_MR * jnp.asarray(self.scale, x.dtype)
-        y_MO = jax.lax.ragged_dot(h_MR, b_VRO.reshape(V, r, -1), sizes_V)
-        y_MO = jnp.zeros_like(y_MO).at[order_M].set(y_MO)
+        # Every place's rank-r projection, each row keeping its own: dense matmuls with
+        # no sort or scatter. V times the adapters' FLOPs (r / d of the weight's each),
+        # and faster than grouping rows by place with ragged_dot at decode sizes.
+        h_MVR = jnp.einsum("mi,vir->mvr", x.reshape(M, -1), a_VIR.reshape(V, -1, r))
+        keep_MV = jax.nn.one_hot(place_M, V, dtype=x.dtype) * jnp.asarray(self.scale, x.dtype)
+        y_MO = jnp.einsum("mvr,vro->mo", h_MVR * keep_MV[:, :, None], b_VRO.reshape(V, r, -1))
         return y_MO.reshape(*lead, *out_shape)
 
     def experts(self, x_ECD):
