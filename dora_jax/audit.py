@@ -17,8 +17,8 @@ import os
 import sys
 
 from dora_jax import untrusted_files
+from dora_jax.config.modes import CAPABILITIES
 from dora_jax.scheduler import ledger
-from dora_jax.scheduler.modes import POLICIES
 
 _USAGE = "usage: python -m dora_jax.audit WORKDIR"
 
@@ -46,10 +46,10 @@ def audit_workdir(workdir: str) -> ledger.AuditReport:
     except FileNotFoundError:
         raise ledger.LedgerError(f"{path}: no such file (not a run's workdir?)") from None
     mode = _field(config, path, "coordinator.mode", integer=False, optional=True)
-    if mode not in POLICIES:
+    if mode not in CAPABILITIES:
         raise ledger.LedgerError(f"{path}: coordinator.mode {mode!r} is not one of "
-                                 f"{tuple(POLICIES)}")
-    policy = POLICIES[mode]()
+                                 f"{tuple(CAPABILITIES)}")
+    caps = CAPABILITIES[mode]
     tbs = _field(config, path, "coordinator.train_batch_size")
     group_size = _field(config, path, "coordinator.group_size")
     k = _field(config, path, "coordinator.max_staleness", optional=True)
@@ -63,11 +63,9 @@ def audit_workdir(workdir: str) -> ledger.AuditReport:
         problem = ledger.check_fields(event)
         if problem:
             raise ledger.LedgerError(f"{path}:{number}: {problem}")
-    # The mode's own bound: K itself, or the fixed one a mode guarantees.
-    bound = k if policy.bound == "K" else policy.bound
     return ledger.audit([e for _, e in numbered], train_batch_size=tbs,
-                        group_size=group_size, max_staleness=bound,
-                        max_decode_len=max_decode_len, check_c1=policy.keeps_c1)
+                        group_size=group_size, max_staleness=caps.staleness_bound(k),
+                        max_decode_len=max_decode_len, check_c1=caps.keeps_c1)
 
 
 def main(argv: list[str]) -> int:

@@ -37,6 +37,11 @@ class Capabilities:
     allows_colocation: bool = False
     multi_version: bool = False
 
+    def staleness_bound(self, max_staleness: int | None) -> int | None:
+        """The largest step - version the mode guarantees under K = max_staleness
+        (None: not bounded)."""
+        return max_staleness if self.bound == "K" else self.bound
+
 
 CAPABILITIES: dict[str, Capabilities] = {
     # The slices decode only while the trainer waits for the batch: on one set of

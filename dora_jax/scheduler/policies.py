@@ -49,7 +49,7 @@ class Policy:
 
     def staleness_bound(self, config: SchedulerConfig) -> int | None:
         """The largest step - version this mode guarantees (None: not bounded)."""
-        return config.max_staleness if self.bound == "K" else self.bound
+        return CAPABILITIES[self.name].staleness_bound(config.max_staleness)
 
     def plan(self, sched: Scheduler) -> list:
         """Return the actions of one decision pass (already applied to `sched`)."""
