@@ -137,3 +137,20 @@ def make_slice(slice_id, model, kind, mesh_index, version=0, seed=0, lookahead=T
                                      kv_pages), lookahead=lookahead)
     s.load_version(version, params(model, seed))
     return s
+
+
+def paged_attention_reference(q_BHD, k_KPpD, v_KPpD, lengths, tables):
+    """Per slot: its pages concatenated, the first `length` positions, softmax."""
+    B, H, D = q_BHD.shape
+    K = k_KPpD.shape[0]
+    out = np.zeros((B, H, D))
+    for b in range(B):
+        if not lengths[b]:
+            continue
+        k = np.concatenate([k_KPpD[:, p] for p in tables[b]], axis=1)[:, :lengths[b]]
+        v = np.concatenate([v_KPpD[:, p] for p in tables[b]], axis=1)[:, :lengths[b]]
+        for h in range(H):
+            s = k[h // (H // K)] @ q_BHD[b, h] / np.sqrt(D)
+            p = np.exp(s - s.max())
+            out[b, h] = (p / p.sum()) @ v[h // (H // K)]
+    return out

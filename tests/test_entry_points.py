@@ -70,7 +70,7 @@ def modes_run(tmp_path_factory):
     return workdir, subprocess.CompletedProcess([], returncode, stdout, stderr)
 
 
-# bench.engine and bench.trainer: tests/test_bench_accelerator.py runs them (its CPU form).
+# bench.engine and bench.trainer: tests/bench/test_bench_accelerator.py runs them (its CPU form).
 
 
 @pytest.mark.slow
@@ -87,7 +87,7 @@ def test_bench_trainer_long_tail():
 def test_bench_modes(modes_run):
     """The table's runs, each audited clean with its steps and timeline, the colocated
     sync all on-policy (TBS 4 x 3 steps at staleness 0), and the headline ratios.
-    (Also what tests/test_bench.py's end-to-end run of `modes.bench_modes` checked.)"""
+    (Also what tests/bench/test_bench.py's end-to-end run of `modes.bench_modes` checked.)"""
     workdir, out = modes_run
     parse(final_line(out), rf"dora/best-other tokens/s ratio: {NUMBER}", 0.01, 100)
     assert "dora/sync tokens/s ratio: " in out.stdout
@@ -110,7 +110,7 @@ def test_bench_scale():
     assert float(m.group(1)) == 1  # a group's prompt is prefilled once
 
 
-# bench.crash: tests/test_crash.py::test_five_kills_lose_and_duplicate_nothing runs it
+# bench.crash: tests/runtime/test_crash.py::test_five_kills_lose_and_duplicate_nothing runs it
 # (`python -m dora_jax.bench.crash`, tiny config, 1 layer) and checks its final line.
 
 
@@ -158,7 +158,7 @@ def test_sim_calibrate(modes_run):
     out = run_module("dora_jax.sim.calibrate", f"--workdir={workdir / 'sync' / '0'}",
                      "--config=configs/tiny.py", "--cores=2")
     # A few-step tiny run can leave the per-slot term at 0 (the call overhead fits it
-    # all): the line must parse; the fit itself is tested in tests/test_sim.py.
+    # all): the line must parse; the fit itself is tested in tests/sim/test_sim.py.
     parse(final_line(out), rf"decode step at 8 busy slots: {NUMBER} ms", 0.0, 1e4)
 
 

@@ -5,6 +5,7 @@ package lowest of all, and no import cycle joins two packages; the mode registry
 matches the config's list of modes."""
 
 import ast
+import os
 import pathlib
 import subprocess
 import sys
@@ -26,6 +27,20 @@ def test_pure_modules_import_no_jax(module):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == "", f"importing {module} loaded {out}"
+
+
+@pytest.mark.slow
+def test_the_pure_packages_tests_pass_with_the_accelerator_stack_unimportable(tmp_path):
+    # A sitecustomize on PYTHONPATH reaches every interpreter the tests start too
+    # (the simulator's command line), so no test can lean on JAX by a side door.
+    (tmp_path / "sitecustomize.py").write_text(
+        f"import sys\nsys.modules.update(dict.fromkeys({HEAVY!r}))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow",
+                          "-p", "no:cacheprovider", "tests/scheduler", "tests/sim"],
+                         cwd=REPO, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout
 
 
 def test_config_imports_only_its_own_modules_from_the_package():

@@ -159,7 +159,7 @@ def test_colab_quickstart_runs_from_a_wheel_in_a_fresh_environment(tmp_path):
     reward curve, the export loaded back. The installed wheel then ships the configs:
     they load by name from a directory that is not the clone, and the flagship
     command answers as documented. (One fresh environment and one wheel for both; the
-    in-process run of the notebook that tests/test_e2e.py had is this one.)"""
+    in-process run of the notebook that tests/runtime/test_e2e.py had is this one.)"""
     python = _fresh_venv(tmp_path)
     env = _outside_env(tmp_path)
     out = subprocess.run([python, "-c", "import dora_jax"], capture_output=True, env=env,

@@ -28,7 +28,7 @@ escapee included, even one sharing this host's mount or network namespace, has a
 endpoint to connect to. (The forkserver method this replaced listens on a unix socket
 in a `pymp-*` temp dir and, on Python 3.11 at least, serves whoever connects: it forks
 a child that unpickles what the client sends, which is code execution as the run's
-user; tests/test_pool_endpoints.py shows it.) Never `fork` either: the coordinator runs JAX
+user; tests/rewards/test_pool_endpoints.py shows it.) Never `fork` either: the coordinator runs JAX
 threads, and a fork of a threaded process may deadlock. `spawn` rather than a fork
 server of our own (one on an inherited socketpair, or checking SO_PEERCRED): it is a
 start method pebble and CPython support as they are, with no IPC code here to get

@@ -43,7 +43,7 @@ def guarded_update(tx: optax.GradientTransformation, grads, opt_state, params, f
     and optimizer state come back unchanged, so the schedule's count does not advance.
 
     Returns (params, opt_state). Where the two overlap this is `optax.apply_if_finite`
-    (tests/test_optimizer.py shows equal params, state and count), which is not used
+    (tests/rl/test_optimizer.py shows equal params, state and count), which is not used
     because its semantics differ: it checks the gradient's elements only (here also
     the loss, and the pre-clip global norm, which can overflow on finite elements),
     it gives up and applies the update after `max_consecutive_errors` non-finite ones

@@ -21,7 +21,7 @@ from dora_jax.data.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
 from dora_jax.model import hf_config, safetensors_file
 from dora_jax.model.hf_config import CheckpointError
 
-FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
+FIXTURES = pathlib.Path(__file__).parents[1] / "fixtures" / "hf"
 ASSET_TOKENIZER = REPO / "dora_jax" / "assets" / "tokenizer"
 
 
@@ -361,7 +361,7 @@ def test_slow_template_hits_the_time_limit(tok_dir, template):
 
 # Qwen3's chat template (tools, multi-step tool calls, reasoning_content,
 # enable_thinking), as its tokenizer_config.json ships it.
-QWEN3_TEMPLATE = (pathlib.Path(__file__).parent / "fixtures" / "qwen3_chat_template.jinja"
+QWEN3_TEMPLATE = (pathlib.Path(__file__).parents[1] / "fixtures" / "qwen3_chat_template.jinja"
                   ).read_text()
 
 CONVERSATION = [

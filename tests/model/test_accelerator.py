@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 
+import _rollout_common as rc
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,7 +25,6 @@ from jax.sharding import Mesh
 from test_attention import PACKED_21, _naive, _naive_probs, _segments
 from test_moe import CFG as MOE_CFG
 from test_moe import _reference_moe
-from test_paged import _reference as _paged_reference
 
 from dora_jax import config as config_lib
 from dora_jax.model import attention, moe, transformer
@@ -191,7 +191,7 @@ def test_paged_decode_attention_matches_per_slot_softmax(record, impl, dtype):
     with _precision(dtype):
         got = fn(q, k, v, lengths, view, implementation=impl, interpret=INTERPRET)
     assert got.dtype == jnp.dtype(dtype)
-    want = _paged_reference(q64, k64, v64, lengths, tables)
+    want = rc.paged_attention_reference(q64, k64, v64, lengths, tables)
     tol = TOL["bfloat16" if impl == "pallas" else dtype]  # the kernel reads pages as bf16
     _compare(record, "paged", got, want, tol, impl=impl, dtype=dtype,
              lengths=lengths.tolist())

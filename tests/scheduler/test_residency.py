@@ -25,7 +25,7 @@ from dora_jax.scheduler import (
     TrainStep,
 )
 
-FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "scheduler_v1_actions.json"
+FIXTURE = pathlib.Path(__file__).parents[1] / "fixtures" / "scheduler_v1_actions.json"
 
 
 def config(V, K=2, slots=4, S=1, G=2, tbs=1, rbs=2, mode="dora"):

@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _trainer_common import batch_of, trainer_mesh, trajectories
 from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from test_trainer import batch_of, trainer_mesh, trajectories
 
 from dora_jax import config as config_lib
 from dora_jax.checkpointing import Checkpointer
@@ -390,12 +390,12 @@ def test_runs_start_from_checkpoint_bases_with_fresh_adapters(tiny_hf_checkpoint
 
 
 def test_sft_trains_the_adapters_alone(tmp_path, load_config):
-    from test_sft import _countdown
+    from _trainer_common import countdown_config
 
     from dora_jax import sft
     from dora_jax.model import hf_checks
 
-    c = _countdown(load_config)
+    c = countdown_config(load_config)
     c.model.lora.update(dict(rank=8, targets=("q", "v", "up", "down")))
     cfg = hf_checks.validated(c, num_devices=8)
     out = sft.train(cfg, str(tmp_path), steps=12, batch_size=8, learning_rate=1e-2,

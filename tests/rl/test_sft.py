@@ -9,25 +9,13 @@ import re
 import jax
 import numpy as np
 import pytest
+from _trainer_common import countdown_config
 from conftest import audit_workdir
 
 from dora_jax import experiment, sft
 from dora_jax.data import sources, tasks
 from dora_jax.model import hf_checks, transformer
 from dora_jax.rollout.slice import DecodeSlice
-
-
-def _countdown(load_config, **rollout):
-    c = load_config("configs/tiny.py", validate=False)
-    c.model.num_layers = 1
-    c.rollout.update(dict(slots_per_slice=4, max_prefill_length=8, max_decode_len=16,
-                          prefill_buckets=(8,)), **rollout)
-    c.trainer.length_buckets = (24,)
-    c.coordinator.update(dict(group_size=2, train_batch_size=2, rollout_batch_size=4,
-                              num_steps=2))
-    c.data.update(dict(source="countdown", reward="countdown", max_count=12, count_median=4.0,
-                       num_prompts=64))
-    return c
 
 
 def _greedy(graphdef, params, prompt, steps):
@@ -43,7 +31,7 @@ def _greedy(graphdef, params, prompt, steps):
 def test_sft_learns_demonstrations_and_rl_starts_from_them(tmp_path, load_config,
                                                           monkeypatch, capsys):
 
-    cfg = hf_checks.validated(_countdown(load_config), num_devices=8)
+    cfg = hf_checks.validated(countdown_config(load_config), num_devices=8)
     out = sft.train(cfg, str(tmp_path / "sft"), steps=150, batch_size=32, learning_rate=3e-3)
     assert out["loss_last"] < 0.1 * out["loss_first"], out
     log = [json.loads(line) for line in open(tmp_path / "sft" / "sft_metrics.jsonl")]
@@ -75,7 +63,7 @@ def test_sft_learns_demonstrations_and_rl_starts_from_them(tmp_path, load_config
         return seconds
 
     monkeypatch.setattr(DecodeSlice, "load_version", recording)
-    rl = hf_checks.validated(_countdown(load_config), num_devices=8)
+    rl = hf_checks.validated(countdown_config(load_config), num_devices=8)
     rl = dataclasses.replace(rl, init_checkpoint=out["checkpoint"])
     summary = experiment.run(rl, str(tmp_path / "rl"))
     want = [np.asarray(x) for x in jax.tree.leaves(params)]
@@ -89,7 +77,7 @@ def test_sft_learns_demonstrations_and_rl_starts_from_them(tmp_path, load_config
 
 def test_missing_init_checkpoint_fails_before_compute(tmp_path, load_config):
 
-    c = _countdown(load_config)
+    c = countdown_config(load_config)
     c.init_checkpoint = str(tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError, match="config.init_checkpoint"):
         experiment.run(hf_checks.validated(c, num_devices=8), str(tmp_path / "rl"))
@@ -97,7 +85,7 @@ def test_missing_init_checkpoint_fails_before_compute(tmp_path, load_config):
 
 
 def test_progress_every_sets_the_lines_and_0_silences_them(tmp_path, load_config, capsys):
-    cfg = hf_checks.validated(_countdown(load_config), num_devices=8)
+    cfg = hf_checks.validated(countdown_config(load_config), num_devices=8)
     sft.train(cfg, str(tmp_path / "a"), steps=3, batch_size=4, learning_rate=1e-3,
               progress_every=2)
     assert re.findall(r"^sft step (\d+)/3:", capsys.readouterr().out, flags=re.M) == ["2", "3"]

@@ -1,7 +1,7 @@
 """The python tool's sandbox: model code runs isolated by the kernel, fails closed.
 
 The attacks here go through kernel layers only (nothing in the child's interpreter is
-trusted); tests/test_bench_sandbox.py runs the escape corpus of bench.sandbox.
+trusted); tests/bench/test_bench_sandbox.py runs the escape corpus of bench.sandbox.
 """
 
 import ctypes
@@ -21,7 +21,7 @@ from dora_jax.envs import _sandbox_filters as filters
 from dora_jax.envs import sandbox
 from dora_jax.envs.sandbox import SandboxLimits, run_python
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 UNISTD = pathlib.Path("/usr/include/x86_64-linux-gnu/asm/unistd_64.h")
 
 

@@ -20,7 +20,7 @@ from dora_jax.config.model import LoRAConfig
 from dora_jax.model import hf, lora, peft_format, safetensors_file
 from dora_jax.model import transformer as tf
 
-FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
+FIXTURES = pathlib.Path(__file__).parents[1] / "fixtures" / "hf"
 ALL = ("q", "k", "v", "o", "gate", "up", "down")
 # Llama (GQA, llama3 RoPE) and Qwen3 (q/k norms) with every target; Qwen3-MoE's
 # attention (its experts' adapters have no PEFT form: peft_format's docstring).

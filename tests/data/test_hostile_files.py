@@ -26,7 +26,7 @@ from dora_jax.runtime import files
 from dora_jax.scheduler import ledger
 
 ASSET_TOKENIZER = REPO / "dora_jax" / "assets" / "tokenizer"
-QWEN3_CONFIG = pathlib.Path(__file__).parent / "fixtures" / "hf" / "qwen3" / "config.json"
+QWEN3_CONFIG = pathlib.Path(__file__).parents[1] / "fixtures" / "hf" / "qwen3" / "config.json"
 DEEP = b"[" * 100_000 + b"]" * 100_000
 
 

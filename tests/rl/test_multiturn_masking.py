@@ -9,8 +9,8 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from _trainer_common import leaves, make_trajectory, trainer_mesh
 from test_packing import ROW, VOCAB, _assert_close, _padded_reference
-from test_trainer import leaves, make_trajectory, trainer_mesh
 
 from dora_jax.config import LOSS_AGG_MODES, OBJECTIVES
 from dora_jax.rl.batch import TrainBatch

@@ -96,23 +96,6 @@ def test_pool_invariants_under_any_operations(ops):
 
 # ------------------------------------------------------------------ attention
 
-def _reference(q_BHD, k_KPpD, v_KPpD, lengths, tables):
-    """Per slot: its pages concatenated, the first `length` positions, softmax."""
-    B, H, D = q_BHD.shape
-    K = k_KPpD.shape[0]
-    out = np.zeros((B, H, D))
-    for b in range(B):
-        if not lengths[b]:
-            continue
-        k = np.concatenate([k_KPpD[:, p] for p in tables[b]], axis=1)[:, :lengths[b]]
-        v = np.concatenate([v_KPpD[:, p] for p in tables[b]], axis=1)[:, :lengths[b]]
-        for h in range(H):
-            s = k[h // (H // K)] @ q_BHD[b, h] / np.sqrt(D)
-            p = np.exp(s - s.max())
-            out[b, h] = (p / p.sum()) @ v[h // (H // K)]
-    return out
-
-
 def _paged_problem(D, seed=0):
     rng = np.random.default_rng(seed)
     B, H, K, ps = 4, 4, 2, 4
@@ -132,7 +115,7 @@ def test_ragged_paged_attention_equals_per_slot_softmax():
     q, k, v, lengths, pool, tables = _paged_problem(D=16)
     view = jax.tree.map(jnp.asarray, pool.view())
     got = jax.jit(pa.paged_attention, static_argnums=(5,))(q, k, v, lengths, view, "ragged")
-    want = _reference(q, k, v, lengths, tables)
+    want = rc.paged_attention_reference(q, k, v, lengths, tables)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
     assert not np.asarray(got)[2].any()  # a slot without pages attends to nothing
 
@@ -144,7 +127,7 @@ def test_pallas_paged_kernel_in_interpret_mode_matches_reference():
     tables[2] = list(pool.slot_pages(2))
     view = jax.tree.map(jnp.asarray, pool.view())
     got = pa.paged_attention(q, k, v, lengths, view, "pallas", interpret=True)
-    want = _reference(q, k, v, lengths, tables)
+    want = rc.paged_attention_reference(q, k, v, lengths, tables)
     np.testing.assert_allclose(np.asarray(got), want, atol=3e-2)  # the kernel's bf16 steps
     assert pa.resolve("auto", "tpu") == "pallas" and pa.resolve("auto", "cpu") == "ragged"
 

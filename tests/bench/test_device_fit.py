@@ -13,7 +13,7 @@ from dora_jax.sim import device_fit, presets
 from dora_jax.sim.cost import CostModel, Efficiency, Workload
 from dora_jax.sim.run import simulate
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "accelerator"
 TRUTH = Efficiency(hbm=0.55, mfu_decode=0.3, mfu_prefill=0.4, mfu_train=0.4,
                    step_overhead=0.006, train_passes=3.0, train_fixed=0.05)

@@ -16,7 +16,8 @@ from dora_jax.data import sources, word_problems
 from dora_jax.data.tokenizer import Tokenizer
 from dora_jax.model import hf, hf_checks
 
-QWEN3_FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "hf", "qwen3")
+HF_FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf")
+QWEN3_FIXTURE = os.path.join(HF_FIXTURES, "qwen3")
 
 
 def test_checkpoint_sets_the_architecture(load_config):
@@ -155,7 +156,7 @@ def test_moe_config_loads_the_qwen3_30b_a3b_architecture(load_config, tmp_path):
     """configs/moe.py states Qwen3-30B-A3B's shapes; the hub checkpoint's config.json
     (older field names) agrees with every one, and a checkpoint of other shapes is
     refused by field. Only config files are read: no weights are needed to validate."""
-    hub = os.path.join(os.path.dirname(__file__), "fixtures", "hf", "qwen3_30b_a3b")
+    hub = os.path.join(HF_FIXTURES, "qwen3_30b_a3b")
     c = load_config("configs/moe.py", validate=False)
     c.model.checkpoint = hub
     cfg = hf_checks.validated(c)

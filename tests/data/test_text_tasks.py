@@ -281,7 +281,7 @@ def test_tfds_command_line(tmp_path):
         [sys.executable, "-m", "dora_jax.data.tfds_local", f"--jsonl={train}",
          f"--jsonl=test={test}", f"--data_dir={data_dir}", "--name=gsm"],
         capture_output=True, text=True, timeout=120,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.returncode == 0, out.stderr
     assert f"jsonl_qa/gsm in {data_dir}: train=3, test=1" in out.stdout
     from dora_jax.data import tfds_local

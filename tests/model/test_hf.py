@@ -22,7 +22,7 @@ from dora_jax.model import hf, hf_config, safetensors_file
 from dora_jax.model import transformer as tf
 from dora_jax.model.sharding import param_shardings
 
-FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
+FIXTURES = pathlib.Path(__file__).parents[1] / "fixtures" / "hf"
 FAMILIES = ["qwen3", "qwen3_tied", "qwen3_moe", "qwen2", "llama3"]
 
 
