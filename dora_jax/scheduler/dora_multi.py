@@ -21,7 +21,7 @@ One pass, in order:
   holders failed) is added to the slice with the most free slots that has a place.
 * Admission at P for the free slots of the slices holding or adding P, less every
   pending sample (they start first, on the same slots), while FEASIBILITY (with
-  dora.py's reserve) allows; a slice that cannot take P yet (V <= K) may be topped
+  feasibility.py's reserve) allows; a slice that cannot take P yet (V <= K) may be topped
   up at its newest version w if w + K > t and G of its slots idle, as in dora.py.
 * Assignment: oldest version first, to slices holding the group's version.
 
@@ -34,7 +34,13 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from . import dora, residency
+from . import residency
+from .feasibility import (
+    admission_feasible,
+    admission_reserve,
+    form_guarded_batch,
+    in_flight_room,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .core import Scheduler
@@ -42,7 +48,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def plan(sched: Scheduler) -> list:
-    acts = dora.form_guarded_batch(sched)
+    acts = form_guarded_batch(sched)
     acts += _residency(sched)
     acts += _admit(sched)
     acts += residency.assign_resident(sched)
@@ -92,11 +98,11 @@ def _admit(sched) -> list:
     cfg = sched.config
     p, t, k = sched.published, sched.next_step, cfg.max_staleness
     tbs, G = cfg.train_batch_size, cfg.group_size
-    room = dora.in_flight_room(sched)
+    room = in_flight_room(sched)
     if not room:
         return []
     counts, pend = sched.unconsumed_by_version(), sched.pending_by_version()
-    reserve = dora.admission_reserve(k)
+    reserve = admission_reserve(k)
     free_p = 0
     free_old: Counter[int] = Counter()
     for sl in sched.slices:
@@ -110,7 +116,7 @@ def _admit(sched) -> list:
     free_p -= sum(n for n in pend.values() if n > 0)
 
     def ok(w):
-        return (w == p or w + k > t) and dora.admission_feasible(counts, w, t, reserve, tbs)
+        return (w == p or w + k > t) and admission_feasible(counts, w, t, reserve, tbs)
 
     acts: list[Admit] = []
     while len(acts) < room and free_p > 0 and ok(p):

@@ -26,7 +26,7 @@ round with their per-token versions. Staleness is bounded exactly as above.
 
 from __future__ import annotations
 
-from .dora import (
+from .feasibility import (
     admission_feasible,
     admission_reserve,
     check_feasible,
