@@ -32,7 +32,7 @@ def admission_feasible(counts: Counter, w: int, t: int, k: int, tbs: int) -> boo
 
 def admission_reserve(k: int) -> int:
     """The K that admission plans with: one step of K kept in reserve when K >= 2
-    (module docstring)."""
+    (why: dora.py's docstring, on admission)."""
     return k - 1 if k >= 2 else k
 
 
