@@ -101,9 +101,9 @@ def tiny_hf_checkpoint(tmp_path_factory):
     """A Hugging Face checkpoint directory of configs/qwen3_gsm8k.py:tiny's model
     (random weights, seed 0) with the shipped tokenizer: what a user would pass as
     --config.model.checkpoint."""
-    from dora_jax.data.tokenizer import Tokenizer
     from dora_jax.data.word_problems import TOKENIZER_DIR
     from dora_jax.model import hf, transformer
+    from dora_jax.text.tokenizer import Tokenizer
 
     cfg = load_repo_config("configs/qwen3_gsm8k.py:tiny")
     path = tmp_path_factory.mktemp("hf") / "tiny_qwen3"

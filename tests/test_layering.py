@@ -292,3 +292,16 @@ def test_the_cycle_check_reports_a_cycle(tmp_path):
     (tmp_path / "p/b/high.py").write_text("def f():\n    import p.a.low\n")
     assert _cycle_across_packages(_import_graph(tmp_path / "p")) is None
     assert "p.a.low" in _import_graph(tmp_path / "p", module_level=False)["p.b.high"]
+
+
+def test_text_is_a_floor_below_tasks_models_and_rollout():
+    """Tokenizers and chat templates are read by data/, model/ and rollout/; they import
+    nothing of the project but the bounded file reader, in functions too."""
+    files = sorted((PACKAGE / "text").glob("*.py"))
+    assert {f.name for f in files} >= {"tokenizer.py", "template_sandbox.py"}
+    above = {f"{f.name}: {m}" for f in files for m in _imports(f, REPO, module_level=False)
+             if m not in ("dora_jax", "dora_jax.untrusted_files")
+             and not m.startswith("dora_jax.text")}
+    assert not above, sorted(above)
+    graph = _import_graph(PACKAGE, module_level=False)
+    assert "dora_jax.text.tokenizer" in graph["dora_jax.data.word_problems"]

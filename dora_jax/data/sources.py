@@ -38,7 +38,7 @@ def tokenizer_for(cfg: Config):
     """The run's `data.tokenizer.Tokenizer`, or None for token tasks without one."""
     if not cfg.data.tokenizer:
         return None
-    from dora_jax.data.tokenizer import Tokenizer
+    from dora_jax.text.tokenizer import Tokenizer
 
     return Tokenizer.from_pretrained(cfg.data.tokenizer)
 

@@ -19,8 +19,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from dora_jax.data.prompts import DataError, Record, check_record, jsonl_objects
-from dora_jax.data.tokenizer import TokenizerError
 from dora_jax.rewards import verifiers
+from dora_jax.text.tokenizer import TokenizerError
 
 GSM8K_INSTRUCTION = ("Solve the problem step by step, then write the final answer as a "
                      "number on the last line, after \"####\".")

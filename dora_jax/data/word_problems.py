@@ -70,7 +70,7 @@ def tokenizer_corpus() -> list[str]:
 
 def write_assets() -> None:
     """Rewrites dora_jax/assets/: the problems file (200 problems) and the tokenizer."""
-    from dora_jax.data.tokenizer import train_tokenizer
+    from dora_jax.text.tokenizer import train_tokenizer
 
     os.makedirs(ASSETS, exist_ok=True)
     with open(PROBLEMS_FILE, "w") as f:

@@ -77,7 +77,7 @@ def check_pretrained(config: ml_collections.ConfigDict) -> Pretrained:
     _check_adapter(model.get("lora", {}))
     tokenizer = None
     if path:
-        from dora_jax.data.tokenizer import Tokenizer  # no JAX
+        from dora_jax.text.tokenizer import Tokenizer  # no JAX
 
         try:
             tokenizer = Tokenizer.from_pretrained(path)

@@ -66,7 +66,7 @@ from dora_jax.rollout.sampling import SamplingParams
 from dora_jax.rollout.state import DecodeState, EngineParams, Prefix, ResultTokens
 
 if TYPE_CHECKING:  # the tokenizer's libraries load only when a tokenizer is asked for
-    from dora_jax.data.tokenizer import Tokenizer, TokenizerParameters
+    from dora_jax.text.tokenizer import Tokenizer, TokenizerParameters
 
 
 def prefill_buckets(rollout: RolloutConfig) -> tuple:
@@ -85,7 +85,7 @@ def _stop_ids(rollout_cfg, tokenizer_path, stop_ids) -> tuple:
     else:
         ids = [rollout_cfg.eos_id]
         if tokenizer_path is not None:
-            from dora_jax.data.tokenizer import Tokenizer
+            from dora_jax.text.tokenizer import Tokenizer
             ids += Tokenizer.from_pretrained(tokenizer_path).stop_ids
     return tuple(dict.fromkeys(ids))
 
@@ -216,12 +216,12 @@ class Engine:
         """Where this engine's tokenizer lives, and the stop ids it decodes with."""
         if self.tokenizer_path is None:
             raise ValueError("this engine was built without a tokenizer_path")
-        from dora_jax.data.tokenizer import TokenizerParameters
+        from dora_jax.text.tokenizer import TokenizerParameters
         return TokenizerParameters(self.tokenizer_path, stop_ids=self.stop_ids)
 
     def build_tokenizer(self, metadata: TokenizerParameters) -> Tokenizer:
         """The tokenizer that `metadata` (from `get_tokenizer`) describes."""
-        from dora_jax.data.tokenizer import Tokenizer
+        from dora_jax.text.tokenizer import Tokenizer
         return Tokenizer.from_parameters(metadata)
 
     def load_params(self, params) -> EngineParams:

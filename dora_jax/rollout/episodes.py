@@ -95,7 +95,7 @@ class EpisodeRunner:
 
     Args:
       env: the environment's registered name (`envs.base.get`).
-      tokenizer: decodes turns and encodes observations (data/tokenizer.py).
+      tokenizer: decodes turns and encodes observations (text/tokenizer.py).
       max_turns: model turns per episode; 0: the environment's own `max_turns`.
       timeout: seconds an environment call may take.
       workers: environment calls at once (per slice).

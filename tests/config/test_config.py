@@ -203,7 +203,7 @@ def test_the_flagship_without_a_checkpoint_needs_no_file(load_config):
                       data__source="gsm8k", data__reward="gsm8k",
                       data__path=word_problems.PROBLEMS_FILE)
     tok = word_problems.TOKENIZER_DIR
-    from dora_jax.data.tokenizer import Tokenizer
+    from dora_jax.text.tokenizer import Tokenizer
 
     t = Tokenizer.from_pretrained(tok)
     assert (cfg.rollout.eos_id, cfg.rollout.pad_id) == (t.eos_id, t.pad_id)

@@ -19,11 +19,11 @@ from conftest import REPO
 
 from dora_jax import untrusted_files
 from dora_jax.data import prompts
-from dora_jax.data.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
 from dora_jax.model import hf_config, safetensors_check, safetensors_file
 from dora_jax.model.hf_config import CheckpointError
 from dora_jax.runtime import files
 from dora_jax.scheduler import ledger
+from dora_jax.text.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
 
 ASSET_TOKENIZER = REPO / "dora_jax" / "assets" / "tokenizer"
 QWEN3_CONFIG = pathlib.Path(__file__).parents[1] / "fixtures" / "hf" / "qwen3" / "config.json"

@@ -17,9 +17,9 @@ import pytest
 from conftest import REPO, load_repo_config
 
 from dora_jax.data import prompts, sources, text_tasks
-from dora_jax.data.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
 from dora_jax.model import hf_config, safetensors_file
 from dora_jax.model.hf_config import CheckpointError
+from dora_jax.text.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
 
 FIXTURES = pathlib.Path(__file__).parents[1] / "fixtures" / "hf"
 ASSET_TOKENIZER = REPO / "dora_jax" / "assets" / "tokenizer"
@@ -378,7 +378,7 @@ TOOLS = [{"type": "function", "function": {"name": "add", "description": "a < b 
 
 def _reference_render(template: str, **context) -> str:
     """The same template in Jinja's plain immutable sandbox (no limits)."""
-    from dora_jax.data import tokenizer as tokenizer_module
+    from dora_jax.text import tokenizer as tokenizer_module
 
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])

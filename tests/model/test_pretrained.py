@@ -13,8 +13,8 @@ from conftest import audit_workdir, reference
 
 from dora_jax import config as config_lib
 from dora_jax.data import sources, word_problems
-from dora_jax.data.tokenizer import Tokenizer
 from dora_jax.model import hf, hf_checks
+from dora_jax.text.tokenizer import Tokenizer
 
 HF_FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf")
 QWEN3_FIXTURE = os.path.join(HF_FIXTURES, "qwen3")
@@ -64,7 +64,7 @@ def test_shipped_assets_rebuild_identically(tmp_path):
         steps, final = p["answer"].rsplit("\n#### ", 1)
         last = steps.split("=")[-1].split()[0].rstrip(".,")
         assert last == final, p
-    from dora_jax.data.tokenizer import train_tokenizer
+    from dora_jax.text.tokenizer import train_tokenizer
 
     train_tokenizer(word_problems.tokenizer_corpus(),
                     word_problems.TOKENIZER_VOCAB).save_pretrained(str(tmp_path))

@@ -10,8 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from dora_jax.data.tokenizer import TokenizerParameters
 from dora_jax.rollout import Engine, ResultTokens, SlotData
+from dora_jax.text.tokenizer import TokenizerParameters
 
 _ = inspect.Parameter.empty
 KW, POS = inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD

@@ -13,7 +13,7 @@ import jinja2
 import pytest
 from conftest import reference
 
-from dora_jax.data.tokenizer import (
+from dora_jax.text.tokenizer import (
     DEFAULT_CHAT_TEMPLATE,
     Tokenizer,
     TokenizerParameters,
@@ -225,7 +225,7 @@ def test_errors_name_what_is_missing(trained, saved, tmp_path):
 
 
 def test_tokenizer_module_imports_no_jax_or_transformers():
-    code = ("import sys, dora_jax.data.tokenizer\n"
+    code = ("import sys, dora_jax.text.tokenizer\n"
             "print(sorted({m.split('.')[0] for m in sys.modules} & "
             "{'jax', 'jaxlib', 'flax', 'torch', 'transformers'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -1,0 +1,1 @@
+"""Text below every task and model: tokenizers and the sandbox chat templates run in."""
