@@ -4,7 +4,7 @@ Every builder returns prompt records (see `prompts`) with a stable `prompt_id`,
 `tokens` from the tokenizer's chat template (an optional system message, then the
 question with an instruction appended, then the generation prompt), `question`,
 `answer` (the final answer as a string), `verifier` (the name of the
-`verifiers.TEXT_REWARDS` entry that scores it) and whatever that verifier reads.
+`verifiers.VERIFIERS` entry that scores it) and whatever that verifier reads.
 Records hold only JSON values, so they pickle, log and checkpoint as they are.
 
 The tokenizer is anything with `apply_chat_template(messages, add_generation_prompt=True)`

@@ -296,7 +296,8 @@ def reasoning_gym_reward(record: dict, text: str) -> float:
         return 0.0
 
 
-TEXT_REWARDS: dict[str, TextReward] = {
+# The text verifiers by name; config.TEXT_REWARDS lists these names and "by_record".
+VERIFIERS: dict[str, TextReward] = {
     "gsm8k": gsm8k_reward,
     "math": math_reward,
     "countdown_expr": countdown_reward,
@@ -312,13 +313,13 @@ def record_reward(record: dict, text: str) -> float:
 
 
 def text_reward(name: str) -> TextReward:
-    """A text reward by name: one of TEXT_REWARDS, or "by_record" for `record_reward`."""
+    """A text reward by name: one of VERIFIERS, or "by_record" for `record_reward`."""
     if name == "by_record":
         return record_reward
-    if name not in TEXT_REWARDS:
-        raise ValueError(f"unknown text reward {name!r}; known: {sorted(TEXT_REWARDS)} "
+    if name not in VERIFIERS:
+        raise ValueError(f"unknown text reward {name!r}; known: {sorted(VERIFIERS)} "
                          "and 'by_record'")
-    return TEXT_REWARDS[name]
+    return VERIFIERS[name]
 
 
 class TokenReward:

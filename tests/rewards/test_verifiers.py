@@ -237,10 +237,21 @@ def test_token_reward_falls_back_to_eos_without_stop_ids():
 
 
 def test_text_reward_by_name_and_by_record():
-    assert set(v.TEXT_REWARDS) == {"gsm8k", "math", "countdown_expr", "reasoning_gym"}
+    assert set(v.VERIFIERS) == {"gsm8k", "math", "countdown_expr", "reasoning_gym"}
     assert v.text_reward("gsm8k") is v.gsm8k_reward
     by_record = v.text_reward("by_record")
     assert by_record({"verifier": "gsm8k", "answer": "3"}, "#### 3") == 1.0
     assert by_record({"verifier": "countdown_expr", **COUNTDOWN}, "1+2+3+4") == 1.0
     with pytest.raises(ValueError, match="unknown text reward"):
         v.text_reward("nope")
+
+
+def test_the_config_names_the_rewards_that_exist():
+    """config sits below rewards and cannot import them: its lists of reward names must
+    be the registries' keys, each name once."""
+    from dora_jax import config
+    from dora_jax.rewards import tokens
+
+    assert config.TEXT_REWARDS == (*v.VERIFIERS, "by_record")
+    assert config.TOKEN_REWARDS == tuple(tokens.REWARDS)
+    assert not set(config.TEXT_REWARDS) & set(config.TOKEN_REWARDS)
