@@ -38,6 +38,7 @@ import uuid
 from absl import app, flags
 
 from dora_jax.bench import sandbox_corpus as corpus
+from dora_jax.bench import sandbox_verdicts as verdicts
 
 _CASES = flags.DEFINE_string("cases", "", "run only cases whose name holds this")
 _CALLS = flags.DEFINE_integer("calls", 50, "calls measured for the cost per call")
@@ -284,7 +285,7 @@ def run_case(case: corpus.Case, host: Host, probes: dict) -> dict:
         result = dataclasses.replace(result, protections=probe.protections)
     tripped = host.end(fill, case.linger)
     left = stray_processes(before, fill["mark"])
-    obs = corpus.Observation(result, tripped, probe, limits, elapsed, meter.worst,
+    obs = verdicts.Observation(result, tripped, probe, limits, elapsed, meter.worst,
                              {"overlap": _spans(results)})
     why = case.check(obs)
     refused = (result.error or "").startswith("refused") and result.isolation is None
@@ -327,7 +328,7 @@ def control(case: corpus.Case, host: Host) -> bool:
     limits = sandbox.SandboxLimits()
     quiet = sandbox.SandboxResult(ok=True, stdout="", error=None, seconds=0.1)
     return bool(tripped) and case.check(
-        corpus.Observation(quiet, tripped, quiet, limits, 0.1)) is not None
+        verdicts.Observation(quiet, tripped, quiet, limits, 0.1)) is not None
 
 
 def run_corpus(substring: str = "", cases: list | None = None) -> tuple[list[dict], list[str]]:

@@ -16,6 +16,7 @@ import pytest
 
 from dora_jax.bench import sandbox as bench
 from dora_jax.bench import sandbox_corpus as corpus
+from dora_jax.bench import sandbox_verdicts as verdicts
 from dora_jax.envs import sandbox
 
 REPO = bench.REPO
@@ -54,29 +55,29 @@ def test_observation_checks_flag_what_they_watch():
 
     def obs(**result):
         r = dataclasses.replace(probe, **result)
-        return corpus.Observation(r, [], probe, limits, 0.1)
+        return verdicts.Observation(r, [], probe, limits, 0.1)
 
-    assert corpus.contained(obs()) is None
-    assert corpus.contained(obs(stdout="ESCAPED fork 12\n"))
-    assert corpus.contained(dataclasses.replace(obs(), elapsed=limits.timeout_s + 3))
-    assert corpus.failed(obs(ok=True))
-    assert corpus.failed(obs(ok=False, error="exit status 3")) is None
-    assert corpus.same_status(obs(protections={"forged": True}))
-    assert corpus.same_status(obs(isolation="none"))
-    assert corpus.no_error(obs(error="timeout after 5.0 s"))
-    assert corpus.refused(obs(ok=True)) and corpus.refused(
+    assert verdicts.contained(obs()) is None
+    assert verdicts.contained(obs(stdout="ESCAPED fork 12\n"))
+    assert verdicts.contained(dataclasses.replace(obs(), elapsed=limits.timeout_s + 3))
+    assert verdicts.failed(obs(ok=True))
+    assert verdicts.failed(obs(ok=False, error="exit status 3")) is None
+    assert verdicts.same_status(obs(protections={"forged": True}))
+    assert verdicts.same_status(obs(isolation="none"))
+    assert verdicts.no_error(obs(error="timeout after 5.0 s"))
+    assert verdicts.refused(obs(ok=True)) and verdicts.refused(
         obs(ok=False, error="refused: the sandbox needs seccomp", isolation=None)) is None
-    assert corpus.killed_other_abi(obs(ok=False, error="exit status 1"))
-    assert corpus.killed_other_abi(
+    assert verdicts.killed_other_abi(obs(ok=False, error="exit status 1"))
+    assert verdicts.killed_other_abi(
         obs(ok=False, error="killed: a system call of another ABI")) is None
-    tasks = corpus.bounded("tasks", lambda lim: lim.max_tasks)
+    tasks = verdicts.bounded("tasks", lambda lim: lim.max_tasks)
     assert tasks(obs(stdout=f"tasks {limits.max_tasks + 1}\n"))
     assert tasks(obs(stdout=f"tasks {limits.max_tasks}\n")) is None
-    assert corpus.unaffected(dataclasses.replace(obs(), stall=2.0))
-    assert corpus.unaffected(obs(stdout="x" * (limits.max_output_bytes + 100)))
-    many = corpus.Observation(probe, [], probe, limits, 0.1,
+    assert verdicts.unaffected(dataclasses.replace(obs(), stall=2.0))
+    assert verdicts.unaffected(obs(stdout="x" * (limits.max_output_bytes + 100)))
+    many = verdicts.Observation(probe, [], probe, limits, 0.1,
                               extra={"overlap": limits.max_sandboxes + 1})
-    assert corpus.at_most_max_sandboxes(many)
+    assert verdicts.at_most_max_sandboxes(many)
     spans = [dataclasses.replace(probe, stdout=f"span {i} {i + 10}\n") for i in range(3)]
     assert bench._spans(spans) == 3
 
