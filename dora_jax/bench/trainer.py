@@ -52,8 +52,9 @@ from dora_jax.bench import CONFIGS, model_shape, write_figures
 from dora_jax.model import hf_checks, transformer
 from dora_jax.rl import losses
 from dora_jax.rl.batch import TrainBatch
+from dora_jax.rl.objective import advantages
 from dora_jax.rl.optimizer import make_optimizer
-from dora_jax.rl.trainer import Trainer, compute_advantages
+from dora_jax.rl.trainer import Trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", str(CONFIGS / "tiny.py"), "config file")
 _MESH = flags.DEFINE_enum("mesh", "both", ["config", "single", "both"],
@@ -171,7 +172,7 @@ def plain_optax_step(cfg: config_lib.Config, graphdef, group_size: int):
     def loss_fn(params, tokens, mask, behav, rewards):
         logits = transformer.apply(graphdef, params, tokens)[0]
         logp = transformer.token_logprobs(logits, tokens, cfg.rollout.temperature)
-        adv = compute_advantages(rewards, group_size, t.advantage)
+        adv = advantages(rewards, group_size, t.advantage)
         loss_BT, _ = losses.ppo_clip_loss(logp, behav, adv, mask, clip_low=t.clip_low,
                                           clip_high=t.clip_high, dual_clip=t.dual_clip)
         return losses.aggregate_loss(loss_BT, mask, t.loss_agg_mode)

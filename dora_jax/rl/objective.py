@@ -46,6 +46,14 @@ MIN_KEYS = ("ratio_min",)
 SUM_KEYS = ("tokens", "mismatch_abs", "mismatch_tokens")
 
 
+def advantages(rewards_B, group_size: int, kind: str):
+    """Per-group advantages of group-contiguous rewards [B], over the whole batch:
+    grpo (r - mean)/(std + eps), drgrpo r - mean, rloo leave-one-out."""
+    if kind == "rloo":
+        return losses.rloo_advantages(rewards_B, group_size)
+    return losses.group_advantages(rewards_B, group_size, normalize_std=(kind == "grpo"))
+
+
 def sampled_logprobs(logits_BTV, tokens_BT, cfg: Config):
     """log p(tokens[:, t] | tokens[:, :t]) under the engine's sampling distribution
     (column 0, without context, is 0): tempered, and truncated to top-k / top-p when

@@ -2,42 +2,27 @@
 
 One `Trainer.train_step(batch)` = one published policy version (`version += 1`),
 made of `num_minibatches` optimizer updates, each accumulating gradients over
-`micro_batches` micro-batches. Everything runs in one jitted call with explicit in/out
-shardings on the trainer mesh and the train state donated.
+micro-batches, in one jitted call with explicit shardings and the state donated.
 
-The objective (`trainer.objective`: behaviour_clip, decoupled or tis) is written out
-in objective.py. The policy at the start of the step (pi_prox / pi_old) is computed
-once per step: a pre-pass over every minibatch with the starting params when the
-step makes several updates, stop_gradient(pi_theta) of the one update otherwise.
+The objective is objective.py's. pi_prox / pi_old (the policy at the start of the
+step) is computed once: a pre-pass with the starting params when the step makes
+several updates, stop_gradient(pi_theta) of its one update otherwise. Advantages are
+computed inside the step, per group over the whole batch, before minibatch splitting
+(a group may straddle minibatches); with `trainer.mask_truncated` the responses cut at
+max_decode_len get no loss but still count in their group's advantages.
 
-Advantages are computed *inside* the step from `rewards_B`, per group over the whole
-batch (before minibatch splitting, so a group may straddle minibatches):
-grpo = (r - mean)/(std + eps), drgrpo = r - mean, rloo = leave-one-out. With
-`trainer.mask_truncated` the responses cut at max_decode_len get no loss (they still
-count in their group's advantages).
+The batch arrives in a layout of packing.py (padded rows, or samples packed into rows
+with micro-batches by tokens); every per-sequence quantity goes through each token's
+sample index, so both layouts give one objective. Aggregation across micro-batches is
+exact: token-mean divides by the minibatch's token count, seq-mean-* by its non-empty
+sequences (max_len is rollout.max_decode_len, not the bucket). MoE aux losses are the
+mean over non-empty micro-batches of each one's (nonlinear) value; padding is never
+routed.
 
-The step consumes a layout of the batch (packing.py): one padded row per sample,
-micro-batches by row count (`trainer.micro_batches`), or, with
-`trainer.tokens_per_microbatch`, samples packed whole into rows as long as the
-batch's bucket (attention within each sample, positions restarting at each) and
-micro-batches by tokens, those left empty skipped; every per-sequence quantity goes
-through each token's sample index, so both layouts give one objective.
-
-Aggregation across micro-batches is exact: token-mean divides by the token count of
-the whole minibatch; seq-mean-* modes divide by its number of non-empty sequences
-(their max_len constant is rollout.max_decode_len, not the bucket), and
-seq-mean-token-sum-norm is a sum. MoE aux losses are the mean over micro-batches of
-each (non-empty) micro-batch's (nonlinear) value; padding is never routed.
-
-With LoRA (`model.lora.rank` > 0) only the adapters train (model/lora.py): the loss is
-differentiated with respect to them alone (the base under stop_gradient), the
-optimizer state holds them alone, and the train state's params keep the base once,
-unchanged. The KL reference is then the base itself (every B zeroed in the step), so
-it costs no copy of the params.
-
-An update whose loss or gradient is not finite is skipped: params and optimizer
-state stay as they were (the learning-rate schedule does not advance), and the step
-reports it in `skipped_updates`.
+With LoRA only the adapters train (the base under stop_gradient, the optimizer state
+holding the adapters alone), and the KL reference is the base itself (every B zeroed),
+costing no copy. An update whose loss or gradient is not finite is skipped (params,
+optimizer state and the schedule unchanged) and counted in `skipped_updates`.
 """
 
 from __future__ import annotations
@@ -55,9 +40,9 @@ from dora_jax.config import Config
 from dora_jax.devices import make_meshes
 from dora_jax.model import lora, transformer
 from dora_jax.model.sharding import activation_rules, copy_tree, logical_to_spec, param_shardings
-from dora_jax.rl import losses, objective, packing
+from dora_jax.rl import losses, objective, packing, step_metrics
 from dora_jax.rl.batch import BatchError, TrainBatch
-from dora_jax.rl.objective import MAX_KEYS, MIN_KEYS, SUM_KEYS, TOKEN_KEYS
+from dora_jax.rl.objective import MIN_KEYS
 from dora_jax.rl.optimizer import (
     guarded_update,
     learning_rate_schedule,
@@ -82,28 +67,6 @@ def full_param_shardings(params, mesh: Mesh, rules):
     prefix = param_shardings(params, mesh, rules)
     leaves = jax.tree.leaves(prefix, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
     return jax.tree.unflatten(jax.tree.structure(params), leaves)
-
-
-def compute_advantages(rewards_B, group_size: int, kind: str):
-    """Per-group advantages for group-contiguous rewards [B] (see module docstring)."""
-    if kind == "rloo":
-        return losses.rloo_advantages(rewards_B, group_size)
-    return losses.group_advantages(rewards_B, group_size, normalize_std=(kind == "grpo"))
-
-
-def _combine(stats: dict, over_updates: bool):
-    """Reduces stacked per-micro-batch (or per-update) stats along axis 0."""
-    out = {}
-    for k, v in stats.items():
-        if k in MAX_KEYS:
-            out[k] = jnp.max(v, axis=0)
-        elif k in MIN_KEYS:
-            out[k] = jnp.min(v, axis=0)
-        elif over_updates and k not in TOKEN_KEYS and k not in SUM_KEYS:
-            out[k] = jnp.mean(v, axis=0)  # per-update losses: mean over updates
-        else:
-            out[k] = jnp.sum(v, axis=0)
-    return out
 
 
 def _scan_or_call(f, carry, xs):
@@ -380,7 +343,7 @@ class Trainer:
         zeros = jax.lax.with_sharding_constraint(zeros, self._train_sh)
         grads, stats_U = jax.lax.scan(body, zeros, (micro, old_UbT))
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trainable)
-        return grads, _combine(stats_U, over_updates=False)
+        return grads, step_metrics.combine(stats_U, over_updates=False)
 
     def _prepare(self, params, batch, group_size):
         """(per-token arrays [M, U, b, T] with the loss mask in effect, advantages [B],
@@ -388,7 +351,7 @@ class Trainer:
         log-probs or None)."""
         M, U, b, T = batch["tokens"].shape
         B = batch["rewards"].shape[0]
-        adv_B = compute_advantages(batch["rewards"], group_size, self.cfg.trainer.advantage)
+        adv_B = objective.advantages(batch["rewards"], group_size, self.cfg.trainer.advantage)
         micro = {k: batch[k] for k in TOKEN_ARRAYS}
         sample = micro["sample"]
         if self.cfg.trainer.mask_truncated:  # DAPO's overlong filtering
@@ -442,34 +405,7 @@ class Trainer:
         (params, opt_state, count), stats_M = _scan_or_call(
             update, carry, (micro_all, old, ntok, nseq))
 
-        metrics = _combine({k: v for k, v in stats_M.items()
-                            if k not in ("grad_norm", "learning_rate", "skipped_updates")},
-                           over_updates=True)
-        ntok_all = jnp.maximum(metrics.pop("tokens"), 1.0)
-        for k in TOKEN_KEYS:
-            if k in metrics:
-                metrics[k] = metrics[k] / ntok_all
-        for k in MAX_KEYS + MIN_KEYS:
-            if k in metrics:
-                metrics[k] = jnp.where(jnp.isfinite(metrics[k]), metrics[k], 0.0)
-        fresh = metrics.pop("mismatch_tokens")
-        metrics["logprob_mismatch"] = metrics.pop("mismatch_abs") / jnp.maximum(fresh, 1.0)
-        metrics["logprob_mismatch_tokens"] = fresh
-        mask = micro_all["loss_mask"] != 0
-        staleness = (state.version - micro_all["token_versions"]).astype(jnp.float32)
-        metrics.update(
-            staleness_mean=losses.masked_mean(staleness, mask),
-            staleness_max=jnp.max(jnp.where(mask, staleness, 0.0)),
-            truncated_fraction=jnp.mean(batch["truncated"].astype(jnp.float32)),
-            skipped_updates=jnp.sum(stats_M["skipped_updates"]),
-            grad_norm=jnp.mean(stats_M["grad_norm"]), grad_norm_max=jnp.max(stats_M["grad_norm"]),
-            learning_rate=stats_M["learning_rate"][-1],
-            response_tokens=jnp.sum(micro_all["loss_mask"]),
-            sequence_tokens=jnp.sum(micro_all["segment_ids"] > 0).astype(jnp.float32),
-            samples=jnp.asarray(batch["rewards"].size, jnp.float32),
-            reward_mean=jnp.mean(batch["rewards"]),
-            advantage_abs_mean=jnp.mean(jnp.abs(adv_B)),
-            updates_this_step=jnp.asarray(M, jnp.int32), opt_updates=count,
-            version=state.version + 1)
+        metrics = step_metrics.report(stats_M, micro_all, batch, adv_B, state.version, M,
+                                      count)
         new_state = TrainState(params, opt_state, state.step + 1, state.version + 1, count)
         return new_state, metrics
