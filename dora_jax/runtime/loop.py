@@ -2,9 +2,9 @@
 
 Every decode slice runs its own loop (`worker.SliceWorker`, a thread owning the
 slice's engine, decode state and resident params); the trainer runs in its own
-thread, fed through the Grain trajectory stream; rewards are scored in the reward
-pool's worker processes as samples finish. The coordinator (this module, the
-caller's thread) alone owns the `Scheduler`: it waits for typed events (events.py:
+(`trainer_worker.TrainerWorker`), fed through the Grain trajectory stream; rewards
+are scored in the reward pool's worker processes as samples finish. The coordinator
+(this module, the caller's thread) alone owns the `Scheduler`: it waits for typed events (events.py:
 samples finished, version loaded, step done, group scored, failure), feeds them to
 the scheduler, and carries out the actions `decide()` returns (`Driver.execute`) as
 commands to the slices and batches for the trainer. It never waits on device work:
@@ -21,11 +21,9 @@ restarts) up to `coordinator.max_slice_restarts` times.
 from __future__ import annotations
 
 import queue
-import threading
 import time
 from collections.abc import Callable
 
-import jax
 import numpy as np
 
 from dora_jax.data.prompts import PromptStream
@@ -46,7 +44,7 @@ from dora_jax.runtime.faults import FaultPlan, KillPlan
 from dora_jax.runtime.groups import GroupBook
 from dora_jax.runtime.report import StepReporter, WaitClock, episode_record
 from dora_jax.runtime.saves import BackgroundSaves
-from dora_jax.runtime.stream import GroupQueue, train_batches
+from dora_jax.runtime.trainer_worker import SentBatch, TrainerWorker
 from dora_jax.runtime.weights import WeightBook, published_copy
 from dora_jax.runtime.worker import SliceWorker
 from dora_jax.scheduler.core import Scheduler
@@ -123,45 +121,17 @@ class Runtime(Driver):
             checkpointer, after_copy=lambda: self._drill("save"))
         self.slice_failures: list = []  # (slice id, step) of each failure survived
         self._reported = 0  # of them, in metrics.jsonl so far
-        self._stream = GroupQueue()
-        self._inflight_batches: dict[int, tuple] = {}
+        self.trainer_worker = TrainerWorker(trainer, cfg, self._events, timeline, self.clock,
+                                            saves=self._saves, drill=self._drill)
+        self._inflight_batches: dict[int, SentBatch] = {}
         self._to_ack: set = set()  # slices whose finished samples await an answer
         self._scoring: set = set()  # finished groups whose rewards are not all in
         self.max_resident_versions = 1
         self._trainer_idle_since = 0.0
         self.waits = WaitClock()
-        self.trainer_doing: tuple[str, float] = ("starting", 0.0)
         self._stalled = False  # a stalled part is not waited for at exit
-        self._trainer_thread = threading.Thread(target=self._train_loop, name="trainer",
-                                                daemon=True)
 
     # ------------------------------------------------------------------ trainer
-    def _train_loop(self):
-        c = self.cfg
-        stream = train_batches(self._stream, group_size=c.coordinator.group_size,
-                               num_groups=c.coordinator.train_batch_size,
-                               length_buckets=c.trainer.length_buckets,
-                               pad_id=c.rollout.pad_id)
-        try:
-            self.trainer_doing = ("waiting for a batch", self.clock())
-            for step, batch in stream:
-                # A checkpoint of the last step may still be copying its buffers.
-                copy_wait = 0.0 if self._saves is None else self._saves.wait_copied()
-                start = self.clock()
-                self.trainer_doing = (f"training step {step}", start)
-                self._drill("train")
-                metrics = self.trainer.train_step(batch)
-                # A copy: the next step donates them.
-                params = published_copy(self.trainer.params, self._adapters_only)
-                metrics = jax.device_get(metrics)  # the step's only host sync
-                end = self.clock()
-                self.timeline.add("trainer", "train", start, end, step)
-                self._events.put(StepDone(step, batch, metrics, params, start, end,
-                                         copy_wait))
-                self.trainer_doing = ("waiting for a batch", end)
-        except BaseException as e:  # noqa: BLE001 - surfaced by the coordinator
-            self._events.put(Failed(TRAINER, e))
-
     def _step_done(self, ev: StepDone):
         step = ev.step
         self.sched.step_finished(step)
@@ -174,20 +144,20 @@ class Runtime(Driver):
         self._evaluate(step + 1, self.weights.for_load(step + 1))
         self._trainer_idle_since = ev.end
         self.waits.mark(ev.end, self._wait_kind())
-        group_ids, wait, wait_split, episodes = self._inflight_batches.pop(step)
-        self.book.consume(group_ids, step, ev.end)
+        sent = self._inflight_batches.pop(step)
+        self.book.consume(sent.group_ids, step, ev.end)
         pause, every = 0.0, self.cfg.coordinator.checkpoint_every
         if self._saves is not None and every and (step + 1) % every == 0:
             start = self.clock()
             self.save_checkpoint()
             pause = self.clock() - start
-        record = self.reporter.step(step, ev.batch, ev.metrics, wait=wait,
-                                    wait_split=wait_split, train_time=ev.end - ev.start,
+        record = self.reporter.step(step, ev.batch, ev.metrics, wait=sent.wait,
+                                    wait_split=sent.wait_split, train_time=ev.end - ev.start,
                                     now=ev.end, slices=self.slices, scheduler=self.sched,
                                     slice_failures=len(self.slice_failures) - self._reported,
                                     checkpoint_pause=pause,
                                     checkpoint_copy_wait=ev.copy_wait,
-                                    episodes=episodes,
+                                    episodes=sent.episodes,
                                     publish_bytes=self.weights.publish_bytes)
         self._reported = len(self.slice_failures)
         self.on_step(record)
@@ -268,9 +238,10 @@ class Runtime(Driver):
         """The step's groups, scored, go into the trajectory stream."""
         trajectories = self.book.batch(a.group_ids)
         now = self.clock()
-        self._inflight_batches[a.step] = (a.group_ids, now - self._trainer_idle_since,
-                                          self.waits.take(now), episode_record(trajectories))
-        self._stream.put(a.step, trajectories)
+        self._inflight_batches[a.step] = SentBatch(
+            tuple(a.group_ids), now - self._trainer_idle_since, self.waits.take(now),
+            episode_record(trajectories))
+        self.trainer_worker.submit(a.step, trajectories)
 
     # ------------------------------------------------------------------ events
     def _handle(self, ev) -> int:
@@ -376,8 +347,8 @@ class Runtime(Driver):
             now = self.clock()
             doing = [f"slice {w.slice_id}: {w.doing[0]} for {now - w.doing[1]:.1f} s"
                      for w in self.workers]
-            doing.append(f"trainer: {self.trainer_doing[0]} for "
-                         f"{now - self.trainer_doing[1]:.1f} s")
+            trainer_doing = self.trainer_worker.doing
+            doing.append(f"trainer: {trainer_doing[0]} for {now - trainer_doing[1]:.1f} s")
             raise RunError(f"the run stalled at step {self.sched.next_step}: no event for "
                            f"coordinator.stall_timeout={timeout:g} s with work outstanding ("
                            f"{len(self._scoring)} group(s) awaiting rewards); "
@@ -415,7 +386,7 @@ class Runtime(Driver):
         if any part fails."""
         for w in self.workers:
             w.start()
-        self._trainer_thread.start()
+        self.trainer_worker.start()
         steps_done = 0
         try:
             v = self.trainer.version  # the policy before this run's training
@@ -476,7 +447,7 @@ class Runtime(Driver):
             self.book.write_unconsumed(self.sched.readmit_queue)
         finally:
             wait = 5.0 if self._stalled else 600.0
-            self._stream.close()
+            self.trainer_worker.close()
             for w in self.workers:
                 w.stop(timeout=wait)
-            self._trainer_thread.join(timeout=wait)
+            self.trainer_worker.join(timeout=wait)

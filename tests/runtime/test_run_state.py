@@ -284,7 +284,7 @@ def test_a_full_disk_at_the_end_still_finishes_the_pending_save(tmp_path, small_
     assert closed == [["1", "2"]]  # closed once, with step 2 saved whole (no tmp)
     [rt] = runtimes
     assert rt.book.groups  # groups were in flight: the unconsumed lines were due
-    assert not rt._trainer_thread.is_alive()
+    assert not rt.trainer_worker.is_alive()
     assert not any(w._thread.is_alive() for w in rt.workers)
 
 
