@@ -1,19 +1,12 @@
 """The deterministic, event-driven scheduling core.
 
-`Scheduler` holds all orchestration state (groups, samples, slices, trainer,
-published version) and exposes two kinds of calls:
-
-* events, which record what happened (`sample_finished`, `version_loaded`,
-  `step_finished`) and never decide anything;
-* `decide()`, which asks the mode's policy for every action that should happen now,
-  applies their effect to the state as if already issued, and returns them in the
-  order the runtime must execute them.
-
-There is no clock, no thread, no randomness and no engine in here, so the JAX
-runtime, the simulator (sim/cluster.py) and the tests' fake engine drive the very same
-object, each through the one driver shape of driver.py. The core has no
-mode-specific branch: the mode's policy (modes.py) decides, and says which
-constraints it keeps.
+`Scheduler` holds all orchestration state (groups, samples, slices, trainer, published
+version). Events (`sample_finished`, `version_loaded`, `step_finished`) record what
+happened and decide nothing; `decide()` asks the mode's policy (modes.py) for every
+action due now, applies their effect as if already issued, and returns them in the
+order the runtime must execute them. No clock, thread, randomness or engine lives
+here, so the JAX runtime, the simulator and the tests' fake engine drive the very same
+object through driver.py; the core has no mode-specific branch.
 
 Choices the runtime must know:
 * Migrate is instantaneous for the core: the request leaves its source slot and takes

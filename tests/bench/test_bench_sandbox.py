@@ -16,10 +16,11 @@ import pytest
 
 from dora_jax.bench import sandbox as bench
 from dora_jax.bench import sandbox_corpus as corpus
+from dora_jax.bench import sandbox_host
 from dora_jax.bench import sandbox_verdicts as verdicts
 from dora_jax.envs import sandbox
 
-REPO = bench.REPO
+REPO = sandbox_host.REPO
 LAST = re.compile(r"^attempts: (\d+), escaped: (\d+), refused at start: (\d+), left behind: (\d+), "
                   r"cost per call ms: median [\d.]+ \(p10 [\d.]+, p90 [\d.]+\)$")
 
@@ -41,7 +42,7 @@ def test_corpus_has_every_class_and_both_paths():
 
 def test_every_tripwire_and_check_can_fire():
     missed = []
-    with bench.Host() as host:
+    with sandbox_host.Host() as host:
         for case in corpus.cases():
             if not bench.control(case, host):
                 missed.append(f"{case.name} ({case.trigger})")
