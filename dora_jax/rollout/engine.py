@@ -48,22 +48,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from dora_jax.buckets import doubling_buckets, pick_bucket
 from dora_jax.config import DECODE_RULES, ModelConfig, RolloutConfig
 from dora_jax.model import transformer
-from dora_jax.model.paged_attention import POOL_AXES
-from dora_jax.model.sharding import logical_to_spec
 from dora_jax.rollout import sampling
 from dora_jax.rollout.adapters import AdapterPlaces, check_versions
 from dora_jax.rollout.pages import PagePool
 from dora_jax.rollout.placement import ParamPlacement
-from dora_jax.rollout.programs import Programs
+from dora_jax.rollout.programs import Programs, jit_programs
 from dora_jax.rollout.sampling import SamplingParams
-from dora_jax.rollout.state import DecodeState, EngineParams, Prefix, ResultTokens
+from dora_jax.rollout.state import DecodeState, EngineParams, Prefix
 
 if TYPE_CHECKING:  # the tokenizer's libraries load only when a tokenizer is asked for
     from dora_jax.text.tokenizer import Tokenizer, TokenizerParameters
@@ -145,37 +142,8 @@ class Engine:
                       self.graphdef, self._placement.treedef, stop_ids=self.stop_ids,
                       pool_pages=None if self.pages is None else self.pages.num_pages)
         self.generate_fn = fn.step
-        rep = NamedSharding(mesh, PartitionSpec())
-
-        def kv_sharding(axes):
-            sh = NamedSharding(mesh, logical_to_spec(axes, self.rules, mesh))
-            return transformer.KVCache(sh, sh)
-
-        prefix_kv_sh = kv_sharding(transformer.CACHE_AXES)
-        state_kv_sh = prefix_kv_sh if self.pages is None else kv_sharding(POOL_AXES)
         param_sh = (self._placement if self.places is None else self.places).shardings
-        state_sh = DecodeState(state_kv_sh, *[rep] * 6)
-        self._prefix_sh = prefix_sh = Prefix(prefix_kv_sh, *[rep] * 7)
-        out = (prefix_sh, ResultTokens(rep))
-        self._prefill_jit = jax.jit(fn.prefill, in_shardings=(param_sh, *[rep] * 5),
-                                    out_shardings=out)
-        self._extend_jit = jax.jit(fn.extend, static_argnums=(7,), out_shardings=out,
-                                   in_shardings=(param_sh, prefix_sh, *[rep] * 5))
-        self._resample_jit = jax.jit(fn.resample, in_shardings=(prefix_sh, rep, rep, rep),
-                                     out_shardings=out)
-        # The paged variants take the slot's pages (insert, extract) and the page view
-        # (generate) as one more argument; for the dense cache it is None.
-        self._insert_jit = jax.jit(fn.insert, donate_argnums=(1,), out_shardings=state_sh,
-                                   in_shardings=(prefix_sh, state_sh, rep, rep, rep))
-        self._step_jit = jax.jit(fn.step, donate_argnums=(1,),
-                                 in_shardings=(param_sh, state_sh, rep),
-                                 out_shardings=(state_sh, ResultTokens(rep)))
-        self._steps_jit = jax.jit(fn.steps, donate_argnums=(1,),
-                                  in_shardings=(param_sh, state_sh, rep, rep),
-                                  out_shardings=(state_sh, ResultTokens(rep)))
-        self._init_jit = jax.jit(fn.init, out_shardings=state_sh)
-        self._extract_jit = jax.jit(fn.extract, static_argnums=(3,), out_shardings=prefix_sh,
-                                    in_shardings=(state_sh, rep, rep))
+        self._jit = jit_programs(fn, mesh, self.rules, param_sh, paged=self.pages is not None)
 
     # ------------------------------------------------------------ Engine API
 
@@ -240,7 +208,7 @@ class Engine:
         free — the engine's page tables describe one decode state at a time)."""
         if self.pages is not None:
             self.pages.reset()
-        return self._init_jit()
+        return self._jit.init()
 
     def free_resource(self, slot: int) -> None:
         """Releases the slot's KV pages (paged cache; nothing to do for the dense
@@ -249,7 +217,7 @@ class Engine:
             self.pages.release(slot)
 
     def get_prefix_destination_sharding(self) -> Prefix:
-        return self._prefix_sh
+        return self._jit.prefix_sharding
 
     def prefill(self, *, params: EngineParams, existing_prefix: Prefix | None = None,
                 padded_tokens, true_length: int, sampler=None, request_id=None, rng=None,
@@ -318,15 +286,15 @@ class Engine:
                              f"num_generated ({num_generated})")
         done = np.int32(num_generated)
         if existing_prefix is None:
-            return self._prefill_jit(params, tokens_T, np.int32(true_length), keys_N2, done,
+            return self._jit.prefill(params, tokens_T, np.int32(true_length), keys_N2, done,
                                      limit)
         if true_length == 0:
-            return self._resample_jit(existing_prefix, keys_N2, done, limit)
+            return self._jit.resample(existing_prefix, keys_N2, done, limit)
         # The result's bucket: room for the prefix's and the chunk's padded lengths.
         room = existing_prefix.cache.length + tokens_T.shape[0]
         length = (self.cache_length if room >= self.cache_length
                   else pick_bucket(room, self.buckets, "prefill buckets"))
-        return self._extend_jit(params, existing_prefix, tokens_T, np.int32(true_length),
+        return self._jit.extend(params, existing_prefix, tokens_T, np.int32(true_length),
                                 keys_N2, done, limit, length)
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, request_id=None,
@@ -380,7 +348,7 @@ class Engine:
             write = np.zeros(self.pages.pages_for(prefix.cache.length), np.int32)
             assigned = self.pages.assign(slot, length, shared_pages)
             write[:len(assigned)] = assigned
-        return self._insert_jit(prefix, decode_state, np.int32(slot), np.int32(sample), write)
+        return self._jit.insert(prefix, decode_state, np.int32(slot), np.int32(sample), write)
 
     def generate(self, params: EngineParams, decode_state: DecodeState, sampler=None):
         """One decode step of every slot (donates `decode_state`). Returns (new
@@ -388,7 +356,7 @@ class Engine:
         Paged cache: first maps the pages the step writes (PagesExhausted if the
         pool is short). sampler: must be None."""
         _no_sampler(sampler)
-        return self._step_jit(params, decode_state, self._page_view(1))
+        return self._jit.step(params, decode_state, self._page_view(1))
 
     # ----------------------------------------------------------- extensions
 
@@ -413,7 +381,7 @@ class Engine:
         [decode_steps, S, 6]; rows of steps not run are not valid). Paged cache: as
         `generate`, for every position the call may write (see `pages.shortfall`)."""
         n = self.decode_steps if max_steps is None else min(max_steps, self.decode_steps)
-        return self._steps_jit(params, decode_state, np.int32(n), self._page_view(n))
+        return self._jit.steps(params, decode_state, np.int32(n), self._page_view(n))
 
     def _page_view(self, n: int):
         if self.pages is None:
@@ -433,7 +401,7 @@ class Engine:
         pages = None
         if self.pages is not None:
             pages = self.pages.table[slot, :self.pages.pages_for(length)].copy()
-        return self._extract_jit(decode_state, np.int32(slot), pages, length)
+        return self._jit.extract(decode_state, np.int32(slot), pages, length)
 
     def pad_tokens(self, tokens) -> tuple[np.ndarray, int]:
         """(tokens padded with pad_id to their bucket, true length)."""

@@ -1,5 +1,6 @@
-"""The engine's device programs: pure functions of params and pytrees, which
-`engine.Engine` compiles (and `generate_fn` exposes for other jitted loops).
+"""The engine's device programs: pure functions of params and pytrees, jitted with a
+slice's shardings by `jit_programs` (`Engine.generate_fn` exposes the step for other
+jitted loops).
 
 Stopping: a sequence finishes on the token after which it has `limit` response
 tokens, or on any of the engine's stop ids (a tokenizer may carry several).
@@ -8,13 +9,17 @@ tokens, or on any of the engine's stop ids (a tokenizer may carry several).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dora_jax.model import lora, transformer
-from dora_jax.model.sharding import activation_rules
+from dora_jax.model.paged_attention import POOL_AXES
+from dora_jax.model.sharding import activation_rules, logical_to_spec
 from dora_jax.rollout import sampling
 from dora_jax.rollout.state import DecodeState, EngineParams, Prefix, ResultTokens
 
@@ -188,3 +193,52 @@ class Programs:
         init = (state, jnp.int32(0), jnp.zeros((n, S, 6), jnp.int32), jnp.bool_(False))
         state, _, data_NS6, _ = jax.lax.while_loop(cond, body, init)
         return state, ResultTokens(data_NS6)
+
+
+class Jitted(NamedTuple):
+    """The programs jitted with the slice's shardings, the decode state donated."""
+
+    prefill: Callable
+    extend: Callable
+    resample: Callable
+    insert: Callable
+    step: Callable
+    steps: Callable
+    init: Callable
+    extract: Callable
+    prefix_sharding: Prefix
+
+
+def jit_programs(fn: Programs, mesh: Mesh, rules, param_sh, *, paged: bool) -> Jitted:
+    """`fn`'s programs jitted on `mesh`: params as placed (`param_sh`), the KV cache by
+    `rules` (the paged pool's axes with `paged`), everything else replicated."""
+    rep = NamedSharding(mesh, PartitionSpec())
+
+    def kv_sharding(axes):
+        sh = NamedSharding(mesh, logical_to_spec(axes, rules, mesh))
+        return transformer.KVCache(sh, sh)
+
+    prefix_kv_sh = kv_sharding(transformer.CACHE_AXES)
+    state_kv_sh = kv_sharding(POOL_AXES) if paged else prefix_kv_sh
+    state_sh = DecodeState(state_kv_sh, *[rep] * 6)
+    prefix_sh = Prefix(prefix_kv_sh, *[rep] * 7)
+    out = (prefix_sh, ResultTokens(rep))
+    # The paged variants take the slot's pages (insert, extract) and the page view
+    # (generate) as one more argument; for the dense cache it is None.
+    return Jitted(
+        prefill=jax.jit(fn.prefill, in_shardings=(param_sh, *[rep] * 5), out_shardings=out),
+        extend=jax.jit(fn.extend, static_argnums=(7,), out_shardings=out,
+                       in_shardings=(param_sh, prefix_sh, *[rep] * 5)),
+        resample=jax.jit(fn.resample, in_shardings=(prefix_sh, rep, rep, rep),
+                         out_shardings=out),
+        insert=jax.jit(fn.insert, donate_argnums=(1,), out_shardings=state_sh,
+                       in_shardings=(prefix_sh, state_sh, rep, rep, rep)),
+        step=jax.jit(fn.step, donate_argnums=(1,), in_shardings=(param_sh, state_sh, rep),
+                     out_shardings=(state_sh, ResultTokens(rep))),
+        steps=jax.jit(fn.steps, donate_argnums=(1,),
+                      in_shardings=(param_sh, state_sh, rep, rep),
+                      out_shardings=(state_sh, ResultTokens(rep))),
+        init=jax.jit(fn.init, out_shardings=state_sh),
+        extract=jax.jit(fn.extract, static_argnums=(3,), out_shardings=prefix_sh,
+                        in_shardings=(state_sh, rep, rep)),
+        prefix_sharding=prefix_sh)
