@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _lora_common import randomise_b
 from _trainer_common import batch_of, trainer_mesh, trajectories
 from flax import nnx
 from jax.sharding import Mesh
@@ -31,14 +32,6 @@ MOE = dataclasses.replace(DENSE, moe=MoEConfig(num_experts=4, top_k=2, expert_hi
 
 def with_lora(cfg, **kw):
     return dataclasses.replace(cfg, lora=LoRAConfig(**{"rank": 4, "alpha": 8.0, **kw}))
-
-
-def randomise_b(params, seed=0, std=0.3):
-    """Every B drawn at random (fresh adapters are zero, which would hide them)."""
-    keys = iter(jax.random.split(jax.random.key(seed), 1000))
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: (std * jax.random.normal(next(keys), x.shape)).astype(x.dtype)
-        if "lora_b" in jax.tree_util.keystr(p) else x, params)
 
 
 def paths(tree):

@@ -12,7 +12,7 @@ import functools
 import _rollout_common as rc
 import numpy as np
 import pytest
-from test_lora import randomise_b
+from _lora_common import randomise_b
 
 from dora_jax.config.model import LoRAConfig
 from dora_jax.model import lora, transformer
