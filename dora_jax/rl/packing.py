@@ -25,9 +25,14 @@ optimizer updates.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from dora_jax.rl.batch import BatchError, TrainBatch
+
+if TYPE_CHECKING:
+    from dora_jax.config.sections import TrainerConfig
 
 TOKEN_ARRAYS = ("tokens", "positions", "segment_ids", "sample", "loss_mask",
                 "behaviour_logp", "token_versions")
@@ -128,3 +133,34 @@ def packed(batch: TrainBatch, num_minibatches: int, row_length: int,
     out = {k: v.reshape(M, U, r, T) for k, v in rows.items()}
     out.update(_sample_arrays(batch))
     return out
+
+
+def for_trainer(batch: TrainBatch, t: TrainerConfig, num_minibatches: int,
+                trainer_version: int, batch_axes: tuple, n_shards: int) -> dict:
+    """Validates `batch` against the trainer's config and version, then lays it out:
+    packed with `t.tokens_per_microbatch`, else padded rows [M, U, b, T]."""
+    if not isinstance(batch, TrainBatch):
+        raise BatchError(f"expected a TrainBatch, got {type(batch).__name__}")
+    M = num_minibatches
+    buckets = tuple(t.length_buckets)
+    if batch.length not in buckets:
+        raise BatchError(f"batch length T={batch.length} is not one of "
+                         f"trainer.length_buckets={buckets}; build batches with "
+                         "TrainBatch.from_trajectories(length_buckets=...)")
+    newest = int(batch.versions_B.max())
+    if newest > trainer_version:
+        raise BatchError(f"batch holds samples of policy version {newest}, newer than the "
+                         f"trainer's version {trainer_version}")
+    if t.tokens_per_microbatch > 0:
+        # Rows as long as the batch's bucket, as many as the token budget holds
+        # (a multiple of the batch shards): one shape per bucket, and a batch of
+        # short samples is not spread over rows as long as the longest bucket.
+        rows = max(n_shards, t.tokens_per_microbatch // batch.length // n_shards * n_shards)
+        return packed(batch, M, batch.length, rows)
+    U = t.micro_batches
+    arrays = padded(batch, M, U)  # checks B % (M * U)
+    B, b = batch.batch_size, batch.batch_size // (M * U)
+    if b % n_shards:
+        raise BatchError(f"micro-batch of {b} rows (B={B} / ({M} * {U})) must be divisible "
+                         f"by the {n_shards} batch shards of the trainer mesh {batch_axes}")
+    return arrays

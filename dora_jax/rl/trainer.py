@@ -1,28 +1,16 @@
 """Sharded RL train step (PPO/GRPO objective, AdamW) on the trainer mesh.
 
-One `Trainer.train_step(batch)` = one published policy version (`version += 1`),
-made of `num_minibatches` optimizer updates, each accumulating gradients over
-micro-batches, in one jitted call with explicit shardings and the state donated.
-
-The objective is objective.py's. pi_prox / pi_old (the policy at the start of the
-step) is computed once: a pre-pass with the starting params when the step makes
-several updates, stop_gradient(pi_theta) of its one update otherwise. Advantages are
-computed inside the step, per group over the whole batch, before minibatch splitting
-(a group may straddle minibatches); with `trainer.mask_truncated` the responses cut at
-max_decode_len get no loss but still count in their group's advantages.
-
-The batch arrives in a layout of packing.py (padded rows, or samples packed into rows
-with micro-batches by tokens); every per-sequence quantity goes through each token's
-sample index, so both layouts give one objective. Aggregation across micro-batches is
-exact: token-mean divides by the minibatch's token count, seq-mean-* by its non-empty
-sequences (max_len is rollout.max_decode_len, not the bucket). MoE aux losses are the
-mean over non-empty micro-batches of each one's (nonlinear) value; padding is never
-routed.
-
-With LoRA only the adapters train (the base under stop_gradient, the optimizer state
-holding the adapters alone), and the KL reference is the base itself (every B zeroed),
-costing no copy. An update whose loss or gradient is not finite is skipped (params,
-optimizer state and the schedule unchanged) and counted in `skipped_updates`.
+One `Trainer.train_step(batch)` publishes one policy version: `num_minibatches`
+optimizer updates, each accumulating gradients over micro-batches, in one jitted call
+with the state donated. pi_prox (the policy at the step's start) is computed once: a
+pre-pass when the step makes several updates, else stop_gradient(pi_theta).
+Advantages are per group over the whole batch, before minibatch splitting, since a
+group may straddle minibatches. Per-sequence quantities go through each token's sample
+index, so the padded and packed layouts (packing.py) give one objective, aggregated
+exactly over micro-batches (seq-mean-* max_len is rollout.max_decode_len, not the
+bucket). With LoRA only the adapters train and the KL reference is the base itself
+(adapters zeroed), costing no copy. A non-finite update is skipped, counted in
+`skipped_updates`.
 """
 
 from __future__ import annotations
@@ -41,7 +29,7 @@ from dora_jax.devices import make_meshes
 from dora_jax.model import lora, transformer
 from dora_jax.model.sharding import activation_rules, copy_tree, logical_to_spec, param_shardings
 from dora_jax.rl import losses, objective, packing, step_metrics
-from dora_jax.rl.batch import BatchError, TrainBatch
+from dora_jax.rl.batch import TrainBatch
 from dora_jax.rl.objective import MIN_KEYS
 from dora_jax.rl.optimizer import (
     guarded_update,
@@ -238,36 +226,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ batching
     def _device_batch(self, batch: TrainBatch, M: int) -> dict:
-        """Validates against the config and lays the batch out (rl/packing.py):
-        packed with trainer.tokens_per_microbatch, else padded rows [M, U, b, T]."""
-        if not isinstance(batch, TrainBatch):
-            raise BatchError(f"expected a TrainBatch, got {type(batch).__name__}")
-        t = self.cfg.trainer
-        buckets = tuple(t.length_buckets)
-        if batch.length not in buckets:
-            raise BatchError(f"batch length T={batch.length} is not one of "
-                             f"trainer.length_buckets={buckets}; build batches with "
-                             "TrainBatch.from_trajectories(length_buckets=...)")
-        newest = int(batch.versions_B.max())
-        if newest > self._version:
-            raise BatchError(f"batch holds samples of policy version {newest}, newer than the "
-                             f"trainer's version {self._version}")
+        """The batch validated and laid out for this mesh (packing.for_trainer)."""
         axes = self._batch_axes
         axes = (axes,) if isinstance(axes, str) else (axes or ())
         n_shards = int(np.prod([self.mesh.shape[a] for a in axes]))
-        if self._packed:
-            # Rows as long as the batch's bucket, as many as the token budget holds
-            # (a multiple of the batch shards): one shape per bucket, and a batch of
-            # short samples is not spread over rows as long as the longest bucket.
-            rows = max(n_shards, t.tokens_per_microbatch // batch.length // n_shards * n_shards)
-            return packing.packed(batch, M, batch.length, rows)
-        U = t.micro_batches
-        arrays = packing.padded(batch, M, U)  # checks B % (M * U)
-        B, b = batch.batch_size, batch.batch_size // (M * U)
-        if b % n_shards:
-            raise BatchError(f"micro-batch of {b} rows (B={B} / ({M} * {U})) must be divisible "
-                             f"by the {n_shards} batch shards of the trainer mesh {axes}")
-        return arrays
+        return packing.for_trainer(batch, self.cfg.trainer, M, self._version, axes, n_shards)
 
     # ---------------------------------------------------------------- objective
     def _trainable(self, params):
@@ -354,7 +317,9 @@ class Trainer:
         adv_B = objective.advantages(batch["rewards"], group_size, self.cfg.trainer.advantage)
         micro = {k: batch[k] for k in TOKEN_ARRAYS}
         sample = micro["sample"]
-        if self.cfg.trainer.mask_truncated:  # DAPO's overlong filtering
+        # DAPO's overlong filtering: no loss on cut responses, which still count in
+        # their group's advantages (computed above from every reward).
+        if self.cfg.trainer.mask_truncated:
             cut = jnp.where(sample >= 0, batch["truncated"][jnp.maximum(sample, 0)], False)
             micro["loss_mask"] = micro["loss_mask"] * (~cut).astype(micro["loss_mask"].dtype)
         mask = micro["loss_mask"]
