@@ -3,20 +3,13 @@
 Layout per step: `<dir>/<step>/state` (the train-state pytree: params, optimizer
 state, step, version, optimizer-update count) and `<dir>/<step>/extra` (JSON).
 
-Saving is asynchronous: `save` returns once the arrays have been copied off the
-devices, and the files are written in the background. It is therefore safe to donate
-the saved state to the next train step right after `save` returns; call
-`wait_until_finished()` before reading the files (or exiting).
-
-Restoring takes an abstract target (ShapeDtypeStructs carrying shardings, e.g.
-`Trainer.abstract_state()` of a trainer built on the *new* mesh): the arrays are read
-straight into those shardings, so a checkpoint written on one trainer mesh shape
-restores onto another.
-
-A run resumes with `restore_newest_intact`: a newest checkpoint that no longer reads
-(a file cut short or missing on a bad disk) is moved aside and the one before it
-restored. `remove_stale_tmp` clears the temporary step directories of saves that a
-crash interrupted.
+Saving is asynchronous: `save` returns once the arrays are off the devices, so the
+saved state may be donated to the next train step at once; `wait_until_finished()`
+before reading the files or exiting. Restoring reads straight into an abstract
+target's shardings (e.g. `Trainer.abstract_state()` on the *new* mesh), so a
+checkpoint restores onto another trainer mesh shape. `restore_newest_intact` moves a
+newest checkpoint that no longer reads aside and restores the one before;
+`remove_stale_tmp` clears the temporary step directories of interrupted saves.
 """
 
 from __future__ import annotations

@@ -4,29 +4,11 @@ A checkpoint or tokenizer directory, a prompt file or a resumed workdir comes fr
 someone else, and a file in it need not be what its name says: a FIFO blocks `open`
 forever, a symlink to /dev/zero reads until memory runs out, a symlink may point out
 of the directory it was handed in, and `[[[[...]]]]` 100k deep or an integer of
-100k digits makes `json.loads` raise a RecursionError or a bare ValueError. Every
-handed-over read goes through here:
-
-- `open_regular` opens with O_NONBLOCK (a FIFO opens at once instead of waiting for
-  a writer) and refuses anything `fstat` does not call a regular file; with
-  `within`, a path whose real location is outside that directory (or, for a Hugging
-  Face hub cache snapshot, its repo's blobs/) is refused before it is opened.
-- `read_bytes` / `read_text` read at most `cap + 1` bytes, so a file over its cap
-  is refused without being read whole, whatever its size claims.
-- `loads` scans nesting depth before parsing (`check_depth`) and refuses integers
-  of more than `MAX_INT_DIGITS` digits while parsing.
-- `lines` streams a file line by line, each line capped.
-
-Each failure raises `error` (a ValueError subclass the caller chooses, so that its
-own entry point reports it) with one line starting with the file's path.
-
-Caps, chosen far above any real file and far below what would hurt a host:
-tokenizer.json `TOKENIZER_JSON_CAP` (64 MiB; the largest real vocabularies are
-~20 MiB), any other config/metadata JSON `CONFIG_JSON_CAP` (8 MiB; config.json and
-tokenizer_config.json are KBs, a chat template some 10 KB), shard indexes
-`INDEX_JSON_CAP` (64 MiB: ~100k tensor names), a checkpoint's coordinator state
-`STATE_JSON_CAP` (1 GiB: it holds finished groups' tokens), prompt files streamed
-with `LINE_CAP` (16 MiB) per line.
+100k digits makes `json.loads` raise a RecursionError or a bare ValueError. So every
+handed-over read goes through here: opened non-blocking and checked regular (and
+inside its directory, or a hub snapshot's blobs/), read up to a cap whatever its size
+claims, JSON depth- and digit-checked. A failure raises the caller's `error` (a
+ValueError, so its own entry point reports it), one line starting with the path.
 """
 
 from __future__ import annotations
@@ -39,9 +21,15 @@ from collections.abc import Iterator
 
 import numpy as np
 
+# Caps far above any real file and far below what would hurt a host.
+# The largest real vocabularies are ~20 MiB.
 TOKENIZER_JSON_CAP = 64 * 2 ** 20
+# Any other config / metadata JSON: config.json and tokenizer_config.json are KBs,
+# a chat template some 10 KB.
 CONFIG_JSON_CAP = 8 * 2 ** 20
+# Shard indexes: ~100k tensor names.
 INDEX_JSON_CAP = 64 * 2 ** 20
+# Per line of a streamed prompt file.
 LINE_CAP = 16 * 2 ** 20
 # A checkpoint's coordinator state: the finished groups it holds, tokens included.
 STATE_JSON_CAP = 2 ** 30

@@ -23,12 +23,11 @@ MoE experts' adapters (`model.lora.experts`) have no PEFT form here: transformer
 fuses each layer's experts into 3-D gate_up_proj / down_proj parameters, on which a
 PEFT adapter is one A for gate and up together, not our two. Export refuses them.
 
-Reading treats the directory as untrusted (untrusted_files, safetensors_check): the
-JSON is capped, the files must be regular and inside the directory, every tensor we
-need must be there with its exact shape and a float dtype, and every tensor there
-must be one we need. Options that change what PEFT computes (DoRA, rsLoRA, per-module
-ranks, biases, modules_to_save, ...) are refused by name, and rank, alpha and targets
-must equal `model.lora`'s (`check_config`: the error names the config field).
+Reading treats the directory as untrusted (untrusted_files, safetensors_check) and
+takes exactly the tensors we need, each with its exact shape and a float dtype.
+Options that change what PEFT computes (DoRA, rsLoRA, per-module ranks, biases,
+modules_to_save, ...) are refused by name; rank, alpha and targets must equal
+`model.lora`'s (`check_config`: the error names the config field).
 """
 
 from __future__ import annotations
