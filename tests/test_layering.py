@@ -110,8 +110,8 @@ def _heavy_loaded(code: str) -> list:
     return ast.literal_eval(out)
 
 
-SCHEDULER = ("core", "driver", "dora", "invariants", "ledger", "modes", "partial",
-             "policies", "types")
+SCHEDULER = ("core", "driver", "dora", "failures", "invariants", "ledger", "modes",
+             "partial", "policies", "types")
 
 
 def test_scheduler_imports_no_jax_runtime_or_rollout():

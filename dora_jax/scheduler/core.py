@@ -1,25 +1,16 @@
 """The deterministic, event-driven scheduling core.
 
-`Scheduler` holds all orchestration state (groups, samples, slices, trainer, published
-version). Events (`sample_finished`, `version_loaded`, `step_finished`) record what
-happened and decide nothing; `decide()` asks the mode's policy (modes.py) for every
-action due now, applies their effect as if already issued, and returns them in the
-order the runtime must execute them. No clock, thread, randomness or engine lives
-here, so the JAX runtime, the simulator and the tests' fake engine drive the very same
-object through driver.py; the core has no mode-specific branch.
+Events (`sample_finished`, `version_loaded`, `step_finished`) record what happened and
+decide nothing; `decide()` asks the mode's policy (modes.py) for every action due now,
+applies their effect as if issued, and returns them in execution order. No clock,
+thread, randomness or engine lives here, so the JAX runtime, the simulator and the
+tests' fake engine drive this very object through driver.py.
 
-Choices the runtime must know:
-* Migrate is instantaneous for the core: the request leaves its source slot and takes
-  its destination slot when `decide()` returns it.
-* Slices start holding version 0 (the runtime loads the initial params at start-up).
-* A LoadVersion / InterruptReload may name the version in training (published + 1,
-  only while the trainer is busy; partial_rollout_rounds pauses the rollout so):
-  the driver defers that load until the step publishes the version, and the slice
-  does not decode meanwhile; `version_loaded` is reported once it is loaded.
-* Group ids are consecutive integers from 0 in admission order; the runtime maps
-  group id i to the i-th prompt of its data source.
-* Consumed groups are dropped from `groups`; the runtime records provenance from the
-  actions it executes (the core keeps per-sample versions only while unconsumed).
+What a runtime must know: a Migrate moves its slot when `decide()` returns it; slices
+start holding version 0; a LoadVersion / InterruptReload may name the version in
+training (published + 1), which the driver loads, the slice idle, once published;
+group ids count from 0 in admission order (group i is the data source's i-th prompt);
+consumed groups leave `groups`, so provenance comes from the executed actions.
 """
 
 from __future__ import annotations
@@ -27,7 +18,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Iterator
 
-from . import invariants, residency
+from . import failures, invariants, residency
 from .modes import policy_for
 from .types import (
     FINISHED,
@@ -353,29 +344,13 @@ class Scheduler:
 
     def slice_failed(self, slice_id: int):
         """A slice failed and lost everything it held: its running samples are
-        pending again, regenerated from scratch under their group's version (C1), and
-        the slice holds no params until it is told to load some."""
-        sl = self.slices[slice_id]
-        for gid, k in sorted(sl.running):
-            self.sample_lost(gid, k)
-        sl.version, sl.loading, sl.interrupted, sl.kv_free = None, None, False, None
-        sl.held, sl.adding = set(), set()
-        self.settled = False  # until decide() gives its versions a slice again
+        pending again, and the slice holds no params until told to load some."""
+        failures.slice_failed(self, slice_id)
 
     def sample_lost(self, group_id: int, sample: int):
         """A running sample's progress is gone (its slice failed, or a migration
-        never arrived): it is pending again, to be regenerated from scratch."""
-        g = self.groups[group_id]
-        smp = g.samples[sample]
-        if smp.status != RUNNING:
-            raise ValueError(f"sample_lost: ({group_id}, {sample}) is {smp.status}")
-        self._leave(self.slices[smp.slice_id], (group_id, sample))
-        smp.status, smp.slice_id, smp.versions, smp.slices = PENDING, None, [], []
-        g.n_running -= 1
-        g.n_pending += 1
-        self._pending_v[g.version] += 1
-        q = self._pending_q.setdefault(g.version, deque())
-        q.appendleft((group_id, sample))  # regenerated first: it is the oldest work
+        never arrived): it is pending again, regenerated first."""
+        failures.sample_lost(self, group_id, sample)
 
     def _recount(self):
         """Rebuild the per-version counters from the groups."""
