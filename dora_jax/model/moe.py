@@ -16,18 +16,15 @@ The load-balancing loss is E * sum_i f_i * P_i with f_i the fraction of top-k
 assignments routed to expert i and P_i the mean router probability of expert i
 (Switch / GShard form; minimum 1 at perfectly uniform routing). The router z-loss is
 mean_tokens(logsumexp(router_logits)^2). Both are returned, not added: the trainer
-weighs them. With a token mask (`valid_BT`: the padding of a train batch, at the
-right end of a row or, in packed rows, anywhere) padding is never routed: it takes no
-expert compute and no capacity, and it enters neither loss. Routing is per token, so
-what a real token gets and both losses depend only on the set of real tokens, not on
-where they sit: a packed row equals its sequences run apart, and its losses equal
-those of its real tokens concatenated.
+weighs them.
 
-Capacity dropping is the exception: C is set by the whole batch (B * T, padding
-included) and the priority order runs across every row, so which assignments are
-dropped depends on what else is in the batch. That holds for unpacked batches too
-(one row's tokens can take another's slots); packed rows equal their sequences run
-apart under capacity dispatch only when nothing is dropped.
+With a token mask (`valid_BT`: a train batch's padding, anywhere in packed rows)
+padding is never routed: no expert compute, no capacity, no part of either loss.
+Routing is per token, so a packed row equals its sequences run apart, losses
+included. Capacity dropping is the exception: C is set by the whole batch (B * T,
+padding included) and the priority order runs across rows, so what is dropped
+depends on the rest of the batch (unpacked too); packed rows then equal their
+sequences run apart only when nothing is dropped.
 """
 
 from __future__ import annotations

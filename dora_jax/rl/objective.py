@@ -14,9 +14,7 @@ policy at the start of the step (`trainer.objective`):
 
 With the behaviour ratio a token stale enough to start outside the clip range gets no
 gradient at all; the decoupled ratio starts at 1 whatever the staleness and moves
-the correction into w. pi_prox is computed once per step (trainer.py: a pre-pass with
-the step's starting params when the step makes several updates; with one update it
-is stop_gradient(pi_theta), the same values).
+the correction into w (trainer.py computes pi_prox once per step).
 
 Every log-prob is under the distribution the engine samples from: tempered by
 rollout.temperature and, when rollout.top_k / top_p truncate it, truncated and
