@@ -14,6 +14,16 @@ from dora_jax import configs
 
 CONFIGS = pathlib.Path(configs.DIR)
 
+# The accelerator check's models (`bench.accelerator --size=device`, `bench.engine
+# --shape=device`): a ~0.9B-parameter dense model and a 16-expert MoE in bfloat16; the
+# dense one trains at 8K tokens a step. Sized so that compilation and the measured
+# steps fit their shares on one H200.
+DEVICE_DENSE = dict(vocab_size=32768, d_model=2048, num_layers=16, num_heads=16,
+                    num_kv_heads=8, head_dim=128, mlp_hidden=5632, dtype="bfloat16",
+                    param_dtype="bfloat16")
+DEVICE_MOE = dict(vocab_size=32768, d_model=2048, num_layers=8, num_heads=16, num_kv_heads=4,
+                  head_dim=128, mlp_hidden=5632, dtype="bfloat16", param_dtype="bfloat16")
+
 
 def write_figures(path: str, figures: dict) -> None:
     """A benchmark's figures as JSON (`--json_out`), for programs that read them

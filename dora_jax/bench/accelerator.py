@@ -38,7 +38,7 @@ import time
 
 from absl import app, flags
 
-from dora_jax.bench import CONFIGS
+from dora_jax.bench import CONFIGS, DEVICE_DENSE, DEVICE_MOE
 
 _OUT = flags.DEFINE_string("out", "accelerator_report", "directory of the report")
 _BUDGET = flags.DEFINE_integer("budget_s", 0, "seconds for all parts (0: the size's default)")
@@ -57,15 +57,6 @@ class Size:
     trainer: list
     quickstart: list
     preset: list
-
-
-# A ~0.9B-parameter dense model and a 16-expert MoE in bfloat16 for bench.engine; the
-# dense one trains at 8K tokens a step. Sized so that compilation and the measured
-# steps fit their shares on one H200.
-_DENSE = dict(vocab_size=32768, d_model=2048, num_layers=16, num_heads=16, num_kv_heads=8,
-              head_dim=128, mlp_hidden=5632, dtype="bfloat16", param_dtype="bfloat16")
-_MOE = dict(vocab_size=32768, d_model=2048, num_layers=8, num_heads=16, num_kv_heads=4,
-            head_dim=128, mlp_hidden=5632, dtype="bfloat16", param_dtype="bfloat16")
 
 
 def overrides(prefix: str, fields: dict) -> list:
@@ -89,10 +80,12 @@ SIZES = {
         + [f"--{c}.{k}" for c in ("config", "moe_config")
            for k in ("rollout.max_prefill_length=64", "rollout.prefill_buckets=(64,)",
                      "trainer.length_buckets=(512,)")]
-        + overrides("config.model", _DENSE) + overrides("moe_config.model", _MOE)
+        + overrides("config.model", DEVICE_DENSE)
+        + overrides("moe_config.model", DEVICE_MOE)
         + overrides("moe_config.model.moe", dict(num_experts=16, top_k=2, expert_hidden=1408)),
         trainer=["--mesh=single", "--groups=8", "--group_size=8", "--steps=3", "--rounds=3",
-                 "--config.trainer.length_buckets=(128,)"] + overrides("config.model", _DENSE),
+                 "--config.trainer.length_buckets=(128,)"]
+        + overrides("config.model", DEVICE_DENSE),
         quickstart=["--sft_steps=150", "--steps=30"], preset=["--steps=2"]),
 }
 PARTS = ("tests", "engine", "trainer", "quickstart", "preset")

@@ -17,6 +17,12 @@ Both samplers use the engine's prefill/insert and its decode step (`generate_fn`
 so the difference is the loop: host-driven continuous batching vs one device loop
 (both on the dense KV cache, which a plain device loop can decode without page
 tables).
+`--profile` instead runs the first model at the largest S, all slots busy, and prints
+where a decode step's time goes: seconds per step, then a profiler trace of the same
+steps with the device's kernels summed by name (none on a CPU). `--shape=device`
+gives both models bench.accelerator's device shapes (a 0.9B dense, a 16-expert MoE,
+bfloat16).
+
 Ends with `slice/fixed-batch tokens/s ratio: X.XX` for the all-busy case: the lower
 of the two models at the largest slot count (`--slots`, default 8 — the configs' —
 and 32; at S=8 a tiny model's decode step is a few hundred microseconds, so fixed
@@ -27,8 +33,10 @@ of `--repeats` interleaved runs.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 import statistics
+import tempfile
 import time
 
 import jax
@@ -39,7 +47,7 @@ from jax.sharding import Mesh
 from ml_collections import config_flags
 
 from dora_jax import config as config_lib
-from dora_jax.bench import CONFIGS, model_shape, write_figures
+from dora_jax.bench import CONFIGS, DEVICE_DENSE, DEVICE_MOE, kernels, model_shape, write_figures
 from dora_jax.model import hf_checks, transformer
 from dora_jax.rollout import DecodeSlice, Engine, Request
 
@@ -58,7 +66,23 @@ _REPEATS = flags.DEFINE_integer("repeats", 3, "interleaved repeats (best is kept
 _SWEEP = flags.DEFINE_list("sweep", ["1", "2", "4", "8", "16"],
                            "decode_steps values compared first (all slots busy, first "
                            "model, largest S); empty to skip")
+_PROFILE = flags.DEFINE_bool("profile", False, "profile the decode step instead (see above)")
+_SHAPE = flags.DEFINE_enum("shape", "config", ["config", "device"],
+                           "models: the configs', or bench.accelerator's device shapes")
 _JSON_OUT = flags.DEFINE_string("json_out", "", "also write the figures to this JSON file")
+
+
+def model_config(name: str):
+    """The model's validated config, in bench.accelerator's device shape with
+    `--shape=device`."""
+    c = _MODEL_CONFIGS[name].value
+    if _SHAPE.value == "device":
+        c.model.update(DEVICE_DENSE if name == "tiny" else DEVICE_MOE)
+        if name == "moe":
+            c.model.moe.update(dict(num_experts=16, top_k=2, expert_hidden=1408))
+        c.rollout.update(dict(max_prefill_length=64, prefill_buckets=(64,)))
+        c.trainer.length_buckets = (512,)
+    return hf_checks.validated(c)
 
 
 def make_requests(n: int, max_prompt: int, vocab: int, seed: int = 0) -> list:
@@ -158,7 +182,7 @@ def frequent_token(graphdef, params, vocab: int) -> int:
 
 def sweep_decode_steps(name: str, slots: int, decode_len: int, per_slot: int, repeats: int):
     """All slots busy: slice/fixed-batch ratio for each tokens-per-call setting."""
-    cfg = hf_checks.validated(_MODEL_CONFIGS[name].value)
+    cfg = model_config(name)
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), config_lib.SLICE_MESH_AXES)
     _, params = transformer.create(cfg.model, cfg.seed)
     reqs = make_requests(per_slot * slots, cfg.rollout.max_prefill_length, cfg.model.vocab_size)
@@ -182,7 +206,7 @@ def sweep_decode_steps(name: str, slots: int, decode_len: int, per_slot: int, re
 def bench_model(name: str, slots: int, decode_len: int, per_slot: int, repeats: int) -> dict:
     """The model's figures: tokens/s of both samplers in both regimes, and seconds
     per decode step by busy slots (all slots busy, EOS disabled)."""
-    cfg = hf_checks.validated(_MODEL_CONFIGS[name].value)
+    cfg = model_config(name)
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), config_lib.SLICE_MESH_AXES)
     graphdef, params = transformer.create(cfg.model, cfg.seed)
     S, max_prompt = slots, cfg.rollout.max_prefill_length
@@ -228,8 +252,38 @@ def bench_model(name: str, slots: int, decode_len: int, per_slot: int, repeats: 
     return figures
 
 
+def profile_decode(name: str, S: int, decode_len: int, repeats: int) -> None:
+    """Seconds per decode step with S busy slots (the config's KV cache and layer
+    layout), then the kernels of one traced run of the same steps."""
+    cfg = model_config(name)
+    rollout = dataclasses.replace(cfg.rollout, slots_per_slice=S, max_decode_len=decode_len,
+                                  eos_id=-1)
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), config_lib.SLICE_MESH_AXES)
+    _, params = transformer.create(cfg.model, cfg.seed)
+    sl = DecodeSlice(0, Engine(cfg.model, rollout, mesh))
+    sl.load_version(0, params)
+    reqs = make_requests(2 * S, rollout.max_prefill_length, cfg.model.vocab_size)
+    print(f"== {name}: {transformer.count_params(params):,} params, {cfg.model.dtype}, S={S}, "
+          f"kv_cache={rollout.kv_cache}, scan_layers={cfg.model.scan_layers}, "
+          f"decode_steps={rollout.decode_steps}")
+    step_time(sl, reqs[:S])  # compiles
+    seconds = min(step_time(sl, reqs[S:]) for _ in range(repeats))
+    trace_dir = tempfile.mkdtemp(prefix="decode_profile_")
+    steps0 = sl.stats.generate_steps
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        step_time(sl, reqs[:S])
+    (path,) = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"),
+                        recursive=True)
+    micros, launches = kernels.kernel_table(kernels.read_trace(path))
+    print("\n".join(kernels.kernel_lines(micros, launches, sl.stats.generate_steps - steps0)))
+    print(f"seconds per decode step: {seconds:.6f}")
+
+
 def main(argv):
     del argv
+    if _PROFILE.value:
+        return profile_decode(_MODELS.value[0], max(int(x) for x in _SLOTS.value),
+                              _DECODE_LEN.value, _REPEATS.value)
     print(f"device {jax.devices()[0].device_kind} ({jax.devices()[0].platform}), "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     slots = [int(x) for x in _SLOTS.value]

@@ -7,10 +7,12 @@ implementation (`model.attention`):
   blocks; the forward keeps a running max and sum per query (online softmax) and
   saves only the output and its log-sum-exp; the backward (custom VJP) recomputes
   each block's probabilities. Memory is linear in T; runs on every backend.
-- `cudnn`: `jax.nn.dot_product_attention`'s fused GPU kernel.
+- `cudnn`: `jax.nn.dot_product_attention`'s fused GPU kernel (bf16/fp16 only, head
+  dim a multiple of 8 up to 256; T padded to even, as its causal training kernel needs).
 - `splash`: the TPU Pallas splash-attention kernel.
 
-`auto` picks splash on TPU, cudnn on GPU, blockwise elsewhere. Shapes: queries
+`auto` picks splash on TPU, cudnn on GPU where cudnn takes the shapes and dtype,
+blockwise elsewhere. Shapes: queries
 [B, T, H, D], keys/values [B, T, K, D] with H a multiple of K (grouped-query).
 
 Packed rows: with `segment_ids_BT` (int [B, T]; several sequences concatenated in a
@@ -252,8 +254,24 @@ def blockwise_causal(q_BTHD, k_BTKD, v_BTKD, block: int = 512, segment_ids_BT=No
 
 
 def cudnn_causal(q_BTHD, k_BTKD, v_BTKD):
-    return jax.nn.dot_product_attention(q_BTHD, k_BTKD, v_BTKD, is_causal=True,
-                                        implementation="cudnn")
+    """cudnn's causal kernel refuses an odd length when it computes gradients; padding
+    at the end is exact (the padding comes after every real query)."""
+    T = q_BTHD.shape[1]
+    if T % 2:
+        widths = ((0, 0), (0, 1), (0, 0), (0, 0))
+        q_BTHD, k_BTKD, v_BTKD = (jnp.pad(x, widths) for x in (q_BTHD, k_BTKD, v_BTKD))
+    out = jax.nn.dot_product_attention(q_BTHD, k_BTKD, v_BTKD, is_causal=True,
+                                       implementation="cudnn")
+    return out[:, :T]
+
+
+def cudnn_takes(dtype, head_dim: int) -> str | None:
+    """Why cudnn's fused kernel cannot run these inputs, or None when it can."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"it computes in bfloat16 or float16, not {jnp.dtype(dtype).name}"
+    if head_dim % 8 or head_dim > 256:
+        return f"its head dim must be a multiple of 8 up to 256, not {head_dim}"
+    return None
 
 
 def splash_causal(q_BTHD, k_BTKD, v_BTKD, block: int = 512, interpret: bool = False,
@@ -289,13 +307,15 @@ def splash_causal(q_BTHD, k_BTKD, v_BTKD, block: int = 512, interpret: bool = Fa
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
 
 
-def resolve(implementation: str, backend: str | None = None, packed: bool = False) -> str:
-    """The implementation `auto` stands for on `backend` (default: JAX's); `packed`:
-    for rows with segment ids, where GPU gets blockwise (see `causal_attention`)."""
+def resolve(implementation: str, backend: str | None = None, packed: bool = False,
+            cudnn_refusal: str | None = None) -> str:
+    """The implementation `auto` stands for on `backend` (default: JAX's); `packed`
+    (rows with segment ids) or a `cudnn_refusal` (`cudnn_takes`) gives GPU blockwise
+    (see `causal_attention`)."""
     if implementation != "auto":
         return implementation
     backend = backend or jax.default_backend()
-    gpu = "blockwise" if packed else "cudnn"
+    gpu = "blockwise" if packed or cudnn_refusal else "cudnn"
     return {"tpu": "splash", "gpu": gpu}.get(backend, "blockwise")
 
 
@@ -312,12 +332,14 @@ def causal_attention(q_BTHD, k_BTKD, v_BTKD, implementation: str = "auto",
     per-row lengths, which describe one sequence per row, or a dense mask, which it
     turns into a [B, heads, T, T] bias, the quadratic memory a long packed row
     cannot afford. Packed rows on `cudnn` therefore run blockwise (linear memory,
-    exact), with a warning; `auto` picks blockwise for them on GPU directly."""
+    exact), with a warning; `auto` picks blockwise for them on GPU directly. So do
+    inputs cudnn refuses (float32, an unaligned head dim)."""
     packed = segment_ids_BT is not None
-    impl = resolve(implementation, packed=packed)
-    if impl == "cudnn" and packed:
-        _log.warning("model.attention=cudnn cannot take segment ids (packed rows): "
-                     "running them with blockwise attention")
+    refusal = cudnn_takes(q_BTHD.dtype, q_BTHD.shape[-1])
+    impl = resolve(implementation, packed=packed, cudnn_refusal=refusal)
+    if impl == "cudnn" and (packed or refusal):
+        why = "it cannot take segment ids (packed rows)" if packed else refusal
+        _log.warning("model.attention=cudnn: %s; running blockwise attention instead", why)
         impl = "blockwise"
     if impl == "dense":
         return dense_causal(q_BTHD, k_BTKD, v_BTKD, segment_ids_BT)

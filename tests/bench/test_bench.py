@@ -178,3 +178,24 @@ def test_host_profile_counts_only_the_coordinators_busy_samples(tmp_path):
     out = coordinator_profile(str(path), steps=10)
     assert out["busy_ms_per_step"] == 40.0  # (30 + 10) samples x 10 ms / 10 steps
     assert out["top"][0] == ("Runtime._decide (loop.py) > Driver.execute (d.py)", 30.0)
+
+
+def test_trainer_bench_on_one_device_runs_the_one_device_mesh(tmp_path):
+    """`bench.trainer --mesh=single` on a host with one device (an accelerator host),
+    whose config's 8-device mesh cannot fit there: the bench builds its own meshes."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    cmd = [sys.executable, "-m", "dora_jax.bench.trainer", "--mesh=single", "--groups=2",
+           "--group_size=2", "--steps=1", "--rounds=1", "--config.model.num_layers=1",
+           f"--json_out={tmp_path / 'trainer.json'}"]
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "devices=1 " in out.stdout
+    rates = json.load(open(tmp_path / "trainer.json"))["tokens_per_s"]
+    assert rates["trainer[single mesh 1x1x1x1]"] > 0
+    assert not [name for name in rates if "config mesh" in name]

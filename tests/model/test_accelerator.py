@@ -312,7 +312,9 @@ def test_bf16_decode_logprobs_match_the_train_forward(record, model):
     # per packed row; the packed layout only where its attention differs (GPU).
     batch = TrainBatch.from_trajectories(trajs, group_size=1,
                                          length_buckets=cfg.trainer.length_buckets)
-    impls = {p: attention.resolve(cfg.model.attention, packed=p) for p in (False, True)}
+    refusal = attention.cudnn_takes(cfg.model.dtype, cfg.model.head_dim)
+    impls = {p: attention.resolve(cfg.model.attention, packed=p, cudnn_refusal=refusal)
+             for p in (False, True)}
     layouts = {"padded": packing.padded(batch, 1, 1)}
     if impls[True] != impls[False]:
         layouts["packed"] = packing.packed(batch, 1, batch.length, 2)

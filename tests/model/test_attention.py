@@ -148,6 +148,41 @@ def test_cudnn_runs_packed_rows_blockwise(caplog):
     assert attention.resolve("auto", "tpu", packed=True) == "splash"
 
 
+def test_cudnn_runs_what_it_refuses_blockwise(caplog):
+    """float32 or an unaligned head dim: cudnn's kernel refuses them (seen on an H200),
+    so `cudnn` runs them blockwise with a warning and `auto` picks blockwise."""
+    assert attention.cudnn_takes(jnp.bfloat16, 128) is None
+    assert "float32" in attention.cudnn_takes(jnp.float32, 128)
+    assert "head dim" in attention.cudnn_takes(jnp.bfloat16, 12)
+    assert "head dim" in attention.cudnn_takes(jnp.float16, 512)
+    q, k, v = _qkv(2, 21, 4, 2, 8, seed=4)
+    with caplog.at_level("WARNING"):
+        got = attention.causal_attention(q, k, v, "cudnn", block=8)
+    assert "float32" in caplog.text
+    np.testing.assert_allclose(got, _naive(q, k, v), atol=1e-5)
+    assert attention.resolve("auto", "gpu", cudnn_refusal="float32") == "blockwise"
+    assert attention.resolve("auto", "tpu", cudnn_refusal="float32") == "splash"
+
+
+def test_cudnn_pads_an_odd_length_exactly(monkeypatch):
+    """cudnn's causal training kernel needs an even length; the padded call, cut back,
+    equals attention over the odd length (the kernel stood in for by JAX's own XLA
+    implementation of the same call)."""
+    seen, xla_attention = [], jax.nn.dot_product_attention
+
+    def kernel(q, k, v, is_causal, implementation):
+        assert implementation == "cudnn" and is_causal
+        seen.append(q.shape[1])
+        return xla_attention(q, k, v, is_causal=True, implementation="xla")
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", kernel)
+    q, k, v = _qkv(2, 37, 4, 2, 8, seed=5)
+    np.testing.assert_allclose(attention.cudnn_causal(q, k, v), _naive(q, k, v), atol=1e-5)
+    np.testing.assert_allclose(attention.cudnn_causal(q[:, :36], k[:, :36], v[:, :36]),
+                               _naive(q[:, :36], k[:, :36], v[:, :36]), atol=1e-5)
+    assert seen == [38, 36]
+
+
 def test_splash_kernel_in_interpret_mode_matches_dense():
     q, k, v = _qkv(1, 256, 4, 2, 128, seed=3)
     got = attention.splash_causal(q, k, v, block=128, interpret=True)

@@ -1,0 +1,43 @@
+"""bench.engine --profile: the kernel table read from a trace (bench/kernels.py), and the
+`--profile` run end to end on CPU (where the profiler sees no device)."""
+
+import os
+import subprocess
+import sys
+
+from conftest import REPO
+
+from dora_jax.bench import kernels
+
+
+def _trace():
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}}]
+    kernels = [("gemm", 10), ("memcpy", 4), ("gemm", 30), ("memcpy", 2)]
+    device = [{"ph": "X", "pid": 1, "name": n, "ts": i, "dur": d}
+              for i, (n, d) in enumerate(kernels)]
+    host = [{"ph": "X", "pid": 2, "name": "gemm", "ts": 0, "dur": 1000},
+            {"ph": "i", "pid": 1, "name": "marker", "ts": 0}]
+    return meta + device + host
+
+
+def test_kernel_table_sums_device_kernels_only():
+    micros, launches = kernels.kernel_table(_trace())
+    assert micros == {"gemm": 40, "memcpy": 6} and launches == {"gemm": 2, "memcpy": 2}
+    lines = kernels.kernel_lines(micros, launches, steps=2)
+    assert lines[0].startswith("2 kernels per step, device busy 23 us per step")
+    assert "20.0 us/step" in lines[1] and lines[1].endswith("gemm")
+    assert kernels.kernel_lines({}, {}, steps=2) == [
+        "the profiler saw no device kernels (a CPU host)"]
+
+
+def test_profile_runs_on_cpu(tmp_path):
+    cmd = [sys.executable, "-m", "dora_jax.bench.engine", "--profile", "--models=tiny",
+           "--slots=4", "--decode_len=16", "--config.model.num_layers=1"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path))
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert "S=4, kv_cache=paged, scan_layers=True" in lines[0]
+    assert lines[-2] == "the profiler saw no device kernels (a CPU host)"
+    assert float(lines[-1].removeprefix("seconds per decode step: ")) > 0
