@@ -100,8 +100,8 @@ def warm_up(slices, trainer, cfg: Config, watch=None) -> None:
     reprefills = not POLICIES[cfg.coordinator.mode].keeps_c1
     with watch(DECODE_PHASE):
         for sl in slices:
-            warm_engine(sl.engine, sl.prefill_params(sl.version), reprefills=reprefills,
-                        generate_params=sl.generate_params())
+            warm_engine(sl.engine, sl.versions.prefill_params(sl.version), reprefills=reprefills,
+                        generate_params=sl.versions.generate_params())
             sl.reset_decode_state()
 
 

@@ -305,3 +305,14 @@ def test_text_is_a_floor_below_tasks_models_and_rollout():
     assert not above, sorted(above)
     graph = _import_graph(PACKAGE, module_level=False)
     assert "dora_jax.text.tokenizer" in graph["dora_jax.data.word_problems"]
+
+
+def test_a_decode_slice_is_composed_not_mixed_in():
+    """DecodeSlice owns its parts (versions, turns, memory, slots) as attributes: no
+    base class reaches into its private state."""
+    from dora_jax.rollout import DecodeSlice
+    from dora_jax.rollout.slice_episodes import EpisodeTurns
+    from dora_jax.rollout.slice_versions import ResidentVersions
+
+    assert DecodeSlice.__bases__ == (object,)
+    assert EpisodeTurns.__bases__ == ResidentVersions.__bases__ == (object,)

@@ -1,42 +1,31 @@
 """Decode engine with JetStream's Engine API (`jetstream.engine.engine_api.Engine`),
-native, plus per-token log-probs.
+plus per-token log-probs.
 
-The API's methods with its names, arguments and return types: `prefill` and
-`prefill_multisampling` -> (Prefix, ResultTokens); `insert`, `bulk_insert`,
-`generate` (one decode step of every slot) -> DecodeState (and ResultTokens);
-`load_params`, `init_decode_state`, `free_resource`, `get_prefix_destination_sharding`,
-`get_tokenizer` (TokenizerParameters) and `build_tokenizer`; the properties
-`max_concurrent_decodes`, `samples_per_slot`, `max_prefill_length`, `mesh`,
-`colocated_cpus`, `use_chunked_prefill`, `prefill_chunk_size`. Params are an argument
-of every prefill and generate call; the engine holds none, so one engine serves any
-param version and several versions coexist as several pytrees.
+The API's methods by its names: `prefill`, `prefill_multisampling`, `insert`,
+`bulk_insert`, `generate` (one decode step of every slot), `load_params`,
+`init_decode_state`, `free_resource`, `get_prefix_destination_sharding`,
+`get_tokenizer`, `build_tokenizer`, and its properties. Params are an argument of
+every prefill and generate call; the engine holds none, so one engine serves any
+version and several versions coexist as several pytrees.
 
-Extensions, all keyword arguments with defaults or separately named methods:
-`rng`, `num_generated`, `max_new_tokens` of prefill (per-request RNG, re-prefill of
-tokens so far, per-request length limit); `length` / `shared_pages` of insert (paged
-cache); `generate_steps` (several decode steps per dispatch); `extract` (a slot's
-state as a Prefix, for migration); `pad_tokens`; `generate_fn` (the pure step).
-
-Life of a request in slot s:
-  prefix, first = prefill(params=p, padded_tokens=..., true_length=P, rng=key)
-      -> KV cache of the prompt and response token 0 (sampled from the last logits)
-  state = insert(prefix, state, s)
-  state, result = generate_steps(p, state)  # every slot: n more tokens, until finished
-Token n of a response is sampled with fold_in(request_key, n) (see sampling.py).
+Extensions, keyword arguments with defaults or methods of their own: `rng`,
+`num_generated`, `max_new_tokens` of prefill (per-request RNG, re-prefill of tokens
+so far, per-request length limit); `length` / `shared_pages` of insert (paged cache);
+`generate_steps`; `extract` (a slot's state as a Prefix, for migration); `pad_tokens`;
+`generate_fn` (the pure step). Token n of a response is sampled with
+fold_in(request_key, n) (sampling.py).
 
 `generate_steps` advances every active slot by up to `rollout.decode_steps` tokens in
 one dispatch (a `lax.while_loop` of the decode step, stop-id / length masking on
-device) and returns all of them in one array, so the host syncs once per call. The
-call ends early, after the step in which some slot finishes, so that its slot can be
-refilled at once and finish positions are token-exact. `max_steps` caps a call below
-`decode_steps` without recompiling (a slice with free slots asks for one token).
+device) and returns them in one array, so the host syncs once per call. The call ends
+after the step in which some slot finishes, so that its slot can be refilled at once;
+`max_steps` caps a call below `decode_steps` without recompiling.
 
-Compiled functions: prefill, insert and extract once per padded length bucket (and
-number of samples), extension of a prefix once per (chunk, prefix, result) bucket,
-generate and generate_steps once each (paged cache: once per bucket of mapped
-pages). Prefill buckets cover prompts (`rollout.prefill_buckets`) and, for
-re-prefill of prompt + tokens so far (partial rollout, preemption), doubling buckets
-up to `rollout.cache_length` (`prefill_buckets`).
+Compiled once per padded length bucket (and number of samples): prefill, insert,
+extract; per (chunk, prefix, result) bucket: a prefix's extension; once each (paged:
+per bucket of mapped pages): generate, generate_steps. Prefill buckets cover prompts
+(`rollout.prefill_buckets`) and, for re-prefill of prompt + tokens so far, doubling
+buckets up to `rollout.cache_length`.
 
 KV cache (`rollout.kv_cache`): "dense" gives every slot cache_length positions;
 "paged" keeps a pool of pages (`pages.PagePool`, host-side, one decode state per

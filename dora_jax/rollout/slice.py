@@ -1,51 +1,30 @@
 """A decode slice: a sub-mesh, an engine, its resident version(s) and S slots.
 
-Versions (slice_versions.py): one resident (version, params), or on a multi-version
-engine (LoRA, `Engine(versions=V)`) up to V versions' adapters on one base, each
-slot decoding under its own request's version in the same generate call.
-
 Continuous batching: `step()` prefills waiting requests into free slots, runs one
 `generate_steps` call (up to `rollout.decode_steps` tokens per slot) and returns the
-trajectories that finished; a freed slot takes the next waiting request on the next
-call. The only host sync per call is one read of its packed results (plus one for
-the prefill results of that call's inserts, if any), written into the slots' host
-buffers (`slots.SlotTable`) with vectorised numpy.
+trajectories that finished. The only host syncs per call are one read of its packed
+results and one for the prefill results of its inserts, if any.
 
-Lookahead (default): `step()` dispatches generate call k and only then reads the
-results of call k-1, so the device never waits for the host (JetStream's generate /
-detokenize split). Costs: a trajectory is returned one `step()` after its last
-token, and a finished slot idles for one more generate call before it is refilled.
-`lookahead=False` reads each step's results in the same call. The methods that need
-the exact state (`load_version`, `export_requests`, `interrupt_and_reload`) first
-read what is in flight; the counts (`num_free_slots`, ...) are the host's view, in
-which a request that finished in the last generate step is still held.
+Lookahead (default): `step()` dispatches call k and only then reads call k-1, so the
+device never waits for the host; a trajectory comes back one `step()` after its last
+token. Methods that need the exact state (`load_version`, `export_requests`,
+`interrupt_and_reload`) first read what is in flight; the counts are the host's view.
 
-Paged KV cache: a slot holds pages for the positions it has; the group prompt cache
-and admission by free pages are the slice's `memory` (slice_memory.py); when a
-call does not fit, the slice preempts its most recently started request.
+Components: `versions` (the resident versions' params, slice_versions.py), `memory`
+(the group prompt cache and pages, slice_memory.py; a call that does not fit preempts
+the most recently started request), `slots` (slots.py) and `turns` (multi-turn
+episodes between their turns, slice_episodes.py).
 
-Multi-turn episodes (with an `episodes.EpisodeRunner`): a request whose Request
-carries its record is an episode. When a model turn ends, the slice extracts the
-slot's KV, frees the slot and hands the turn to the environment (off this thread);
-the episode keeps its place among the held requests (so a slot is there for it
-when the observation comes back) while the other slots decode on. The observation
-then joins the response and runs through a prefill on top of the kept KV
-(`engine.prefill(existing_prefix=...)`), and the next turn decodes under the same
-version. Migration moves an episode between turns with its kept KV; a preempted
-or re-prefilled one runs its whole sequence again, observations included.
-
-Constraint C1 is enforced here: `submit`, `import_requests`, `load_version` and
-`evict_version` refuse anything that would make the slice serve a request under a
-version other than its own. `interrupt_and_reload` is the deliberate exception (the partial_rollout
-baseline), and the trajectory records which version produced which tokens.
-
-One thread drives a slice; its methods are not thread-safe.
+C1 is enforced here: `submit`, `import_requests`, `load_version` and `evict_version`
+refuse anything that would serve a request under a version other than its own;
+`interrupt_and_reload` (the partial_rollout baseline) is the deliberate exception,
+its trajectories recording which version produced which tokens. One thread drives a
+slice; its methods are not thread-safe.
 """
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import time
 from collections.abc import Callable, Iterable
@@ -58,7 +37,7 @@ from dora_jax.rollout.engine import Engine
 from dora_jax.rollout.episodes import EpisodeRunner
 from dora_jax.rollout.slice_episodes import EpisodeTurns
 from dora_jax.rollout.slice_memory import SliceMemory, prompt_key
-from dora_jax.rollout.slice_versions import SliceVersions
+from dora_jax.rollout.slice_versions import ResidentVersions
 from dora_jax.rollout.slots import SlotTable
 from dora_jax.rollout.trajectory import (
     Held,
@@ -71,7 +50,7 @@ from dora_jax.rollout.trajectory import (
 )
 
 
-class DecodeSlice(EpisodeTurns, SliceVersions):
+class DecodeSlice:
     """S slots of continuous batching on one engine, serving its resident versions
     (one, or up to `engine.versions` on a multi-version engine).
 
@@ -87,21 +66,16 @@ class DecodeSlice(EpisodeTurns, SliceVersions):
                  clock: Callable[[], float] = time.time,
                  episodes: EpisodeRunner | None = None):
         self.slice_id, self.engine, self.clock = slice_id, engine, clock
-        self.episodes = episodes
-        # Episodes waiting for their environment: request id -> (Held, the KV kept
-        # (None: run the whole sequence again), future, when the call was sent).
-        self._env_wait: dict = {}
+        self.turns = EpisodeTurns(episodes, engine.stop_ids, engine.max_decode_len)
         self.lookahead = lookahead
-        self.version: int | None = None  # the one resident (V > 1: the last loaded)
-        self.params = None  # EngineParams (V > 1: every place's adapters, no rows)
-        self._place_versions: list = [None] * engine.versions  # V > 1: version per place
-        self._slot_places = np.zeros(engine.max_concurrent_decodes, np.int32)
         self.stats = SliceStats()
-        self.load_log: list = []  # (version, seconds) per weight load
         self.state = engine.init_decode_state()
         self._pool_epoch = None if engine.pages is None else engine.pages.epoch
         self.slots = SlotTable(engine.max_concurrent_decodes, engine.max_decode_len)
         self.memory = SliceMemory(engine)
+        self.versions = ResidentVersions(
+            slice_id, engine, self._held_versions,
+            lambda: self.memory.forget(list(self.memory.prefixes)), self.stats)
         self._held: dict = {}  # request_id -> Held (waiting and running)
         self._waiting: collections.deque = collections.deque()
         self._pending: list = []  # (seq, prefill ResultTokens on device) not yet dispatched
@@ -120,6 +94,26 @@ class DecodeSlice(EpisodeTurns, SliceVersions):
     # ------------------------------------------------------------ queries
 
     @property
+    def version(self) -> int | None:
+        """The one resident version (several resident: the last loaded)."""
+        return self.versions.version
+
+    @property
+    def params(self):
+        return self.versions.params
+
+    @property
+    def resident_versions(self) -> list:
+        return self.versions.resident
+
+    def running_by_version(self) -> dict:
+        """{version: slots decoding under it} (what the next generate call serves)."""
+        counts: dict = {}
+        for seq in self.slots.holders():
+            counts[seq.version] = counts.get(seq.version, 0) + 1
+        return counts
+
+    @property
     def num_slots(self) -> int:
         return len(self.slots)
 
@@ -135,12 +129,12 @@ class DecodeSlice(EpisodeTurns, SliceVersions):
 
     @property
     def num_running(self) -> int:
-        return len(self._held) - len(self._waiting) - len(self._env_wait)
+        return len(self._held) - len(self._waiting) - len(self.turns)
 
     @property
     def num_at_environment(self) -> int:
         """Episodes waiting for their environment's answer."""
-        return len(self._env_wait)
+        return len(self.turns)
 
     @property
     def idle(self) -> bool:
@@ -168,11 +162,10 @@ class DecodeSlice(EpisodeTurns, SliceVersions):
         starts again empty, to be told which version to load."""
         self._held.clear()
         self._waiting.clear()
-        self._env_wait.clear()
+        self.turns.clear()
         self._pending, self._inflight, self._done = [], None, []
         self.slots.clear()
-        self.params = self.version = None
-        self._place_versions = [None] * self.engine.versions
+        self.versions.clear()
         self.reset_decode_state()
 
     def reset_decode_state(self) -> None:
@@ -194,8 +187,7 @@ class DecodeSlice(EpisodeTurns, SliceVersions):
         self._check_accepts([request.request_id], [request.version])
         request.check(self.engine.max_prefill_length, self.engine.model_cfg.vocab_size)
         seq = Held(request, request.version, [], [], [], [self.slice_id], self.clock(), None)
-        if request.record is not None and self.episodes is not None:
-            seq.episode = self.episodes.begin(request.record)
+        self.turns.begin(seq)
         self._held[request.request_id] = seq
         self._waiting.append(seq)
 
@@ -205,8 +197,11 @@ class DecodeSlice(EpisodeTurns, SliceVersions):
         if self._pool_epoch is not None and self.engine.pages.epoch != self._pool_epoch:
             raise RolloutError(f"slice {self.slice_id}: its engine's KV page pool was reset "
                                f"by another decode state; give each slice its own Engine")
-        if self._env_wait:
-            self._collect_observations()
+        for seq, why in self.turns.collect():
+            if why is None:  # the observation is in: the next turn goes first
+                self._waiting.appendleft(seq)
+            else:
+                self._end_episode(seq, why)
         while (self._waiting and not self.slots.full
                and self.memory.has_pages_for(self._waiting[0])):
             self._start(self._waiting.popleft(), self.slots.lowest_free())
@@ -219,7 +214,7 @@ class DecodeSlice(EpisodeTurns, SliceVersions):
             n = self.engine.decode_steps
             if self.engine.pages is not None:
                 self._reserve_pages(n)
-            self.state, result = self.engine.generate_steps(self.generate_params(),
+            self.state, result = self.engine.generate_steps(self.versions.generate_params(),
                                                             self.state, n)
             if self.engine.pages is not None:
                 self.stats.peak_pages = max(self.stats.peak_pages, self.engine.pages.num_used)
@@ -232,12 +227,9 @@ class DecodeSlice(EpisodeTurns, SliceVersions):
             self._read(*record)
         done, self._done = self._done, []
         self.memory.forget_groups_except({rid[0] for rid in self._held})
-        if (not done and self._env_wait and not self.slots.busy and not self._waiting
+        if (not done and len(self.turns) and not self.slots.busy and not self._waiting
                 and self._inflight is None):
-            # Only environments are working: wait a little for one, not spin.
-            concurrent.futures.wait([f for _, _, f, _ in self._env_wait.values()],
-                                    timeout=0.02,
-                                    return_when=concurrent.futures.FIRST_COMPLETED)
+            self.turns.wait(0.02)  # only environments are working: wait, not spin
         return done
 
     def drain(self, max_steps: int | None = None) -> list:
@@ -248,6 +240,44 @@ class DecodeSlice(EpisodeTurns, SliceVersions):
             out.extend(self.step())
             n += 1
         return out
+
+    # ------------------------------------------------------------ versions (C1)
+
+    def load_version(self, version: int, params) -> float:
+        """`versions.load_only`: refuses while holding requests of another version."""
+        return self.versions.load_only(version, params)
+
+    def add_version(self, version: int, params) -> float:
+        return self.versions.add(version, params)
+
+    def evict_version(self, version: int) -> None:
+        """`versions.evict`: refuses while holding a request of that version."""
+        self.versions.evict(version)
+
+    def _held_versions(self) -> collections.Counter:
+        self._sync()  # requests that finished in flight no longer count
+        return collections.Counter(seq.version for seq in self._held.values())
+
+    def interrupt_and_reload(self, version: int, params) -> float:
+        """partial_rollout: loads `version` with requests in flight, re-prefills each
+        running one (prompt + tokens so far) under the new params and continues it;
+        waiting ones will start under the new version. Returns the seconds waited."""
+        if self.engine.versions > 1:
+            raise RolloutError(f"slice {self.slice_id}: interrupt_and_reload is the "
+                               f"one-version baseline; this slice holds several")
+        self._sync()
+        running = self.slots.holders()
+        for seq in running:
+            self._flush(seq)
+        seconds = self.versions.load_only(version, params, check=False)
+        self.stats.interrupts += 1
+        for seq in self._held.values():
+            seq.version = version
+            seq.kept, seq.unwritten = None, 0  # KV kept between turns: the old version's
+        self.turns.drop_kept()
+        for seq in running:
+            self._start(seq, seq.slot)
+        return seconds
 
     # ------------------------------------------------------------ migration
 
@@ -265,9 +295,10 @@ class DecodeSlice(EpisodeTurns, SliceVersions):
         for rid in ids:
             seq = self._held.pop(rid)
             prefix = None
-            if rid in self._env_wait:  # moves with its kept KV and its pending call
-                _, seq.kept, future, sent = self._env_wait.pop(rid)
-                out.append(dataclasses.replace(seq.to_inflight(None), env_call=(future, sent)))
+            at_env = self.turns.take(rid)
+            if at_env is not None:  # moves with its kept KV and its pending call
+                _, seq.kept, env_call = at_env
+                out.append(dataclasses.replace(seq.to_inflight(None), env_call=env_call))
                 continue
             if seq.slot is None:
                 self._waiting.remove(seq)
@@ -302,13 +333,13 @@ class DecodeSlice(EpisodeTurns, SliceVersions):
                 if seq.kept is not None:
                     seq.kept = jax.device_put(seq.kept, dst)
                 if f.env_call is not None:  # still at its environment
-                    self._env_wait[f.request.request_id] = (seq, seq.kept, *f.env_call)
+                    self.turns.put(seq, seq.kept, f.env_call)
                     seq.kept = None
                 else:
                     self._waiting.append(seq)
                 continue
             slot = self.slots.lowest_free()
-            self._set_slot_place(slot, f.version)
+            self.versions.set_slot(slot, f.version)
             used = len(f.request.prompt_tokens) + len(f.response_tokens)
             self.state = self.engine.insert(jax.device_put(f.prefix, dst), self.state, slot,
                                             length=used)
@@ -343,8 +374,8 @@ class DecodeSlice(EpisodeTurns, SliceVersions):
         (preempted, or re-prefilled under new params) runs only its own tokens on top
         of it, and on a paged cache they all map the prompt's pages."""
         r, engine, memory = seq.request, self.engine, self.memory
-        self._set_slot_place(slot, seq.version)
-        params = self.prefill_params(seq.version)
+        self.versions.set_slot(slot, seq.version)
+        params = self.versions.prefill_params(seq.version)
         if seq.kept is not None:
             return self._continue_episode(seq, slot)
         P, key = len(r.prompt_tokens), prompt_key(r)
@@ -377,6 +408,32 @@ class DecodeSlice(EpisodeTurns, SliceVersions):
             seq.t_start = self.clock()
         self._place(seq, slot, n)
         self._pending.append((seq, result))
+
+    def _continue_episode(self, seq: Held, slot: int):
+        """Prefills an episode's unwritten tokens (the last turn's end and the
+        observation) on top of its kept KV into `slot`; samples the next turn's first
+        token."""
+        r, engine = seq.request, self.engine
+        padded, t = engine.pad_tokens(seq.tokens[len(seq.tokens) - seq.unwritten:])
+        prefix, result = engine.prefill(params=self.versions.prefill_params(seq.version),
+                                        existing_prefix=seq.kept, padded_tokens=padded,
+                                        true_length=t, rng=r.key_data(),
+                                        num_generated=len(seq.tokens),
+                                        max_new_tokens=r.max_new_tokens)
+        seq.kept, seq.unwritten = None, 0
+        n = len(r.prompt_tokens) + len(seq.tokens)
+        self.state = engine.insert(prefix, self.state, slot, length=n)
+        self.stats.observation_tokens += t - 1
+        self._place(seq, slot, n)
+        self._pending.append((seq, result))
+
+    def _end_episode(self, seq: Held, why: str):
+        """Ends an episode between turns. Its finish reason says how its last model
+        turn ended (at a stop id: "eos"); `episode.end` says why the episode did."""
+        seq.episode.end = why
+        del self._held[seq.request.request_id]
+        self._done.append(seq.to_trajectory("eos", self.clock()))
+        self.stats.finished += 1
 
     def _place(self, seq: Held, slot: int, written: int):
         self.slots.place(seq, slot, len(seq.request.prompt_tokens), written)
@@ -453,7 +510,11 @@ class DecodeSlice(EpisodeTurns, SliceVersions):
 
     def _finish(self, seq: Held):
         self._flush(seq)
-        if seq.episode is not None and self._end_turn(seq):
+        if seq.episode is not None and self.turns.turn_ended(seq):
+            kept = self.engine.extract(self.state, seq.slot,
+                                       used=len(seq.request.prompt_tokens) + len(seq.tokens))
+            self._free(seq)
+            self.turns.send(seq, kept)
             return
         self._free(seq)
         del self._held[seq.request.request_id]

@@ -201,7 +201,7 @@ def test_load_version_refuses_other_versions_then_follows_new_params():
     assert t0.response_tokens == max(ref0, key=len)
     loads = sl.stats.weight_loads
     seconds = sl.load_version(1, p1)
-    assert seconds > 0 and sl.stats.weight_loads == loads + 1 and sl.load_log[-1][0] == 1
+    assert seconds > 0 and sl.stats.weight_loads == loads + 1 and sl.versions.load_log[-1][0] == 1
     with pytest.raises(VersionMismatchError):
         sl.submit(Request(2, "a", 0, prompt, seed=1, version=0))
     sl.submit(Request(2, "a", 0, prompt, seed=1, version=1))

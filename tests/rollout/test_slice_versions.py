@@ -66,7 +66,7 @@ def test_slots_of_several_versions_decode_as_each_version_alone(kind, kv_cache):
     sl = DecodeSlice(1, engine(kind, kv_cache, 3, 1))
     sl.add_version(0, version_params(0))
     sl.add_version(1, version_params(1))
-    assert sl.resident_versions == [0, 1] and sl.free_places == 1
+    assert sl.resident_versions == [0, 1] and sl.versions.free_places == 1
     for g, *_ in FIRST:
         sl.submit(reqs[g])
     got = {}
@@ -124,7 +124,7 @@ def test_later_versions_move_only_their_adapters():
 def test_a_one_version_slice_evicts_and_refuses_as_before():
     sl = DecodeSlice(0, engine("greedy", "dense", 1, 0))
     sl.load_version(0, version_params(0))
-    assert sl.resident_versions == [0] and sl.free_places == 0
+    assert sl.resident_versions == [0] and sl.versions.free_places == 0
     with pytest.raises(RolloutError, match="no free place"):
         sl.add_version(1, version_params(1))
     sl.submit(request(0, 0, rc.PROMPTS[0]))

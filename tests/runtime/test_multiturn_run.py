@@ -67,10 +67,10 @@ def _first_observation_waits_for_version_1(monkeypatch, num_slices: int) -> None
     its episode's next turn then decodes under the version published meanwhile, so
     that a publish lands within an episode by construction, not by the machine's pace
     (the other groups of version 0 train step 0 meanwhile)."""
-    from dora_jax.rollout.slice import DecodeSlice
+    from dora_jax.rollout.slice_versions import ResidentVersions
 
     loaded, changed, first = {}, threading.Condition(), []
-    load, step = DecodeSlice._load, AlwaysContinue.step
+    load, step = ResidentVersions._load, AlwaysContinue.step
 
     def recording_load(self, version, params):  # every load: plain, or interrupting
         seconds = load(self, version, params)
@@ -88,7 +88,7 @@ def _first_observation_waits_for_version_1(monkeypatch, num_slices: int) -> None
                     raise TimeoutError("version 1 never reached every slice")
         return step(self, action)
 
-    monkeypatch.setattr(DecodeSlice, "_load", recording_load)
+    monkeypatch.setattr(ResidentVersions, "_load", recording_load)
     monkeypatch.setattr(AlwaysContinue, "step", waiting_step)
 
 
