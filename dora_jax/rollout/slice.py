@@ -25,7 +25,6 @@ slice; its methods are not thread-safe.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
 from collections.abc import Callable, Iterable
 
@@ -40,7 +39,6 @@ from dora_jax.rollout.slice_memory import SliceMemory, prompt_key
 from dora_jax.rollout.slice_versions import ResidentVersions
 from dora_jax.rollout.slots import SlotTable
 from dora_jax.rollout.trajectory import (
-    Held,
     InFlight,
     Request,
     RolloutError,
@@ -76,7 +74,7 @@ class DecodeSlice:
         self.versions = ResidentVersions(
             slice_id, engine, self._held_versions,
             lambda: self.memory.forget(list(self.memory.prefixes)), self.stats)
-        self._held: dict = {}  # request_id -> Held (waiting and running)
+        self._held: dict = {}  # request_id -> InFlight (waiting and running)
         self._waiting: collections.deque = collections.deque()
         self._pending: list = []  # (seq, prefill ResultTokens on device) not yet dispatched
         # (pending prefills, generate ResultTokens, its step count) not yet read
@@ -186,7 +184,7 @@ class DecodeSlice:
         free slot."""
         self._check_accepts([request.request_id], [request.version])
         request.check(self.engine.max_prefill_length, self.engine.model_cfg.vocab_size)
-        seq = Held(request, request.version, [], [], [], [self.slice_id], self.clock(), None)
+        seq = InFlight.submitted(request, self.slice_id, self.clock())
         self.turns.begin(seq)
         self._held[request.request_id] = seq
         self._waiting.append(seq)
@@ -298,16 +296,18 @@ class DecodeSlice:
             at_env = self.turns.take(rid)
             if at_env is not None:  # moves with its kept KV and its pending call
                 _, seq.kept, env_call = at_env
-                out.append(dataclasses.replace(seq.to_inflight(None), env_call=env_call))
+                seq.env_call = env_call
+                out.append(seq)
                 continue
             if seq.slot is None:
                 self._waiting.remove(seq)
             else:
                 self._flush(seq)
                 prefix = self.engine.extract(  # only the positions written so far
-                    self.state, seq.slot, used=len(seq.request.prompt_tokens) + len(seq.tokens))
+                    self.state, seq.slot, used=seq.length)
                 self._free(seq)
-            out.append(seq.to_inflight(prefix))
+            seq.prefix = prefix
+            out.append(seq)
         self.stats.migrated_out += len(out)
         self.memory.forget_groups_except({rid[0] for rid in self._held})
         return out
@@ -327,7 +327,7 @@ class DecodeSlice:
                                    f"{self.engine.cache_length}")
         dst = self.engine.get_prefix_destination_sharding()
         for f in inflights:
-            seq = Held.from_inflight(f, self.slice_id)
+            seq = f.taken_over(self.slice_id)
             self._held[f.request.request_id] = seq
             if f.prefix is None:
                 if seq.kept is not None:
@@ -340,7 +340,7 @@ class DecodeSlice:
                 continue
             slot = self.slots.lowest_free()
             self.versions.set_slot(slot, f.version)
-            used = len(f.request.prompt_tokens) + len(f.response_tokens)
+            used = f.length
             self.state = self.engine.insert(jax.device_put(f.prefix, dst), self.state, slot,
                                             length=used)
             self._place(seq, slot, used)
@@ -367,7 +367,7 @@ class DecodeSlice:
                 f"slice {self.slice_id}: {len(ids)} request(s) but only "
                 f"{self.num_free_slots} free slot(s) of {self.num_slots}")
 
-    def _start(self, seq: Held, slot: int):
+    def _start(self, seq: InFlight, slot: int):
         """Prefills prompt + tokens so far into `slot`; the result is read at the next
         sync. The group's prompt is run once under the resident params: a fresh
         sample draws its first token from the prompt's prefix, a resumed one
@@ -380,7 +380,7 @@ class DecodeSlice:
             return self._continue_episode(seq, slot)
         P, key = len(r.prompt_tokens), prompt_key(r)
         base = memory.prefixes.get(key)
-        if base is None and seq.tokens:  # the group's prompt, once
+        if base is None and seq.response_tokens:  # the group's prompt, once
             padded, _ = engine.pad_tokens(r.prompt_tokens)
             base, _ = engine.prefill(params=params, padded_tokens=padded,
                                      true_length=P, rng=r.key_data())
@@ -389,15 +389,16 @@ class DecodeSlice:
             self.stats.prefill_tokens += P
         # Without a prefix the whole sequence runs; with it, only the response so far.
         padded, t = engine.pad_tokens((list(r.prompt_tokens) if base is None else [])
-                                      + seq.tokens)
+                                      + seq.response_tokens)
         prefix, result = engine.prefill(params=params, padded_tokens=padded,
                                         true_length=t, rng=r.key_data(),
-                                        num_generated=len(seq.tokens), existing_prefix=base,
+                                        num_generated=len(seq.response_tokens),
+                                        existing_prefix=base,
                                         max_new_tokens=r.max_new_tokens)
-        n = P + len(seq.tokens)
+        n = P + len(seq.response_tokens)
         self.state = engine.insert(prefix, self.state, slot, length=n,
                                    shared_pages=memory.pages.get(key, ()))
-        self.stats.reprefill_tokens += len(seq.tokens)
+        self.stats.reprefill_tokens += len(seq.response_tokens)
         if base is not None:
             self.stats.prefills_shared += 1
         else:
@@ -409,25 +410,26 @@ class DecodeSlice:
         self._place(seq, slot, n)
         self._pending.append((seq, result))
 
-    def _continue_episode(self, seq: Held, slot: int):
+    def _continue_episode(self, seq: InFlight, slot: int):
         """Prefills an episode's unwritten tokens (the last turn's end and the
         observation) on top of its kept KV into `slot`; samples the next turn's first
         token."""
         r, engine = seq.request, self.engine
-        padded, t = engine.pad_tokens(seq.tokens[len(seq.tokens) - seq.unwritten:])
+        tokens = seq.response_tokens
+        padded, t = engine.pad_tokens(tokens[len(tokens) - seq.unwritten:])
         prefix, result = engine.prefill(params=self.versions.prefill_params(seq.version),
                                         existing_prefix=seq.kept, padded_tokens=padded,
                                         true_length=t, rng=r.key_data(),
-                                        num_generated=len(seq.tokens),
+                                        num_generated=len(seq.response_tokens),
                                         max_new_tokens=r.max_new_tokens)
         seq.kept, seq.unwritten = None, 0
-        n = len(r.prompt_tokens) + len(seq.tokens)
+        n = seq.length
         self.state = engine.insert(prefix, self.state, slot, length=n)
         self.stats.observation_tokens += t - 1
         self._place(seq, slot, n)
         self._pending.append((seq, result))
 
-    def _end_episode(self, seq: Held, why: str):
+    def _end_episode(self, seq: InFlight, why: str):
         """Ends an episode between turns. Its finish reason says how its last model
         turn ended (at a stop id: "eos"); `episode.end` says why the episode did."""
         seq.episode.end = why
@@ -435,21 +437,21 @@ class DecodeSlice:
         self._done.append(seq.to_trajectory("eos", self.clock()))
         self.stats.finished += 1
 
-    def _place(self, seq: Held, slot: int, written: int):
+    def _place(self, seq: InFlight, slot: int, written: int):
         self.slots.place(seq, slot, len(seq.request.prompt_tokens), written)
         if self.engine.pages is not None:
             self.stats.peak_pages = max(self.stats.peak_pages, self.engine.pages.num_used)
 
-    def _free(self, seq: Held):
+    def _free(self, seq: InFlight):
         self.engine.free_resource(seq.slot)
         self.slots.free(seq.slot)
 
-    def _flush(self, seq: Held):
+    def _flush(self, seq: InFlight):
         """Copies the slot's new tokens into the seq, tagged with its version."""
-        tokens, logprobs = self.slots.new_tokens(seq.slot, len(seq.tokens))
-        seq.tokens.extend(tokens)
-        seq.logprobs.extend(logprobs)
-        versions_lib.extend(seq.runs, seq.version, len(tokens))
+        tokens, logprobs = self.slots.new_tokens(seq.slot, len(seq.response_tokens))
+        seq.response_tokens.extend(tokens)
+        seq.behaviour_logprobs.extend(logprobs)
+        versions_lib.extend(seq.versions, seq.version, len(tokens))
 
     def _reserve_pages(self, n: int):
         """Makes room in the pool for a call of n steps of every running slot: lets the
@@ -508,16 +510,16 @@ class DecodeSlice:
         pending, self._pending = self._pending, []
         self._read(pending, None)
 
-    def _finish(self, seq: Held):
+    def _finish(self, seq: InFlight):
         self._flush(seq)
         if seq.episode is not None and self.turns.turn_ended(seq):
             kept = self.engine.extract(self.state, seq.slot,
-                                       used=len(seq.request.prompt_tokens) + len(seq.tokens))
+                                       used=seq.length)
             self._free(seq)
             self.turns.send(seq, kept)
             return
         self._free(seq)
         del self._held[seq.request.request_id]
-        reason = "eos" if seq.tokens[-1] in self.engine.stop_ids else "length"
+        reason = "eos" if seq.response_tokens[-1] in self.engine.stop_ids else "length"
         self._done.append(seq.to_trajectory(reason, self.clock()))
         self.stats.finished += 1

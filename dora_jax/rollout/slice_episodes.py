@@ -17,7 +17,7 @@ import time
 
 from dora_jax import versions as versions_lib
 from dora_jax.rollout.episodes import EpisodeRunner
-from dora_jax.rollout.trajectory import Held
+from dora_jax.rollout.trajectory import InFlight
 
 
 class EpisodeTurns:
@@ -32,36 +32,36 @@ class EpisodeTurns:
     def __init__(self, runner: EpisodeRunner | None, stop_ids, max_decode_len: int):
         self.runner = runner
         self._stop_ids, self._max_decode_len = stop_ids, max_decode_len
-        # request id -> (Held, the KV kept (None: run the whole sequence again),
+        # request id -> (InFlight, the KV kept (None: run the whole sequence again),
         # the environment call's future, when it was sent)
         self._at_env: dict = {}
 
     def __len__(self) -> int:
         return len(self._at_env)
 
-    def begin(self, seq: Held) -> None:
+    def begin(self, seq: InFlight) -> None:
         """Makes a submitted request an episode if it carries a task record."""
         if seq.request.record is not None and self.runner is not None:
             seq.episode = self.runner.begin(seq.request.record)
 
-    def turn_ended(self, seq: Held) -> bool:
+    def turn_ended(self, seq: InFlight) -> bool:
         """Records a model turn that ended (its tokens flushed); True if the episode
         now goes to its environment (`send`), False if it ends here (its token budget
         is spent)."""
-        seq.episode.turns.append(["model", seq.episode.next_start, len(seq.tokens)])
-        if seq.tokens[-1] not in self._stop_ids:  # cut at the budget
+        seq.episode.turns.append(["model", seq.episode.next_start, len(seq.response_tokens)])
+        if seq.response_tokens[-1] not in self._stop_ids:  # cut at the budget
             seq.episode.end = "budget"
             return False
         return True
 
-    def send(self, seq: Held, kept) -> None:
+    def send(self, seq: InFlight, kept) -> None:
         """Sends the turn that just ended, its slot already freed with `kept` its KV."""
         start = seq.episode.turns[-1][1]
-        future = self.runner.step(seq.episode, seq.tokens[start:])
+        future = self.runner.step(seq.episode, seq.response_tokens[start:])
         self._at_env[seq.request.request_id] = (seq, kept, future, time.perf_counter())
 
     def collect(self) -> list:
-        """The answers that are in, as (episode's Held, why it ended or None). None:
+        """The answers that are in, as (episode's InFlight, why it ended or None). None:
         the observation was appended and the KV kept; the slice queues it first."""
         now, out = time.perf_counter(), []
         for rid, (seq, kept, future, sent) in list(self._at_env.items()):
@@ -75,7 +75,7 @@ class EpisodeTurns:
             out.append((seq, self._answer(seq, kept, result, seconds, error)))
         return out
 
-    def _answer(self, seq: Held, kept, result, seconds, error) -> str | None:
+    def _answer(self, seq: InFlight, kept, result, seconds, error) -> str | None:
         episode = seq.episode
         episode.env_seconds += seconds
         if result is None or error is not None:
@@ -90,13 +90,13 @@ class EpisodeTurns:
             return "max_turns"
         obs = self.runner.observation_tokens(result.observation)
         limit = min(seq.request.max_new_tokens or self._max_decode_len, self._max_decode_len)
-        if len(seq.tokens) + len(obs) + 1 > limit:  # no room for a model token
+        if len(seq.response_tokens) + len(obs) + 1 > limit:  # no room for a model token
             return "budget"
-        start = len(seq.tokens)
-        seq.tokens.extend(obs)
-        seq.logprobs.extend([0.0] * len(obs))
-        versions_lib.extend(seq.runs, seq.version, len(obs))
-        episode.turns.append(["env", start, len(seq.tokens), round(seconds, 6)])
+        start = len(seq.response_tokens)
+        seq.response_tokens.extend(obs)
+        seq.behaviour_logprobs.extend([0.0] * len(obs))
+        versions_lib.extend(seq.versions, seq.version, len(obs))
+        episode.turns.append(["env", start, len(seq.response_tokens), round(seconds, 6)])
         seq.kept, seq.unwritten = kept, len(obs) + 1
         return None
 
@@ -106,14 +106,14 @@ class EpisodeTurns:
                                 timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def take(self, request_id):
-        """Removes an episode at its environment (migration): (Held, kept KV,
+        """Removes an episode at its environment (migration): (InFlight, kept KV,
         (future, sent)), or None if it is not there."""
         if request_id not in self._at_env:
             return None
         seq, kept, future, sent = self._at_env.pop(request_id)
         return seq, kept, (future, sent)
 
-    def put(self, seq: Held, kept, env_call) -> None:
+    def put(self, seq: InFlight, kept, env_call) -> None:
         """Takes over an episode whose environment call `(future, sent)` is pending."""
         self._at_env[seq.request.request_id] = (seq, kept, *env_call)
 

@@ -11,7 +11,8 @@
   request goes back to the head of its queue).
 - What the scheduler is told: `kv_free_tokens`.
 
-Requests are read through `request` (prompt, group) and `tokens` (so far) only.
+Requests are read through `request` (prompt, group), `response_tokens` and `length`
+(so far) only.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class SliceMemory:
         if pool is None:
             return None
         n, cap = self.engine.decode_steps, self.engine.cache_length
-        need = sum(pool.pages_for(min(len(s.request.prompt_tokens) + len(s.tokens) + n, cap))
+        need = sum(pool.pages_for(min(s.length + n, cap))
                    for s in waiting)
         return (pool.num_free - pool.shortfall(n) - need) * pool.page_size
 
@@ -72,8 +73,8 @@ class SliceMemory:
         if pool is None:
             return True
         n, r = self.engine.decode_steps, seq.request
-        shared = 0 if seq.tokens else len(self.pages.get(prompt_key(r), ()))
-        need = pool.pages_for(min(len(r.prompt_tokens) + len(seq.tokens) + n,
+        shared = 0 if seq.response_tokens else len(self.pages.get(prompt_key(r), ()))
+        need = pool.pages_for(min(seq.length + n,
                                   self.engine.cache_length)) - shared
         return need + pool.shortfall(n) <= pool.num_free
 

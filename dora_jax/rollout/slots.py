@@ -58,9 +58,9 @@ class SlotTable:
     def place(self, seq, slot: int, prompt_len: int, written: int) -> None:
         """`seq` (with its tokens and log-probs so far) now holds `slot`, which has
         `written` positions of KV."""
-        m = len(seq.tokens)
-        self.tokens_SD[slot, :m] = seq.tokens
-        self.logprobs_SD[slot, :m] = seq.logprobs
+        m = len(seq.response_tokens)
+        self.tokens_SD[slot, :m] = seq.response_tokens
+        self.logprobs_SD[slot, :m] = seq.behaviour_logprobs
         self.count_S[slot], self.placed_S[slot] = m, written
         self.prompt_len_S[slot] = prompt_len
         self._starts += 1

@@ -2,9 +2,9 @@
 the records a scheduler reads (slice counters, exported in-flight requests).
 
 Host-side records. A `Trajectory` is one ledger row's rollout part: `to_dict()`
-gives plain JSON types and `from_dict` reads it back. A slice keeps each request it
-holds as a `Held` record, which becomes a Trajectory when it finishes or an
-InFlight when it is exported.
+gives plain JSON types and `from_dict` reads it back. A sample is one `InFlight`
+record from its submission to its end, on a slice or between two (exported), and
+becomes a Trajectory when it finishes.
 """
 
 from __future__ import annotations
@@ -165,12 +165,20 @@ class SliceStats:
         return self.busy_slot_steps / self.total_slot_steps if self.total_slot_steps else 0.0
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class InFlight:
-    """An exported request: everything needed to continue it on another slice.
+    """A sample in flight: held by a slice (waiting, in a slot, or at its environment)
+    or exported from one for another (`DecodeSlice.export_requests`). Its fields are
+    Trajectory's where they mean the same; a running sample's newest tokens live in
+    the slice's SlotTable until flushed here.
 
-    prefix: the slot's decode state (KV cache, next input token, position, RNG key
-    data and step) on the source slice's devices; None if it had not started.
+    prefix: an exported running sample's decode state (KV cache, next input token,
+      position, RNG key data and step) on the source slice's devices; else None.
+    kept, unwritten: a multi-turn episode between turns: the KV of all but its last
+      `unwritten` tokens (the turn's end and the observation, prefilled on top).
+    env_call: exported while its environment works on its turn: (the call's future,
+      when it was sent); the destination waits for it as the source would.
+    slot: the slot it holds (None: waiting, at its environment, or exported).
     """
 
     request: Request
@@ -181,56 +189,39 @@ class InFlight:
     slice_ids: list
     t_submit: float
     t_start: float | None
-    prefix: Any | None  # engine.Prefix
-    # A multi-turn episode between turns: the KV of all but its last `unwritten`
-    # tokens (the turn's end and the observation, prefilled on top where it goes on).
+    prefix: Any | None = None  # engine.Prefix
     kept: Any | None = None
     unwritten: int = 0
-    episode: Any | None = None  # rollout.episodes.Episode
-    # An episode exported while its environment works on its turn: (the call's
-    # future, when it was sent); the destination waits for it as the source would.
-    env_call: tuple | None = None
-
-
-@dataclasses.dataclass(slots=True)
-class Held:
-    """A request held by a slice: its tokens so far (a running request's newest
-    ones live in the slice's SlotTable until flushed here) and its provenance.
-    `slot` is None while it waits."""
-
-    request: Request
-    version: int
-    tokens: list
-    logprobs: list
-    runs: list  # run-length encoded versions of `tokens`
-    slice_ids: list
-    t_submit: float
-    t_start: float | None
-    slot: int | None = None
     episode: Any | None = None  # rollout.episodes.Episode of a multi-turn request
-    kept: Any | None = None  # as InFlight.kept
-    unwritten: int = 0
+    env_call: tuple | None = None
+    slot: int | None = None
+
+    @property
+    def length(self) -> int:
+        """Prompt and response tokens so far."""
+        return len(self.request.prompt_tokens) + len(self.response_tokens)
 
     @classmethod
-    def from_inflight(cls, f: InFlight, slice_id: int) -> Held:
-        return cls(f.request, f.version, list(f.response_tokens), list(f.behaviour_logprobs),
-                   [list(r) for r in f.versions], list(f.slice_ids) + [slice_id], f.t_submit,
-                   f.t_start, episode=f.episode, kept=f.kept, unwritten=f.unwritten)
+    def submitted(cls, request: Request, slice_id: int, t_submit: float) -> InFlight:
+        return cls(request, request.version, [], [], [], [slice_id], t_submit, None)
 
-    def to_inflight(self, prefix) -> InFlight:
-        return InFlight(request=self.request, version=self.version,
-                        response_tokens=self.tokens, behaviour_logprobs=self.logprobs,
-                        versions=self.runs, slice_ids=self.slice_ids, t_submit=self.t_submit,
-                        t_start=self.t_start, prefix=prefix, kept=self.kept,
-                        unwritten=self.unwritten, episode=self.episode)
+    def taken_over(self, slice_id: int) -> InFlight:
+        """The record a slice importing this one holds: lists of its own, its id
+        appended to `slice_ids`, nothing of the hand-over (prefix, env_call)."""
+        return dataclasses.replace(
+            self, response_tokens=list(self.response_tokens),
+            behaviour_logprobs=list(self.behaviour_logprobs),
+            versions=[list(r) for r in self.versions],
+            slice_ids=list(self.slice_ids) + [slice_id], prefix=None, env_call=None,
+            slot=None)
 
     def to_trajectory(self, finish_reason: str, t_finish: float) -> Trajectory:
         r = self.request
         return Trajectory(
             group_id=r.group_id, prompt_id=r.prompt_id, sample_index=r.sample_index,
             version=r.version if r.group_version is None else r.group_version,
-            prompt_tokens=list(r.prompt_tokens), response_tokens=self.tokens,
-            behaviour_logprobs=self.logprobs, versions=self.runs, slice_ids=self.slice_ids,
-            finish_reason=finish_reason, t_submit=self.t_submit, t_start=self.t_start,
-            t_finish=t_finish,
+            prompt_tokens=list(r.prompt_tokens), response_tokens=self.response_tokens,
+            behaviour_logprobs=self.behaviour_logprobs, versions=self.versions,
+            slice_ids=self.slice_ids, finish_reason=finish_reason, t_submit=self.t_submit,
+            t_start=self.t_start, t_finish=t_finish,
             episode=None if self.episode is None else self.episode.summary())
