@@ -12,8 +12,9 @@ token. Methods that need the exact state (`load_version`, `export_requests`,
 
 Components: `versions` (the resident versions' params, slice_versions.py), `memory`
 (the group prompt cache and pages, slice_memory.py; a call that does not fit preempts
-the most recently started request), `slots` (slots.py) and `turns` (multi-turn
-episodes between their turns, slice_episodes.py).
+the most recently started request), `prefills` (what runs before a sample decodes,
+slice_prefill.py), `slots` (slots.py) and `turns` (multi-turn episodes between their
+turns, slice_episodes.py).
 
 C1 is enforced here: `submit`, `import_requests`, `load_version` and `evict_version`
 refuse anything that would serve a request under a version other than its own;
@@ -35,7 +36,8 @@ from dora_jax import versions as versions_lib
 from dora_jax.rollout.engine import Engine
 from dora_jax.rollout.episodes import EpisodeRunner
 from dora_jax.rollout.slice_episodes import EpisodeTurns
-from dora_jax.rollout.slice_memory import SliceMemory, prompt_key
+from dora_jax.rollout.slice_memory import SliceMemory
+from dora_jax.rollout.slice_prefill import Prefills
 from dora_jax.rollout.slice_versions import ResidentVersions
 from dora_jax.rollout.slots import SlotTable
 from dora_jax.rollout.trajectory import (
@@ -71,6 +73,7 @@ class DecodeSlice:
         self._pool_epoch = None if engine.pages is None else engine.pages.epoch
         self.slots = SlotTable(engine.max_concurrent_decodes, engine.max_decode_len)
         self.memory = SliceMemory(engine)
+        self.prefills = Prefills(engine, self.memory, self.stats)
         self.versions = ResidentVersions(
             slice_id, engine, self._held_versions,
             lambda: self.memory.forget(list(self.memory.prefixes)), self.stats)
@@ -368,65 +371,14 @@ class DecodeSlice:
                 f"{self.num_free_slots} free slot(s) of {self.num_slots}")
 
     def _start(self, seq: InFlight, slot: int):
-        """Prefills prompt + tokens so far into `slot`; the result is read at the next
-        sync. The group's prompt is run once under the resident params: a fresh
-        sample draws its first token from the prompt's prefix, a resumed one
-        (preempted, or re-prefilled under new params) runs only its own tokens on top
-        of it, and on a paged cache they all map the prompt's pages."""
-        r, engine, memory = seq.request, self.engine, self.memory
+        """Prefills `seq` into `slot` (slice_prefill.py); the result is read at the
+        next sync."""
         self.versions.set_slot(slot, seq.version)
-        params = self.versions.prefill_params(seq.version)
-        if seq.kept is not None:
-            return self._continue_episode(seq, slot)
-        P, key = len(r.prompt_tokens), prompt_key(r)
-        base = memory.prefixes.get(key)
-        if base is None and seq.response_tokens:  # the group's prompt, once
-            padded, _ = engine.pad_tokens(r.prompt_tokens)
-            base, _ = engine.prefill(params=params, padded_tokens=padded,
-                                     true_length=P, rng=r.key_data())
-            memory.prefixes[key] = base
-            self.stats.prefills += 1
-            self.stats.prefill_tokens += P
-        # Without a prefix the whole sequence runs; with it, only the response so far.
-        padded, t = engine.pad_tokens((list(r.prompt_tokens) if base is None else [])
-                                      + seq.response_tokens)
-        prefix, result = engine.prefill(params=params, padded_tokens=padded,
-                                        true_length=t, rng=r.key_data(),
-                                        num_generated=len(seq.response_tokens),
-                                        existing_prefix=base,
-                                        max_new_tokens=r.max_new_tokens)
-        n = P + len(seq.response_tokens)
-        self.state = engine.insert(prefix, self.state, slot, length=n,
-                                   shared_pages=memory.pages.get(key, ()))
-        self.stats.reprefill_tokens += len(seq.response_tokens)
-        if base is not None:
-            self.stats.prefills_shared += 1
-        else:
-            self.stats.prefills += 1
-            self.stats.prefill_tokens += P
-        memory.remember(key, prefix if base is None else base, slot, P)
+        self.state, result = self.prefills.into_slot(
+            seq, self.state, slot, self.versions.prefill_params(seq.version))
         if seq.t_start is None:
             seq.t_start = self.clock()
-        self._place(seq, slot, n)
-        self._pending.append((seq, result))
-
-    def _continue_episode(self, seq: InFlight, slot: int):
-        """Prefills an episode's unwritten tokens (the last turn's end and the
-        observation) on top of its kept KV into `slot`; samples the next turn's first
-        token."""
-        r, engine = seq.request, self.engine
-        tokens = seq.response_tokens
-        padded, t = engine.pad_tokens(tokens[len(tokens) - seq.unwritten:])
-        prefix, result = engine.prefill(params=self.versions.prefill_params(seq.version),
-                                        existing_prefix=seq.kept, padded_tokens=padded,
-                                        true_length=t, rng=r.key_data(),
-                                        num_generated=len(seq.response_tokens),
-                                        max_new_tokens=r.max_new_tokens)
-        seq.kept, seq.unwritten = None, 0
-        n = seq.length
-        self.state = engine.insert(prefix, self.state, slot, length=n)
-        self.stats.observation_tokens += t - 1
-        self._place(seq, slot, n)
+        self._place(seq, slot, seq.length)
         self._pending.append((seq, result))
 
     def _end_episode(self, seq: InFlight, why: str):
