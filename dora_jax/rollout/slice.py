@@ -30,7 +30,6 @@ import time
 from collections.abc import Callable, Iterable
 
 import jax
-import numpy as np
 
 from dora_jax import versions as versions_lib
 from dora_jax.rollout.engine import Engine
@@ -435,17 +434,11 @@ class DecodeSlice:
         if result is None:
             return
         host = result.convert_to_numpy()  # the one host sync per call
-        steps_run = int(host.valid.any(axis=1).sum())  # the call may end early
+        steps_run, busy, finished = self.slots.record_call(host)
         self.stats.generate_steps += steps_run
         self.stats.total_slot_steps += self.num_slots * steps_run
-        # [n, S]: rows of slots that finished earlier (or were never filled) are not
-        # valid; a slot refilled since this call was dispatched was inactive in it.
-        valid_NS = host.valid & self.slots.owned
-        n_idx, slots = np.nonzero(valid_NS)
-        self.slots.record(slots, host.steps[n_idx, slots], host.tokens[n_idx, slots],
-                          host.logprobs[n_idx, slots])
-        self.stats.busy_slot_steps += len(slots)
-        for s in np.flatnonzero((host.finished & valid_NS).any(axis=0)):
+        self.stats.busy_slot_steps += busy
+        for s in finished:
             self._finish(self.slots.owner(s))
         if self.engine.pages is not None:
             # What the call still in flight (if any) may write comes on top.

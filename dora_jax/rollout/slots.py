@@ -85,6 +85,19 @@ class SlotTable:
         self.logprobs_SD[slots, steps] = logprobs
         np.maximum.at(self.count_S, np.atleast_1d(slots), np.atleast_1d(steps) + 1)
 
+    def record_call(self, host) -> tuple:
+        """One generate call's results (ResultTokens as numpy, [n, S]) for the slots
+        held when it ran: (decode steps run, slot-steps that produced a token, the
+        slots that finished)."""
+        steps_run = int(host.valid.any(axis=1).sum())  # the call may end early
+        # Rows of slots that finished earlier (or were never filled) are not valid; a
+        # slot refilled since the call was dispatched was inactive in it.
+        valid_NS = host.valid & self.owned
+        n_idx, slots = np.nonzero(valid_NS)
+        self.record(slots, host.steps[n_idx, slots], host.tokens[n_idx, slots],
+                    host.logprobs[n_idx, slots])
+        return steps_run, len(slots), np.flatnonzero((host.finished & valid_NS).any(axis=0))
+
     def new_tokens(self, slot: int, known: int) -> tuple:
         """(tokens, log-probs) of `slot` from response index `known` on."""
         n = int(self.count_S[slot])
