@@ -316,3 +316,39 @@ def test_a_decode_slice_is_composed_not_mixed_in():
 
     assert DecodeSlice.__bases__ == (object,)
     assert EpisodeTurns.__bases__ == ResidentVersions.__bases__ == (object,)
+
+
+# Tasks (dora_jax/tasks): what the model is asked and how it is scored, above the
+# readers, the rewards, the environments and the tokenizer they build on.
+TASKS_MAY_IMPORT = ("dora_jax.tasks", "dora_jax.data.", "dora_jax.rewards", "dora_jax.envs",
+                    "dora_jax.text", "dora_jax.config")
+
+
+def test_tasks_import_only_the_layers_below_them():
+    """data.sources looks the run's task up, so a task never imports it back. The one
+    import from further up is in a function: the env task's demonstration frames
+    observations as the episode runner does (rollout/episodes.py)."""
+    files = sorted((PACKAGE / "tasks").glob("*.py"))
+    assert {f.name for f in files} >= {"base.py", "residue.py", "env.py"}
+    outside = {f"{f.name}: {m}" for f in files for m in _imports(f, REPO, module_level=False)
+               if m != "dora_jax" and (not m.startswith(TASKS_MAY_IMPORT)
+                                       or m == "dora_jax.data.sources")}
+    assert outside == {"env.py: dora_jax.rollout.episodes"}, sorted(outside)
+    assert not {m for f in files for m in _imports(f, REPO, module_level=True)
+                if m.startswith("dora_jax.rollout")}
+
+
+def test_nothing_below_the_tasks_imports_them():
+    """The readers, rewards, environments, tokenizer and config know no task, in
+    functions too (a verifier scores the record it is handed and reads no record
+    builder); only data/sources.py, the run's way to its task, does."""
+    below = [p for name in ("data", "rewards", "envs", "text", "config")
+             for p in sorted((PACKAGE / name).glob("*.py"))]
+    found = {f"{p.relative_to(PACKAGE)}: {m}" for p in below
+             for m in _imports(p, REPO, module_level=False)
+             if m.startswith("dora_jax.tasks") and p.name != "sources.py"}
+    assert not found, sorted(found)
+    rewards = {f"{p.name}: {m}" for p in sorted((PACKAGE / "rewards").glob("*.py"))
+               for m in _imports(p, REPO, module_level=False)
+               if m.startswith(("dora_jax.data", "dora_jax.tasks"))}
+    assert not rewards, sorted(rewards)

@@ -69,7 +69,7 @@ def _countdown(i: int) -> dict:
 def _reasoning_gym_records() -> list[dict]:
     """Records of the reasoning_gym tasks that ran model text before: the ones now
     refused, and the ones now scored by our own parser."""
-    from dora_jax.data import reasoning_gym_tasks as rgt
+    from dora_jax.rewards import reasoning_gym_scores as rgt
 
     records = []
     for task in sorted(set(rgt.REFUSED) - {"composite", "list_functions"}) + sorted(rgt.OWN_PARSER):

@@ -10,13 +10,18 @@ from typing import ClassVar
 from .schema import Section, fail, field
 from .vetted_tasks import refusal
 
+# The tasks by name (dora_jax/tasks registers them; a test keeps the two equal, and
+# the facts below equal to each task's own).
 DATA_SOURCES = ("residue", "countdown", "jsonl", "gsm8k", "math", "reasoning_gym", "tfds",
                 "env")
 # Prompts built by a tokenizer ("env": a multi-turn environment's first observation).
 TEXT_SOURCES = ("gsm8k", "math", "reasoning_gym", "tfds", "env")
+# The data field that names a source's prompts.
+NEEDS = {"jsonl": "path", "gsm8k": "path", "math": "path", "reasoning_gym": "task",
+         "tfds": "tfds_name", "env": "env"}
 # Rewards by name: of response tokens (rewards/tokens.py) and of decoded text
 # (rewards/verifiers.py; "by_record": the verifier each record names); "auto": the
-# source's own (AUTO_REWARDS); "env": a multi-turn episode's, the sum of its
+# task's own (AUTO_REWARDS); "env": a multi-turn episode's, the sum of its
 # environment's step rewards.
 TOKEN_REWARDS = ("residue", "exact_match", "countdown")
 TEXT_REWARDS = ("gsm8k", "math", "countdown_expr", "reasoning_gym", "by_record")
@@ -82,10 +87,10 @@ class DataConfig(Section):
 
     def __post_init__(self):
         super().__post_init__()
-        for sources, name in ((("jsonl", "gsm8k", "math"), "path"),
-                              (("tfds",), "tfds_name"), (("reasoning_gym",), "task")):
-            if self.source in sources and not getattr(self, name):
-                fail(self._f(name), f"data.source={self.source!r} needs data.{name}")
+        name = NEEDS.get(self.source)
+        # "env" is checked both ways below.
+        if name and self.source != "env" and not getattr(self, name):
+            fail(self._f(name), f"data.source={self.source!r} needs data.{name}")
         if self.source == "reasoning_gym":
             reason = refusal(self.task)
             if reason:

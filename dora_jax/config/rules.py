@@ -212,7 +212,7 @@ def padded_microbatches_fill_the_shards(cfg: Config) -> None:
 def token_tasks_have_no_tokenizer(cfg: Config) -> None:
     d = cfg.data
     if d.source in ("residue", "countdown") and d.tokenizer:
-        # Their prompts and rewards are token ids with EOS 1 and PAD 0 (data/tasks.py),
+        # Their prompts and rewards are token ids with EOS 1 and PAD 0 (rewards/tokens.py),
         # which mean nothing to a real tokenizer's model.
         fail("data.source", f"{d.source!r} is a token task (EOS id 1), but data.tokenizer "
               f"{d.tokenizer} is set (by model.checkpoint or data.tokenizer): use a text "

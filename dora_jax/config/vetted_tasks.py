@@ -1,6 +1,6 @@
 """The reasoning_gym tasks that may score model text, by name, for the vetted release
-(why each is allowed or refused: dora_jax/data/reasoning_gym_tasks.py). Here, below
-the data layer, so that validating a config refuses a task without importing it."""
+(why each is allowed or refused: dora_jax/rewards/reasoning_gym_scores.py). Here, at
+the bottom, so that validating a config refuses a task without importing it."""
 
 from __future__ import annotations
 
@@ -55,4 +55,4 @@ def refusal(task: str) -> str | None:
     if task in REFUSED:
         return f"reasoning_gym task {task!r} is refused: {REFUSED[task]}"
     return (f"reasoning_gym task {task!r} is not one vetted for scoring untrusted text "
-            f"(reasoning-gym {VETTED_VERSION}; see dora_jax/data/reasoning_gym_tasks.py)")
+            f"(reasoning-gym {VETTED_VERSION}; see dora_jax/rewards/reasoning_gym_scores.py)")

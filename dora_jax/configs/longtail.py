@@ -4,8 +4,8 @@ SFT:  python -m dora_jax.sft --config=configs/longtail.py --workdir=/tmp/longtai
 RL:   python -m dora_jax.main --config=configs/longtail.py --workdir=/tmp/longtail \\
         --config.init_checkpoint=/tmp/longtail_sft/checkpoints
 
-Task: countdown (dora_jax/data/tasks.py): the prompt [BOS, n(L)] asks for n(L-1) ...
-n(0) then EOS, so response lengths come from the policy itself; counts L are
+Task: countdown (dora_jax/tasks/countdown.py): the prompt [BOS, n(L)] asks for
+n(L-1) ... n(0) then EOS, so response lengths come from the policy itself; counts L are
 lognormal (median 12, sigma 1.1) up to 255, so correct responses have max/mean about
 12 and p90/p50 about 3-4 within the 256-token decode limit. A random policy does not
 count down; the supervised warm start (first command, a minute on a CPU) does, so the

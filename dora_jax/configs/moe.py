@@ -20,7 +20,7 @@ dense cache gives 64 full-length slots (2.1M positions, 98 KB each in bf16: abou
 all of them fit, and a slice that runs short preempts its newest request.
 
 Without a checkpoint the command runs as written: a dry run of the whole system with
-random weights on the countdown task (dora_jax/data/tasks.py: procedural token
+random weights on the countdown task (dora_jax/tasks/countdown.py: procedural token
 prompts with long-tailed response lengths, no file and no tokenizer needed; a random
 policy scores about 0, so expect the plumbing exercised, not learning). On a host
 with fewer than 256 devices it stops before any compute with one line:

@@ -8,7 +8,7 @@ untied embeddings: 115,072 parameters.
 Mesh (8 devices; on a CPU set XLA_FLAGS=--xla_force_host_platform_device_count=8):
 trainer data=2 x fsdp=2 on 4 devices, 4 decode slices of 1 device each, 8 slots each.
 
-Workload: the synthetic residue task (dora_jax/data/tasks.py), groups of 4 samples,
+Workload: the synthetic residue task (dora_jax/tasks/residue.py), groups of 4 samples,
 4 groups per step, 8 groups admitted ahead, max_staleness 2, 100 steps. Expect about a
 minute of compilation, then ~0.2 s per step; the mean reward rises from about 0.25
 (chance) towards 0.6-0.8 by the last steps. Try --config.coordinator.mode=sync.

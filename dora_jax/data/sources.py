@@ -2,11 +2,11 @@
 out for evaluation), the reward function and the demonstrations a supervised warm
 start imitates.
 
-Token tasks (residue, countdown, JSONL of token ids) need no tokenizer. Text tasks
-(GSM8K / MATH JSONL, reasoning_gym, a prepared TFDS dataset) build each prompt with
-the tokenizer's chat template and score the decoded response with a verifier
-(rewards/verifiers.py); a reward call that raises or times out is recorded, never
-fatal (rewards/pool.py).
+Each comes from the task `data.source` names (dora_jax/tasks: token tasks need no
+tokenizer; text tasks build each prompt with the tokenizer's chat template and score
+the decoded response with a verifier, rewards/verifiers.py); a reward call that
+raises or times out is recorded, never fatal (rewards/pool.py). This module sits
+above the tasks: it is what the runtime, the warm start and the benchmarks call.
 """
 
 from __future__ import annotations
@@ -15,105 +15,23 @@ from collections.abc import Callable
 
 import numpy as np
 
-from dora_jax.config import TEXT_REWARDS, Config
-from dora_jax.data import prompts, tasks
-from dora_jax.rewards import tokens
+from dora_jax import tasks
+from dora_jax.config import Config
+from dora_jax.data import prompts
 from dora_jax.rewards.tokens import RewardFn
+from dora_jax.tasks.base import tokenizer_for
 
-
-class _WithTemplateArgs:
-    """A tokenizer whose chat template always gets `data.chat_template_args`."""
-
-    def __init__(self, tokenizer, template_args: dict):
-        self._tokenizer, self._args = tokenizer, dict(template_args)
-
-    def __getattr__(self, name):
-        return getattr(self._tokenizer, name)
-
-    def apply_chat_template(self, messages, **kwargs):
-        return self._tokenizer.apply_chat_template(messages, **{**self._args, **kwargs})
-
-
-def tokenizer_for(cfg: Config):
-    """The run's `data.tokenizer.Tokenizer`, or None for token tasks without one."""
-    if not cfg.data.tokenizer:
-        return None
-    from dora_jax.text.tokenizer import Tokenizer
-
-    return Tokenizer.from_pretrained(cfg.data.tokenizer)
-
-
-def _text_records(cfg: Config, tokenizer) -> list[dict]:
-    from dora_jax.data import text_tasks
-
-    d = cfg.data
-    tok = _WithTemplateArgs(tokenizer, d.chat_template_args)
-    common = dict(instruction=d.instruction, system_prompt=d.system_prompt or None,
-                  vocab_size=cfg.model.vocab_size)
-    if d.source == "gsm8k":
-        return text_tasks.gsm8k_records(d.path, tok, **common)
-    if d.source == "math":
-        return text_tasks.math_records(d.path, tok, **common)
-    if d.source == "reasoning_gym":
-        return text_tasks.reasoning_gym_records(d.task, tok, size=d.num_prompts, seed=cfg.seed,
-                                                config=dict(d.task_args), **common)
-    if d.source == "env":
-        return _env_records(cfg, tok)
-    from dora_jax.data import tfds_local
-
-    source = tfds_local.tfds_records(d.tfds_name, d.tfds_split, d.tfds_dir or None, tok,
-                                     **common)
-    # Records are needed whole (prompt lengths checked, resumable stream over a list).
-    records = [source[i] for i in range(len(source))]
-    prompts.check_unique(records, [f"{d.tfds_name}/{d.tfds_split}[{i}]"
-                                   for i in range(len(records))])
-    return records
-
-
-def _env_records(cfg: Config, tokenizer) -> list[dict]:
-    """A multi-turn environment's task records, each prompt the chat turn of its
-    first observation (`reset`); `env` names the environment in every record."""
-    from dora_jax.data.text_tasks import chat_tokens
-    from dora_jax.envs import base
-
-    d = cfg.data
-    try:
-        env_cls = base.get(d.env)
-    except ValueError as e:
-        raise prompts.DataError(f"data.env: {e}") from None
-    records = []
-    for record in env_cls.records(d.num_prompts, cfg.seed):
-        first = env_cls().reset(record)
-        tokens = chat_tokens(tokenizer, first, system_prompt=d.system_prompt or None)
-        records.append(prompts.check_record(dict(record, tokens=tokens, env=d.env),
-                                            record["prompt_id"], cfg.model.vocab_size))
-    return records
+__all__ = ["all_prompt_records", "demonstration_for", "held_out_split", "prompt_records",
+           "reward_for", "tokenizer_for"]
 
 
 def all_prompt_records(cfg: Config, tokenizer=None) -> list[dict]:
     """Every prompt record of the source, before the length filter; no two share a
     prompt_id (a DataError names both; file sources name their lines)."""
-    records = _records_of_source(cfg, tokenizer)
+    records = tasks.get(cfg.data.source).records(cfg, tokenizer)
     # Each file source already refused repeats naming file:line; this covers the rest.
     prompts.check_unique(records)
     return records
-
-
-def _records_of_source(cfg: Config, tokenizer) -> list[dict]:
-    d, vocab = cfg.data, cfg.model.vocab_size
-    if d.source == "residue":
-        return prompts.in_memory(tasks.residue_prompts(
-            d.num_prompts, vocab, prompt_len=d.prompt_len, modulus=d.modulus, seed=cfg.seed),
-            vocab)
-    if d.source == "countdown":
-        return prompts.in_memory(tasks.countdown_prompts(
-            d.num_prompts, vocab, median=d.count_median, sigma=d.count_sigma,
-            max_count=d.max_count, seed=cfg.seed), vocab)
-    tokenizer = tokenizer or tokenizer_for(cfg)
-    if d.source == "jsonl":
-        return prompts.read_jsonl(d.path, None if tokenizer is None else tokenizer.encode,
-                                  vocab_size=vocab)
-    return _text_records(cfg, tokenizer)
 
 
 def prompt_records(cfg: Config, tokenizer=None) -> tuple[list[dict], list[str]]:
@@ -154,20 +72,9 @@ def held_out_split(records: list[dict], cfg: Config) -> tuple[list[dict], list[d
 
 def reward_for(cfg: Config, tokenizer=None) -> RewardFn:
     """The reward function `data.reward` names (token-level, or a text verifier
-    applied to the decoded response). An unknown name fails here, before compute."""
-    name = cfg.data.reward_name
-    if name == "env":
-        return _scored_by_environment
-    if name not in TEXT_REWARDS:
-        return tokens.reward_fn(name)
-    from dora_jax.rewards import verifiers
-
-    return verifiers.token_reward(verifiers.text_reward(name), tokenizer or tokenizer_for(cfg))
-
-
-def _scored_by_environment(record, response) -> float:
-    raise RuntimeError("a multi-turn episode is scored by its environment, not the "
-                       "reward pool")
+    applied to the decoded response; a multi-turn episode's is its environment's).
+    An unknown name fails here, before compute."""
+    return tasks.get(cfg.data.source).reward_fn(cfg, tokenizer)
 
 
 def demonstration_for(cfg: Config, tokenizer=None) -> Callable[[dict], list]:
@@ -176,25 +83,4 @@ def demonstration_for(cfg: Config, tokenizer=None) -> Callable[[dict], list]:
     answer in the format the prompt asks for, then EOS. A multi-turn environment's
     demonstration is a whole episode: {"response_tokens", "episode"} (its turns,
     so that the observations carry no loss)."""
-    if cfg.data.source == "env":
-        from dora_jax.envs import base
-        from dora_jax.rollout.episodes import demonstration_tokens, observation_frame
-
-        env_cls, tokenizer = base.get(cfg.data.env), tokenizer or tokenizer_for(cfg)
-        frame = observation_frame(tokenizer)  # once, not per demonstration
-        return lambda record: demonstration_tokens(env_cls, record, tokenizer, frame)
-    if cfg.data.reward_name not in TEXT_REWARDS:
-        return tasks.demonstration_fn(cfg.data.reward_name)
-    from dora_jax.data.text_tasks import ANSWER_FORMATS
-
-    tokenizer = tokenizer or tokenizer_for(cfg)
-
-    def demonstrate(record: dict) -> list:
-        text = record.get("demonstration")
-        if text is None:
-            if record.get("answer") is None:
-                raise prompts.DataError(f"{record['prompt_id']}: no answer to imitate")
-            text = ANSWER_FORMATS[record["verifier"]].format(record["answer"])
-        return tokenizer.encode(text) + [tokenizer.eos_id]
-
-    return demonstrate
+    return tasks.get(cfg.data.source).demonstration_fn(cfg, tokenizer)

@@ -2,7 +2,7 @@
 
 `prepare` writes the dataset `jsonl_qa/<name>` into a data_dir as array_record files
 (no TensorFlow needed, nothing downloaded); `tfds_records` reads it back through
-`tfds.data_source` as records like `text_tasks.gsm8k_records`'. Each example holds
+`tfds.data_source` as text records (data/text_records.py). Each example holds
 `id`, `question`, `answer` (the final answer, already extracted) and `verifier`
 ("gsm8k" or "math"), in the file's order.
 
@@ -20,7 +20,7 @@ from fractions import Fraction
 
 import tensorflow_datasets as tfds
 
-from dora_jax.data import prompts, text_tasks
+from dora_jax.data import prompts, text_records
 from dora_jax.rewards import verifiers
 
 DATASET = "jsonl_qa"
@@ -65,7 +65,7 @@ class JsonlQa(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 
     def _generate_examples(self, path):
         for key, (_, prompt_id, question, answer) in enumerate(
-                text_tasks.read_qa_jsonl(path, self._format)):
+                text_records.read_qa_jsonl(path, self._format)):
             yield key, {"id": prompt_id, "question": question, "answer": answer,
                         "verifier": self._format}
 
@@ -87,8 +87,8 @@ def prepare(jsonl_path: str | Mapping[str, str], data_dir: str, *, name: str | N
     paths = {"train": jsonl_path} if isinstance(jsonl_path, str) else dict(jsonl_path)
     if not paths:
         raise ValueError("no JSONL files given")
-    if format not in text_tasks.FORMATS:
-        raise ValueError(f"unknown format {format!r}; known: {text_tasks.FORMATS}")
+    if format not in text_records.FORMATS:
+        raise ValueError(f"unknown format {format!r}; known: {text_records.FORMATS}")
     name = name or default_name(next(iter(paths.values())))
     builder = JsonlQa(jsonl_paths=paths, format=format, data_dir=data_dir,
                       file_format="array_record",
@@ -132,7 +132,7 @@ def tfds_records(name: str, split: str, data_dir: str | None, tokenizer, *,
     """Random-access prompt records of a prepared TFDS dataset with `question` and
     `answer` features (nothing is downloaded).
 
-    Keys as `text_tasks.gsm8k_records`: prompt_id (the `id` feature, else
+    Keys as a GSM8K-format record's: prompt_id (the `id` feature, else
     `<name>/<split>:<index>`), tokens, question, answer, verifier (the `verifier`
     feature, else `verifier`). An answer still in solution form (`... #### N` for
     gsm8k, a `\\boxed{}` for math) is reduced to its final answer.
@@ -151,7 +151,7 @@ def tfds_records(name: str, split: str, data_dir: str | None, tokenizer, *,
         if kind == "gsm8k" and not _is_number(answer):
             raise prompts.DataError(f"{where}: answer {answer!r} is not a number")
         prompt_id = _text(example, "id", where) if "id" in example else f"{name}/{split}:{index}"
-        return text_tasks.make_record(
+        return text_records.make_record(
             tokenizer, prompt_id, _text(example, "question", where), answer, kind,
             instruction=instruction, system_prompt=system_prompt, where=where,
             vocab_size=vocab_size)
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
                              "repeat for more splits")
     parser.add_argument("--data_dir", required=True)
     parser.add_argument("--name", default=None, help="config name (default: from the file name)")
-    parser.add_argument("--format", choices=text_tasks.FORMATS, default="gsm8k")
+    parser.add_argument("--format", choices=text_records.FORMATS, default="gsm8k")
     parser.add_argument("--overwrite", action="store_true", help="rebuild an existing dataset")
     args = parser.parse_args(argv)
     paths: dict[str, str] = {}

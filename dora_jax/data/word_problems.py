@@ -58,12 +58,12 @@ def word_problems(num: int, seed: int = 0) -> list[dict]:
 def tokenizer_corpus() -> list[str]:
     """What the shipped tokenizer is trained on: word problems, the quickstart's
     arithmetic questions with their answers, and the prompt instructions."""
-    from dora_jax.data import text_tasks
+    from dora_jax.data import text_records
 
     texts = [p["question"] + "\n" + p["answer"] for p in word_problems(2000, seed=1)]
     for a in range(-99, 100):
         texts.append(f"Calculate {a} + {abs(a) % 10}. {a} - {abs(a) % 7} = {a - abs(a) % 7}")
-    texts += list(text_tasks.DEFAULT_INSTRUCTIONS.values()) * 20
+    texts += list(text_records.DEFAULT_INSTRUCTIONS.values()) * 20
     texts += ["<answer>42</answer>", "The answer is 7.", "#### 12", "\\boxed{3}"] * 50
     return texts
 

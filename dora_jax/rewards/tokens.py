@@ -1,14 +1,17 @@
 """Rewards of response tokens, by name: `reward_fn(name)` (config.TOKEN_REWARDS).
 
 A token reward is `(record, response_tokens) -> float`; the tasks whose records
-they read are data/tasks.py's (token ids 0, 1, 2 are PAD, EOS and BOS there).
+they read are dora_jax/tasks' residue, countdown and jsonl. Token ids 0, 1, 2 are
+PAD, EOS and BOS in every built-in token task; symbols start at 3. They are here,
+below the tasks, because the rewards read them too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from dora_jax.data.tasks import EOS, countdown_target
+PAD, EOS, BOS = 0, 1, 2
+FIRST_SYMBOL = 3
 
 RewardFn = Callable[[dict, Sequence[int]], float]
 
@@ -26,6 +29,12 @@ def exact_match_reward(record: dict, response: Sequence[int]) -> float:
     """1.0 iff the response (EOS excluded) equals the record's `answer` tokens."""
     tokens = [t for t in response if t != EOS]
     return float(tokens == list(record["answer"]))
+
+
+def countdown_target(record: dict) -> list[int]:
+    """The correct response (EOS included) of a countdown record: n(L-1), ..., n(0),
+    where number k is token FIRST_SYMBOL + k."""
+    return [FIRST_SYMBOL + k for k in range(record["count"] - 1, -1, -1)] + [EOS]
 
 
 def countdown_reward(record: dict, response: Sequence[int]) -> float:

@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from fractions import Fraction
 
-from dora_jax.data import reasoning_gym_tasks
+from dora_jax.rewards import reasoning_gym_scores
 
 TextReward = Callable[[dict, str], float]
 
@@ -284,14 +284,14 @@ def countdown_reward(record: dict, text: str) -> float:
 def reasoning_gym_reward(record: dict, text: str) -> float:
     """The record's reasoning_gym score of the response's answer (the last `<answer>`
     content, else the last non-empty line): the dataset's own `score_answer` for the
-    tasks vetted in reasoning_gym_tasks.py, our arithmetic parser for countdown and
+    tasks vetted in reasoning_gym_scores.py, our arithmetic parser for countdown and
     puzzle24. A refused task raises ValueError: it never sees the text."""
-    reasoning_gym_tasks.entry(record)  # a bad record raises here, before the text
+    reasoning_gym_scores.entry(record)  # a bad record raises here, before the text
     answer = extract_answer_tag(text)
     if answer is None:
         answer = _last_line(text)
     try:
-        return reasoning_gym_tasks.score(record, answer)
+        return reasoning_gym_scores.score(record, answer)
     except Exception:  # noqa: BLE001 — a task's scorer that chokes on the text scores 0
         return 0.0
 

@@ -1,36 +1,15 @@
-"""Prompt sources (Grain), the synthetic task's reward, and the reward pool."""
+"""Prompt sources (Grain): streams, JSONL and TFDS-style sources, the length filter."""
 
 import json
 
-import numpy as np
 import pytest
 
-from dora_jax.data import prompts, tasks
-from dora_jax.rewards import tokens
-
-
-def test_residue_reward_by_hand():
-    record = {"target": 1, "modulus": 4}
-    # 5 % 4 = 1 (hit), 6 % 4 = 2, 9 % 4 = 1 (hit); EOS (1) is not a response token.
-    assert tokens.residue_reward(record, [5, 6, 9, tasks.EOS]) == pytest.approx(2 / 3)
-    assert tokens.residue_reward(record, [tasks.EOS]) == 0.0
-    assert tokens.residue_reward(record, [13, 17]) == 1.0
-
-
-def test_residue_prompts_are_stable_and_valid():
-    a = tasks.residue_prompts(10, 128, seed=3)
-    b = tasks.residue_prompts(10, 128, seed=3)
-    assert a == b
-    assert [r["prompt_id"] for r in a] == [f"residue-{i}" for i in range(10)]
-    for r in a:
-        assert r["tokens"][0] == tasks.BOS
-        assert all(tasks.FIRST_SYMBOL <= t < 128 for t in r["tokens"][1:])
-        assert r["target"] == r["tokens"][1] % 4
-    prompts.in_memory(a, vocab_size=128)
+from dora_jax.data import prompts
+from dora_jax.tasks.residue import residue_prompts
 
 
 def test_stream_reshuffles_each_epoch_with_stable_ids_and_resumes():
-    records = tasks.residue_prompts(6, 64)
+    records = residue_prompts(6, 64)
     ds = prompts.prompt_dataset(records, seed=0, num_epochs=3)
     stream = prompts.PromptStream(ds)
     seen = [stream.next() for _ in range(18)]
@@ -88,38 +67,6 @@ def test_tfds_style_source_through_grain():
                                 source=examples)
     with pytest.raises(prompts.DataError, match=r"fake/train\[0\]"):
         broken[0]
-
-
-def test_unknown_reward_name():
-    with pytest.raises(ValueError, match="unknown reward"):
-        tokens.reward_fn("nope")
-
-
-def test_countdown_reward_by_hand():
-    record = {"count": 3}  # the countdown 2, 1, 0 then EOS: tokens 5, 4, 3, 1
-    assert tasks.countdown_target(record) == [5, 4, 3, tasks.EOS]
-    assert tokens.countdown_reward(record, [5, 4, 3, tasks.EOS]) == 1.0
-    assert tokens.countdown_reward(record, [5, 4, tasks.EOS]) == pytest.approx(2 / 4)  # early
-    assert tokens.countdown_reward(record, [5, 4, 3, 9, 9, tasks.EOS]) == pytest.approx(3 / 6)
-    assert tokens.countdown_reward(record, [9, 4, 3, tasks.EOS]) == pytest.approx(3 / 4)
-    assert tokens.countdown_reward(record, []) == 0.0
-
-
-def test_countdown_lengths_are_long_tailed_and_fit_the_decode_limit():
-    """The config's workload shape (seed 0, 512 prompts, max_count 255 for a
-    256-token decode limit): correct responses have max/mean >= 8 and p90/p50 >= 3,
-    and none is longer than the limit."""
-    records = tasks.countdown_prompts(512, 260, seed=0)
-    assert records == tasks.countdown_prompts(512, 260, seed=0)
-    lengths = np.array([len(tasks.countdown_target(r)) for r in records])
-    assert lengths.max() / lengths.mean() >= 8
-    assert np.percentile(lengths, 90) / np.percentile(lengths, 50) >= 3
-    assert lengths.max() <= 256 and lengths.min() >= 2
-    for r in records:
-        assert r["tokens"] == [tasks.BOS, tasks.FIRST_SYMBOL + r["count"]]
-    prompts.in_memory(records, vocab_size=260)
-    with pytest.raises(ValueError, match="vocab_size 200 too small"):
-        tasks.countdown_prompts(4, 200)
 
 
 def test_long_prompts_are_an_error_or_skipped_with_a_filter_line(tmp_path, load_config):

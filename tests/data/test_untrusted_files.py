@@ -16,9 +16,10 @@ import jinja2.sandbox
 import pytest
 from conftest import REPO, load_repo_config
 
-from dora_jax.data import prompts, sources, text_tasks
+from dora_jax.data import prompts, sources
 from dora_jax.model import hf_config, safetensors_file
 from dora_jax.model.hf_config import CheckpointError
+from dora_jax.tasks import text_files
 from dora_jax.text.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
 
 FIXTURES = pathlib.Path(__file__).parents[1] / "fixtures" / "hf"
@@ -418,7 +419,7 @@ def test_template_failure_while_building_records_names_the_line_and_file(tok_dir
     path = tmp_path / "train.jsonl"
     path.write_text(json.dumps({"question": "2 + 2?", "answer": "#### 4"}) + "\n")
     with pytest.raises(prompts.DataError) as e:
-        text_tasks.gsm8k_records(str(path), tok)
+        text_files.gsm8k_records(str(path), tok)
     one_line(e.value, f"{path}:1: {tok_dir / 'tokenizer_config.json'}: chat template refused")
 
 
@@ -480,7 +481,7 @@ def test_duplicate_ids_in_qa_files_name_both_lines(tmp_path, fmt, lines):
 
     path = tmp_path / "qa.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
-    build = text_tasks.gsm8k_records if fmt == "gsm8k" else text_tasks.math_records
+    build = text_files.gsm8k_records if fmt == "gsm8k" else text_files.math_records
     with pytest.raises(prompts.DataError) as e:
         build(str(path), CharTokenizer())
     one_line(e.value, f"{path}:2:", "repeats", f"{path}:1")

@@ -13,8 +13,9 @@ from _trainer_common import countdown_config
 from conftest import audit_workdir
 
 from dora_jax import experiment, sft
-from dora_jax.data import sources, tasks
+from dora_jax.data import sources
 from dora_jax.model import hf_checks, transformer
+from dora_jax.rewards.tokens import EOS, countdown_target
 from dora_jax.rollout.slice import DecodeSlice
 
 
@@ -23,7 +24,7 @@ def _greedy(graphdef, params, prompt, steps):
     for _ in range(steps):
         logits, _, _ = transformer.apply(graphdef, params, np.array([tokens]))
         tokens.append(int(np.argmax(logits[0, -1])))
-        if tokens[-1] == tasks.EOS:
+        if tokens[-1] == EOS:
             break
     return tokens[len(prompt):]
 
@@ -49,7 +50,7 @@ def test_sft_learns_demonstrations_and_rl_starts_from_them(tmp_path, load_config
 
     params = load_params(out["checkpoint"], init)
     records = sources.prompt_records(cfg)[0][:8]
-    exact = sum(_greedy(graphdef, params, r["tokens"], 16) == tasks.countdown_target(r)
+    exact = sum(_greedy(graphdef, params, r["tokens"], 16) == countdown_target(r)
                 for r in records)
     assert exact >= 6, exact  # the random init gets none of them
 

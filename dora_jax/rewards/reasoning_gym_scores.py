@@ -5,7 +5,7 @@ text to Python: `eval` (binary_matrix, spiral_matrix, n_queens, string_insertion
 sympy's `parse_expr`, which is `eval` behind a tokenizer (countdown, puzzle24, the
 integration tasks, polynomial_multiplication). A policy trained on such a reward
 learns to run code next to the job. So tasks are allowed by name (the table is
-config/vetted_tasks.py, below the data layer): each one there was read and probed (a
+config/vetted_tasks.py, below the rewards): each one there was read and probed (a
 code payload in many shapes through its `score_answer`, with an audit hook watching
 every `compile` and process start) for the version in
 `VETTED_VERSION`; countdown and puzzle24 are scored by our own arithmetic parser

@@ -9,9 +9,9 @@ import pytest
 from _char_tokenizer import CharTokenizer
 
 from dora_jax import config as config_lib
-from dora_jax.data import reasoning_gym_tasks, text_tasks
 from dora_jax.model import hf_checks
-from dora_jax.rewards import verifiers
+from dora_jax.rewards import reasoning_gym_scores, verifiers
+from dora_jax.tasks.reasoning_gym import reasoning_gym_records
 
 TOK = CharTokenizer()
 MARKER = "__pwn_marker__"
@@ -104,8 +104,8 @@ def test_no_allowed_reasoning_gym_task_runs_a_code_payload(tmp_path):
     """Every allowed task, through its own scorer, with the payload in the shapes
     that reached eval or parse_expr in the refused ones (about 20 s)."""
     code = f"__import__('os').system('touch {tmp_path}/{MARKER}')"
-    for task in sorted(reasoning_gym_tasks.ALLOWED):
-        [record] = text_tasks.reasoning_gym_records(task, TOK, size=1, seed=0)
+    for task in sorted(reasoning_gym_scores.ALLOWED):
+        [record] = reasoning_gym_records(task, TOK, size=1, seed=0)
         # The reasoning_gym verifier, whichever verifier the builder picked.
         record = {**record, "verifier": "reasoning_gym"}
         answer = str(record["answer"])
@@ -117,7 +117,7 @@ def test_no_allowed_reasoning_gym_task_runs_a_code_payload(tmp_path):
     assert not (tmp_path / MARKER).exists()
 
 
-@pytest.mark.parametrize("task", sorted(reasoning_gym_tasks.REFUSED))
+@pytest.mark.parametrize("task", sorted(reasoning_gym_scores.REFUSED))
 def test_refused_tasks_never_see_the_text(task, tmp_path):
     record = {"prompt_id": "r", "verifier": "reasoning_gym", "rg_task": task, "rg_seed": 0,
               "rg_size": 1, "rg_index": 0, "question": "q"}
@@ -138,9 +138,9 @@ def test_config_refuses_unsafe_tasks_by_name(task, named, load_config):
     assert task in str(e.value) and named in str(e.value)
 
 
-@pytest.mark.parametrize("task", sorted(reasoning_gym_tasks.OWN_PARSER))
+@pytest.mark.parametrize("task", sorted(reasoning_gym_scores.OWN_PARSER))
 def test_own_parser_scores_the_reference_answer_and_nothing_else(task):
-    [record] = text_tasks.reasoning_gym_records(task, TOK, size=1, seed=3)
+    [record] = reasoning_gym_records(task, TOK, size=1, seed=3)
     record = {**record, "verifier": "reasoning_gym"}
     answer = record["answer"]
     assert verifiers.record_reward(record, f"<answer>{answer}</answer>") == 1.0
@@ -150,9 +150,9 @@ def test_own_parser_scores_the_reference_answer_and_nothing_else(task):
 
 def test_puzzle24_needs_all_four_numbers():
     metadata = {"numbers": [4, 6, 1, 1]}
-    assert reasoning_gym_tasks.arithmetic_score("puzzle24", "4*6*1*1", metadata) == 1.0
-    assert reasoning_gym_tasks.arithmetic_score("puzzle24", "4*6", metadata) == 0.0
-    assert reasoning_gym_tasks.arithmetic_score("puzzle24", "4*6*1*1*1", metadata) == 0.0
+    assert reasoning_gym_scores.arithmetic_score("puzzle24", "4*6*1*1", metadata) == 1.0
+    assert reasoning_gym_scores.arithmetic_score("puzzle24", "4*6", metadata) == 0.0
+    assert reasoning_gym_scores.arithmetic_score("puzzle24", "4*6*1*1*1", metadata) == 0.0
 
 
 # ------------------------------------------------------------------ linear time, no raise

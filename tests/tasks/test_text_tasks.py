@@ -10,8 +10,10 @@ import sys
 import pytest
 from _char_tokenizer import BOS, CharTokenizer
 
-from dora_jax.data import prompts, text_tasks
+from dora_jax.data import prompts, text_records
 from dora_jax.rewards import verifiers
+from dora_jax.tasks.reasoning_gym import reasoning_gym_records
+from dora_jax.tasks.text_files import gsm8k_records, math_records
 
 TOK = CharTokenizer()
 
@@ -39,7 +41,7 @@ def prompt_text(record):
 
 def test_gsm8k_records(tmp_path):
     path = write_jsonl(tmp_path / "gsm.jsonl", GSM8K_LINES[:1] + [""] + GSM8K_LINES[1:])
-    records = text_tasks.gsm8k_records(path, TOK)
+    records = gsm8k_records(path, TOK)
     # Line numbers count the blank line; an explicit id wins.
     assert [r["prompt_id"] for r in records] == ["gsm.jsonl:1", "gsm-big", "gsm.jsonl:4"]
     assert [r["answer"] for r in records] == ["7", "1234", "4.5"]
@@ -47,18 +49,18 @@ def test_gsm8k_records(tmp_path):
     assert all(r["verifier"] == "gsm8k" for r in records)
     assert prompt_text(records[0]) == (
         "user: Tom has 3 apples and buys 4. How many?\n\n"
-        + text_tasks.GSM8K_INSTRUCTION + "\nassistant: ")
-    assert records == text_tasks.gsm8k_records(path, TOK)
+        + text_records.GSM8K_INSTRUCTION + "\nassistant: ")
+    assert records == gsm8k_records(path, TOK)
     assert json.loads(json.dumps(records)) == records
 
 
 def test_gsm8k_records_system_prompt_and_instruction(tmp_path):
     path = write_jsonl(tmp_path / "g.jsonl", GSM8K_LINES[:1])
-    [r] = text_tasks.gsm8k_records(path, TOK, system_prompt="Be brief.",
+    [r] = gsm8k_records(path, TOK, system_prompt="Be brief.",
                                    instruction="Put the final answer after ####.")
     assert prompt_text(r) == ("system: Be brief.\nuser: Tom has 3 apples and buys 4. How many?"
                               "\n\nPut the final answer after ####.\nassistant: ")
-    [bare] = text_tasks.gsm8k_records(path, TOK, instruction="")
+    [bare] = gsm8k_records(path, TOK, instruction="")
     assert prompt_text(bare) == "user: Tom has 3 apples and buys 4. How many?\nassistant: "
 
 
@@ -75,22 +77,22 @@ def test_gsm8k_records_system_prompt_and_instruction(tmp_path):
 def test_gsm8k_bad_line_names_file_and_line(tmp_path, bad_line, why):
     path = write_jsonl(tmp_path / "bad.jsonl", GSM8K_LINES[:2] + [bad_line])
     with pytest.raises(prompts.DataError, match=why) as e:
-        text_tasks.gsm8k_records(path, TOK)
+        gsm8k_records(path, TOK)
     assert f"{path}:3:" in str(e.value)
 
 
 def test_empty_file_and_vocab_size_are_checked(tmp_path):
     with pytest.raises(prompts.DataError, match="no records"):
-        text_tasks.gsm8k_records(write_jsonl(tmp_path / "empty.jsonl", ["", ""]), TOK)
+        gsm8k_records(write_jsonl(tmp_path / "empty.jsonl", ["", ""]), TOK)
     path = write_jsonl(tmp_path / "g.jsonl", GSM8K_LINES[:1])
     # 'y' (121) is the largest character here: id 125.
     with pytest.raises(prompts.DataError, match="vocab_size 100"):
-        text_tasks.gsm8k_records(path, TOK, vocab_size=100)
-    assert text_tasks.gsm8k_records(path, TOK, vocab_size=200)
+        gsm8k_records(path, TOK, vocab_size=100)
+    assert gsm8k_records(path, TOK, vocab_size=200)
 
 
 def test_gsm8k_record_scores_through_the_token_reward(tmp_path):
-    [r] = text_tasks.gsm8k_records(write_jsonl(tmp_path / "g.jsonl", GSM8K_LINES[1:2]), TOK)
+    [r] = gsm8k_records(write_jsonl(tmp_path / "g.jsonl", GSM8K_LINES[1:2]), TOK)
     reward = verifiers.token_reward(verifiers.text_reward(r["verifier"]), TOK)
     assert reward(r, TOK.encode("1200 + 34\n#### 1234") + [TOK.eos_id]) == 1.0
     assert reward(r, TOK.encode("#### 1200") + [TOK.eos_id]) == 0.0
@@ -105,11 +107,11 @@ def test_math_records(tmp_path):
         {"problem": "Explicit.", "solution": r"\boxed{9}", "answer": "3"},
         {"problem": "Numeric.", "answer": 12, "id": 7},
     ]
-    records = text_tasks.math_records(write_jsonl(tmp_path / "m.jsonl", lines), TOK)
+    records = math_records(write_jsonl(tmp_path / "m.jsonl", lines), TOK)
     assert [r["answer"] for r in records] == [r"\frac{1}{2}", "x^{2}", "3", "12"]
     assert [r["prompt_id"] for r in records] == ["m.jsonl:1", "m.jsonl:2", "m.jsonl:3", "7"]
     assert all(r["verifier"] == "math" for r in records)
-    assert prompt_text(records[0]).endswith(text_tasks.MATH_INSTRUCTION + "\nassistant: ")
+    assert prompt_text(records[0]).endswith(text_records.MATH_INSTRUCTION + "\nassistant: ")
     assert verifiers.math_reward(records[0], r"\boxed{0.5}") == 1.0
 
 
@@ -123,7 +125,7 @@ def test_math_records(tmp_path):
 def test_math_bad_line_names_file_and_line(tmp_path, bad_line, why):
     path = write_jsonl(tmp_path / "m.jsonl", [{"problem": "p", "answer": "1"}, bad_line])
     with pytest.raises(prompts.DataError, match=why) as e:
-        text_tasks.math_records(path, TOK)
+        math_records(path, TOK)
     assert f"{path}:2:" in str(e.value)
 
 
@@ -132,9 +134,9 @@ def test_math_bad_line_names_file_and_line(tmp_path, bad_line, why):
 def test_basic_arithmetic_records_are_deterministic_and_verifiable():
     import reasoning_gym
 
-    a = text_tasks.reasoning_gym_records("basic_arithmetic", TOK, size=6, seed=11)
-    assert a == text_tasks.reasoning_gym_records("basic_arithmetic", TOK, size=6, seed=11)
-    other = text_tasks.reasoning_gym_records("basic_arithmetic", TOK, size=6, seed=12)
+    a = reasoning_gym_records("basic_arithmetic", TOK, size=6, seed=11)
+    assert a == reasoning_gym_records("basic_arithmetic", TOK, size=6, seed=11)
+    other = reasoning_gym_records("basic_arithmetic", TOK, size=6, seed=12)
     assert [r["question"] for r in other] != [r["question"] for r in a]
     assert [r["prompt_id"] for r in a] == [f"rg-basic_arithmetic-11-{i}" for i in range(6)]
     ds = reasoning_gym.create_dataset("basic_arithmetic", size=6, seed=11)
@@ -151,7 +153,7 @@ def test_basic_arithmetic_records_are_deterministic_and_verifiable():
 
 
 def test_reasoning_gym_config_travels_to_the_verifier():
-    records = text_tasks.reasoning_gym_records(
+    records = reasoning_gym_records(
         "basic_arithmetic", TOK, size=4, seed=3,
         config={"min_terms": 2, "max_terms": 2, "operators": ("+",)})
     assert records[0]["rg_config"]["operators"] == ["+"]
@@ -162,8 +164,8 @@ def test_reasoning_gym_config_travels_to_the_verifier():
 
 
 def test_countdown_records_score_with_the_safe_evaluator():
-    records = text_tasks.reasoning_gym_records("countdown", TOK, size=4, seed=5)
-    assert records == text_tasks.reasoning_gym_records("countdown", TOK, size=4, seed=5)
+    records = reasoning_gym_records("countdown", TOK, size=4, seed=5)
+    assert records == reasoning_gym_records("countdown", TOK, size=4, seed=5)
     for r in records:
         assert r["verifier"] == "countdown_expr"
         assert all(str(n) in r["question"] for n in r["numbers"])
@@ -179,7 +181,7 @@ def test_countdown_records_score_with_the_safe_evaluator():
 
 
 def test_any_reasoning_gym_task_scores_through_its_dataset():
-    records = text_tasks.reasoning_gym_records("leg_counting", TOK, size=3, seed=2,
+    records = reasoning_gym_records("leg_counting", TOK, size=3, seed=2,
                                                keep_metadata=True)
     for r in records:
         assert r["metadata"]["total_legs"] == int(r["answer"])
@@ -188,7 +190,7 @@ def test_any_reasoning_gym_task_scores_through_its_dataset():
 
 
 def test_reasoning_gym_record_that_does_not_match_raises():
-    [r] = text_tasks.reasoning_gym_records("chain_sum", TOK, size=1, seed=0)
+    [r] = reasoning_gym_records("chain_sum", TOK, size=1, seed=0)
     with pytest.raises(ValueError, match="different question"):
         verifiers.reasoning_gym_reward({**r, "question": "tampered"}, r["answer"])
 
@@ -197,13 +199,13 @@ def test_a_remade_entry_is_made_once_and_never_shared():
     """Scoring re-makes a record's entry from its seed and index once (a group's
     samples share it); each caller gets its own copy, so a scorer that changed one
     could not change what the next response is scored against."""
-    from dora_jax.data import reasoning_gym_tasks
+    from dora_jax.rewards import reasoning_gym_scores
 
-    [r] = text_tasks.reasoning_gym_records("chain_sum", TOK, size=1, seed=5)
-    first = reasoning_gym_tasks.entry(r)
+    [r] = reasoning_gym_records("chain_sum", TOK, size=1, seed=5)
+    first = reasoning_gym_scores.entry(r)
     first["metadata"]["tampered"] = True
     first["answer"] = "-1"
-    second = reasoning_gym_tasks.entry(r)
+    second = reasoning_gym_scores.entry(r)
     assert second is not first and "tampered" not in second["metadata"]
     assert second["answer"] == r["answer"]
     assert verifiers.reasoning_gym_reward(r, f"<answer>{r['answer']}</answer>") == 1.0
@@ -212,7 +214,7 @@ def test_a_remade_entry_is_made_once_and_never_shared():
 def test_reasoning_gym_rewards_in_the_reward_pool():
     from dora_jax.rewards.pool import RewardPool
 
-    records = text_tasks.reasoning_gym_records("chain_sum", TOK, size=8, seed=4)
+    records = reasoning_gym_records("chain_sum", TOK, size=8, seed=4)
     pool = RewardPool(verifiers.token_reward(verifiers.record_reward, TOK),
                       num_workers=2, timeout=60)
     try:
@@ -236,7 +238,7 @@ def test_tfds_build_reads_back_the_jsonl_records(tmp_path):
                for f in os.listdir(os.path.join(data_dir, "jsonl_qa", "gsm", "1.0.0")))
     for split, path in [("train", train), ("test", test)]:
         source = tfds_local.tfds_records(name, split, data_dir, TOK)
-        assert [source[i] for i in range(len(source))] == text_tasks.gsm8k_records(path, TOK)
+        assert [source[i] for i in range(len(source))] == gsm8k_records(path, TOK)
 
     # An existing build is reused unless overwritten.
     write_jsonl(train, GSM8K_LINES[:1])
@@ -254,7 +256,7 @@ def test_tfds_math_build_and_bad_line(tmp_path):
     name = tfds_local.prepare(path, str(tmp_path), format="math")
     assert name == "jsonl_qa/math_test"
     source = tfds_local.tfds_records(name, "train", str(tmp_path), TOK)
-    assert [source[i] for i in range(len(source))] == text_tasks.math_records(path, TOK)
+    assert [source[i] for i in range(len(source))] == math_records(path, TOK)
     bad = write_jsonl(tmp_path / "bad.jsonl", [lines[0], '{"problem": "p"}'])
     with pytest.raises(prompts.DataError, match=f"{bad}:2:"):
         tfds_local.prepare(bad, str(tmp_path / "other"), format="math")

@@ -1,10 +1,10 @@
-"""Prompt records for text tasks: GSM8K- and MATH-format JSONL, and reasoning_gym.
+"""The text task's prompt record, and the reader of GSM8K- and MATH-format JSONL.
 
-Every builder returns prompt records (see `prompts`) with a stable `prompt_id`,
-`tokens` from the tokenizer's chat template (an optional system message, then the
-question with an instruction appended, then the generation prompt), `question`,
-`answer` (the final answer as a string), `verifier` (the name of the
-`verifiers.VERIFIERS` entry that scores it) and whatever that verifier reads.
+A text record (`make_record`; dora_jax/tasks builds them, and the TFDS reader here)
+has a stable `prompt_id`, `tokens` from the tokenizer's chat template (an optional
+system message, then the question with an instruction appended, then the generation
+prompt), `question`, `answer` (the final answer as a string), `verifier` (the name of
+the `verifiers.VERIFIERS` entry that scores it) and whatever that verifier reads.
 Records hold only JSON values, so they pickle, log and checkpoint as they are.
 
 The tokenizer is anything with `apply_chat_template(messages, add_generation_prompt=True)`
@@ -13,7 +13,6 @@ returning token ids.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -47,7 +46,8 @@ def chat_tokens(tokenizer, question: str, *, instruction: str | None = None,
     return [int(t) for t in ids]
 
 
-def make_record(tokenizer, prompt_id: str, question: str, answer: str, verifier: str, *,
+def make_record(tokenizer, prompt_id: str, question: str, answer: str | None,
+                verifier: str, *,
                 instruction: str | None = None, system_prompt: str | None = None,
                 where: str | None = None, vocab_size: int | None = None,
                 **extra: Any) -> Record:
@@ -122,82 +122,3 @@ def read_qa_jsonl(path: str, format: str) -> Iterator[tuple[str, str, str, str]]
         yield where, prompt_id, question, answer
     if not seen:
         raise DataError(f"{path}: no records")
-
-
-def _jsonl_records(path, tokenizer, format, *, instruction, system_prompt, vocab_size):
-    return [make_record(tokenizer, prompt_id, question, answer, format,
-                        instruction=instruction, system_prompt=system_prompt, where=where,
-                        vocab_size=vocab_size)
-            for where, prompt_id, question, answer in read_qa_jsonl(path, format)]
-
-
-def gsm8k_records(path: str, tokenizer, *, instruction: str | None = None,
-                  system_prompt: str | None = None,
-                  vocab_size: int | None = None) -> list[Record]:
-    """Records from GSM8K-format JSONL (`question`, and `answer` ending `#### N`).
-
-    Keys: prompt_id, tokens, question, answer (N as a string, commas removed),
-    verifier ("gsm8k").
-    """
-    return _jsonl_records(path, tokenizer, "gsm8k", instruction=instruction,
-                          system_prompt=system_prompt, vocab_size=vocab_size)
-
-
-def math_records(path: str, tokenizer, *, instruction: str | None = None,
-                 system_prompt: str | None = None,
-                 vocab_size: int | None = None) -> list[Record]:
-    """Records from MATH-format JSONL (`problem`, and an `answer` field or a
-    `solution` with a `\\boxed{}` answer).
-
-    Keys: prompt_id, tokens, question, answer (the explicit answer, else the last
-    boxed content), verifier ("math").
-    """
-    return _jsonl_records(path, tokenizer, "math", instruction=instruction,
-                          system_prompt=system_prompt, vocab_size=vocab_size)
-
-
-# ------------------------------------------------------------------ reasoning_gym
-
-def _json_friendly(value: Any) -> Any:
-    # Metadata may hold tuples, sets or objects; only JSON values go in a record.
-    return json.loads(json.dumps(value, default=repr))
-
-
-def reasoning_gym_records(task: str, tokenizer, *, size: int, seed: int,
-                          config: dict | None = None, instruction: str | None = None,
-                          system_prompt: str | None = None, keep_metadata: bool = False,
-                          vocab_size: int | None = None) -> list[Record]:
-    """`size` records of a procedural reasoning_gym task (`config` goes to
-    `reasoning_gym.create_dataset` as keyword arguments); the same task, size, seed
-    and config give the same records.
-
-    Keys: prompt_id (`rg-<task>-<seed>-<i>`), tokens, question, answer (the dataset's
-    reference answer), verifier, rg_task, rg_seed, rg_size, rg_index, rg_config (what
-    re-creates the entry the dataset's own scoring needs), and with keep_metadata the
-    entry's metadata. "countdown" records also hold `numbers` and `target` and use the
-    "countdown_expr" verifier; every other task uses "reasoning_gym" (the dataset's
-    `score_answer`).
-    """
-    import reasoning_gym
-
-    config = _json_friendly(dict(config or {}))
-    dataset = reasoning_gym.create_dataset(task, size=size, seed=seed, **config)
-    records = []
-    for i in range(size):
-        entry = dataset[i]
-        extra: dict[str, Any] = {"rg_task": task, "rg_seed": seed, "rg_size": size,
-                                 "rg_index": i, "rg_config": config}
-        verifier = "reasoning_gym"
-        if task == "countdown":
-            verifier = "countdown_expr"
-            extra["numbers"] = [int(n) for n in entry["metadata"]["numbers"]]
-            extra["target"] = int(entry["metadata"]["target"])
-        if keep_metadata:
-            extra["metadata"] = _json_friendly(entry.get("metadata", {}))
-        answer = entry.get("answer")
-        records.append(make_record(
-            tokenizer, f"rg-{task}-{seed}-{i}", entry["question"],
-            None if answer is None else str(answer), verifier, instruction=instruction,
-            system_prompt=system_prompt, vocab_size=vocab_size, **extra))
-    return records
-
