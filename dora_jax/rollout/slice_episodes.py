@@ -63,6 +63,8 @@ class EpisodeTurns:
     def collect(self) -> list:
         """The answers that are in, as (episode's InFlight, why it ended or None). None:
         the observation was appended and the KV kept; the slice queues it first."""
+        if not self._at_env:  # every step asks: a single-turn slice pays nothing
+            return []
         now, out = time.perf_counter(), []
         for rid, (seq, kept, future, sent) in list(self._at_env.items()):
             if future.done():
