@@ -4,14 +4,35 @@ repository, not the working directory)."""
 
 import os
 import pathlib
+import shutil
 import tempfile
+import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Many tests build engines and trainers of the same shapes: a persistent compilation
-# cache, shared by the xdist workers (and by runs), compiles each program once.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
-                      os.path.join(tempfile.gettempdir(), "dora_jax_test_compile_cache"))
+# cache compiles each program once. One directory per run, which its xdist workers
+# and subprocesses inherit: an entry half-written by a killed run was seen to crash
+# the next run's read. Directories of runs over six hours old are removed.
+_CACHES = pathlib.Path(tempfile.gettempdir(), "dora_jax_test_compile_cache")
+
+
+def _remove_old_caches(max_age_s: float = 6 * 3600) -> None:
+    for old in _CACHES.iterdir() if _CACHES.is_dir() else ():
+        try:
+            if time.time() - old.stat().st_mtime > max_age_s:
+                if old.is_dir():
+                    shutil.rmtree(old, ignore_errors=True)
+                else:  # an entry of the layout before per-run directories
+                    old.unlink()
+        except OSError:  # another run removed it first
+            pass
+
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _remove_old_caches()
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(
+        _CACHES / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 

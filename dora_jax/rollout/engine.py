@@ -1,35 +1,21 @@
 """Decode engine with JetStream's Engine API (`jetstream.engine.engine_api.Engine`),
 plus per-token log-probs.
 
-The API's methods by its names: `prefill`, `prefill_multisampling`, `insert`,
-`bulk_insert`, `generate` (one decode step of every slot), `load_params`,
-`init_decode_state`, `free_resource`, `get_prefix_destination_sharding`,
-`get_tokenizer`, `build_tokenizer`, and its properties. Params are an argument of
-every prefill and generate call; the engine holds none, so one engine serves any
-version and several versions coexist as several pytrees.
-
-Extensions, keyword arguments with defaults or methods of their own: `rng`,
-`num_generated`, `max_new_tokens` of prefill (per-request RNG, re-prefill of tokens
-so far, per-request length limit); `length` / `shared_pages` of insert (paged cache);
-`generate_steps`; `extract` (a slot's state as a Prefix, for migration); `pad_tokens`;
-`generate_fn` (the pure step). Token n of a response is sampled with
-fold_in(request_key, n) (sampling.py).
+Params are an argument of every prefill and generate call; the engine holds none, so
+one engine serves any version and several versions coexist as several pytrees.
+Extensions to the API (keyword arguments with defaults, or methods of their own): per-
+request `rng`, `num_generated` and `max_new_tokens` of prefill; `length` and
+`shared_pages` of insert (paged cache); `generate_steps`; `extract` (a slot as a
+Prefix, for migration); `pad_tokens`; `generate_fn` (the pure step).
 
 `generate_steps` advances every active slot by up to `rollout.decode_steps` tokens in
-one dispatch (a `lax.while_loop` of the decode step, stop-id / length masking on
-device) and returns them in one array, so the host syncs once per call. The call ends
-after the step in which some slot finishes, so that its slot can be refilled at once;
-`max_steps` caps a call below `decode_steps` without recompiling.
+one dispatch (a `lax.while_loop`, stop and length masks on device) and one host read;
+it ends after the step in which some slot finishes, so the slot is refilled at once.
 
-Compiled once per padded length bucket (and number of samples): prefill, insert,
-extract; per (chunk, prefix, result) bucket: a prefix's extension; once each (paged:
-per bucket of mapped pages): generate, generate_steps. Prefill buckets cover prompts
-(`rollout.prefill_buckets`) and, for re-prefill of prompt + tokens so far, doubling
-buckets up to `rollout.cache_length`.
-
-KV cache (`rollout.kv_cache`): "dense" gives every slot cache_length positions;
-"paged" keeps a pool of pages (`pages.PagePool`, host-side, one decode state per
-engine) and decode attention reads only each slot's pages (paged_attention.py).
+Programs compile once per padded length bucket: prompts use `rollout.prefill_buckets`,
+re-prefills doubling buckets up to `rollout.cache_length`. `rollout.kv_cache`: "dense"
+gives every slot cache_length positions; "paged" keeps a host-side pool of pages
+(`pages.PagePool`) and decode attention reads only a slot's pages.
 """
 
 from __future__ import annotations

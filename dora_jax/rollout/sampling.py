@@ -60,6 +60,12 @@ def key_data_from_seed(seed) -> np.ndarray:
     return data.astype(np.uint32)
 
 
+def request_seed(run_seed: int, group_id: int, sample: int) -> np.ndarray:
+    """Key data for one request, a function of (run seed, group, sample) only: a sample
+    does not depend on which slot or slice generates it."""
+    return np.random.SeedSequence([run_seed, group_id, sample]).generate_state(2)
+
+
 def step_keys(key_data_B2: jax.Array, steps_B: jax.Array) -> jax.Array:
     """Typed keys fold_in(request_key, n) for each row's response index n."""
     keys_B = jax.random.wrap_key_data(key_data_B2, impl=KEY_IMPL)

@@ -2,25 +2,16 @@
 
 Continuous batching: `step()` prefills waiting requests into free slots, runs one
 `generate_steps` call (up to `rollout.decode_steps` tokens per slot) and returns the
-trajectories that finished. The only host syncs per call are one read of its packed
-results and one for the prefill results of its inserts, if any.
+trajectories that finished, at one host read per call (`calls`, slice_decode.py, which
+reads call k-1 after dispatching call k).
 
-Lookahead (default): `step()` dispatches call k and only then reads call k-1, so the
-device never waits for the host; a trajectory comes back one `step()` after its last
-token. Methods that need the exact state (`load_version`, `export_requests`,
-`interrupt_and_reload`) first read what is in flight; the counts are the host's view.
+The other parts it owns: `versions` (slice_versions.py), `memory` (prompt cache and
+pages, slice_memory.py), `prefills` (slice_prefill.py), `slots` (slots.py) and `turns`
+(multi-turn episodes between turns, slice_episodes.py).
 
-Components: `versions` (the resident versions' params, slice_versions.py), `memory`
-(the group prompt cache and pages, slice_memory.py; a call that does not fit preempts
-the most recently started request), `prefills` (what runs before a sample decodes,
-slice_prefill.py), `slots` (slots.py) and `turns` (multi-turn episodes between their
-turns, slice_episodes.py).
-
-C1 is enforced here: `submit`, `import_requests`, `load_version` and `evict_version`
-refuse anything that would serve a request under a version other than its own;
-`interrupt_and_reload` (the partial_rollout baseline) is the deliberate exception,
-its trajectories recording which version produced which tokens. One thread drives a
-slice; its methods are not thread-safe.
+C1 is enforced here: nothing is served under a version other than its request's, except
+by `interrupt_and_reload` (partial rollout), which records the version of every token.
+One thread drives a slice.
 """
 
 from __future__ import annotations
@@ -34,6 +25,7 @@ import jax
 from dora_jax import versions as versions_lib
 from dora_jax.rollout.engine import Engine
 from dora_jax.rollout.episodes import EpisodeRunner
+from dora_jax.rollout.slice_decode import DecodeCalls
 from dora_jax.rollout.slice_episodes import EpisodeTurns
 from dora_jax.rollout.slice_memory import SliceMemory
 from dora_jax.rollout.slice_prefill import Prefills
@@ -50,27 +42,19 @@ from dora_jax.rollout.trajectory import (
 
 
 class DecodeSlice:
-    """S slots of continuous batching on one engine, serving its resident versions
-    (one, or up to `engine.versions` on a multi-version engine).
-
-    Args:
-      slice_id: this slice's id (recorded in trajectories).
-      engine: an `Engine` on the slice's mesh (see `create`).
-      lookahead: overlap generate step k with reading step k-1 (module docstring).
-      clock: wall-clock source for trajectory timestamps.
-      episodes: runs the environments of multi-turn requests (None: single-turn).
-    """
+    """S slots of continuous batching on one engine (see `create`), serving its
+    resident versions (up to `engine.versions`); `episodes` runs the environments of
+    multi-turn requests, `lookahead` reads call k-1 only after dispatching call k."""
 
     def __init__(self, slice_id: int, engine: Engine, *, lookahead: bool = True,
                  clock: Callable[[], float] = time.time,
                  episodes: EpisodeRunner | None = None):
         self.slice_id, self.engine, self.clock = slice_id, engine, clock
         self.turns = EpisodeTurns(episodes, engine.stop_ids, engine.max_decode_len)
-        self.lookahead = lookahead
         self.stats = SliceStats()
-        self.state = engine.init_decode_state()
-        self._pool_epoch = None if engine.pages is None else engine.pages.epoch
         self.slots = SlotTable(engine.max_concurrent_decodes, engine.max_decode_len)
+        self.calls = DecodeCalls(slice_id, engine, self.slots, self.stats, self._finish,
+                                 lookahead=lookahead)
         self.memory = SliceMemory(engine)
         self.prefills = Prefills(engine, self.memory, self.stats)
         self.versions = ResidentVersions(
@@ -78,9 +62,6 @@ class DecodeSlice:
             lambda: self.memory.forget(list(self.memory.prefixes)), self.stats)
         self._held: dict = {}  # request_id -> InFlight (waiting and running)
         self._waiting: collections.deque = collections.deque()
-        self._pending: list = []  # (seq, prefill ResultTokens on device) not yet dispatched
-        # (pending prefills, generate ResultTokens, its step count) not yet read
-        self._inflight = None
         self._done: list = []  # finished Trajectories not yet returned by step()
 
     @classmethod
@@ -108,10 +89,7 @@ class DecodeSlice:
 
     def running_by_version(self) -> dict:
         """{version: slots decoding under it} (what the next generate call serves)."""
-        counts: dict = {}
-        for seq in self.slots.holders():
-            counts[seq.version] = counts.get(seq.version, 0) + 1
-        return counts
+        return dict(collections.Counter(seq.version for seq in self.slots.holders()))
 
     @property
     def num_slots(self) -> int:
@@ -139,7 +117,7 @@ class DecodeSlice:
     @property
     def idle(self) -> bool:
         """Nothing held, in flight or finished and not yet returned by `step`."""
-        return not (self._held or self._done or self._pending or self._inflight is not None)
+        return not (self._held or self._done or self.calls.outstanding)
 
     @property
     def kv_free_tokens(self):
@@ -153,8 +131,7 @@ class DecodeSlice:
 
     @property
     def held_versions(self) -> set:
-        """Versions of the requests held (one-version slice: empty or
-        {self.version}; C1)."""
+        """Versions of the requests held (C1: a one-version slice's, or none)."""
         return {seq.version for seq in self._held.values()}
 
     def abandon(self) -> None:
@@ -163,27 +140,26 @@ class DecodeSlice:
         self._held.clear()
         self._waiting.clear()
         self.turns.clear()
-        self._pending, self._inflight, self._done = [], None, []
+        self._done = []
         self.slots.clear()
         self.versions.clear()
-        self.reset_decode_state()
+        self.calls.reset()
+        self.memory.reset()
 
     def reset_decode_state(self) -> None:
         """A fresh decode state (the slice must hold nothing): after the engine served
         another decode state, e.g. a warm-up's, whose use reset its page pool."""
-        if self._held or self._inflight is not None:
+        if self._held or self.calls.generate_in_flight:
             raise RolloutError(f"slice {self.slice_id}: reset_decode_state while holding "
                                f"{self.num_requests} request(s)")
-        self.state = self.engine.init_decode_state()
-        self._pool_epoch = None if self.engine.pages is None else self.engine.pages.epoch
+        self.calls.reset()
         self.memory.reset()
 
     # ------------------------------------------------------------ requests
 
     def submit(self, request: Request) -> None:
-        """Queues a request; it is prefilled at the next `step()`. Raises (slice
-        unchanged) on a version not resident (C1), a bad prompt, a duplicate id or no
-        free slot."""
+        """Queues a request for the next `step()`; raises, changing nothing, on a version
+        not resident (C1), a bad prompt, a duplicate id or no free slot."""
         self._check_accepts([request.request_id], [request.version])
         request.check(self.engine.max_prefill_length, self.engine.model_cfg.vocab_size)
         seq = InFlight.submitted(request, self.slice_id, self.clock())
@@ -194,9 +170,7 @@ class DecodeSlice:
     def step(self) -> list:
         """Prefills waiting requests into free slots, runs one generate call and
         returns the trajectories that finished (list of Trajectory)."""
-        if self._pool_epoch is not None and self.engine.pages.epoch != self._pool_epoch:
-            raise RolloutError(f"slice {self.slice_id}: its engine's KV page pool was reset "
-                               f"by another decode state; give each slice its own Engine")
+        self.calls.check_pool()
         for seq, why in self.turns.collect():
             if why is None:  # the observation is in: the next turn goes first
                 self._waiting.appendleft(seq)
@@ -205,7 +179,7 @@ class DecodeSlice:
         while (self._waiting and not self.slots.full
                and self.memory.has_pages_for(self._waiting[0])):
             self._start(self._waiting.popleft(), self.slots.lowest_free())
-        result, n = None, 0
+        n = 0
         if self.slots.busy:
             # A whole call even with a free slot: it ends after the first step in which
             # a slot finishes, and the worker applies the coordinator's answer to a
@@ -214,28 +188,18 @@ class DecodeSlice:
             n = self.engine.decode_steps
             if self.engine.pages is not None:
                 self._reserve_pages(n)
-            self.state, result = self.engine.generate_steps(self.versions.generate_params(),
-                                                            self.state, n)
-            if self.engine.pages is not None:
-                self.stats.peak_pages = max(self.stats.peak_pages, self.engine.pages.num_used)
-            self.stats.generate_calls += 1
-        record = (self._pending, result, n) if self._pending or result is not None else None
-        self._pending = []
-        if self.lookahead:
-            record, self._inflight = self._inflight, record
-        if record is not None:
-            self._read(*record)
+        self.calls.generate(self.versions.generate_params() if n else None, n)
         done, self._done = self._done, []
         self.memory.forget_groups_except({rid[0] for rid in self._held})
         if (not done and len(self.turns) and not self.slots.busy and not self._waiting
-                and self._inflight is None):
+                and not self.calls.generate_in_flight):
             self.turns.wait(0.02)  # only environments are working: wait, not spin
         return done
 
     def drain(self, max_steps: int | None = None) -> list:
         """Steps until no request is held (or `max_steps`); returns all finished."""
         out, n = [], 0
-        while ((self._held or self._done or self._inflight is not None)
+        while ((self._held or self._done or self.calls.generate_in_flight)
                and (max_steps is None or n < max_steps)):
             out.extend(self.step())
             n += 1
@@ -255,7 +219,7 @@ class DecodeSlice:
         self.versions.evict(version)
 
     def _held_versions(self) -> collections.Counter:
-        self._sync()  # requests that finished in flight no longer count
+        self.calls.sync()  # requests that finished in flight no longer count
         return collections.Counter(seq.version for seq in self._held.values())
 
     def interrupt_and_reload(self, version: int, params) -> float:
@@ -265,7 +229,7 @@ class DecodeSlice:
         if self.engine.versions > 1:
             raise RolloutError(f"slice {self.slice_id}: interrupt_and_reload is the "
                                f"one-version baseline; this slice holds several")
-        self._sync()
+        self.calls.sync()
         running = self.slots.holders()
         for seq in running:
             self._flush(seq)
@@ -285,7 +249,7 @@ class DecodeSlice:
         """Removes requests (all held if None) from this slice and returns them as
         InFlight records (KV cache, tokens so far, RNG state, behaviour log-probs)
         for `import_requests` on a slice holding the same version."""
-        self._sync()
+        self.calls.sync()
         ids = list(self._held) if request_ids is None else list(
             dict.fromkeys(tuple(r) for r in request_ids))
         missing = [r for r in ids if r not in self._held]
@@ -306,7 +270,7 @@ class DecodeSlice:
             else:
                 self._flush(seq)
                 prefix = self.engine.extract(  # only the positions written so far
-                    self.state, seq.slot, used=seq.length)
+                    self.calls.state, seq.slot, used=seq.length)
                 self._free(seq)
             seq.prefix = prefix
             out.append(seq)
@@ -315,10 +279,8 @@ class DecodeSlice:
         return out
 
     def import_requests(self, inflights: Iterable[InFlight]) -> None:
-        """Takes over exported requests: moves each KV cache onto this slice's mesh
-        and inserts it into a free slot (not-started ones are queued). Refuses (slice
-        unchanged) requests of a version not resident (C1) or more than the free
-        slots."""
+        """Takes over exported requests, each KV cache into a free slot of this mesh;
+        refuses, changing nothing, a version not resident (C1) or too many."""
         inflights = list(inflights)
         self._check_accepts([f.request.request_id for f in inflights],
                             [f.version for f in inflights])
@@ -342,10 +304,9 @@ class DecodeSlice:
                 continue
             slot = self.slots.lowest_free()
             self.versions.set_slot(slot, f.version)
-            used = f.length
-            self.state = self.engine.insert(jax.device_put(f.prefix, dst), self.state, slot,
-                                            length=used)
-            self._place(seq, slot, used)
+            self.calls.state = self.engine.insert(jax.device_put(f.prefix, dst),
+                                                  self.calls.state, slot, length=f.length)
+            self._place(seq, slot, f.length)
         self.stats.migrated_in += len(inflights)
 
     # ------------------------------------------------------------ internals
@@ -373,12 +334,12 @@ class DecodeSlice:
         """Prefills `seq` into `slot` (slice_prefill.py); the result is read at the
         next sync."""
         self.versions.set_slot(slot, seq.version)
-        self.state, result = self.prefills.into_slot(
-            seq, self.state, slot, self.versions.prefill_params(seq.version))
+        self.calls.state, result = self.prefills.into_slot(
+            seq, self.calls.state, slot, self.versions.prefill_params(seq.version))
         if seq.t_start is None:
             seq.t_start = self.clock()
         self._place(seq, slot, seq.length)
-        self._pending.append((seq, result))
+        self.calls.prefilled(seq, result)
 
     def _end_episode(self, seq: InFlight, why: str):
         """Ends an episode between turns. Its finish reason says how its last model
@@ -409,7 +370,7 @@ class DecodeSlice:
         prompt pages go, then sends the most recently started request back to the head
         of the queue with its tokens (resumed under the same version: C1)."""
         if self.memory.short(n):
-            self._sync()  # finished requests give their pages back
+            self.calls.sync()  # finished requests give their pages back
         while self.memory.short(n):
             if self.memory.drop_prompt_pages():
                 continue
@@ -423,42 +384,10 @@ class DecodeSlice:
             self._waiting.appendleft(victim)
             self.stats.preempted += 1
 
-    def _read(self, pending, result, n=0):
-        """Records prefill results (first, they precede any generate result of the
-        same slot) and one generate call's results; finishes what finished."""
-        if pending:
-            for (seq, _), r in zip(pending, jax.device_get([r for _, r in pending])):
-                self.slots.record(seq.slot, int(r.steps[0]), r.tokens[0], r.logprobs[0])
-                if r.finished[0]:
-                    self._finish(seq)
-        if result is None:
-            return
-        host = result.convert_to_numpy()  # the one host sync per call
-        steps_run, busy, finished = self.slots.record_call(host)
-        self.stats.generate_steps += steps_run
-        self.stats.total_slot_steps += self.num_slots * steps_run
-        self.stats.busy_slot_steps += busy
-        for s in finished:
-            self._finish(self.slots.owner(s))
-        if self.engine.pages is not None:
-            # What the call still in flight (if any) may write comes on top.
-            ahead = self._inflight[2] if self._inflight is not None else 0
-            owned, written = self.slots.written()
-            self.engine.pages.tighten(owned, written + ahead)
-
-    def _sync(self):
-        """Reads everything dispatched but not yet read: afterwards the host view
-        equals the device state."""
-        if self._inflight is not None:
-            record, self._inflight = self._inflight, None
-            self._read(*record)
-        pending, self._pending = self._pending, []
-        self._read(pending, None)
-
     def _finish(self, seq: InFlight):
         self._flush(seq)
         if seq.episode is not None and self.turns.turn_ended(seq):
-            kept = self.engine.extract(self.state, seq.slot,
+            kept = self.engine.extract(self.calls.state, seq.slot,
                                        used=seq.length)
             self._free(seq)
             self.turns.send(seq, kept)

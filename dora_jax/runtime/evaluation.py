@@ -161,6 +161,23 @@ class Evaluation:
         self._pending[version] = None
         worker.evaluate(self.decoder, version, params, self.records)
 
+    def offer(self, worker, version: int, params, *, last: bool = False) -> None:
+        """Starts `version`'s evaluation if one is due, or if `last` (the run's final
+        version) and none ran."""
+        if self.due(version) or (last and version not in self.evaluated):
+            self.start(worker, version, params)
+
+    def finish(self, offer_last: Callable[[], int], take_event: Callable[[], None]) -> None:
+        """Evaluates the final version if none has (`offer_last` returns it), taking
+        events until every evaluation sent is scored; once more if its slice failed
+        before running it."""
+        for _ in range(2):
+            version = offer_last()
+            while self.pending:
+                take_event()
+            if not self.take_back(version):
+                break
+
     def lost(self, slice_id: int) -> None:
         """The slice failed: the evaluations it had not yet reported are dropped."""
         if slice_id == self.decoder.slice_id:

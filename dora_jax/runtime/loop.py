@@ -1,20 +1,14 @@
-"""The run loop: drives real decode slices and the trainer from the scheduling core.
+"""The run loop: real decode slices and the trainer, driven by the scheduling core.
 
-Every decode slice runs its own loop (`worker.SliceWorker`, a thread owning the
-slice's engine, decode state and resident params); the trainer runs in its own
-(`trainer_worker.TrainerWorker`), fed through the Grain trajectory stream; rewards
-are scored in the reward pool's worker processes as samples finish. The coordinator
-(this module, the caller's thread) alone owns the `Scheduler`: it waits for typed events (events.py:
-samples finished, version loaded, step done, group scored, failure), feeds them to
-the scheduler, and carries out the actions `decide()` returns (`Driver.execute`) as
-commands to the slices and batches for the trainer. It never waits on device work:
-weights reach a slice through the weight book (weights.py) and are placed by the
-slice's own loop; a group's host-side life is the group book's (groups.py).
-"Life of a group" in docs/modes.md names the function at each hop.
+Each slice runs in its own thread (`worker.SliceWorker`), the trainer in another
+(`trainer_worker.TrainerWorker`, fed through the Grain trajectory stream), rewards in
+the reward pool's processes. The coordinator (the caller's thread) alone owns the
+`Scheduler`: it feeds it typed events (events.py) and carries out the actions
+`decide()` returns (`Driver.execute`); it never waits on device work. "Life of a
+group" in docs/modes.md names the function at each hop.
 
-A failure anywhere (a slice, the trainer, the coordinator) stops the run with one
-`RunError` naming where it happened, after the ledger has recorded an `unconsumed`
-line for every admitted group not consumed; a slice's failure is survived (the slice
+A failure anywhere stops the run with one `RunError` naming where, after the ledger
+records every admitted group not consumed; a slice's failure is survived (the slice
 restarts) up to `coordinator.max_slice_restarts` times.
 """
 
@@ -24,10 +18,9 @@ import queue
 import time
 from collections.abc import Callable
 
-import numpy as np
-
 from dora_jax.data.prompts import PromptStream
 from dora_jax.rewards.pool import RewardPool
+from dora_jax.rollout.sampling import request_seed
 from dora_jax.rollout.trajectory import Request
 from dora_jax.runtime.evaluation import Evaluation
 from dora_jax.runtime.events import (
@@ -59,34 +52,13 @@ class RunError(RuntimeError):
     chained). The ledger accounts for every admitted group."""
 
 
-def request_seed(run_seed: int, group_id: int, sample: int) -> np.ndarray:
-    """Per-request RNG key data: a function of (run seed, group, sample) only, so a
-    sample does not depend on which slot or slice generates it."""
-    return np.random.SeedSequence([run_seed, group_id, sample]).generate_state(2)
-
-
 class Runtime(Driver):
     """Runs `num_steps` train steps of one mode end to end.
 
-    Args:
-      cfg: validated `Config`.
-      scheduler: a fresh `Scheduler` for `cfg.coordinator` (or one resumed).
-      slices: `DecodeSlice`s on disjoint sub-meshes, ids 0..S-1, holding the trainer's
-        version.
-      trainer: an `rl.trainer.Trainer` on the trainer mesh.
-      prompts: the prompt stream (Grain).
-      rewards: the reward pool.
-      ledger: where admit/consume/filter/unconsumed lines go.
-      reporter: per-step metrics (metrics.jsonl, TensorBoard) and the run summary.
-      timeline: decode, load, migration and train spans.
-      on_step: called with each step's metrics record (progress bar).
-      checkpointer: if given, `save_checkpoint` is called every
-        `coordinator.checkpoint_every` steps; saves run off the coordinator's thread
-        (saves.py), and `close_saves` ends them.
-      resumed: the run this one continues (`recovery.load`): its finished groups are
-        restored, its lost ones admitted again, and the ledger says so.
-      eval_decoder, eval_prompts: with `eval.every`, the held-out prompts evaluated
-        by the decoder (evaluation.py) on slice `eval.slice` between its rollouts.
+    `slices` are `DecodeSlice`s on disjoint sub-meshes holding the trainer's version;
+    `checkpointer` (optional) saves every `coordinator.checkpoint_every` steps, off this
+    thread (saves.py); `resumed` (`recovery.load`) is the run this one continues;
+    `eval_decoder` evaluates `eval_prompts` every `eval.every` steps (evaluation.py).
     """
 
     def __init__(self, cfg, scheduler: Scheduler, slices, trainer, prompts: PromptStream,
@@ -101,10 +73,10 @@ class Runtime(Driver):
         self._t0 = clock()
         self.clock = lambda: clock() - self._t0
         self.book = GroupBook(cfg, rewards, ledger.write, self.clock)
-        # A copy: the first step donates the trainer's own buffers.
-        self._adapters_only = cfg.model.lora.enabled  # a LoRA publish: the adapters
+        # A copy: the first step donates the trainer's own buffers. LoRA publishes
+        # only the adapters.
         self.weights = WeightBook(trainer.version, published_copy(trainer.params),
-                                  adapters_only=self._adapters_only)
+                                  adapters_only=cfg.model.lora.enabled)
         self._readmit: dict = {}
         if resumed is not None:
             self._restore(resumed)
@@ -162,12 +134,11 @@ class Runtime(Driver):
         self._reported = len(self.slice_failures)
         self.on_step(record)
 
-    def _evaluate(self, version: int, params, *, last: bool = False) -> None:
-        """Sends the evaluation of `version` to its slice if one is due (or if
-        `last`, the run's final version not evaluated yet)."""
-        e = self.evaluation
-        if e is not None and (e.due(version) or (last and version not in e.evaluated)):
-            e.start(self.workers[self.cfg.eval.slice], version, params)
+    def _evaluate(self, version: int, params, *, last: bool = False) -> int:
+        if self.evaluation is not None:
+            self.evaluation.offer(self.workers[self.cfg.eval.slice], version, params,
+                                  last=last)
+        return version
 
     def _restore(self, resumed):
         """Takes over a resumed run's finished groups and lost prompts, and writes
@@ -182,13 +153,9 @@ class Runtime(Driver):
                           kept=len(resumed.kept), readmitted=len(self._readmit), **damage)
 
     def save_checkpoint(self) -> None:
-        """Saves the train state with what a resume needs besides the ledger (the next
-        group id, the prompt stream's state, every finished unconsumed group).
-
-        Called between steps from the coordinator thread: the trainer is idle (it
-        only gets a batch from `decide()`), and its next step waits for the state's
-        copy to the host before donating it (saves.py); the rest of the save runs
-        on the saver thread."""
+        """Saves the train state and what a resume needs beside the ledger. Called
+        between steps, with the trainer idle; its next step waits only for the
+        state's copy to the host (saves.py)."""
         if self._saves is None or self.trainer.version == self._saved_version:
             return
         self._saved_version = self.trainer.version
@@ -298,21 +265,16 @@ class Runtime(Driver):
                        f"step {step}: {type(ev.error).__name__}: {ev.error}") from ev.error
 
     def _restart_slice(self, i: int, error: BaseException):
-        """A slice raised: what it held is lost. Its running samples are regenerated
-        under their groups' versions (C1), migrations out of it that never left are
-        regenerated too, and a fresh loop starts on the emptied slice, which the
-        scheduler then tells which version to load. The ledger and metrics.jsonl
-        record it."""
-        dead = self.workers[i]
+        """A slice raised: its running samples, and migrations out of it that never
+        left, are regenerated under their own versions (C1); a fresh loop starts on
+        the emptied slice. The ledger and metrics.jsonl record it."""
         in_hand_over = 0
-        for box, request_ids, dst in list(dead.unfilled.values()):
-            box.put([])  # its destination waits for the hand-over: nothing comes
-            for gid, k in request_ids:
-                g = self.sched.groups.get(gid)
-                smp = None if g is None else g.samples[k]
-                if smp is not None and smp.status == "running" and smp.slice_id == dst.slice_id:
-                    self.sched.sample_lost(gid, k)
-                    in_hand_over += 1
+        for (gid, k), dst in self.workers[i].release_hand_overs():
+            g = self.sched.groups.get(gid)
+            if g is not None and g.samples[k].status == "running" \
+                    and g.samples[k].slice_id == dst:
+                self.sched.sample_lost(gid, k)
+                in_hand_over += 1
         lost = in_hand_over + len(self.sched.slices[i].running)
         self.sched.slice_failed(i)
         if self.evaluation is not None:
@@ -328,27 +290,23 @@ class Runtime(Driver):
 
     def _wait_kind(self) -> str | None:
         """Why the trainer is idle now (`report.WaitClock`), or None if it is busy."""
-        if self.sched.trainer_busy:
-            return None
-        if self.sched.next_step == 0:
-            return "fill"
-        finished = self.sched.num_finished_groups
-        return "guard" if finished >= self.cfg.coordinator.train_batch_size else "starvation"
+        if self.sched.trainer_busy or self.sched.next_step == 0:
+            return None if self.sched.trainer_busy else "fill"
+        full = self.sched.num_finished_groups >= self.cfg.coordinator.train_batch_size
+        return "guard" if full else "starvation"
 
     def _next_event(self):
-        """The next event; a RunError if none comes within `coordinator.stall_timeout`
-        seconds although work is outstanding (a lost event would otherwise hang the
-        run), naming what each slice and the trainer were doing and since when."""
+        """The next event; a RunError naming what each part was doing if none comes
+        within `coordinator.stall_timeout` (a lost event would hang the run)."""
         timeout = self.cfg.coordinator.stall_timeout or None
         try:
             return self._events.get(timeout=timeout)
         except queue.Empty:
             self._stalled = True
             now = self.clock()
-            doing = [f"slice {w.slice_id}: {w.doing[0]} for {now - w.doing[1]:.1f} s"
-                     for w in self.workers]
-            trainer_doing = self.trainer_worker.doing
-            doing.append(f"trainer: {trainer_doing[0]} for {now - trainer_doing[1]:.1f} s")
+            doing = [f"{name}: {what} for {now - since:.1f} s" for name, (what, since) in
+                     [(f"slice {w.slice_id}", w.doing) for w in self.workers]
+                     + [("trainer", self.trainer_worker.doing)]]
             raise RunError(f"the run stalled at step {self.sched.next_step}: no event for "
                            f"coordinator.stall_timeout={timeout:g} s with work outstanding ("
                            f"{len(self._scoring)} group(s) awaiting rewards); "
@@ -380,10 +338,7 @@ class Runtime(Driver):
         self._to_ack.clear()
 
     def run(self, num_steps: int) -> dict:
-        """Runs until `num_steps` train steps finished; returns the run summary.
-
-        Raises RunError (after writing `unconsumed` lines for every group in flight)
-        if any part fails."""
+        """Runs until `num_steps` train steps finished; returns the run summary."""
         for w in self.workers:
             w.start()
         self.trainer_worker.start()
@@ -409,7 +364,11 @@ class Runtime(Driver):
                         break
                 if steps_done < num_steps:
                     self._decide()
-            self._finish_evaluations()
+            if self.evaluation is not None:
+                v = self.trainer.version
+                self.evaluation.finish(
+                    lambda: self._evaluate(v, self.weights.for_load(v), last=True),
+                    lambda: self._handle(self._next_event()))
         except BaseException as e:
             self._finish()
             if isinstance(e, RunError):
@@ -426,19 +385,6 @@ class Runtime(Driver):
         summary["prefills_per_group"] = round(sum(sl.stats.prefills for sl in self.slices)
                                               / max(self.sched.next_group_id, 1), 3)
         return summary
-
-    def _finish_evaluations(self):
-        """Evaluates the final version if no evaluation has, and waits for every
-        evaluation sent to be scored (the slices' other events are taken as usual)."""
-        if self.evaluation is None:
-            return
-        v = self.trainer.version
-        for _ in range(2):  # once more if its slice failed before running it
-            self._evaluate(v, self.weights.for_load(v), last=True)
-            while self.evaluation.pending:
-                self._handle(self._next_event())
-            if not self.evaluation.take_back(v):
-                break
 
     def _finish(self):
         """The ledger's final lines, then the threads stopped even if writing them

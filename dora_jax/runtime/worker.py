@@ -119,6 +119,15 @@ class SliceWorker:
         self._commands.put(("export", (request_ids, box)))
         dst._commands.put(("import", box))
 
+    def release_hand_overs(self) -> list:
+        """After this worker failed: every destination waiting for one of its hand-overs
+        gets nothing. Returns (request id, destination slice id) of what they awaited."""
+        awaited = []
+        for box, request_ids, dst in list(self.unfilled.values()):
+            box.put([])
+            awaited += [(rid, dst.slice_id) for rid in request_ids]
+        return awaited
+
     def evaluate(self, decoder, version: int, params, records: list) -> None:
         """Between two generate calls, generate an evaluation of `version` (`params`
         as published) on `records` with `decoder` (runtime/evaluation.py), then post
@@ -205,7 +214,7 @@ class SliceWorker:
             if held:  # a migration leaves
                 self._fault_point("export")
             # On a failure the box stays unfilled: the coordinator releases it and
-            # regenerates the samples it would have carried (Runtime._restart_slice),
+            # regenerates the samples it would have carried (`release_hand_overs`),
             # or, past the restart limit, the destination stops waiting at shutdown.
             moving = sl.export_requests(held)
             box.put(moving)

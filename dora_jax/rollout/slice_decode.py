@@ -1,0 +1,99 @@
+"""The device side of a slice: its decode state, and the calls dispatched but not read.
+
+With lookahead a generate call is read only after the next one is dispatched, so the
+device never waits for the host; the slice's host view then lags one call behind,
+and `sync` reads everything outstanding where it needs the exact state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+
+from dora_jax.rollout.engine import Engine
+from dora_jax.rollout.slots import SlotTable
+from dora_jax.rollout.trajectory import InFlight, RolloutError, SliceStats
+
+
+class DecodeCalls:
+    """Prefill results and generate calls in flight, read into the slot table; a slot
+    that finished is handed to `on_finished`."""
+
+    def __init__(self, slice_id: int, engine: Engine, slots: SlotTable, stats: SliceStats,
+                 on_finished: Callable[[InFlight], None], *, lookahead: bool):
+        self.slice_id, self.engine, self.slots, self.stats = slice_id, engine, slots, stats
+        self.on_finished, self.lookahead = on_finished, lookahead
+        self.reset()
+
+    def reset(self) -> None:
+        """A fresh decode state; whatever was in flight is dropped."""
+        self.state = self.engine.init_decode_state()
+        pages = self.engine.pages
+        self._pool_epoch = None if pages is None else pages.epoch
+        self._prefills: list = []  # (seq, prefill ResultTokens on device), not yet read
+        self._inflight = None  # (prefills, generate ResultTokens, steps), not yet read
+
+    @property
+    def outstanding(self) -> bool:
+        return bool(self._prefills) or self._inflight is not None
+
+    @property
+    def generate_in_flight(self) -> bool:
+        return self._inflight is not None
+
+    def check_pool(self) -> None:
+        pages = self.engine.pages
+        if pages is not None and pages.epoch != self._pool_epoch:
+            raise RolloutError(f"slice {self.slice_id}: its engine's KV page pool was reset "
+                               f"by another decode state; give each slice its own Engine")
+
+    def prefilled(self, seq: InFlight, result) -> None:
+        """`seq`'s prefill was dispatched; its first token is read with the next call."""
+        self._prefills.append((seq, result))
+
+    def generate(self, params, n: int) -> None:
+        """Dispatches a call of `n` steps (none if 0) and reads the previous call, or
+        this one without lookahead."""
+        result = None
+        if n:
+            self.state, result = self.engine.generate_steps(params, self.state, n)
+            if self.engine.pages is not None:
+                self.stats.peak_pages = max(self.stats.peak_pages, self.engine.pages.num_used)
+            self.stats.generate_calls += 1
+        record = (self._prefills, result, n) if self._prefills or result is not None else None
+        self._prefills = []
+        if self.lookahead:
+            record, self._inflight = self._inflight, record
+        if record is not None:
+            self._read(*record)
+
+    def sync(self) -> None:
+        """Reads everything dispatched: afterwards the host view equals the device's."""
+        if self._inflight is not None:
+            record, self._inflight = self._inflight, None
+            self._read(*record)
+        prefills, self._prefills = self._prefills, []
+        self._read(prefills, None)
+
+    def _read(self, prefills, result, n=0):
+        # Prefill results first: they precede any generate result of the same slot.
+        if prefills:
+            for (seq, _), r in zip(prefills, jax.device_get([r for _, r in prefills])):
+                self.slots.record(seq.slot, int(r.steps[0]), r.tokens[0], r.logprobs[0])
+                if r.finished[0]:
+                    self.on_finished(seq)
+        if result is None:
+            return
+        host = result.convert_to_numpy()  # the one host sync per call
+        steps_run, busy, finished = self.slots.record_call(host)
+        self.stats.generate_steps += steps_run
+        self.stats.total_slot_steps += len(self.slots) * steps_run
+        self.stats.busy_slot_steps += busy
+        for s in finished:
+            self.on_finished(self.slots.owner(s))
+        if self.engine.pages is not None:
+            # What the call still in flight (if any) may write comes on top.
+            ahead = self._inflight[2] if self._inflight is not None else 0
+            owned, written = self.slots.written()
+            self.engine.pages.tighten(owned, written + ahead)
