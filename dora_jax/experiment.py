@@ -12,11 +12,10 @@ import contextlib
 import os
 from collections.abc import Callable
 
-from dora_jax import devices
+from dora_jax import atomic_files, devices
 from dora_jax.checkpointing import Checkpointer, load_params
 from dora_jax.config import Config
 from dora_jax.data import prompts as prompts_lib
-from dora_jax.data import sources
 from dora_jax.model import lora, transformer
 from dora_jax.model.sharding import copy_tree
 from dora_jax.rewards.pool import RewardPool
@@ -24,7 +23,7 @@ from dora_jax.rl.trainer import Trainer
 from dora_jax.rollout.episodes import EpisodeRunner
 from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.rollout.warmup import warm_engine
-from dora_jax.runtime import compile_times, files, recovery, writers
+from dora_jax.runtime import compile_times, recovery, writers
 from dora_jax.runtime.evaluation import EvalDecoder
 from dora_jax.runtime.loop import Runtime
 from dora_jax.runtime.report import StepReporter
@@ -32,6 +31,7 @@ from dora_jax.scheduler.core import Scheduler
 from dora_jax.scheduler.ledger import LedgerWriter
 from dora_jax.scheduler.modes import POLICIES
 from dora_jax.scheduler.types import SchedulerConfig
+from dora_jax.tasks import sources
 from dora_jax.timeline import Timeline
 
 
@@ -139,8 +139,8 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
         checkpointer.close()  # nothing left to train: the run is complete
         path = os.path.join(workdir, "summary.json")
         try:  # the figures of the finished run, if its summary survived
-            summary = files.read_json_object(path)
-        except (OSError, files.DamagedFile):
+            summary = atomic_files.read_json_object(path)
+        except (OSError, atomic_files.DamagedFile):
             summary = {}
         return dict(summary, already_trained=trained, mode=cfg.coordinator.mode)
     if tokenizer is None:
@@ -244,5 +244,5 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     timeline.plot(os.path.join(workdir, "timeline.png"),
                   title=f"{cfg.coordinator.mode}: slices coloured by policy version; "
                         f"trainer steps on top")
-    files.write_json_atomic(os.path.join(workdir, "summary.json"), summary, indent=1)
+    atomic_files.write_json_atomic(os.path.join(workdir, "summary.json"), summary, indent=1)
     return summary

@@ -31,9 +31,9 @@ def export(cfg: Config, workdir: str, out: str, *, dtype: str | None = None,
     run has no checkpoint."""
     from dora_jax import devices
     from dora_jax.checkpointing import Checkpointer
-    from dora_jax.data import sources
     from dora_jax.model import hf, lora, peft_format
     from dora_jax.rl.trainer import Trainer
+    from dora_jax.tasks import sources
 
     if format not in FORMATS:
         raise ValueError(f"format {format!r}: one of {FORMATS}")

@@ -28,10 +28,10 @@ import optax
 
 from dora_jax.checkpointing import Checkpointer
 from dora_jax.config import Config
-from dora_jax.data import sources
 from dora_jax.model import lora, transformer
 from dora_jax.rl import packing
 from dora_jax.rl.batch import TrainBatch
+from dora_jax.tasks import sources
 
 
 def demonstration_batch(cfg: Config, records: list, demonstrate, rows: np.ndarray) -> TrainBatch:

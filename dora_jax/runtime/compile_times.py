@@ -7,7 +7,7 @@ import contextlib
 import os
 import time
 
-from dora_jax.runtime import files
+from dora_jax import atomic_files
 
 FILE = "compile_seconds.json"
 
@@ -16,8 +16,8 @@ def previous(workdir: str) -> dict[str, float] | None:
     """The seconds per phase the last warm-up in `workdir` took, or None (none was
     measured there, or the file is damaged)."""
     try:
-        times = files.read_json_object(os.path.join(workdir, FILE))
-    except (OSError, files.DamagedFile):
+        times = atomic_files.read_json_object(os.path.join(workdir, FILE))
+    except (OSError, atomic_files.DamagedFile):
         return None
     if not times or not all(isinstance(v, int | float) for v in times.values()):
         return None
@@ -54,5 +54,5 @@ class Stopwatch:
             f"{phase} {s:.1f} s" for phase, s in self.seconds.items())
 
     def save(self, workdir: str) -> None:
-        files.write_json_atomic(os.path.join(workdir, FILE),
+        atomic_files.write_json_atomic(os.path.join(workdir, FILE),
                                 {k: round(v, 3) for k, v in self.seconds.items()}, indent=1)

@@ -8,7 +8,7 @@ The responses come from an `EvalDecoder`, two decode slices of their own on the 
 slice's mesh (greedy, and sampled with the rollout's settings), so the host slice's
 decode state, KV cache and continuous batching are untouched, and the eval's
 requests never reach the scheduler, the group book or the ledger: held-out prompts
-are removed from the prompt set before training draws from it (data/sources.py
+are removed from the prompt set before training draws from it (tasks/sources.py
 `held_out_split`), and eval samples are not groups. Their rewards come from the
 reward pool's workers, as training rewards do.
 

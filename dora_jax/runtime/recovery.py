@@ -28,7 +28,7 @@ mode whose policy is not `resumable` (one_step_off: its batches are fixed runs o
 group ids with fixed versions) refuses such a workdir.
 
 What a crash or a bad disk leaves is repaired or refused in one line: config.json and
-metrics.jsonl are only ever replaced whole (runtime/files.py), a damaged config.json
+metrics.jsonl are only ever replaced whole (atomic_files.py), a damaged config.json
 or ledger line is named, stale temporary checkpoint directories are removed, and a
 newest checkpoint that does not restore gives way to the one before it.
 """
@@ -41,9 +41,8 @@ import logging
 import os
 import shutil
 
-from dora_jax import checkpointing
+from dora_jax import atomic_files, checkpointing
 from dora_jax.config import Config, ConfigError
-from dora_jax.runtime import files
 from dora_jax.scheduler import ledger
 from dora_jax.scheduler.core import Scheduler
 from dora_jax.scheduler.ledger import standing
@@ -113,8 +112,8 @@ def prepare(workdir: str, cfg: Config, fresh: bool) -> None:
     new = config_json(cfg)
     if os.path.exists(path):
         try:
-            old = _flat(files.read_json_object(path))
-        except files.DamagedFile as e:
+            old = _flat(atomic_files.read_json_object(path))
+        except atomic_files.DamagedFile as e:
             raise ConfigError(f"{e}; remove it to go on with this config, or pass --fresh "
                               "to start over") from None
         flat = _flat(new)
@@ -125,7 +124,7 @@ def prepare(workdir: str, cfg: Config, fresh: bool) -> None:
         if diff:
             raise ConfigError(f"workdir {workdir} holds a run with another config ("
                               + "; ".join(diff) + "); pass --fresh to start over there")
-    files.write_json_atomic(path, new, indent=1)
+    atomic_files.write_json_atomic(path, new, indent=1)
     # A gs:// checkpoint_dir is no local directory: Orbax there cleans up after itself.
     checkpointing.remove_stale_tmp(cfg.coordinator.checkpoint_dir
                                    or os.path.join(workdir, "checkpoints"))
@@ -200,7 +199,7 @@ def truncate_metrics(workdir: str, step: int) -> list[dict]:
             except (ValueError, TypeError, KeyError) as e:  # JSON and UTF-8 errors: ValueError
                 _log.warning("%s:%d: dropped a line that is not a metrics record (%s)", path,
                              number, type(e).__name__)
-    files.write_atomic(path, "".join(keep))
+    atomic_files.write_atomic(path, "".join(keep))
     return records
 
 

@@ -73,8 +73,8 @@ def test_long_prompts_are_an_error_or_skipped_with_a_filter_line(tmp_path, load_
     """A JSONL prompt past rollout.max_prefill_length (16 in configs/tiny.py) stops
     the run before any compute by default; with data.skip_long_prompts it is left
     out, and the ledger's prompt-level `filter` line for it passes the audit."""
-    from dora_jax.data import sources
     from dora_jax.scheduler import ledger
+    from dora_jax.tasks import sources
 
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt_id": "short", "tokens": [2, 5, 6]}\n'

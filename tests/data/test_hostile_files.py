@@ -17,11 +17,10 @@ import tracemalloc
 import pytest
 from conftest import REPO
 
-from dora_jax import untrusted_files
+from dora_jax import atomic_files, untrusted_files
 from dora_jax.data import prompts
 from dora_jax.model import hf_config, safetensors_check, safetensors_file
 from dora_jax.model.hf_config import CheckpointError
-from dora_jax.runtime import files
 from dora_jax.scheduler import ledger
 from dora_jax.text.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
 
@@ -120,7 +119,7 @@ def test_link_to_an_endless_device_is_refused_unread(tmp_path):
         _replace(path, "link", device)
         refused(lambda: prompts.read_jsonl(str(path)), prompts.DataError,
                 f"{path}: a character device, not a regular file")
-        refused(lambda: files.read_json_object(str(path)), files.DamagedFile,
+        refused(lambda: atomic_files.read_json_object(str(path)), atomic_files.DamagedFile,
                 f"{path}: a character device")
 
 
@@ -193,7 +192,8 @@ def _deep_cases(tok_dir, ckpt_dir, tmp_path):
            lambda: safetensors_file.SafetensorsFile(str(header)), CheckpointError, header)
     workdir_json = tmp_path / "summary.json"
     yield (lambda: _replace(workdir_json, "bytes", DEEP),
-           lambda: files.read_json_object(str(workdir_json)), files.DamagedFile, workdir_json)
+           lambda: atomic_files.read_json_object(str(workdir_json)), atomic_files.DamagedFile,
+           workdir_json)
     ledger_file = tmp_path / "ledger.jsonl"
     yield (lambda: _replace(ledger_file, "bytes", b'{"event": "a"}\n' + DEEP + b"\n"),
            lambda: ledger.read(str(ledger_file)), ledger.LedgerError, f"{ledger_file}:2")

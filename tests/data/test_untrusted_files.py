@@ -16,10 +16,10 @@ import jinja2.sandbox
 import pytest
 from conftest import REPO, load_repo_config
 
-from dora_jax.data import prompts, sources
+from dora_jax.data import prompts
 from dora_jax.model import hf_config, safetensors_file
 from dora_jax.model.hf_config import CheckpointError
-from dora_jax.tasks import text_files
+from dora_jax.tasks import sources, text_files
 from dora_jax.text.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
 
 FIXTURES = pathlib.Path(__file__).parents[1] / "fixtures" / "hf"

@@ -12,8 +12,9 @@ import pytest
 from conftest import audit_workdir, reference
 
 from dora_jax import config as config_lib
-from dora_jax.data import sources, word_problems
+from dora_jax.data import word_problems
 from dora_jax.model import hf, hf_checks
+from dora_jax.tasks import sources
 from dora_jax.text.tokenizer import Tokenizer
 
 HF_FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf")

@@ -13,10 +13,10 @@ from _trainer_common import countdown_config
 from conftest import audit_workdir
 
 from dora_jax import experiment, sft
-from dora_jax.data import sources
 from dora_jax.model import hf_checks, transformer
 from dora_jax.rewards.tokens import EOS, countdown_target
 from dora_jax.rollout.slice import DecodeSlice
+from dora_jax.tasks import sources
 
 
 def _greedy(graphdef, params, prompt, steps):

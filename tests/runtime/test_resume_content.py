@@ -14,11 +14,11 @@ from conftest import audit_workdir
 
 from dora_jax import experiment
 from dora_jax.data import prompts as prompts_lib
-from dora_jax.data.sources import prompt_records
 from dora_jax.rl.trainer import Trainer
 from dora_jax.runtime import loop
 from dora_jax.runtime.loop import RunError
 from dora_jax.scheduler import ledger
+from dora_jax.tasks.sources import prompt_records
 
 DRAIN_WAIT = 300  # seconds: a bound on a hang, not a pace the test relies on
 

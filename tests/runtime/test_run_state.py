@@ -13,8 +13,9 @@ import os
 import pytest
 from test_resume import _admit, _consume  # the same hand-made events
 
+from dora_jax import atomic_files
 from dora_jax.config import ConfigError
-from dora_jax.runtime import files, recovery
+from dora_jax.runtime import recovery
 from dora_jax.scheduler import ledger
 
 
@@ -116,16 +117,16 @@ def test_a_cut_admit_never_happened_and_its_id_and_prompt_are_given_again(tmp_pa
 # ------------------------------------------------------------------ workdir files
 def test_write_atomic_leaves_the_old_file_when_the_disk_is_full(tmp_path, monkeypatch):
     path = tmp_path / "config.json"
-    files.write_json_atomic(str(path), {"a": 1})
-    assert files.read_json_object(str(path)) == {"a": 1}
+    atomic_files.write_json_atomic(str(path), {"a": 1})
+    assert atomic_files.read_json_object(str(path)) == {"a": 1}
 
     def full(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "fsync", full)
     with pytest.raises(OSError, match="No space"):
-        files.write_json_atomic(str(path), {"a": 2})
-    assert files.read_json_object(str(path)) == {"a": 1}
+        atomic_files.write_json_atomic(str(path), {"a": 2})
+    assert atomic_files.read_json_object(str(path)) == {"a": 1}
     assert os.listdir(tmp_path) == ["config.json"]  # no temporary file left
 
 

@@ -211,7 +211,7 @@ def test_dynamic_sampling_filters_and_replaces_groups(tmp_path, small_config):
     reward variance and leave through `filter` records; they are replaced (every step
     still trains TBS groups, the audit is clean, no filtered group is consumed), and
     the trainer reports the engine mismatch of the tokens its own version sampled."""
-    from dora_jax.data.sources import prompt_records
+    from dora_jax.tasks.sources import prompt_records
 
     c = small_config("dora", validate=False, num_steps=4)
     c.trainer.update(dict(filter_zero_variance=True, objective="decoupled", is_cap=2.0))

@@ -8,7 +8,8 @@ import pytest
 
 from dora_jax import config, tasks
 from dora_jax.config.data import NEEDS
-from dora_jax.data import prompts, sources
+from dora_jax.data import prompts
+from dora_jax.tasks import sources
 from dora_jax.tasks.base import Task
 
 

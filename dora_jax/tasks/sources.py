@@ -6,7 +6,7 @@ Each comes from the task `data.source` names (dora_jax/tasks: token tasks need n
 tokenizer; text tasks build each prompt with the tokenizer's chat template and score
 the decoded response with a verifier, rewards/verifiers.py); a reward call that
 raises or times out is recorded, never fatal (rewards/pool.py). This module sits
-above the tasks: it is what the runtime, the warm start and the benchmarks call.
+above the task modules: it is what the runtime, the warm start and the benchmarks call.
 """
 
 from __future__ import annotations
