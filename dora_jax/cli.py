@@ -109,8 +109,10 @@ def validated_config(holder, *, with_pretrained: bool = False):
     With `with_pretrained`, returns (Config, hf_checks.Pretrained): the run reuses
     the tokenizer read here."""
     from dora_jax import config as config_lib
+    from dora_jax import tasks
     from dora_jax.model import hf_checks
 
+    tasks.names()  # every task module in the package declares itself to config
     try:
         value = holder.value
         value.to_dict()  # a file that failed to load fails here, not later
@@ -122,7 +124,7 @@ def validated_config(holder, *, with_pretrained: bool = False):
         d = cfg.data
         # The sources that read data.path: a missing file is named now, not after the
         # devices and model have started.
-        if d.source in ("jsonl", "gsm8k", "math") and not os.path.exists(d.path):
+        if config_lib.TASKS[d.source].needs == "path" and not os.path.exists(d.path):
             config_lib.fail("data.path", f"no such file: {d.path} (a JSONL file of prompts: "
                                          "--config.data.path=FILE)")
         if d.source == "env":

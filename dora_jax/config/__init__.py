@@ -13,7 +13,16 @@ report.py: eval and logging), the cross-section rules (rules.py), the whole conf
 named by the config is read before validation, by model/hf_checks.py; `validate`
 itself reads no file."""
 
-from .data import AUTO_REWARDS, DATA_SOURCES, TEXT_REWARDS, TEXT_SOURCES, TOKEN_REWARDS, DataConfig
+from .data import (
+    SHIPPED_TASKS,
+    TASKS,
+    TEXT_REWARDS,
+    TOKEN_REWARDS,
+    DataConfig,
+    TaskFacts,
+    declare_task,
+    forget_task,
+)
 from .loading import base, check_devices, load, validate
 from .model import (
     ATTENTION_IMPLS,
@@ -56,14 +65,15 @@ from .sections import (
 )
 
 __all__ = [
-    "ADVANTAGES", "ATTENTION_IMPLS", "AUTO_REWARDS", "CAPABILITIES", "DATA_SOURCES",
+    "ADVANTAGES", "ATTENTION_IMPLS", "CAPABILITIES",
     "DECODE_RULES", "DTYPES", "FAIL_POINTS", "IS_MODES", "KILL_POINTS", "KL_KINDS",
     "KV_CACHES", "LORA_TARGETS", "LOSS_AGG_MODES", "MODES", "MOE_DISPATCH", "OBJECTIVES",
     "PAGED_ATTENTION_IMPLS", "REMAT_POLICIES", "RETIRED_MODES", "ROPE_SCALINGS",
-    "SCHEDULES", "SLICE_MESH_AXES", "TEXT_REWARDS", "TEXT_SOURCES", "TOKEN_REWARDS",
+    "SCHEDULES", "SHIPPED_TASKS", "SLICE_MESH_AXES", "TASKS", "TEXT_REWARDS", "TOKEN_REWARDS",
     "TRAINER_MESH_AXES", "TRAINER_RULES", "Capabilities", "Config", "ConfigError",
     "CoordinatorConfig", "DataConfig", "EvalConfig", "LoRAConfig", "LoggingConfig",
-    "MeshConfig", "ModelConfig", "MoEConfig", "RolloutConfig", "Section", "TrainerConfig",
+    "MeshConfig", "ModelConfig", "MoEConfig", "RolloutConfig", "Section", "TaskFacts",
+    "TrainerConfig", "declare_task", "forget_task",
     "base", "check", "check_declared", "check_devices", "check_group_fits",
     "check_multi_version", "check_not_retired", "check_rollout_batch", "check_versions",
     "colocate", "decode_rules_from", "fail", "field", "load", "modes_with", "validate",

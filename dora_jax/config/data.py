@@ -10,24 +10,50 @@ from typing import ClassVar
 from .schema import Section, fail, field
 from .vetted_tasks import refusal
 
-# The tasks by name (dora_jax/tasks registers them; a test keeps the two equal, and
-# the facts below equal to each task's own).
-DATA_SOURCES = ("residue", "countdown", "jsonl", "gsm8k", "math", "reasoning_gym", "tfds",
-                "env")
-# Prompts built by a tokenizer ("env": a multi-turn environment's first observation).
-TEXT_SOURCES = ("gsm8k", "math", "reasoning_gym", "tfds", "env")
-# The data field that names a source's prompts.
-NEEDS = {"jsonl": "path", "gsm8k": "path", "math": "path", "reasoning_gym": "task",
-         "tfds": "tfds_name", "env": "env"}
 # Rewards by name: of response tokens (rewards/tokens.py) and of decoded text
-# (rewards/verifiers.py; "by_record": the verifier each record names); "auto": the
-# task's own (AUTO_REWARDS); "env": a multi-turn episode's, the sum of its
-# environment's step rewards.
+# (rewards/verifiers.py; "by_record": the verifier each record names); "env": a
+# multi-turn episode's, the sum of its environment's step rewards.
 TOKEN_REWARDS = ("residue", "exact_match", "countdown")
 TEXT_REWARDS = ("gsm8k", "math", "countdown_expr", "reasoning_gym", "by_record")
-AUTO_REWARDS = {"residue": "residue", "countdown": "countdown", "jsonl": "exact_match",
-                "gsm8k": "gsm8k", "math": "math", "reasoning_gym": "by_record",
-                "tfds": "by_record", "env": "env"}
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskFacts:
+    """What validation checks of a task: the reward `data.reward="auto"` means, whether
+    its prompts are built with a tokenizer's chat template, the data field that must
+    name its prompts."""
+
+    auto_reward: str
+    text: bool = False
+    needs: str = ""
+
+
+# The shipped tasks, so a config validates without importing dora_jax/tasks, which
+# declares each again on registering (`declare_task`), as does any task added there.
+TASKS: dict[str, TaskFacts] = {
+    "residue": TaskFacts("residue"),
+    "countdown": TaskFacts("countdown"),
+    "jsonl": TaskFacts("exact_match", needs="path"),
+    "gsm8k": TaskFacts("gsm8k", text=True, needs="path"),
+    "math": TaskFacts("math", text=True, needs="path"),
+    "reasoning_gym": TaskFacts("by_record", text=True, needs="task"),
+    "tfds": TaskFacts("by_record", text=True, needs="tfds_name"),
+    "env": TaskFacts("env", text=True, needs="env"),
+}
+SHIPPED_TASKS = tuple(TASKS)
+
+
+def declare_task(name: str, facts: TaskFacts) -> None:
+    """Makes `name` a `data.source` validated by `facts` (tasks.register calls it); a
+    shipped task declared with other facts is an error."""
+    if TASKS.get(name, facts) != facts:
+        raise ValueError(f"task {name!r} declares {facts}, but config has {TASKS[name]}")
+    TASKS[name] = facts
+
+
+def forget_task(name: str) -> None:
+    if name not in SHIPPED_TASKS:
+        TASKS.pop(name, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +61,7 @@ class DataConfig(Section):
     """Where prompts come from and how they are scored."""
 
     PATH: ClassVar[str] = "data"
-    source: str = field("residue", choices=DATA_SOURCES)
+    source: str = "residue"  # a task's name (TASKS)
     reward: str = field("auto", choices=("auto", "env") + TOKEN_REWARDS + TEXT_REWARDS)
     path: str = ""  # jsonl, gsm8k, math: the JSONL file
     # A Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json);
@@ -83,11 +109,14 @@ class DataConfig(Section):
 
     @property
     def reward_name(self) -> str:
-        return AUTO_REWARDS[self.source] if self.reward == "auto" else self.reward
+        return TASKS[self.source].auto_reward if self.reward == "auto" else self.reward
 
     def __post_init__(self):
         super().__post_init__()
-        name = NEEDS.get(self.source)
+        if self.source not in TASKS:
+            fail(self._f("source"), f"must be one of {tuple(TASKS)}, got {self.source!r} "
+                 "(a task registered in dora_jax/tasks)")
+        name = TASKS[self.source].needs
         # "env" is checked both ways below.
         if name and self.source != "env" and not getattr(self, name):
             fail(self._f(name), f"data.source={self.source!r} needs data.{name}")
@@ -102,7 +131,7 @@ class DataConfig(Section):
         if (self.reward_name == "env") != (self.source == "env"):
             fail(self._f("reward"), "reward 'env' (the environment's) is the reward of "
                  "data.source='env', and only of it")
-        if self.source in TEXT_SOURCES and not self.tokenizer:
+        if TASKS[self.source].text and not self.tokenizer:
             fail(self._f("tokenizer"), f"data.source={self.source!r} builds prompts with a "
                   "tokenizer: set data.tokenizer or model.checkpoint (a directory with "
                   "tokenizer.json)")

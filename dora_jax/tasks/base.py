@@ -2,9 +2,10 @@
 
 A task is what the model is asked and how its answer is scored: its prompt records,
 its reward, the demonstrations a supervised warm start imitates, and the facts about
-it that config validation checks (`text`, `needs`, `reward`). config/ sits below
-this package, so it keeps its own list of the names (config.DATA_SOURCES) and of
-those facts; tests/tasks keeps the two equal.
+it that config validation checks (`text`, `needs`, `reward`), declared to config on
+registering (config sits below this package and lists the shipped tasks itself).
+Every module of this package is a task's and is imported on the first lookup: a new
+task is one file here, or in a module the run's config imports.
 
 A task's reward and demonstrations default to those of `data.reward` by name (a
 run may score a task's records with another reward than its own); a task that
@@ -13,9 +14,13 @@ scores otherwise (a multi-turn environment) overrides them.
 
 from __future__ import annotations
 
+import importlib
+import pathlib
+import pkgutil
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+from dora_jax import config
 from dora_jax.data import prompts
 from dora_jax.rewards import tokens
 from dora_jax.rewards.tokens import RewardFn
@@ -27,11 +32,10 @@ class Task:
     """One task; subclass, set the class attributes and `records`, and `register`."""
 
     name: ClassVar[str]
-    # The reward `data.reward="auto"` means (config.AUTO_REWARDS).
+    # config.TaskFacts: the reward `data.reward="auto"` means; whether its prompts are
+    # built with a tokenizer's chat template; the data field that names its prompts.
     reward: ClassVar[str]
-    # Its prompts are built with a tokenizer's chat template (config.TEXT_SOURCES).
     text: ClassVar[bool] = False
-    # The data field that must name its prompts, if any (config.data.NEEDS).
     needs: ClassVar[str] = ""
 
     def records(self, cfg, tokenizer=None) -> list[dict]:
@@ -51,6 +55,7 @@ def register(cls: type[Task]) -> type[Task]:
     """Class decorator: the task is `data.source=cls.name`."""
     if cls.name in _TASKS and type(_TASKS[cls.name]) is not cls:
         raise ValueError(f"task {cls.name!r} is registered twice")
+    config.declare_task(cls.name, config.TaskFacts(cls.reward, cls.text, cls.needs))
     _TASKS[cls.name] = cls()
     return cls
 
@@ -58,6 +63,7 @@ def register(cls: type[Task]) -> type[Task]:
 def unregister(name: str) -> None:
     """Forgets task `name` (tests register throwaway tasks)."""
     _TASKS.pop(name, None)
+    config.forget_task(name)
 
 
 def names() -> tuple:
@@ -75,15 +81,11 @@ def get(name: str) -> Task:
 
 
 def _load_builtins() -> None:
-    from dora_jax.tasks import (  # noqa: F401 - they register themselves
-        countdown,
-        env,
-        jsonl,
-        reasoning_gym,
-        residue,
-        text_files,
-        tfds,
-    )
+    """Imports every module of this package: each registers its tasks."""
+    package = pathlib.Path(__file__).parent
+    for info in pkgutil.iter_modules([str(package)]):
+        if info.name not in ("base", "sources"):
+            importlib.import_module(f"dora_jax.tasks.{info.name}")
 
 
 def tokenizer_for(cfg):

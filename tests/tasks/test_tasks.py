@@ -1,31 +1,32 @@
-"""The task registry: one name per task, the same names and facts as the config's
-lists (config sits below the tasks and cannot import them), and a task added by
-registering one class that the run's records, reward and demonstrations then use."""
-
-import dataclasses
+"""The task registry: one name per task, each declaring to config the facts it
+validates (config sits below the tasks and lists the shipped ones itself), and a
+task added by registering one class, which validation then accepts and the run's
+records, reward and demonstrations use."""
 
 import pytest
 
 from dora_jax import config, tasks
-from dora_jax.config.data import NEEDS
 from dora_jax.data import prompts
 from dora_jax.tasks import sources
 from dora_jax.tasks.base import Task
 
 
 def test_the_config_names_the_tasks_that_exist():
-    assert sorted(config.DATA_SOURCES) == list(tasks.names())
-    assert len(set(config.DATA_SOURCES)) == len(config.DATA_SOURCES)
+    assert set(config.SHIPPED_TASKS) <= set(tasks.names())
+    assert set(config.TASKS) == set(tasks.names())
 
 
 def test_each_task_states_what_the_config_checks_of_it():
     for name in tasks.names():
         task = tasks.get(name)
         assert task.name == name
-        assert config.AUTO_REWARDS[name] == task.reward, name
-        assert (name in config.TEXT_SOURCES) == task.text, name
-        assert NEEDS.get(name, "") == task.needs, name
-    assert set(config.AUTO_REWARDS) == set(tasks.names())
+        assert config.TASKS[name] == config.TaskFacts(task.reward, task.text, task.needs)
+
+
+def test_a_shipped_task_declared_with_other_facts_is_refused():
+    with pytest.raises(ValueError, match="task 'jsonl' declares"):
+        config.declare_task("jsonl", config.TaskFacts("exact_match", needs="tfds_name"))
+    assert config.TASKS["jsonl"] == config.TaskFacts("exact_match", needs="path")
 
 
 def test_an_unknown_task_names_the_registered_ones():
@@ -68,7 +69,8 @@ def echo_task():
 
 
 def test_a_registered_task_is_what_the_run_builds(echo_task, load_config):
-    cfg = _with_source(load_config("configs/tiny.py", data__num_prompts=5), "echo")
+    cfg = load_config("configs/tiny.py", data__num_prompts=5, data__source="echo")
+    assert cfg.data.reward_name == "residue"  # the task's declared reward
     records, skipped = sources.prompt_records(cfg)
     assert [r["prompt_id"] for r in records] == [f"echo-{i}" for i in range(5)]
     assert skipped == []
@@ -79,10 +81,17 @@ def test_a_registered_task_is_what_the_run_builds(echo_task, load_config):
     assert demonstrate(records[2]) == [5, 1]
 
 
-def _with_source(cfg, source):
-    """`cfg` with data.source set past validation: config's list of names holds only
-    the built-in tasks (test_the_config_names_the_tasks_that_exist)."""
-    data = dataclasses.replace(cfg.data)
-    object.__setattr__(data, "source", source)
-    object.__setattr__(data, "reward", "residue")
-    return dataclasses.replace(cfg, data=data)
+def test_a_task_unregistered_is_no_longer_a_valid_source(echo_task, load_config):
+    tasks.unregister("echo")
+    with pytest.raises(config.ConfigError, match=r"data\.source: must be one of .*'echo'"):
+        load_config("configs/tiny.py", data__source="echo")
+
+
+def test_every_module_of_the_package_registers_its_tasks():
+    """A task added as a file in dora_jax/tasks is found without being listed."""
+    import pathlib
+
+    names = tasks.names()
+    files = {p.stem for p in pathlib.Path(tasks.__file__).parent.glob("*.py")}
+    modules = {type(tasks.get(n)).__module__.rsplit(".", 1)[1] for n in names}
+    assert modules == files - {"__init__", "base", "sources"}
