@@ -11,12 +11,13 @@ above the task modules: it is what the runtime, the warm start and the benchmark
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 
 import numpy as np
 
 from dora_jax import tasks
-from dora_jax.config import Config
+from dora_jax.config import Config, fail
 from dora_jax.data import prompts
 from dora_jax.rewards.tokens import RewardFn
 from dora_jax.tasks.base import tokenizer_for
@@ -73,8 +74,16 @@ def held_out_split(records: list[dict], cfg: Config) -> tuple[list[dict], list[d
 def reward_for(cfg: Config, tokenizer=None) -> RewardFn:
     """The reward function `data.reward` names (token-level, or a text verifier
     applied to the decoded response; a multi-turn episode's is its environment's).
-    An unknown name fails here, before compute."""
-    return tasks.get(cfg.data.source).reward_fn(cfg, tokenizer)
+    An unknown name, or a function the reward pool's processes cannot be handed,
+    fails here, before compute."""
+    fn = tasks.get(cfg.data.source).reward_fn(cfg, tokenizer)
+    try:
+        pickle.dumps(fn)
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        fail("data.source", f"task {cfg.data.source!r}: its reward function goes to the "
+             f"reward pool's worker processes and must pickle (a module-level function, "
+             f"or functools.partial of one), but: {e}")
+    return fn
 
 
 def demonstration_for(cfg: Config, tokenizer=None) -> Callable[[dict], list]:

@@ -42,6 +42,10 @@ def test_a_task_is_registered_once():
             reward = "residue"
 
 
+def _echoed(record, response) -> float:
+    return float(list(response[:1]) == record["tokens"][1:])
+
+
 @pytest.fixture
 def echo_task():
     """A throwaway token task: prompts [BOS, 3 + i], its correct response that symbol
@@ -58,7 +62,7 @@ def echo_task():
                                      cfg.model.vocab_size)
 
         def reward_fn(self, cfg, tokenizer=None):
-            return lambda record, response: float(response[:1] == record["tokens"][1:])
+            return _echoed
 
         def demonstration_fn(self, cfg, tokenizer=None):
             return lambda record: [record["tokens"][1], 1]
@@ -95,3 +99,13 @@ def test_every_module_of_the_package_registers_its_tasks():
     files = {p.stem for p in pathlib.Path(tasks.__file__).parent.glob("*.py")}
     modules = {type(tasks.get(n)).__module__.rsplit(".", 1)[1] for n in names}
     assert modules == files - {"__init__", "base", "sources"}
+
+
+def test_a_reward_the_pool_cannot_be_handed_fails_before_compute(echo_task, load_config,
+                                                               monkeypatch):
+    monkeypatch.setattr(echo_task, "reward_fn", lambda self, cfg, tokenizer=None:
+                        lambda record, response: 1.0)
+    cfg = load_config("configs/tiny.py", data__num_prompts=5, data__source="echo")
+    with pytest.raises(config.ConfigError, match=r"config\.data\.source: task 'echo': its "
+                       r"reward function .* must pickle"):
+        sources.reward_for(cfg)
