@@ -40,13 +40,35 @@ from dora_jax.model.layers import SwiGLU, param
 from dora_jax.model.sharding import constrain
 
 
-def route(router_logits_NE: jax.Array, top_k: int, normalize: bool):
-    """Top-k softmax routing: returns (expert ids [N,k], weights [N,k], probs [N,E])."""
+def route(router_logits_NE: jax.Array, top_k: int, normalize: bool, replay_NK=None):
+    """Top-k softmax routing: returns (expert ids [N,k], weights [N,k], probs [N,E]).
+
+    With `replay_NK` (recorded expert ids; an id >= E marks a token not recorded) a
+    recorded token goes to its recorded experts, gated by this router's probabilities
+    of them: the experts the rollout used, the gates (and their gradient) this
+    policy's."""
     probs_NE = jax.nn.softmax(router_logits_NE.astype(jnp.float32), axis=-1)
     weights_NK, experts_NK = jax.lax.top_k(probs_NE, top_k)
+    if replay_NK is not None:
+        recorded_N = replay_NK[:, 0] < probs_NE.shape[-1]
+        experts_NK = jnp.where(recorded_N[:, None], replay_NK.astype(jnp.int32), experts_NK)
+        weights_NK = jnp.take_along_axis(probs_NE, experts_NK, axis=-1)
     if normalize:
         weights_NK = weights_NK / jnp.sum(weights_NK, axis=-1, keepdims=True)
     return experts_NK, weights_NK, probs_NE
+
+
+def routing_agreement(own_NK: jax.Array, recorded_NK: jax.Array, num_experts: int,
+                      valid_N=None) -> tuple:
+    """(tokens whose own top-k set equals the recorded one, recorded tokens), over
+    the valid tokens with a record."""
+    counted_N = recorded_NK[:, 0] < num_experts
+    if valid_N is not None:
+        counted_N = counted_N & valid_N
+    same_N = jnp.all(jnp.sort(own_NK, axis=-1) == jnp.sort(recorded_NK.astype(jnp.int32),
+                                                           axis=-1), axis=-1)
+    return (jnp.sum(same_N & counted_N).astype(jnp.float32),
+            jnp.sum(counted_N).astype(jnp.float32))
 
 
 def _token_weights(n: int, valid_N) -> jax.Array:
@@ -158,18 +180,32 @@ class MoE(nnx.Module):
         y_NKD = y_MD.reshape(N, K, -1)
         return jnp.einsum("nkd,nk->nd", y_NKD, weights_NK.astype(dt))
 
-    def __call__(self, x_BTD, *, dropless: bool | None = None, valid_BT=None):
+    def __call__(self, x_BTD, *, dropless: bool | None = None, valid_BT=None,
+                 routing_BTK=None, replay: bool = False):
         """Returns (y [B,T,D], aux) with aux = load_balance_loss, router_z_loss,
-        dropped_fraction. `dropless=None` follows `model.moe.dispatch`; `valid_BT`
-        (bool) marks real tokens, the rest are padding (see module docstring)."""
+        dropped_fraction and `experts` (this router's top-k ids [B,T,k]).
+        `dropless=None` follows `model.moe.dispatch`; `valid_BT` (bool) marks real
+        tokens, the rest are padding (see module docstring). `routing_BTK`: the
+        experts a rollout recorded (>= E: none recorded), replayed if `replay`;
+        aux then also counts the tokens whose own top-k agrees with the record
+        (`agreeing`, `recorded`). Under replay the load-balancing loss counts the
+        replayed assignments against this router's probabilities."""
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
         valid_N = None if valid_BT is None else valid_BT.reshape(B * T)
         logits_NE = jnp.einsum("nd,de->ne", x_ND.astype(jnp.float32),
                                self.router[...].astype(jnp.float32))
-        experts_NK, weights_NK, probs_NE = route(logits_NE, self.top_k, self.normalize)
+        recorded_NK = None if routing_BTK is None else routing_BTK.reshape(B * T, -1)
+        replay_NK = recorded_NK if replay else None
+        experts_NK, weights_NK, probs_NE = route(logits_NE, self.top_k, self.normalize,
+                                                 replay_NK)
+        own_NK = experts_NK if replay_NK is None else jax.lax.top_k(probs_NE, self.top_k)[1]
         aux = {"load_balance_loss": load_balance_loss(experts_NK, probs_NE, valid_N),
-               "router_z_loss": router_z_loss(logits_NE, valid_N)}
+               "router_z_loss": router_z_loss(logits_NE, valid_N),
+               "experts": own_NK.reshape(B, T, -1)}
+        if recorded_NK is not None:
+            aux["agreeing"], aux["recorded"] = routing_agreement(
+                own_NK, recorded_NK, self.num_experts, valid_N)
         if dropless is None:
             dropless = not self.capacity_dispatch
         if dropless:

@@ -79,16 +79,17 @@ class Block(nnx.Module):
                               cfg=cfg)
         self.is_moe = cfg.is_moe_layer(layer)
 
-    def _mlp(self, x, dropless, valid_BT=None):
+    def _mlp(self, x, dropless, valid_BT=None, routing_BTK=None, replay=False):
         if self.is_moe:
-            return self.mlp(x, dropless=dropless, valid_BT=valid_BT)
+            return self.mlp(x, dropless=dropless, valid_BT=valid_BT, routing_BTK=routing_BTK,
+                            replay=replay)
         return self.mlp(x), None
 
     def __call__(self, x_BTD, positions_BT, dropless, past=None, valid_BT=None,
-                 segment_ids_BT=None):
+                 segment_ids_BT=None, routing_BTK=None, replay=False):
         h, kv = self.attn(self.attn_norm(x_BTD), positions_BT, past, segment_ids_BT)
         x_BTD = x_BTD + h
-        h, aux = self._mlp(self.mlp_norm(x_BTD), dropless, valid_BT)
+        h, aux = self._mlp(self.mlp_norm(x_BTD), dropless, valid_BT, routing_BTK, replay)
         return x_BTD + h, kv, aux
 
     def decode(self, x_B1D, positions_B, cache: KVCache, layer, pages=None, paged_impl="auto"):
@@ -98,8 +99,8 @@ class Block(nnx.Module):
             h, cache = self.attn.decode_paged(self.attn_norm(x_B1D), positions_B, *cache,
                                               layer, pages, paged_impl)
         x_B1D = x_B1D + h
-        h, _ = self._mlp(self.mlp_norm(x_B1D), True)  # decoding is always exact
-        return x_B1D + h, KVCache(*cache)
+        h, aux = self._mlp(self.mlp_norm(x_B1D), True)  # decoding is always exact
+        return x_B1D + h, KVCache(*cache), None if aux is None else aux["experts"][:, 0]
 
 
 def stack_layers(blocks) -> Block:
@@ -152,23 +153,30 @@ class Transformer(nnx.Module):
                           preferred_element_type=jnp.float32)
 
     def _period(self, x, positions_BT, dropless, graphdefs, states, past=None,
-                valid_BT=None, segment_ids_BT=None):
+                valid_BT=None, segment_ids_BT=None, routing=None, replay=False,
+                return_routing=False):
         """Layers of one period in order: (x, [k per layer], [v ...], [MoE aux ...]).
-        past: None or (k [period, B, P, K, D], v, length) for these layers."""
+        past: None or (k [period, B, P, K, D], v, length) for these layers; routing:
+        None or the recorded experts of this period's MoE layers [m, B, T, k]."""
         ks, vs, auxes = [], [], []
         for r, (graphdef, state) in enumerate(zip(graphdefs, states)):
             layer_past = None if past is None else (past[0][r], past[1][r], past[2])
-            x, (k, v), aux = nnx.merge(graphdef, state)(x, positions_BT, dropless,
-                                                        layer_past, valid_BT, segment_ids_BT)
+            block = nnx.merge(graphdef, state)
+            layer_routing = None if routing is None or not block.is_moe else routing[len(auxes)]
+            x, (k, v), aux = block(x, positions_BT, dropless, layer_past, valid_BT,
+                                   segment_ids_BT, layer_routing, replay)
             ks.append(k)
             vs.append(v)
             if aux is not None:
+                if not return_routing:
+                    del aux["experts"]
                 auxes.append(aux)
         return x, ks, vs, auxes
 
     def __call__(self, tokens_BT, positions_BT=None, *, dropless: bool | None = None,
                  return_kv: bool = False, past: KVCache | None = None, past_length=None,
-                 valid_BT=None, segment_ids_BT=None):
+                 valid_BT=None, segment_ids_BT=None, routing_BTLK=None, replay: bool = False,
+                 return_routing: bool = False):
         """Full causal forward. Returns (logits_BTV f32, aux, kv or None).
 
         valid_BT: bool mask of real tokens (None: all); MoE layers route no padding
@@ -185,6 +193,11 @@ class Transformer(nnx.Module):
         those it has alone. positions_BT should then restart at 0 at each sequence
         (None: `segment_positions`), and valid_BT defaults to segment_ids_BT > 0.
         Not with `past`.
+        routing_BTLK: the experts a rollout recorded per token and MoE layer (moe.py;
+        ids >= num_experts: none recorded), replayed if `replay`; aux then holds
+        `routing_agreeing` / `routing_recorded` (token-layers whose own top-k equals
+        the record, and those recorded). return_routing: aux["routing"] is this
+        forward's own top-k [B, T, MoE layers, k].
         """
         B, T = tokens_BT.shape
         if segment_ids_BT is not None:
@@ -202,11 +215,15 @@ class Transformer(nnx.Module):
         split = [nnx.split(b) for b in self.blocks]
         p = len(split)
 
+        # [B, T, MoE layers, k] -> [MoE layers, B, T, k]: sliced per layer below.
+        routing = None if routing_BTLK is None else jnp.moveaxis(routing_BTLK, 2, 0)
+
         def layers(graphdefs):  # the blocks of `graphdefs` in order, rematerialised
-            def run(x, states, past_kv=None):
+            def run(x, states, past_kv=None, routing=None):
                 layer_past = None if past_kv is None else (*past_kv, past_length)
                 return self._period(x, positions_BT, dropless, graphdefs, states, layer_past,
-                                    valid_BT, segment_ids_BT)
+                                    valid_BT, segment_ids_BT, routing, replay,
+                                    return_routing)
             if self.cfg.remat == "none":
                 return run
             return jax.checkpoint(run, policy=_CHECKPOINT_POLICIES[self.cfg.remat])
@@ -219,30 +236,49 @@ class Transformer(nnx.Module):
                 kv = (jnp.stack(ks), jnp.stack(vs)) if return_kv else None
                 return x, (kv, auxes)
 
-            # past [layers, ...] -> [n, p, ...]: the scan's step j holds layers j*p + r.
+            # past [layers, ...] -> [n, p, ...]: the scan's step j holds layers j*p + r;
+            # routing [MoE layers, ...] -> [n, m, ...] likewise (m MoE layers a period).
             past_xs = None if past is None else tuple(
                 a.reshape(-1, p, *a.shape[1:]) for a in past)
-            x, (kv, auxes) = jax.lax.scan(body, x, (tuple(s for _, s in split), past_xs))
+            routing_xs = None if routing is None else routing.reshape(
+                self.cfg.num_layers // p, -1, *routing.shape[1:])
+            x, (kv, auxes) = jax.lax.scan(body, x, (tuple(s for _, s in split), past_xs,
+                                                    routing_xs))
             if return_kv:  # [n, p, ...] -> [layers, ...]: layer j*p + r
                 k, v = (a.reshape(-1, *a.shape[2:]) for a in kv)
+            own = [a.pop("experts") for a in auxes] if return_routing else []
+            # [n, B, T, k] per MoE layer of the period -> [MoE layers, B, T, k]
+            own = [jnp.stack(own, axis=1).reshape(-1, *own[0].shape[1:])] if own else []
         else:
-            ks, vs, auxes = [], [], []
+            ks, vs, auxes, moe_index = [], [], [], 0
             for i, (graphdef, state) in enumerate(split):
                 past_i = None if past is None else (past.k[i:i + 1], past.v[i:i + 1])
-                x, k1, v1, aux1 = layers([graphdef])(x, (state,), past_i)
+                m = int(self.cfg.is_moe_layer(i))
+                routing_i = None if routing is None else routing[moe_index:moe_index + m]
+                x, k1, v1, aux1 = layers([graphdef])(x, (state,), past_i, routing_i)
+                moe_index += m
                 ks += k1
                 vs += v1
                 auxes += aux1
             if return_kv:
                 k, v = jnp.stack(ks), jnp.stack(vs)
+            own = [jnp.stack([a.pop("experts") for a in auxes])] if return_routing and auxes \
+                else []
         logits = constrain(self._logits(x), ("batch", "length", "vocab"))
         aux = {key: (jnp.mean(jnp.concatenate([jnp.reshape(a[key], -1) for a in auxes]))
                      if auxes else jnp.zeros((), jnp.float32)) for key in AUX_KEYS}
+        if routing is not None:
+            for key in ("agreeing", "recorded"):
+                aux[f"routing_{key}"] = sum(jnp.sum(a[key]) for a in auxes)
+        if own:
+            aux["routing"] = jnp.moveaxis(own[0], 0, 2)  # [B, T, MoE layers, k]
         return logits, aux, (KVCache(k, v) if return_kv else None)
 
     def decode(self, tokens_B, positions_B, cache: KVCache, pages=None,
-               paged_impl: str = "auto"):
-        """One decode step for B slots. Returns (logits_BV f32, updated cache).
+               paged_impl: str = "auto", return_routing: bool = False):
+        """One decode step for B slots. Returns (logits_BV f32, updated cache), and with
+        `return_routing` the experts each MoE layer chose for these tokens
+        [B, MoE layers, k] (None for a dense model).
 
         With `pages` (a `rollout.pages.PageView` of arrays) the cache is a paged pool,
         [layers, kv_heads, pages, page_size, head_dim] (see paged_attention.py)."""
@@ -254,20 +290,31 @@ class Transformer(nnx.Module):
             def body(carry, xs):
                 x, cache = carry
                 j, states = xs
+                experts = []
                 for r, ((graphdef, _), state) in enumerate(zip(split, states)):
-                    x, cache = nnx.merge(graphdef, state).decode(
+                    x, cache, e = nnx.merge(graphdef, state).decode(
                         x, positions_B, cache, j * p + r, pages, paged_impl)
-                return (x, cache), None
+                    experts += [] if e is None else [e]
+                return (x, cache), experts
 
             n = self.cfg.num_layers // p
-            (x, cache), _ = jax.lax.scan(body, (x, cache),
-                                         (jnp.arange(n), tuple(s for _, s in split)))
+            (x, cache), experts = jax.lax.scan(body, (x, cache),
+                                               (jnp.arange(n), tuple(s for _, s in split)))
+            # [n, B, k] per MoE layer of the period -> [MoE layers, B, k]
+            experts = (jnp.stack(experts, axis=1).reshape(-1, *experts[0].shape[1:])
+                       if experts else None)
         else:
+            found = []
             for layer, block in enumerate(self.blocks):
-                x, cache = block.decode(x, positions_B, cache, layer, pages, paged_impl)
+                x, cache, e = block.decode(x, positions_B, cache, layer, pages, paged_impl)
+                found += [] if e is None else [e]
+            experts = jnp.stack(found) if found else None
         axes = CACHE_AXES if pages is None else POOL_AXES
         cache = KVCache(constrain(cache.k, axes), constrain(cache.v, axes))
-        return self._logits(x)[:, 0], cache
+        logits = self._logits(x)[:, 0]
+        if not return_routing:
+            return logits, cache
+        return logits, cache, None if experts is None else jnp.moveaxis(experts, 0, 1)
 
 
 def create(cfg: ModelConfig, seed: int = 0):
@@ -300,9 +347,10 @@ def segment_positions(segment_ids_BT: jax.Array) -> jax.Array:
 
 
 def decode(graphdef, params, tokens_B, positions_B, cache: KVCache, pages=None,
-           paged_impl: str = "auto"):
+           paged_impl: str = "auto", return_routing: bool = False):
     """Functional decode step: `Transformer.decode` on explicit params."""
-    return nnx.merge(graphdef, params).decode(tokens_B, positions_B, cache, pages, paged_impl)
+    return nnx.merge(graphdef, params).decode(tokens_B, positions_B, cache, pages, paged_impl,
+                                              return_routing)
 
 
 def count_params(params) -> int:
