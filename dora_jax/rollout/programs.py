@@ -21,7 +21,14 @@ from dora_jax.model import lora, transformer
 from dora_jax.model.paged_attention import POOL_AXES
 from dora_jax.model.sharding import activation_rules, logical_to_spec
 from dora_jax.rollout import sampling
-from dora_jax.rollout.state import DecodeState, EngineParams, Prefix, ResultTokens
+from dora_jax.rollout.state import (
+    DecodeState,
+    EngineParams,
+    Prefix,
+    ResultTokens,
+    not_routed,
+    routing_dtype,
+)
 
 
 class Programs:
@@ -38,6 +45,11 @@ class Programs:
                                                                    mesh, rules)
         self.sampling_params, self.graphdef, self.treedef = sampling_params, graphdef, treedef
         self.stop_ids, self.pool_pages = np.asarray(sorted(stop_ids), np.int32), pool_pages
+        # MoE: every generate step reports the experts its input token went through.
+        m = model_cfg.moe
+        self.routing = None if not m.enabled else (
+            routing_dtype(m.num_experts), not_routed(m.num_experts),
+            sum(model_cfg.is_moe_layer(i) for i in range(model_cfg.num_layers)), m.top_k)
 
     def _params(self, params: EngineParams):
         return jax.tree.unflatten(self.treedef, list(params.leaves))
@@ -158,9 +170,10 @@ class Programs:
         """One decode step of every slot. Paged cache: `view` maps pages for every
         position the step writes; slots without pages are idle."""
         with self._tracing(params):
-            logits_SV, cache = transformer.decode(
+            logits_SV, cache, *experts = transformer.decode(
                 self.graphdef, self._params(params), state.tokens, state.positions,
-                state.cache, view, self.rollout_cfg.paged_attention)
+                state.cache, view, self.rollout_cfg.paged_attention,
+                return_routing=self.routing is not None)
         tokens_S, logprobs_S = sampling.sample(
             logits_SV, sampling.step_keys(state.keys, state.steps), self.sampling_params)
         active_S = state.active if view is None else state.active & view.owned
@@ -173,6 +186,10 @@ class Programs:
                                 active_S & ~finished_S, state.limits)
         result = ResultTokens.pack(tokens_S, logprobs_S, state.positions + 1, state.steps + 1,
                                    active_S, finished_S)
+        if self.routing is not None:
+            dtype, none = self.routing[:2]
+            result = result.replace(routing=jnp.where(
+                active_S[:, None, None], experts[0].astype(dtype), jnp.asarray(none, dtype)))
         return new_state, result
 
     def steps(self, params: EngineParams, state: DecodeState, max_steps, view):
@@ -185,14 +202,22 @@ class Programs:
             return (i < max_steps) & ~any_finished & jnp.any(state.active)
 
         def body(carry):
-            state, i, data_NS6, _ = carry
+            state, i, out, _ = carry
             state, result = self.step(params, state, view)
-            data_NS6 = jax.lax.dynamic_update_slice_in_dim(data_NS6, result.data[None], i, 0)
-            return state, i + 1, data_NS6, jnp.any(result.finished)
+            out = jax.tree.map(
+                lambda buf, new: jax.lax.dynamic_update_slice_in_dim(buf, new[None], i, 0),
+                out, result)
+            return state, i + 1, out, jnp.any(result.finished)
 
-        init = (state, jnp.int32(0), jnp.zeros((n, S, 6), jnp.int32), jnp.bool_(False))
-        state, _, data_NS6, _ = jax.lax.while_loop(cond, body, init)
-        return state, ResultTokens(data_NS6)
+        routing = None
+        if self.routing is not None:
+            dtype, none, layers, k = self.routing
+            routing = jnp.full((n, S, layers, k), none, dtype)
+        init = (state, jnp.int32(0),
+                ResultTokens(jnp.zeros((n, S, 6), jnp.int32), routing=routing),
+                jnp.bool_(False))
+        state, _, out, _ = jax.lax.while_loop(cond, body, init)
+        return state, out
 
 
 class Jitted(NamedTuple):
@@ -223,6 +248,7 @@ def jit_programs(fn: Programs, mesh: Mesh, rules, param_sh, *, paged: bool) -> J
     state_sh = DecodeState(state_kv_sh, *[rep] * 6)
     prefix_sh = Prefix(prefix_kv_sh, *[rep] * 7)
     out = (prefix_sh, ResultTokens(rep))
+    generated = ResultTokens(rep, routing=None if fn.routing is None else rep)
     # The paged variants take the slot's pages (insert, extract) and the page view
     # (generate) as one more argument; for the dense cache it is None.
     return Jitted(
@@ -234,10 +260,10 @@ def jit_programs(fn: Programs, mesh: Mesh, rules, param_sh, *, paged: bool) -> J
         insert=jax.jit(fn.insert, donate_argnums=(1,), out_shardings=state_sh,
                        in_shardings=(prefix_sh, state_sh, rep, rep, rep)),
         step=jax.jit(fn.step, donate_argnums=(1,), in_shardings=(param_sh, state_sh, rep),
-                     out_shardings=(state_sh, ResultTokens(rep))),
+                     out_shardings=(state_sh, generated)),
         steps=jax.jit(fn.steps, donate_argnums=(1,),
                       in_shardings=(param_sh, state_sh, rep, rep),
-                      out_shardings=(state_sh, ResultTokens(rep))),
+                      out_shardings=(state_sh, generated)),
         init=jax.jit(fn.init, out_shardings=state_sh),
         extract=jax.jit(fn.extract, static_argnums=(3,), out_shardings=prefix_sh,
                         in_shardings=(state_sh, rep, rep)),

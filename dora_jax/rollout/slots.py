@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from dora_jax.rollout import routing
+
 
 class SlotTable:
     """S slots of at most D response tokens each.
@@ -94,8 +96,15 @@ class SlotTable:
         # slot refilled since the call was dispatched was inactive in it.
         valid_NS = host.valid & self.owned
         n_idx, slots = np.nonzero(valid_NS)
-        self.record(slots, host.steps[n_idx, slots], host.tokens[n_idx, slots],
-                    host.logprobs[n_idx, slots])
+        steps = host.steps[n_idx, slots]
+        self.record(slots, steps, host.tokens[n_idx, slots], host.logprobs[n_idx, slots])
+        if host.routing is not None and len(slots):
+            # A row's experts are its input token's: the one before the token it sampled.
+            rows = host.routing[n_idx, slots]
+            for s in np.unique(slots):
+                mine = slots == s
+                seq = self.seqs[s]
+                seq.routing = routing.put(seq.routing, steps[mine] - 1, rows[mine])
         return steps_run, len(slots), np.flatnonzero((host.finished & valid_NS).any(axis=0))
 
     def new_tokens(self, slot: int, known: int) -> tuple:

@@ -61,6 +61,17 @@ class Prefix(NamedTuple):
         return self.token.shape[0]
 
 
+def routing_dtype(num_experts: int):
+    """The smallest unsigned type holding every expert id and, at its maximum,
+    `not_routed`."""
+    return np.uint8 if num_experts < 255 else np.uint16
+
+
+def not_routed(num_experts: int) -> int:
+    """The id that marks a token with no recorded experts (>= num_experts)."""
+    return int(np.iinfo(routing_dtype(num_experts)).max)
+
+
 # Columns of ResultTokens.data: JetStream's three (tokens, valid, lengths) and ours.
 TOKEN, LOGPROB, POSITION, LENGTH, VALID, FINISHED = range(6)
 
@@ -92,13 +103,20 @@ class ResultTokens:
     valid_idx: tuple = struct.field(pytree_node=False, default=(VALID, VALID + 1))
     length_idx: tuple = struct.field(pytree_node=False, default=(LENGTH, LENGTH + 1))
     samples_per_slot: int = struct.field(pytree_node=False, default=1)
+    # MoE models (extension, after JetStream's fields): the experts each MoE layer chose
+    # for the token this row's step took as input, the one before its sampled token
+    # ([B, MoE layers, k], or [n, S, ...] from generate_steps; `routing_dtype`,
+    # `not_routed` where none).
+    routing: jax.Array | np.ndarray | None = None
 
     def copy_to_host_async(self) -> None:
-        if not isinstance(self.data, np.ndarray):
-            self.data.copy_to_host_async()
+        for a in (self.data, self.routing):
+            if a is not None and not isinstance(a, np.ndarray):
+                a.copy_to_host_async()
 
     def convert_to_numpy(self) -> ResultTokens:
-        return self.replace(data=np.asarray(self.data))
+        return self.replace(data=np.asarray(self.data), routing=None if self.routing is None
+                            else np.asarray(self.routing))
 
     def get_result_at_slot(self, slot: int) -> SlotData:
         """The rows of `slot` (its `samples_per_slot` samples), as JetStream gives them."""

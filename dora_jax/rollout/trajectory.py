@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from dora_jax import versions as versions_lib
+from dora_jax.rollout import routing as routing_lib
 from dora_jax.rollout.sampling import key_data_from_seed
 
 
@@ -98,6 +99,8 @@ class Trajectory:
     episode: a multi-turn episode's record (rollout/episodes.py `Episode.summary`):
       its turns as response-token ranges [role, start, end, env seconds], the
       environment's reward and info, why it ended; None for a single-turn sample.
+    routing: an MoE policy's experts per response token (rollout/routing.py), None
+      for a dense one.
     """
 
     group_id: int
@@ -115,6 +118,7 @@ class Trajectory:
     t_finish: float
     reward: float | None = None
     episode: dict | None = None
+    routing: np.ndarray | None = dataclasses.field(default=None, compare=False)
 
     @property
     def request_id(self) -> tuple:
@@ -130,11 +134,14 @@ class Trajectory:
         d["behaviour_logprobs"] = [float(x) for x in self.behaviour_logprobs]
         d["versions"] = [[int(v), int(n)] for v, n in self.versions]
         d["slice_ids"] = [int(s) for s in self.slice_ids]
+        d["routing"] = routing_lib.to_json(self.routing)
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> Trajectory:
-        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+        t = cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+        t.routing = routing_lib.from_json(d.get("routing"))
+        return t
 
 
 @dataclasses.dataclass
@@ -195,6 +202,7 @@ class InFlight:
     episode: Any | None = None  # rollout.episodes.Episode of a multi-turn request
     env_call: tuple | None = None
     slot: int | None = None
+    routing: np.ndarray | None = None  # rollout/routing.py's buffer, grown as recorded
 
     @property
     def length(self) -> int:
@@ -213,7 +221,7 @@ class InFlight:
             behaviour_logprobs=list(self.behaviour_logprobs),
             versions=[list(r) for r in self.versions],
             slice_ids=list(self.slice_ids) + [slice_id], prefix=None, env_call=None,
-            slot=None)
+            slot=None, routing=None if self.routing is None else self.routing.copy())
 
     def to_trajectory(self, finish_reason: str, t_finish: float) -> Trajectory:
         r = self.request
@@ -224,4 +232,5 @@ class InFlight:
             behaviour_logprobs=self.behaviour_logprobs, versions=self.versions,
             slice_ids=self.slice_ids, finish_reason=finish_reason, t_submit=self.t_submit,
             t_start=self.t_start, t_finish=t_finish,
-            episode=None if self.episode is None else self.episode.summary())
+            episode=None if self.episode is None else self.episode.summary(),
+            routing=routing_lib.cut(self.routing, len(self.response_tokens)))

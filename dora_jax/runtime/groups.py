@@ -133,7 +133,7 @@ class GroupBook:
         for gid in group_ids:
             g = self.groups[gid]
             out[str(gid)] = {"version": g.version, "record": g.record,
-                             "samples": [dataclasses.asdict(t) for t in g.samples()],
+                             "samples": [t.to_dict() for t in g.samples()],
                              "rewards": [list(g.rewards[t.sample_index].result())
                                          for t in g.samples()]}
         return out
@@ -143,7 +143,7 @@ class GroupBook:
         for gid, saved in kept.items():
             g = self.groups[gid] = Group(saved["record"], saved["version"])
             for d, (reward, error) in zip(saved["samples"], saved["rewards"]):
-                t = Trajectory(**d)
+                t = Trajectory.from_dict(d)
                 g.trajectories[t.sample_index] = t
                 g.rewards[t.sample_index] = _resolved((reward, error))
 

@@ -66,7 +66,10 @@ def test_property_is_jetstreams(name):
 
 
 def test_result_types_are_jetstreams():
-    assert [f.name for f in dataclasses.fields(ResultTokens)] == RESULT_TOKENS_FIELDS
+    # JetStream's fields in its order (positional construction works), extensions after.
+    names = [f.name for f in dataclasses.fields(ResultTokens)]
+    assert names[:len(RESULT_TOKENS_FIELDS)] == RESULT_TOKENS_FIELDS
+    assert names[len(RESULT_TOKENS_FIELDS):] == ["routing"]
     for name, params in RESULT_TOKENS_METHODS.items():
         sig = inspect.signature(getattr(ResultTokens, name))
         assert list(sig.parameters)[1:] == params

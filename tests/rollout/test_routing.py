@@ -1,0 +1,111 @@
+"""MoE routing recorded by the decode slices (rollout/routing.py): each response token
+carries the experts of the step that took it as input, the experts a full forward
+over the sequence chooses at its position (float32), through lookahead, preemption
+and migration; the record survives a checkpoint's JSON form."""
+
+import json
+
+import _rollout_common as rc
+import numpy as np
+import pytest
+
+from dora_jax.model import transformer
+from dora_jax.rollout import Request, Trajectory
+from dora_jax.rollout import routing as routing_lib
+
+
+def _requests(group_size=2):
+    return [Request(group_id=i, prompt_id=i, sample_index=k, prompt_tokens=q,
+                    seed=1000 * i + k, version=0)
+            for i, q in enumerate(rc.PROMPTS[:4]) for k in range(group_size)]
+
+
+def _full_forward_routing(t: Trajectory) -> np.ndarray:
+    cfg = rc.config("moe").model
+    graphdef = transformer.create(cfg, 0)[0]
+    seq = np.asarray([list(t.prompt_tokens) + list(t.response_tokens)], np.int32)
+    _, aux, _ = transformer.apply(graphdef, rc.params("moe", 0), seq, dropless=True,
+                                  return_routing=True)
+    return np.asarray(aux["routing"][0])
+
+
+def _check(t: Trajectory) -> int:
+    """Asserts every record equals the full forward's experts at the token's position;
+    returns how many tokens before the last have none."""
+    P, R = len(t.prompt_tokens), len(t.response_tokens)
+    assert t.routing is not None and t.routing.shape[0] == R
+    own = _full_forward_routing(t)
+    has = routing_lib.recorded(t.routing)
+    assert not has[-1]  # the last token was never an input
+    idx = np.flatnonzero(has)
+    np.testing.assert_array_equal(np.sort(t.routing[idx].astype(int), -1),
+                                  np.sort(own[P + idx], -1), err_msg=str(t.request_id))
+    # Shifted by one token, the records would be another position's experts.
+    if len(idx) > 1:
+        assert not np.array_equal(np.sort(t.routing[idx].astype(int), -1),
+                                  np.sort(own[P + idx + 1], -1))
+    return int((~has[:-1]).sum())
+
+
+@pytest.mark.parametrize("kv_pages", [0, 8])
+def test_each_token_records_the_experts_its_full_forward_uses(kv_pages):
+    """Groups of 2, more requests than slots, lookahead; with 8 pages requests are
+    preempted and resumed by a re-prefill (whose last token before it has no record)."""
+    sl = rc.make_slice(0, "moe", "sampled", 0, kv_pages=kv_pages)
+    reqs, got = _requests(), {}
+    while reqs or sl.num_requests:
+        while reqs and sl.num_free_slots:
+            sl.submit(reqs.pop(0))
+        got.update({t.request_id: t for t in sl.step()})
+    assert len(got) == 8
+    unrecorded = sum(_check(t) for t in got.values())
+    assert unrecorded <= sl.stats.preempted
+    if kv_pages:
+        assert sl.stats.preempted > 0
+
+
+def test_records_move_with_a_migrated_request():
+    src = rc.make_slice(1, "moe", "sampled", 1, kv_cache="dense")
+    dst = rc.make_slice(2, "moe", "sampled", 2, kv_cache="dense")
+    reqs = _requests(group_size=1)
+    for r in reqs:
+        src.submit(r)
+    for _ in range(2):
+        src.step()
+    moving = src.export_requests([reqs[0].request_id, reqs[1].request_id])
+    assert all(f.routing is not None for f in moving if len(f.response_tokens) > 1)
+    dst.import_requests(moving)
+    got = {t.request_id: t for t in src.drain() + dst.drain()}
+    assert {got[r.request_id].slice_ids[-1] for r in reqs[:2]} == {2}
+    for t in got.values():
+        assert _check(t) == 0
+
+
+def test_a_record_survives_the_checkpoint_form():
+    sl = rc.make_slice(3, "moe", "sampled", 3, kv_cache="dense")
+    sl.submit(_requests(group_size=1)[0])
+    (t,) = sl.drain()
+    back = Trajectory.from_dict(json.loads(json.dumps(t.to_dict())))
+    assert back.routing.dtype == t.routing.dtype
+    np.testing.assert_array_equal(back.routing, t.routing)
+    assert back == t
+
+
+def test_a_dense_model_records_nothing():
+    sl = rc.make_slice(0, "dense", "sampled", 0, kv_cache="dense")
+    sl.submit(_requests(group_size=1)[0])
+    (t,) = sl.drain()
+    assert t.routing is None and t.to_dict()["routing"] is None
+
+
+def test_put_keeps_the_first_record_and_grows_unrecorded():
+    rows = np.array([[[1, 2]], [[3, 4]]], np.uint8)
+    buf = routing_lib.put(None, np.array([0, 3]), rows)
+    assert buf.shape[0] >= 4 and routing_lib.recorded(buf)[:4].tolist() == [
+        True, False, False, True]
+    buf = routing_lib.put(buf, np.array([3, 20]), np.array([[[7, 7]], [[5, 6]]], np.uint8))
+    assert buf[3].tolist() == [[3, 4]] and buf[20].tolist() == [[5, 6]]
+    cut = routing_lib.cut(buf, 40)
+    assert cut.shape[0] == 40 and not routing_lib.recorded(cut)[21:].any()
+    with pytest.raises(ValueError, match="does not match"):
+        routing_lib.from_json({"dtype": "uint8", "shape": [2, 1, 2], "data": "AAA="})
