@@ -209,6 +209,12 @@ def padded_microbatches_fill_the_shards(cfg: Config) -> None:
               f"shards {batch_axes}")
 
 
+def replay_needs_experts(cfg: Config) -> None:
+    if cfg.trainer.moe_routing == "replay" and not cfg.model.moe.enabled:
+        fail("trainer.moe_routing", "'replay' sends tokens to recorded experts: it needs an "
+             "MoE model (model.moe.num_experts > 0), got a dense one")
+
+
 def token_tasks_have_no_tokenizer(cfg: Config) -> None:
     d = cfg.data
     if d.source in ("residue", "countdown") and d.tokenizer:
@@ -244,5 +250,6 @@ RULES = (mesh_axes_divide_their_dims, top_k_within_vocab, special_ids_within_voc
          versions_fit_the_window, multi_version_slices_share_a_base,
          whole_responses_are_scored, eval_is_single_turn, eval_slice_exists,
          fail_slice_exists, batch_splits_evenly, packed_microbatches_fill_the_shards,
-         padded_microbatches_fill_the_shards, token_tasks_have_no_tokenizer,
+         padded_microbatches_fill_the_shards, replay_needs_experts,
+         token_tasks_have_no_tokenizer,
          residue_prompts_fit, residue_modulus_within_vocab, countdown_fits)

@@ -21,6 +21,7 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
 OBJECTIVES = ("behaviour_clip", "decoupled", "tis")  # rl/objective.py
 IS_MODES = ("truncate", "mask")
 KL_KINDS = ("k1", "k2", "k3")
+MOE_ROUTING = ("recompute", "replay")  # rl/trainer.py, rollout/routing.py
 SCHEDULES = ("constant", "cosine")
 KV_CACHES = ("paged", "dense")  # rollout/engine.py
 PAGED_ATTENTION_IMPLS = ("auto", "ragged", "pallas")  # model/paged_attention.py
@@ -128,6 +129,11 @@ class TrainerConfig(Section):
     # pads every row of its batch; micro_batches must be 1. 0: one padded row per
     # sample, micro-batches by row count.
     tokens_per_microbatch: int = field(0, min=0)
+    # MoE: "recompute" routes every token by this policy's router; "replay" sends each
+    # response token to the experts its rollout recorded (gated by this router), in
+    # every forward of the step (policy, pi_prox, reference); tokens without a record
+    # (prompts, observations, a response's last token) recompute. See rl/trainer.py.
+    moe_routing: str = field("recompute", choices=MOE_ROUTING)
 
     def __post_init__(self):
         super().__post_init__()

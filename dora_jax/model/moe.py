@@ -71,6 +71,15 @@ def routing_agreement(own_NK: jax.Array, recorded_NK: jax.Array, num_experts: in
             jnp.sum(counted_N).astype(jnp.float32))
 
 
+def expert_counts(experts_NK: jax.Array, num_experts: int, counted_N=None) -> jax.Array:
+    """Assignments per expert [E] of the counted tokens (ids >= E are not counted)."""
+    ids = experts_NK.astype(jnp.int32)
+    if counted_N is not None:
+        ids = jnp.where(counted_N[:, None], ids, num_experts)
+    return jnp.zeros(num_experts + 1, jnp.float32).at[ids.reshape(-1)].add(
+        1.0, mode="drop")[:num_experts]
+
+
 def _token_weights(n: int, valid_N) -> jax.Array:
     return jnp.ones(n, jnp.float32) if valid_N is None else valid_N.astype(jnp.float32)
 
@@ -203,9 +212,15 @@ class MoE(nnx.Module):
         aux = {"load_balance_loss": load_balance_loss(experts_NK, probs_NE, valid_N),
                "router_z_loss": router_z_loss(logits_NE, valid_N),
                "experts": own_NK.reshape(B, T, -1)}
+        counted_N = valid_N
         if recorded_NK is not None:
             aux["agreeing"], aux["recorded"] = routing_agreement(
                 own_NK, recorded_NK, self.num_experts, valid_N)
+            counted_N = recorded_NK[:, 0] < self.num_experts
+            counted_N = counted_N if valid_N is None else counted_N & valid_N
+        # This router's assignments per expert (over the recorded tokens when there are
+        # records, to compare with the rollout's load on the same tokens).
+        aux["expert_load"] = expert_counts(own_NK, self.num_experts, counted_N)
         if dropless is None:
             dropless = not self.capacity_dispatch
         if dropless:

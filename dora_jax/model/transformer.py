@@ -267,6 +267,9 @@ class Transformer(nnx.Module):
         logits = constrain(self._logits(x), ("batch", "length", "vocab"))
         aux = {key: (jnp.mean(jnp.concatenate([jnp.reshape(a[key], -1) for a in auxes]))
                      if auxes else jnp.zeros((), jnp.float32)) for key in AUX_KEYS}
+        if auxes:  # per MoE layer [layers, E]: how evenly this router loads its experts
+            aux["expert_load"] = jnp.concatenate(
+                [a["expert_load"].reshape(-1, a["expert_load"].shape[-1]) for a in auxes])
         if routing is not None:
             for key in ("agreeing", "recorded"):
                 aux[f"routing_{key}"] = sum(jnp.sum(a[key]) for a in auxes)

@@ -84,6 +84,8 @@ class TrainBatch:
     truncated_B: bool, the response was cut at max_decode_len (no EOS). None: none.
     group_size: samples per group; rows [g*G, (g+1)*G) form group g.
     group_ids: one id per group, in row order (for the ledger; the step ignores it).
+    routing_BTLK: an MoE rollout's experts of the token at column t [B, T, MoE layers,
+      k] (rollout/routing.py; unrecorded on prompts and padding). None: none recorded.
     """
 
     tokens_BT: np.ndarray
@@ -96,6 +98,7 @@ class TrainBatch:
     group_ids: tuple = ()
     token_versions_BT: Any = None
     truncated_B: Any = None
+    routing_BTLK: Any = None
 
     def __post_init__(self):
         if self.token_versions_BT is None:
@@ -133,6 +136,9 @@ class TrainBatch:
             if getattr(self, name).shape != (B, T):
                 raise BatchError(f"{name} must have shape {(B, T)} like tokens_BT, "
                                  f"got {getattr(self, name).shape}")
+        if self.routing_BTLK is not None and self.routing_BTLK.shape[:2] != (B, T):
+            raise BatchError(f"routing_BTLK must start with {(B, T)} like tokens_BT, got "
+                             f"{self.routing_BTLK.shape}")
         for name in ("rewards_B", "versions_B", "seq_lens_B", "truncated_B"):
             if getattr(self, name).shape != (B,):
                 raise BatchError(f"{name} must have shape {(B,)}, got {getattr(self, name).shape}")
@@ -215,7 +221,8 @@ class TrainBatch:
             model = np.asarray(model_token_mask(_get(t, "episode", None), response.size),
                                np.float32)
             rows.append((prompt, response, logp, float(_get(t, "reward")), version, tv,
-                         _get(t, "finish_reason", "eos") == "length", model))
+                         _get(t, "finish_reason", "eos") == "length", model,
+                         _get(t, "routing", None)))
         B = len(rows)
         longest = max(p.size + r.size for p, r, *_ in rows)
         try:
@@ -227,8 +234,15 @@ class TrainBatch:
         logp_BT = np.zeros((B, T), np.float32)
         seq_lens = np.zeros((B,), np.int32)
         token_versions = np.zeros((B, T), np.int32)
-        for i, (prompt, response, logp, _, _, tv, _, model) in enumerate(rows):
+        routing = _routing(rows, T, i_first=next(
+            (i for i, r in enumerate(rows) if r[8] is not None), None))
+        for i, (prompt, response, logp, _, _, tv, _, model, recorded) in enumerate(rows):
             P, R = prompt.size, response.size
+            if recorded is not None:
+                if recorded.shape[0] != R or recorded.shape[1:] != routing.shape[2:]:
+                    raise BatchError(f"trajectory {i}: routing of shape {recorded.shape} for "
+                                     f"{R} response tokens, others {routing.shape[2:]}")
+                routing[i, P:P + R] = recorded
             tokens[i, :P] = prompt
             tokens[i, P:P + R] = response
             mask[i, P:P + R] = model
@@ -240,4 +254,13 @@ class TrainBatch:
                    versions_B=np.array([r[4] for r in rows], np.int32),
                    seq_lens_B=seq_lens, group_size=group_size, group_ids=tuple(groups),
                    token_versions_BT=token_versions,
-                   truncated_B=np.array([r[6] for r in rows], bool))
+                   truncated_B=np.array([r[6] for r in rows], bool), routing_BTLK=routing)
+
+
+def _routing(rows, T: int, i_first: int | None):
+    """An unrecorded [B, T, MoE layers, k] array shaped like the first record, or None
+    if no trajectory has one."""
+    if i_first is None:
+        return None
+    first = np.asarray(rows[i_first][8])
+    return np.full((len(rows), T, *first.shape[1:]), np.iinfo(first.dtype).max, first.dtype)

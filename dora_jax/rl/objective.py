@@ -40,8 +40,12 @@ TOKEN_KEYS = ("clip_frac_low", "clip_frac_high", "dual_clip_frac", "ratio_mean",
               "approx_kl", "entropy", "is_weight_mean", "is_capped_frac")
 MAX_KEYS = ("ratio_max", "is_weight_max")
 MIN_KEYS = ("ratio_min",)
-# Sums over the whole step, whatever the update (each token is in one update).
-SUM_KEYS = ("tokens", "mismatch_abs", "mismatch_tokens")
+# Sums over the whole step, whatever the update (each token is in one update); the
+# mismatch by staleness and the expert loads are arrays (STALENESS_BINS, [layers, E]).
+SUM_KEYS = ("tokens", "mismatch_abs", "mismatch_tokens", "mismatch_abs_by_staleness",
+            "mismatch_tokens_by_staleness", "routing_agreeing", "routing_recorded",
+            "expert_load_train", "expert_load_rollout")
+STALENESS_BINS = 4  # 0, 1, 2, 3 or more
 
 
 def advantages(rewards_B, group_size: int, kind: str):
@@ -114,13 +118,18 @@ def micro_loss(cfg: Config, forward: Callable, params, ref_params, micro, adv_B,
 
     log_ratio = jax.lax.stop_gradient(losses.clamped_log_ratio(logp, behav, valid))
     fresh = valid & (micro["token_versions"] == version)
+    staleness = jnp.minimum(version - micro["token_versions"], STALENESS_BINS - 1)
+    by_staleness = jax.nn.one_hot(jnp.where(valid, staleness, -1), STALENESS_BINS)
     stats = {"tokens": n,
              "ratio_max": ppo["ratio_max"], "ratio_min": jnp.where(jnp.any(valid),
                                                                    ppo["ratio_min"], jnp.inf),
              # k3 estimate of KL(behaviour || pi): samples come from behaviour.
              "approx_kl": jnp.sum(jnp.where(valid, jnp.expm1(log_ratio) - log_ratio, 0.0)),
              "mismatch_abs": jnp.sum(jnp.where(fresh, jnp.abs(start - behav), 0.0)),
-             "mismatch_tokens": jnp.sum(fresh).astype(jnp.float32)}
+             "mismatch_tokens": jnp.sum(fresh).astype(jnp.float32),
+             "mismatch_abs_by_staleness": jnp.einsum("...s,...->s", by_staleness,
+                                                     jnp.abs(start - behav)),
+             "mismatch_tokens_by_staleness": jnp.sum(by_staleness, axis=(0, 1))}
     for k in ("clip_frac_low", "clip_frac_high", "dual_clip_frac", "ratio_mean",
               "is_weight_mean", "is_capped_frac"):
         if k in ppo:
@@ -145,5 +154,14 @@ def micro_loss(cfg: Config, forward: Callable, params, ref_params, micro, adv_B,
         total = total + (moe.aux_loss_coef * aux["load_balance_loss"]
                          + moe.z_loss_coef * aux["router_z_loss"]) / num_micro
         stats.update({k: aux[k] / num_micro for k in transformer.AUX_KEYS})
+        stats["expert_load_train"] = aux["expert_load"]
+        if "routing" in micro:  # what the rollout recorded: agreement and its load
+            stats["routing_agreeing"] = aux["routing_agreeing"]
+            stats["routing_recorded"] = aux["routing_recorded"]
+            ids = micro["routing"].astype(jnp.int32)  # [b, T, layers, k]; >= E: none
+            layers, E = aux["expert_load"].shape
+            layer = jnp.broadcast_to(jnp.arange(layers)[:, None], ids.shape)
+            stats["expert_load_rollout"] = jnp.zeros((layers, E + 1), jnp.float32).at[
+                layer, jnp.minimum(ids, E)].add(1.0)[:, :E]
     stats["loss"] = total
     return total, stats

@@ -7,7 +7,9 @@ batch's length bucket. The jitted step (trainer.py) consumes a layout of it:
     tokens, positions (0 at each sample's first token), segment_ids (1, 2, ... for
     the samples of a row in order, 0 on padding), sample (the sample's index in the
     batch, -1 on padding), loss_mask, behaviour_logp, token_versions;
-  per sample, [B]: rewards, versions, truncated.
+  per sample, [B]: rewards, versions, truncated;
+  with an MoE policy, `routing` [M, U, r, T, MoE layers, k]: the experts the rollout
+    recorded for each token (rollout/routing.py; none on prompts and padding).
 
 `padded`: row i is sample i, T the batch's bucket, micro-batches cut by row count
 (`trainer.micro_batches`): one long response makes every row as long as it.
@@ -46,7 +48,23 @@ def _sample_arrays(batch: TrainBatch) -> dict:
                 truncated=np.asarray(batch.truncated_B, bool))
 
 
-def padded(batch: TrainBatch, num_minibatches: int, micro_batches: int) -> dict:
+def _routing(batch: TrainBatch, routing) -> np.ndarray | None:
+    """The batch's recorded routing, or an unrecorded one of `routing`'s (MoE layers,
+    k, dtype); None for a dense policy."""
+    if routing is None:
+        return None
+    layers, k, dtype = routing
+    B, T = batch.tokens_BT.shape
+    if batch.routing_BTLK is None:
+        return np.full((B, T, layers, k), np.iinfo(dtype).max, dtype)
+    if batch.routing_BTLK.shape[2:] != (layers, k):
+        raise BatchError(f"routing_BTLK holds {batch.routing_BTLK.shape[2:]} (MoE layers, k) "
+                         f"per token, the policy has {(layers, k)}")
+    return batch.routing_BTLK.astype(dtype, copy=False)
+
+
+def padded(batch: TrainBatch, num_minibatches: int, micro_batches: int,
+           routing=None) -> dict:
     """One sample per row: rows [(m U + u) b, (m U + u + 1) b) form micro-batch (m, u)."""
     M, U = num_minibatches, micro_batches
     B, T = batch.tokens_BT.shape
@@ -61,8 +79,11 @@ def padded(batch: TrainBatch, num_minibatches: int, micro_batches: int) -> dict:
                 loss_mask=np.asarray(batch.loss_mask_BT, np.float32),
                 behaviour_logp=np.asarray(batch.behaviour_logp_BT, np.float32),
                 token_versions=np.asarray(batch.token_versions_BT, np.int32))
+    recorded = _routing(batch, routing)
+    if recorded is not None:
+        rows["routing"] = recorded
     b = B // (M * U)
-    out = {k: v.reshape((M, U, b, T)) for k, v in rows.items()}
+    out = {k: v.reshape((M, U, b, T) + v.shape[2:]) for k, v in rows.items()}
     out.update(_sample_arrays(batch))
     return out
 
@@ -95,7 +116,7 @@ def first_fit_rows(lengths, row_length: int) -> list[list[int]]:
 
 
 def packed(batch: TrainBatch, num_minibatches: int, row_length: int,
-           rows_per_micro: int) -> dict:
+           rows_per_micro: int, routing=None) -> dict:
     """Samples packed whole into rows of `row_length`, `rows_per_micro` rows per
     micro-batch, U = `micro_batches_needed` micro-batches per minibatch."""
     M, T, r = num_minibatches, row_length, rows_per_micro
@@ -111,6 +132,9 @@ def packed(batch: TrainBatch, num_minibatches: int, row_length: int,
     loss_mask = np.zeros(shape, np.float32)
     behaviour = np.zeros(shape, np.float32)
     token_versions = np.zeros(shape, np.int32)
+    recorded = _routing(batch, routing)
+    routed = None if recorded is None else np.full(
+        shape + recorded.shape[2:], np.iinfo(recorded.dtype).max, recorded.dtype)
     lens = np.asarray(batch.seq_lens_B)
     per = B // M
     for m in range(M):
@@ -127,18 +151,24 @@ def packed(batch: TrainBatch, num_minibatches: int, row_length: int,
                 loss_mask[at] = batch.loss_mask_BT[i, :n]
                 behaviour[at] = batch.behaviour_logp_BT[i, :n]
                 token_versions[at] = batch.token_versions_BT[i, :n]
+                if routed is not None:
+                    routed[at] = recorded[i, :n]
                 start += n
     rows = dict(tokens=tokens, positions=positions, segment_ids=segment_ids, sample=sample,
                 loss_mask=loss_mask, behaviour_logp=behaviour, token_versions=token_versions)
-    out = {k: v.reshape(M, U, r, T) for k, v in rows.items()}
+    if routed is not None:
+        rows["routing"] = routed
+    out = {k: v.reshape((M, U, r, T) + v.shape[3:]) for k, v in rows.items()}
     out.update(_sample_arrays(batch))
     return out
 
 
 def for_trainer(batch: TrainBatch, t: TrainerConfig, num_minibatches: int,
-                trainer_version: int, batch_axes: tuple, n_shards: int) -> dict:
+                trainer_version: int, batch_axes: tuple, n_shards: int,
+                routing=None) -> dict:
     """Validates `batch` against the trainer's config and version, then lays it out:
-    packed with `t.tokens_per_microbatch`, else padded rows [M, U, b, T]."""
+    packed with `t.tokens_per_microbatch`, else padded rows [M, U, b, T]; `routing`
+    (MoE layers, k, dtype) for an MoE policy."""
     if not isinstance(batch, TrainBatch):
         raise BatchError(f"expected a TrainBatch, got {type(batch).__name__}")
     M = num_minibatches
@@ -156,9 +186,9 @@ def for_trainer(batch: TrainBatch, t: TrainerConfig, num_minibatches: int,
         # (a multiple of the batch shards): one shape per bucket, and a batch of
         # short samples is not spread over rows as long as the longest bucket.
         rows = max(n_shards, t.tokens_per_microbatch // batch.length // n_shards * n_shards)
-        return packed(batch, M, batch.length, rows)
+        return packed(batch, M, batch.length, rows, routing)
     U = t.micro_batches
-    arrays = padded(batch, M, U)  # checks B % (M * U)
+    arrays = padded(batch, M, U, routing)  # checks B % (M * U)
     B, b = batch.batch_size, batch.batch_size // (M * U)
     if b % n_shards:
         raise BatchError(f"micro-batch of {b} rows (B={B} / ({M} * {U})) must be divisible "

@@ -4,10 +4,18 @@ averaged over updates), with the batch's staleness, lengths and rewards."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from dora_jax.rl import losses
-from dora_jax.rl.objective import MAX_KEYS, MIN_KEYS, SUM_KEYS, TOKEN_KEYS
+from dora_jax.rl.objective import MAX_KEYS, MIN_KEYS, STALENESS_BINS, SUM_KEYS, TOKEN_KEYS
+
+
+def load_imbalance(counts_LE) -> jax.Array:
+    """Mean over MoE layers of max / mean assignments per expert (1: even; 0: none)."""
+    mean_L = jnp.mean(counts_LE, axis=-1)
+    return jnp.mean(jnp.where(mean_L > 0, jnp.max(counts_LE, axis=-1)
+                              / jnp.maximum(mean_L, 1e-9), 0.0))
 
 
 def combine(stats: dict, over_updates: bool):
@@ -41,6 +49,20 @@ def report(stats_M: dict, micro_all: dict, batch: dict, adv_B, version, M: int, 
     fresh = metrics.pop("mismatch_tokens")
     metrics["logprob_mismatch"] = metrics.pop("mismatch_abs") / jnp.maximum(fresh, 1.0)
     metrics["logprob_mismatch_tokens"] = fresh
+    # By staleness: 1, 2, 3 or more versions between the token's sampler and pi_prox.
+    abs_S = metrics.pop("mismatch_abs_by_staleness")
+    tokens_S = metrics.pop("mismatch_tokens_by_staleness")
+    for s in range(1, STALENESS_BINS):
+        name = f"logprob_mismatch_staleness_{s}" + ("_plus" if s == STALENESS_BINS - 1 else "")
+        metrics[name] = abs_S[s] / jnp.maximum(tokens_S[s], 1.0)
+    if "routing_recorded" in metrics:  # MoE with a rollout's routing recorded
+        recorded = metrics.pop("routing_recorded")
+        metrics["routing_agreement"] = metrics.pop("routing_agreeing") / jnp.maximum(recorded, 1)
+        metrics["routing_recorded_tokens"] = recorded
+        metrics["expert_load_imbalance_rollout"] = load_imbalance(
+            metrics.pop("expert_load_rollout"))
+    if "expert_load_train" in metrics:
+        metrics["expert_load_imbalance_train"] = load_imbalance(metrics.pop("expert_load_train"))
     mask = micro_all["loss_mask"] != 0
     staleness = (version - micro_all["token_versions"]).astype(jnp.float32)
     metrics.update(

@@ -38,6 +38,7 @@ from dora_jax.rl.optimizer import (
     opt_state_shardings,
 )
 from dora_jax.rl.packing import SAMPLE_ARRAYS, TOKEN_ARRAYS
+from dora_jax.rollout.routing import routing_dtype
 
 
 class TrainState(NamedTuple):
@@ -103,6 +104,13 @@ class Trainer:
         self._batch_axes = logical_to_spec(("batch",), self.rules, self.mesh)[0]
         self._batch_sh = NamedSharding(self.mesh, PartitionSpec(None, None, self._batch_axes))
         self._packed = t.tokens_per_microbatch > 0
+        # MoE: the rollout's recorded experts ride with the batch (agreement, loads),
+        # and with moe_routing="replay" every forward of the step routes by them.
+        m = cfg.model.moe
+        self._routing = None if not m.enabled else (
+            sum(cfg.model.is_moe_layer(i) for i in range(cfg.model.num_layers)), m.top_k,
+            routing_dtype(m.num_experts))
+        self._replay = t.moe_routing == "replay"
 
         params = jax.device_put(params, self._param_sh)
         # With LoRA and no reference given, the step zeroes the adapters of its params.
@@ -119,7 +127,8 @@ class Trainer:
         self._opt_updates = 0
 
         ref_sh = None if self._ref is None else self._param_sh
-        bsh = {k: self._batch_sh for k in TOKEN_ARRAYS} | {k: scalar for k in SAMPLE_ARRAYS}
+        bsh = {k: self._batch_sh for k in self._token_arrays} | {
+            k: scalar for k in SAMPLE_ARRAYS}
         self._step_jit = jax.jit(self._step, static_argnums=3,
                                  in_shardings=(self._state_sh, bsh, ref_sh),
                                  out_shardings=(self._state_sh, scalar), donate_argnums=0)
@@ -230,7 +239,12 @@ class Trainer:
         axes = self._batch_axes
         axes = (axes,) if isinstance(axes, str) else (axes or ())
         n_shards = int(np.prod([self.mesh.shape[a] for a in axes]))
-        return packing.for_trainer(batch, self.cfg.trainer, M, self._version, axes, n_shards)
+        return packing.for_trainer(batch, self.cfg.trainer, M, self._version, axes, n_shards,
+                                   self._routing)
+
+    @property
+    def _token_arrays(self) -> tuple:
+        return TOKEN_ARRAYS + (("routing",) if self._routing is not None else ())
 
     # ---------------------------------------------------------------- objective
     def _trainable(self, params):
@@ -250,7 +264,9 @@ class Trainer:
         packed = dict(positions_BT=micro["positions"],
                       segment_ids_BT=micro["segment_ids"]) if self._packed else {}
         logits, aux, _ = transformer.apply(self.graphdef, params, micro["tokens"],
-                                           valid_BT=micro["segment_ids"] > 0, **packed)
+                                           valid_BT=micro["segment_ids"] > 0,
+                                           routing_BTLK=micro.get("routing"),
+                                           replay=self._replay, **packed)
         return logits, aux
 
     def _logp(self, params, micro):
@@ -315,7 +331,7 @@ class Trainer:
         M, U, b, T = batch["tokens"].shape
         B = batch["rewards"].shape[0]
         adv_B = objective.advantages(batch["rewards"], group_size, self.cfg.trainer.advantage)
-        micro = {k: batch[k] for k in TOKEN_ARRAYS}
+        micro = {k: batch[k] for k in self._token_arrays}
         sample = micro["sample"]
         # DAPO's overlong filtering: no loss on cut responses, which still count in
         # their group's advantages (computed above from every reward).

@@ -21,14 +21,8 @@ from dora_jax.model import lora, transformer
 from dora_jax.model.paged_attention import POOL_AXES
 from dora_jax.model.sharding import activation_rules, logical_to_spec
 from dora_jax.rollout import sampling
-from dora_jax.rollout.state import (
-    DecodeState,
-    EngineParams,
-    Prefix,
-    ResultTokens,
-    not_routed,
-    routing_dtype,
-)
+from dora_jax.rollout.routing import not_routed, routing_dtype
+from dora_jax.rollout.state import DecodeState, EngineParams, Prefix, ResultTokens
 
 
 class Programs:

@@ -1,6 +1,6 @@
 """The experts a rollout's MoE layers chose, per response token: [tokens, MoE layers, k]
-in the smallest unsigned type that holds the ids (rollout/state.py `routing_dtype`),
-its maximum marking a token with none recorded.
+in the smallest unsigned type that holds the ids (`routing_dtype`), its maximum
+marking a token with none recorded (`not_routed`).
 
 A token's experts are those of the decode step that took it as input: the step that
 sampled the token after it. So the last token of a response (its last turn's, in an
@@ -15,6 +15,17 @@ from __future__ import annotations
 import base64
 
 import numpy as np
+
+
+def routing_dtype(num_experts: int):
+    """The smallest unsigned type holding every expert id and, at its maximum,
+    `not_routed`."""
+    return np.uint8 if num_experts < 255 else np.uint16
+
+
+def not_routed(num_experts: int) -> int:
+    """The id that marks a token with no recorded experts (>= num_experts)."""
+    return int(np.iinfo(routing_dtype(num_experts)).max)
 
 
 def put(buf: np.ndarray | None, indices: np.ndarray, rows: np.ndarray) -> np.ndarray:

@@ -61,17 +61,6 @@ class Prefix(NamedTuple):
         return self.token.shape[0]
 
 
-def routing_dtype(num_experts: int):
-    """The smallest unsigned type holding every expert id and, at its maximum,
-    `not_routed`."""
-    return np.uint8 if num_experts < 255 else np.uint16
-
-
-def not_routed(num_experts: int) -> int:
-    """The id that marks a token with no recorded experts (>= num_experts)."""
-    return int(np.iinfo(routing_dtype(num_experts)).max)
-
-
 # Columns of ResultTokens.data: JetStream's three (tokens, valid, lengths) and ours.
 TOKEN, LOGPROB, POSITION, LENGTH, VALID, FINISHED = range(6)
 

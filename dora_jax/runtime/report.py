@@ -323,6 +323,7 @@ class StepReporter:
                                                  for x in every)
         if timeline is not None:
             out["load_overlap_fraction"] = load_overlap_fraction(timeline.spans)
+        out.update(_train_rollout_agreement([x["trainer"] for x in every]))
         if self.evals:  # held-out pass@1 and pass@k before and after (by version)
             keys = ("version", "pass_at_1", "pass_at_k")
             first, last = (min(self.evals, key=lambda e: e["step"]),
@@ -348,6 +349,16 @@ class StepReporter:
     def close(self):
         """Writes every queued record, then closes the files."""
         self._writer.close()
+
+
+def _train_rollout_agreement(trainer_records: list) -> dict:
+    """Means over steps of how the trainer's forward agrees with the rollout's: the
+    log-prob mismatch at staleness 0 and, for an MoE policy, the routing agreement
+    and both sides' expert load imbalance (rl/step_metrics.py)."""
+    keys = ("logprob_mismatch", "routing_agreement", "expert_load_imbalance_rollout",
+            "expert_load_imbalance_train")
+    return {f"{k}_mean": round(float(np.mean([m[k] for m in trainer_records])), 6)
+            for k in keys if trainer_records and all(k in m for m in trainer_records)}
 
 
 def episode_record(trajectories) -> dict | None:
