@@ -27,6 +27,12 @@ state excluded, which both layouts hold alike).
   python -m dora_jax.bench.trainer --config=configs/longtail.py --lengths=long_tail
   python -m dora_jax.bench.trainer --config=configs/longtail.py --lengths=long_tail \
       --config.model.d_model=256 --config.model.num_heads=4 --config.model.head_dim=64
+
+`--moe_routing` (an MoE config) trains the same batches, each response token with
+recorded experts, with `trainer.moe_routing=replay` and `=recompute`, interleaved,
+and ends with `replay/recompute step time: X` and the routing's bytes per token.
+
+  python -m dora_jax.bench.trainer --config=configs/moe.py:tiny --moe_routing
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ from dora_jax.rl.batch import TrainBatch
 from dora_jax.rl.objective import advantages
 from dora_jax.rl.optimizer import make_optimizer
 from dora_jax.rl.trainer import Trainer
+from dora_jax.rollout.routing import routing_dtype
 
 _CONFIG = config_flags.DEFINE_config_file("config", str(CONFIGS / "tiny.py"), "config file")
 _MESH = flags.DEFINE_enum("mesh", "both", ["config", "single", "both"],
@@ -67,12 +74,15 @@ _LENGTHS = flags.DEFINE_enum("lengths", "synthetic", ["synthetic", "long_tail"],
                              "synthetic: trainer vs plain optax on one batch; long_tail: "
                              "packed vs padded on long-tailed batches")
 _JSON_OUT = flags.DEFINE_string("json_out", "", "also write the figures to this JSON file")
+_MOE_ROUTING = flags.DEFINE_bool("moe_routing", False, "MoE: trainer.moe_routing replay vs "
+                                 "recompute on the same batches with recorded routing")
 
 
 def _batch(cfg: config_lib.Config, num_groups: int, group_size: int, rng, prompt_len: int,
-           response_len) -> TrainBatch:
+           response_len, routing=None) -> TrainBatch:
     """Random tokens; each group shares a `prompt_len`-token prompt; `response_len(P)`
-    draws a response length after a prompt of P tokens."""
+    draws a response length after a prompt of P tokens; `routing` (MoE layers, k,
+    experts): random recorded experts per response token."""
     V = cfg.model.vocab_size
     trajs = []
     for g in range(num_groups):
@@ -83,6 +93,10 @@ def _batch(cfg: config_lib.Config, num_groups: int, group_size: int, rng, prompt
             trajs.append(dict(prompt_tokens=prompt, response_tokens=rng.integers(2, V, n),
                               behaviour_logprobs=logp, reward=float(rng.random()),
                               group_id=g, version=0))
+            if routing is not None:
+                layers, k, experts = routing
+                ids = rng.random((n, layers, experts)).argsort(-1)[..., :k]
+                trajs[-1]["routing"] = ids.astype(routing_dtype(experts))
     return TrainBatch.from_trajectories(trajs, group_size=group_size,
                                         length_buckets=cfg.trainer.length_buckets)
 
@@ -164,6 +178,50 @@ def packed_vs_padded(cfg: config_lib.Config, rounds: int, steps: int) -> None:
     print(f"packed/padded peak memory: {memory['packed'] / memory['padded']:.2f}")
 
 
+def replay_vs_recompute(cfg: config_lib.Config, rounds: int, steps: int) -> None:
+    """The --moe_routing comparison: the same batches with recorded routing trained
+    with replay and with recompute, interleaved rounds, on the config's trainer mesh."""
+    m = cfg.model.moe
+    if not m.enabled:
+        raise SystemExit("error: --moe_routing needs an MoE config (model.moe.num_experts > 0)")
+    layers = sum(cfg.model.is_moe_layer(i) for i in range(cfg.model.num_layers))
+    rng, T = np.random.default_rng(0), cfg.trainer.length_buckets[-1]
+    batches = [_batch(cfg, _GROUPS.value, _GROUP_SIZE.value, rng, max(1, T // 4),
+                      lambda P: int(rng.integers(T // 2, T - P + 1)),
+                      routing=(layers, m.top_k, m.num_experts)) for _ in range(steps)]
+    tokens = sum(int(b.seq_lens_B.sum()) for b in batches)
+    per_token = layers * m.top_k * np.dtype(routing_dtype(m.num_experts)).itemsize
+    print(f"backend={jax.default_backend()} devices={len(jax.devices())} "
+          f"d_model={cfg.model.d_model} layers={cfg.model.num_layers} ({layers} MoE, "
+          f"top-{m.top_k} of {m.num_experts}): {steps} batches of B={batches[0].batch_size}; "
+          f"routing {per_token} bytes per token ({layers} layers x {m.top_k} ids)")
+    graphdef, params0 = transformer.create(cfg.model, cfg.seed)
+    host_params = jax.device_get(params0)
+    trainers = {name: Trainer(dataclasses.replace(cfg, trainer=dataclasses.replace(
+                    cfg.trainer, moe_routing=name)), params=jax.device_put(host_params),
+                    graphdef=graphdef) for name in ("recompute", "replay")}
+
+    def run(tr):
+        for b in batches:
+            out = tr.train_step(b)
+        jax.block_until_ready((out, tr.params))
+
+    for tr in trainers.values():  # compile, then warm
+        run(tr)
+    times = {name: [] for name in trainers}
+    for _ in range(rounds):
+        for name, tr in trainers.items():
+            t0 = time.perf_counter()
+            run(tr)
+            times[name].append((time.perf_counter() - t0) / steps)
+    for name, ts in times.items():
+        print(f"{name:>10s}: {statistics.median(ts) * 1e3:8.1f} ms/step, "
+              f"{tokens / steps / statistics.median(ts):10,.0f} tokens/s (median of {rounds} "
+              f"rounds x {steps} steps; rounds {', '.join(f'{x * 1e3:.1f}' for x in ts)} ms)")
+    print(f"replay/recompute step time: "
+          f"{statistics.median(times['replay']) / statistics.median(times['recompute']):.3f}")
+
+
 def plain_optax_step(cfg: config_lib.Config, graphdef, group_size: int):
     """The reference loop's step: jit + optax, nothing else."""
     t = cfg.trainer
@@ -193,6 +251,8 @@ def main(argv):
     cfg = hf_checks.validated(_CONFIG.value)
     if _LENGTHS.value == "long_tail":
         return packed_vs_padded(cfg, rounds, steps)
+    if _MOE_ROUTING.value:
+        return replay_vs_recompute(cfg, rounds, steps)
     # One optimizer update per step on both sides; no optional terms the plain loop lacks.
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(
         cfg.trainer, micro_batches=1, num_minibatches=1, kl_coef=0.0,

@@ -199,3 +199,21 @@ def test_trainer_bench_on_one_device_runs_the_one_device_mesh(tmp_path):
     rates = json.load(open(tmp_path / "trainer.json"))["tokens_per_s"]
     assert rates["trainer[single mesh 1x1x1x1]"] > 0
     assert not [name for name in rates if "config mesh" in name]
+
+
+def test_trainer_bench_compares_routing_replay_with_recompute():
+    import re
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    cmd = [sys.executable, "-m", "dora_jax.bench.trainer", "--config=configs/moe.py:tiny",
+           "--moe_routing", "--groups=2", "--group_size=4", "--steps=1", "--rounds=1"]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "routing 4 bytes per token (2 layers x 2 ids)" in out.stdout
+    assert float(re.search(r"replay/recompute step time: ([\d.]+)", out.stdout)[1]) > 0
+    dense = subprocess.run(cmd[:3] + ["--config=configs/tiny.py", "--moe_routing"], cwd=REPO,
+                           capture_output=True, text=True, timeout=600)
+    assert dense.returncode != 0 and "--moe_routing needs an MoE config" in dense.stderr
