@@ -188,3 +188,28 @@ def test_route_replays_recorded_tokens_and_recomputes_the_rest():
     np.testing.assert_allclose(weights, [[0.4, 0.6], [4 / 7, 3 / 7]], rtol=1e-6)
     same, counted = moe.routing_agreement(jnp.asarray([[1, 3], [0, 2]]), recorded, 4)
     assert (float(same), float(counted)) == (0.0, 1.0)
+
+
+def test_a_hugging_face_qwen3_moe_checkpoint_records_and_replays_its_routing():
+    """Qwen3-MoE (a tiny random checkpoint transformers wrote) runs the same MoE
+    layers: its decode steps report the experts the full forward chooses, and
+    replaying them changes nothing (float32)."""
+    import pathlib
+
+    from dora_jax.model import hf
+
+    fixture = pathlib.Path(__file__).parents[1] / "fixtures" / "hf" / "qwen3_moe"
+    cfg, params = hf.load_pretrained(str(fixture))
+    graphdef, _ = tf.abstract_params(cfg)
+    tokens = jnp.asarray(np.load(fixture / "tokens.npy"))[:, :6]
+    logits, aux, _ = tf.apply(graphdef, params, tokens, dropless=True, return_routing=True)
+    cache = tf.init_cache(cfg, tokens.shape[0], 8)
+    for t in range(tokens.shape[1]):
+        _, cache, experts = tf.decode(graphdef, params, tokens[:, t],
+                                      jnp.full((tokens.shape[0],), t), cache,
+                                      return_routing=True)
+        np.testing.assert_array_equal(np.sort(experts, -1), np.sort(aux["routing"][:, t], -1))
+    again, aux2, _ = tf.apply(graphdef, params, tokens, dropless=True,
+                              routing_BTLK=aux["routing"].astype(jnp.uint8), replay=True)
+    np.testing.assert_allclose(again, logits, rtol=1e-6, atol=1e-6)
+    assert float(aux2["routing_agreeing"]) == float(aux2["routing_recorded"]) > 0
