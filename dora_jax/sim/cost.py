@@ -15,8 +15,9 @@
 - a weight load moves `weight_bytes` over `transfer_bandwidth` shared by the loads
   in progress (contention), after `transfer_latency` (with LoRA a publish moves the
   adapters only);
-- a migration moves the request's KV (`kv_bytes_per_token` per position) over
-  `migrate_bandwidth`, after `migrate_latency`;
+- a migration moves the request's KV (`kv_bytes_per_token` per position) and, for an
+  MoE policy, its recorded routing (`routing_bytes_per_token`, rollout/routing.py)
+  over `migrate_bandwidth`, after `migrate_latency`;
 - a slice holds at most `kv_tokens` positions (long contexts limit its samples);
 - a train step takes `train_fixed + train_per_token` per trained token (prompt +
   response); colocated sync adds `reshard` per step (trainer <-> decode layouts);
@@ -63,6 +64,7 @@ class CostModel:
     call_overhead: float = 0.0
     call_steps: int = 16
     per_version_read: float = 0.0  # seconds per step per extra distinct version
+    routing_bytes_per_token: float = 0.0  # an MoE rollout's recorded experts
 
     def calls_seconds(self, k: int, full: bool) -> float:
         """Per-call overhead of k decode steps: one call per step unless full."""
@@ -94,7 +96,8 @@ class CostModel:
         return self.transfer_latency + self.weight_bytes * concurrent / self.transfer_bandwidth
 
     def migrate_seconds(self, tokens: int) -> float:
-        return self.migrate_latency + tokens * self.kv_bytes_per_token / self.migrate_bandwidth
+        return self.migrate_latency + tokens * (
+            self.kv_bytes_per_token + self.routing_bytes_per_token) / self.migrate_bandwidth
 
     def train_seconds(self, tokens: float) -> float:
         return self.train_fixed + self.train_per_token * tokens
@@ -111,7 +114,8 @@ class CostModel:
                       slice_link_bytes_per_s: float, efficiency: Efficiency,
                       active_params: float | None = None, param_bytes: int = 2,
                       kv_memory_fraction: float = 0.8, adapter_params: float = 0.0,
-                      adapter_param_bytes: int = 4, versions: int = 1) -> CostModel:
+                      adapter_param_bytes: int = 4, versions: int = 1,
+                      routing_bytes_per_token: float = 0.0) -> CostModel:
         """Roofline costs from public figures, scaled by achieved fractions
         (`Efficiency`).
 
@@ -122,7 +126,9 @@ class CostModel:
         sequence); flops / hbm_bytes_per_s / hbm_bytes: one accelerator's peak dense
         bf16 FLOP/s, HBM bandwidth and capacity; slice_link_bytes_per_s: one
         accelerator's link inside a slice (NVLink, ICI); link_bytes_per_s: what one
-        transfer of weights or KV gets between slices and trainer.
+        transfer of weights or KV gets between slices and trainer;
+        routing_bytes_per_token: an MoE policy's recorded experts (MoE layers x top_k
+        x 1 byte), moved with a migrating request.
 
         A decode step reads the weights once, pays the per-step host overhead and
         the collectives' latency (`step_fixed`); each sequence adds its matmuls and
@@ -171,6 +177,7 @@ class CostModel:
             transfer_latency=1.0, kv_bytes_per_token=kv_bytes_per_token,
             migrate_bandwidth=link_bytes_per_s, migrate_latency=0.05,
             kv_tokens=int(kv_room // kv_bytes_per_token),
+            routing_bytes_per_token=routing_bytes_per_token,
             train_fixed=eff.train_fixed,
             train_per_token=2 * active * (eff.train_passes - (1 if adapter_params else 0))
             / (trainer_devices * flops * eff.mfu_train))

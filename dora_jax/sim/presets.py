@@ -60,7 +60,9 @@ QWEN25_32B_SHAPE = dict(layers=64, d_model=5120, q_dim=40 * 128, kv_dim=8 * 128,
 LORA_RANK = 32
 QWEN25_32B_LORA = lora_adapter_params(**QWEN25_32B_SHAPE, rank=LORA_RANK)
 QWEN3_30B_A3B = dict(params=30.5e9, active_params=3.3e9, kv_bytes_per_token=48 * 2 * 4 * 128 * 2,
-                     layers=48, hidden=2048)
+                     layers=48, hidden=2048,
+                     # its recorded routing: 48 MoE layers x top-8 ids of one byte
+                     routing_bytes_per_token=48 * 8)
 
 # Fitted by `python -m dora_jax.sim.fit --steps=20` on the paper's colocated sync (64
 # and 128 GPUs) and one-step-off (64): 25.28 / 18.25 / 23.93 min against 22.91 /
@@ -217,11 +219,12 @@ PRESETS = {
 
 DEVICE_PRESETS_DIR = pathlib.Path(__file__).parent / "device_presets"
 _MODEL_REQUIRED = ("params", "kv_bytes_per_token", "layers", "hidden")
-_MODEL_OPTIONAL = ("active_params", "param_bytes")
+_MODEL_OPTIONAL = ("active_params", "param_bytes", "routing_bytes_per_token")
 _INTS = ("total_devices", "trainer_devices", "slice_devices", "slots_per_slice", "group_size",
          "train_batch_size", "rollout_batch_size", "max_staleness", "versions_per_slice",
          "adapter_param_bytes")
 _MAY_BE_ZERO = ("step_overhead", "collective_latency", "train_fixed", "max_staleness",
+                "routing_bytes_per_token",
                 "adapter_params")
 
 

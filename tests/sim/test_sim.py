@@ -353,3 +353,14 @@ def test_command_line_compares_modes_on_the_multiturn_preset():
     assert [r[0] for r in rows] == ["sync", "partial_rollout", "dora"]
     assert all(r[-2] == "ok" for r in rows)
     assert lines[-3].startswith("dora/sync step-time speedup: ")
+
+
+def test_an_moe_requests_routing_moves_with_it():
+    """A migration moves the KV and, for an MoE policy, the recorded routing: 384 bytes
+    a token at Qwen3-30B-A3B's 48 layers x top-8 (configs/moe.py), beside 98,304 of KV."""
+    cost = PRESETS["v5p"].cost()
+    assert cost.routing_bytes_per_token == 48 * 8
+    no_routing = dataclasses.replace(cost, routing_bytes_per_token=0.0)
+    extra = cost.migrate_seconds(1000) - no_routing.migrate_seconds(1000)
+    assert extra == pytest.approx(1000 * 384 / cost.migrate_bandwidth)
+    assert PRESETS["paper64"].cost().routing_bytes_per_token == 0.0  # dense
