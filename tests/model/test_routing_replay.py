@@ -98,8 +98,9 @@ def test_replayed_forward_and_gradients_equal_the_reference(attention):
         logits, lb = _reference(graphdef, p, tokens, ids)
         return _objective(logits, lb, tokens, mask), logits
 
-    (loss, (logits, aux)), grads = jax.value_and_grad(replayed, has_aux=True)(params)
-    (ref_loss, ref_logits), ref_grads = jax.value_and_grad(reference, has_aux=True)(params)
+    (loss, (logits, aux)), grads = jax.jit(jax.value_and_grad(replayed, has_aux=True))(params)
+    (ref_loss, ref_logits), ref_grads = jax.jit(
+        jax.value_and_grad(reference, has_aux=True))(params)
     np.testing.assert_allclose(logits, ref_logits, rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
@@ -140,9 +141,9 @@ def test_packed_rows_replay_each_sequence_as_if_alone():
     logits, aux, _ = tf.apply(graphdef, params, jnp.asarray(tokens), dropless=True,
                               segment_ids_BT=jnp.asarray(segments),
                               routing_BTLK=jnp.asarray(ids), replay=True)
+    reference = jax.jit(lambda tok, rec: _reference(graphdef, params, tok, rec)[0])
     for b, t, n in seqs:
-        ref, _ = _reference(graphdef, params, jnp.asarray(tokens[b:b + 1, t:t + n]),
-                            jnp.asarray(ids[b:b + 1, t:t + n]))
+        ref = reference(jnp.asarray(tokens[b:b + 1, t:t + n]), jnp.asarray(ids[b:b + 1, t:t + n]))
         np.testing.assert_allclose(logits[b, t:t + n], ref[0], rtol=2e-5, atol=2e-5)
     assert float(aux["routing_recorded"]) == (segments > 0).sum() * 2
 
@@ -173,9 +174,10 @@ def test_decode_reports_the_experts_a_full_forward_chooses(scan_layers):
     tokens = jax.random.randint(jax.random.key(2), (2, 6), 0, cfg.vocab_size)
     _, aux, _ = tf.apply(graphdef, params, tokens, dropless=True, return_routing=True)
     cache = tf.init_cache(cfg, 2, 8)
+    step = jax.jit(lambda tok, pos, cache: tf.decode(graphdef, params, tok, pos, cache,
+                                                      return_routing=True))
     for t in range(6):
-        _, cache, experts = tf.decode(graphdef, params, tokens[:, t], jnp.full((2,), t), cache,
-                                      return_routing=True)
+        _, cache, experts = step(tokens[:, t], jnp.full((2,), t), cache)
         np.testing.assert_array_equal(np.sort(experts, -1), np.sort(aux["routing"][:, t], -1))
 
 
