@@ -197,8 +197,14 @@ def replay_vs_recompute(cfg: config_lib.Config, rounds: int, steps: int) -> None
           f"routing {per_token} bytes per token ({layers} layers x {m.top_k} ids)")
     graphdef, params0 = transformer.create(cfg.model, cfg.seed)
     host_params = jax.device_get(params0)
+    # The config's trainer mesh where it fits, else one device (an accelerator host).
+    shape = tuple(cfg.mesh.trainer[a] for a in config_lib.TRAINER_MESH_AXES)
+    shape = shape if np.prod(shape) <= len(jax.devices()) else (1, 1, 1, 1)
+    mesh = Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape),
+                config_lib.TRAINER_MESH_AXES)
+    print(f"trainer mesh {'x'.join(map(str, shape))}")
     trainers = {name: Trainer(dataclasses.replace(cfg, trainer=dataclasses.replace(
-                    cfg.trainer, moe_routing=name)), params=jax.device_put(host_params),
+                    cfg.trainer, moe_routing=name)), mesh, params=jax.device_put(host_params),
                     graphdef=graphdef) for name in ("recompute", "replay")}
 
     def run(tr):
