@@ -135,5 +135,7 @@ def test_in_bfloat16_replay_removes_the_mismatch_routing_flips_cause():
     recompute, replay = figures["recompute"], figures["replay"]
     assert recompute["logprob_mismatch"] > 1e-3  # float32 gives < 1e-4 (test above)
     # The effect replay is for, reproduced on a CPU: some routes flipped (0.997 here).
-    assert replay["routing_agreement"] == recompute["routing_agreement"] < 1.0
+    # (Under replay the trainer's own top-k is taken on the replayed forward's hidden
+    # states, so its agreement is measured on other inputs than recompute's.)
+    assert recompute["routing_agreement"] < 1.0 and replay["routing_agreement"] < 1.0
     assert replay["logprob_mismatch"] < recompute["logprob_mismatch"]
