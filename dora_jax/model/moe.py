@@ -10,7 +10,10 @@ Two dispatch paths over the same weights:
   residual connection carries the token on).
 
 Training uses dropless unless `model.moe.dispatch` is "capacity": decoding is always
-dropless, so only then do train and decode log-probs of the same tokens agree.
+dropless, so only then do train and decode log-probs of the same tokens agree. Even
+so, in bfloat16 near-tied router scores can flip between decode and training; a
+rollout's recorded experts can be replayed (`route`'s `replay_NK`,
+`trainer.moe_routing`; docs/objective.md "MoE: routing replay").
 
 The load-balancing loss is E * sum_i f_i * P_i with f_i the fraction of top-k
 assignments routed to expert i and P_i the mean router probability of expert i
