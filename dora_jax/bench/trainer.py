@@ -184,7 +184,7 @@ def replay_vs_recompute(cfg: config_lib.Config, rounds: int, steps: int) -> None
     m = cfg.model.moe
     if not m.enabled:
         raise SystemExit("error: --moe_routing needs an MoE config (model.moe.num_experts > 0)")
-    layers = sum(cfg.model.is_moe_layer(i) for i in range(cfg.model.num_layers))
+    layers = cfg.model.num_moe_layers
     rng, T = np.random.default_rng(0), cfg.trainer.length_buckets[-1]
     batches = [_batch(cfg, _GROUPS.value, _GROUP_SIZE.value, rng, max(1, T // 4),
                       lambda P: int(rng.integers(T // 2, T - P + 1)),

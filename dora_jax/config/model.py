@@ -178,6 +178,10 @@ class ModelConfig(Section):
         return m.enabled and layer % m.moe_every == m.moe_every - 1
 
     @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    @property
     def layer_period(self) -> int:
         """Layers per repeating unit (dense/MoE interleave); the scan's step."""
         return self.moe.moe_every if self.moe.enabled else 1

@@ -61,13 +61,17 @@ def route(router_logits_NE: jax.Array, top_k: int, normalize: bool, replay_NK=No
     return experts_NK, weights_NK, probs_NE
 
 
+def recorded_tokens(recorded_NK: jax.Array, num_experts: int, valid_N=None) -> jax.Array:
+    """bool [N]: the valid tokens with a record."""
+    counted_N = recorded_NK[:, 0] < num_experts
+    return counted_N if valid_N is None else counted_N & valid_N
+
+
 def routing_agreement(own_NK: jax.Array, recorded_NK: jax.Array, num_experts: int,
                       valid_N=None) -> tuple:
     """(tokens whose own top-k set equals the recorded one, recorded tokens), over
     the valid tokens with a record."""
-    counted_N = recorded_NK[:, 0] < num_experts
-    if valid_N is not None:
-        counted_N = counted_N & valid_N
+    counted_N = recorded_tokens(recorded_NK, num_experts, valid_N)
     same_N = jnp.all(jnp.sort(own_NK, axis=-1) == jnp.sort(recorded_NK.astype(jnp.int32),
                                                            axis=-1), axis=-1)
     return (jnp.sum(same_N & counted_N).astype(jnp.float32),
@@ -92,8 +96,7 @@ def load_balance_loss(experts_NK: jax.Array, probs_NE: jax.Array, valid_N=None) 
     N, K = experts_NK.shape
     num_experts = probs_NE.shape[-1]
     w_N = _token_weights(N, valid_N)
-    counts_E = jnp.zeros(num_experts, jnp.float32).at[experts_NK.reshape(-1)].add(
-        jnp.repeat(w_N, K))
+    counts_E = expert_counts(experts_NK, num_experts, valid_N)
     n = jnp.maximum(jnp.sum(w_N), 1.0)
     f_E = counts_E / (n * K)
     p_E = jnp.sum(probs_NE * w_N[:, None], axis=0) / n
@@ -219,8 +222,7 @@ class MoE(nnx.Module):
         if recorded_NK is not None:
             aux["agreeing"], aux["recorded"] = routing_agreement(
                 own_NK, recorded_NK, self.num_experts, valid_N)
-            counted_N = recorded_NK[:, 0] < self.num_experts
-            counted_N = counted_N if valid_N is None else counted_N & valid_N
+            counted_N = recorded_tokens(recorded_NK, self.num_experts, valid_N)
         # This router's assignments per expert (over the recorded tokens when there are
         # records, to compare with the rollout's load on the same tokens).
         aux["expert_load"] = expert_counts(own_NK, self.num_experts, counted_N)

@@ -246,9 +246,9 @@ class Transformer(nnx.Module):
                                                     routing_xs))
             if return_kv:  # [n, p, ...] -> [layers, ...]: layer j*p + r
                 k, v = (a.reshape(-1, *a.shape[2:]) for a in kv)
-            own = [a.pop("experts") for a in auxes] if return_routing else []
             # [n, B, T, k] per MoE layer of the period -> [MoE layers, B, T, k]
-            own = [jnp.stack(own, axis=1).reshape(-1, *own[0].shape[1:])] if own else []
+            own = (jnp.stack([a.pop("experts") for a in auxes], axis=1).reshape(
+                -1, *tokens_BT.shape, self.cfg.moe.top_k) if return_routing and auxes else None)
         else:
             ks, vs, auxes, moe_index = [], [], [], 0
             for i, (graphdef, state) in enumerate(split):
@@ -262,8 +262,8 @@ class Transformer(nnx.Module):
                 auxes += aux1
             if return_kv:
                 k, v = jnp.stack(ks), jnp.stack(vs)
-            own = [jnp.stack([a.pop("experts") for a in auxes])] if return_routing and auxes \
-                else []
+            own = jnp.stack([a.pop("experts") for a in auxes]) if return_routing and auxes \
+                else None
         logits = constrain(self._logits(x), ("batch", "length", "vocab"))
         aux = {key: (jnp.mean(jnp.concatenate([jnp.reshape(a[key], -1) for a in auxes]))
                      if auxes else jnp.zeros((), jnp.float32)) for key in AUX_KEYS}
@@ -273,8 +273,8 @@ class Transformer(nnx.Module):
         if routing is not None:
             for key in ("agreeing", "recorded"):
                 aux[f"routing_{key}"] = sum(jnp.sum(a[key]) for a in auxes)
-        if own:
-            aux["routing"] = jnp.moveaxis(own[0], 0, 2)  # [B, T, MoE layers, k]
+        if own is not None:
+            aux["routing"] = jnp.moveaxis(own, 0, 2)  # [B, T, MoE layers, k]
         return logits, aux, (KVCache(k, v) if return_kv else None)
 
     def decode(self, tokens_B, positions_B, cache: KVCache, pages=None,

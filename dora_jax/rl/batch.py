@@ -263,4 +263,5 @@ def _routing(rows, T: int, i_first: int | None):
     if i_first is None:
         return None
     first = np.asarray(rows[i_first][8])
+    # rollout/routing.py's convention, kept here so the batch format imports no JAX
     return np.full((len(rows), T, *first.shape[1:]), np.iinfo(first.dtype).max, first.dtype)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dora_jax.rl.batch import BatchError, TrainBatch
+from dora_jax.rollout import routing as routing_lib
 
 if TYPE_CHECKING:
     from dora_jax.config.sections import TrainerConfig
@@ -56,7 +57,7 @@ def _routing(batch: TrainBatch, routing) -> np.ndarray | None:
     layers, k, dtype = routing
     B, T = batch.tokens_BT.shape
     if batch.routing_BTLK is None:
-        return np.full((B, T, layers, k), np.iinfo(dtype).max, dtype)
+        return routing_lib.unrecorded((B, T, layers, k), dtype)
     if batch.routing_BTLK.shape[2:] != (layers, k):
         raise BatchError(f"routing_BTLK holds {batch.routing_BTLK.shape[2:]} (MoE layers, k) "
                          f"per token, the policy has {(layers, k)}")
@@ -133,8 +134,8 @@ def packed(batch: TrainBatch, num_minibatches: int, row_length: int,
     behaviour = np.zeros(shape, np.float32)
     token_versions = np.zeros(shape, np.int32)
     recorded = _routing(batch, routing)
-    routed = None if recorded is None else np.full(
-        shape + recorded.shape[2:], np.iinfo(recorded.dtype).max, recorded.dtype)
+    routed = None if recorded is None else routing_lib.unrecorded(
+        shape + recorded.shape[2:], recorded.dtype)
     lens = np.asarray(batch.seq_lens_B)
     per = B // M
     for m in range(M):

@@ -108,7 +108,7 @@ class Trainer:
         # and with moe_routing="replay" every forward of the step routes by them.
         m = cfg.model.moe
         self._routing = None if not m.enabled else (
-            sum(cfg.model.is_moe_layer(i) for i in range(cfg.model.num_layers)), m.top_k,
+            cfg.model.num_moe_layers, m.top_k,
             routing_dtype(m.num_experts))
         self._replay = t.moe_routing == "replay"
 

@@ -43,7 +43,7 @@ class Programs:
         m = model_cfg.moe
         self.routing = None if not m.enabled else (
             routing_dtype(m.num_experts), not_routed(m.num_experts),
-            sum(model_cfg.is_moe_layer(i) for i in range(model_cfg.num_layers)), m.top_k)
+            model_cfg.num_moe_layers, m.top_k)
 
     def _params(self, params: EngineParams):
         return jax.tree.unflatten(self.treedef, list(params.leaves))

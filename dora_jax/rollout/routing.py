@@ -28,13 +28,18 @@ def not_routed(num_experts: int) -> int:
     return int(np.iinfo(routing_dtype(num_experts)).max)
 
 
+def unrecorded(shape: tuple, dtype) -> np.ndarray:
+    """An array of `shape` with no token recorded."""
+    return np.full(shape, np.iinfo(dtype).max, dtype)
+
+
 def put(buf: np.ndarray | None, indices: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """`buf` with `rows` [M, layers, k] at response indices `indices` [M] (grown, new
     entries unrecorded); entries already recorded are kept."""
     need = int(indices.max()) + 1
     if buf is None or buf.shape[0] < need:
         size = max(need, 2 * (0 if buf is None else buf.shape[0]), 16)
-        grown = np.full((size, *rows.shape[1:]), np.iinfo(rows.dtype).max, rows.dtype)
+        grown = unrecorded((size, *rows.shape[1:]), rows.dtype)
         if buf is not None:
             grown[:buf.shape[0]] = buf
         buf = grown
@@ -49,7 +54,7 @@ def cut(buf: np.ndarray | None, length: int) -> np.ndarray | None:
         return None
     if buf.shape[0] >= length:
         return buf[:length].copy()
-    out = np.full((length, *buf.shape[1:]), np.iinfo(buf.dtype).max, buf.dtype)
+    out = unrecorded((length, *buf.shape[1:]), buf.dtype)
     out[:buf.shape[0]] = buf
     return out
 

@@ -28,7 +28,7 @@ def _recorded(cfg, shape_BT, seed):
     rollout under other params would have chosen."""
     rng = np.random.default_rng(seed)
     m = cfg.moe
-    layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    layers = cfg.num_moe_layers
     ids = np.stack([rng.permutation(m.num_experts)[:m.top_k]
                     for _ in range(int(np.prod(shape_BT)) * layers)])
     return jnp.asarray(ids.reshape(*shape_BT, layers, m.top_k).astype(np.uint8))
@@ -157,7 +157,7 @@ def test_replaying_a_forwards_own_routing_equals_recomputing(scan_layers):
     logits, aux, _ = tf.apply(graphdef, params, tokens, dropless=True, valid_BT=valid,
                               return_routing=True)
     own = aux["routing"]
-    layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    layers = cfg.num_moe_layers
     assert own.shape == (2, 7, layers, cfg.moe.top_k)
     again, aux2, _ = tf.apply(graphdef, params, tokens, dropless=True, valid_BT=valid,
                               routing_BTLK=own.astype(jnp.uint8), replay=True)
