@@ -21,6 +21,7 @@ import pytest
 from dora_jax.envs import base
 from dora_jax.model import transformer
 from dora_jax.rollout import DecodeSlice, Engine, SamplingParams
+from dora_jax.rollout import routing as routing_lib
 from dora_jax.rollout.episodes import EpisodeRunner
 from dora_jax.rollout.trajectory import Request
 from dora_jax.turns import check_turns, model_token_mask
@@ -73,10 +74,10 @@ class Followers(base.Environment):
 
 
 @functools.cache
-def stop_id() -> int:
+def stop_id(model: str = "dense") -> int:
     """A token the greedy policy produces early in several prompts' continuations
     (chosen from the references, not the engine), so turns end by themselves."""
-    refs = rc.greedy_reference("dense", rc.params("dense", 0), PROMPTS, eos=-1, steps=8)
+    refs = rc.greedy_reference(model, rc.params(model, 0), PROMPTS, eos=-1, steps=8)
     counts = {}
     for r in refs:
         for pos, tok in enumerate(r):
@@ -87,23 +88,25 @@ def stop_id() -> int:
 
 
 @functools.cache
-def engine(kind: str = "greedy", kv_cache: str = "paged", mesh_index: int = 0) -> Engine:
-    base_cfg = rc.config("dense").rollout
+def engine(kind: str = "greedy", kv_cache: str = "paged", mesh_index: int = 0,
+           model: str = "dense") -> Engine:
+    base_cfg = rc.config(model).rollout
     rollout = dataclasses.replace(
         base_cfg, slots_per_slice=rc.SLOTS, max_prefill_length=rc.MAX_PROMPT,
         max_decode_len=BUDGET, prefill_buckets=(rc.MAX_PROMPT,), temperature=1.0, top_k=0,
-        top_p=1.0, eos_id=stop_id(), decode_steps=4, kv_cache=kv_cache, page_size=4,
+        top_p=1.0, eos_id=stop_id(model), decode_steps=4, kv_cache=kv_cache, page_size=4,
         kv_pages=0)
     sampling = SamplingParams(greedy=True) if kind == "greedy" else SamplingParams(0.7)
-    return Engine(rc.config("dense").model, rollout, rc.meshes()[1][mesh_index],
+    return Engine(rc.config(model).model, rollout, rc.meshes()[1][mesh_index],
                   sampling_params=sampling)
 
 
-def make_slice(slice_id=0, kind="greedy", kv_cache="paged", mesh_index=0, version=0):
+def make_slice(slice_id=0, kind="greedy", kv_cache="paged", mesh_index=0, version=0,
+               model="dense"):
     runner = EpisodeRunner("test_followers", IdsTokenizer(), max_turns=MAX_TURNS,
                            timeout=30.0, workers=2, frame=([], []))
-    sl = DecodeSlice(slice_id, engine(kind, kv_cache, mesh_index), episodes=runner)
-    sl.load_version(version, rc.params("dense", 0))
+    sl = DecodeSlice(slice_id, engine(kind, kv_cache, mesh_index, model), episodes=runner)
+    sl.load_version(version, rc.params(model, 0))
     return sl
 
 
@@ -191,6 +194,34 @@ def test_sampled_episode_logprobs_equal_full_forward_on_model_tokens():
         mask = np.array(model_token_mask(t.episode, len(resp)), bool)
         np.testing.assert_allclose(np.array(t.behaviour_logprobs)[mask], want[mask],
                                    rtol=0, atol=2e-5)
+
+
+def test_an_moe_episode_records_its_model_tokens_experts_across_turns():
+    """Each model token taken as input by a decode step carries the experts a full
+    forward over the whole episode chooses at its position; observation tokens and a
+    turn's last token (both fed to the observation's prefill) carry none."""
+    sl = make_slice(mesh_index=1, model="moe")
+    for r in episode_requests():
+        sl.submit(r)
+    graphdef = transformer.create(rc.config("moe").model, 0)[0]
+    multi = 0
+    for t in sl.drain():
+        P, R = len(t.prompt_tokens), len(t.response_tokens)
+        seq = np.asarray([list(t.prompt_tokens) + t.response_tokens], np.int32)
+        aux = transformer.apply(graphdef, rc.params("moe", 0), seq, dropless=True,
+                                return_routing=True)[1]
+        own = np.sort(np.asarray(aux["routing"][0, P:]), -1)
+        # None: nothing recorded (every model turn here was one token, sampled by a prefill)
+        has = np.zeros(R, bool) if t.routing is None else routing_lib.recorded(t.routing)
+        fed_to_prefill = np.zeros(R, bool)
+        for role, s, e, *_ in t.episode["turns"]:
+            fed_to_prefill[s:e] = role == "env"
+            fed_to_prefill[e - 1] = True
+        np.testing.assert_array_equal(has, ~fed_to_prefill, err_msg=str(t.episode["turns"]))
+        if has.any():
+            np.testing.assert_array_equal(np.sort(t.routing[has].astype(int), -1), own[has])
+        multi += any(role == "env" for role, *_ in t.episode["turns"])
+    assert multi >= 1, "some episode should reach its environment"
 
 
 def multi_turn_index() -> int:

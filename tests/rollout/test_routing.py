@@ -20,22 +20,26 @@ def _requests(group_size=2):
             for i, q in enumerate(rc.PROMPTS[:4]) for k in range(group_size)]
 
 
-def _full_forward_routing(t: Trajectory) -> np.ndarray:
+def _full_forward_routing(t: Trajectory, seed: int = 0) -> np.ndarray:
     cfg = rc.config("moe").model
     graphdef = transformer.create(cfg, 0)[0]
     seq = np.asarray([list(t.prompt_tokens) + list(t.response_tokens)], np.int32)
-    _, aux, _ = transformer.apply(graphdef, rc.params("moe", 0), seq, dropless=True,
+    _, aux, _ = transformer.apply(graphdef, rc.params("moe", seed), seq, dropless=True,
                                   return_routing=True)
     return np.asarray(aux["routing"][0])
 
 
-def _check(t: Trajectory) -> int:
-    """Asserts every record equals the full forward's experts at the token's position;
-    returns how many tokens before the last have none."""
+def _check(t: Trajectory, seed: int = 0, tokens: slice = slice(None)) -> int:
+    """Asserts every record (of the response's `tokens`) equals the full forward's
+    experts at the token's position under params `seed`; returns how many tokens before
+    the last have none."""
     P, R = len(t.prompt_tokens), len(t.response_tokens)
     assert t.routing is not None and t.routing.shape[0] == R
-    own = _full_forward_routing(t)
+    own = _full_forward_routing(t, seed)
     has = routing_lib.recorded(t.routing)
+    in_range = np.zeros(R, bool)
+    in_range[tokens] = True
+    has &= in_range
     assert not has[-1]  # the last token was never an input
     idx = np.flatnonzero(has)
     np.testing.assert_array_equal(np.sort(t.routing[idx].astype(int), -1),
@@ -44,7 +48,7 @@ def _check(t: Trajectory) -> int:
     if len(idx) > 1:
         assert not np.array_equal(np.sort(t.routing[idx].astype(int), -1),
                                   np.sort(own[P + idx + 1], -1))
-    return int((~has[:-1]).sum())
+    return int((~has[:-1] & in_range[:-1]).sum())
 
 
 @pytest.mark.parametrize("kv_pages", [0, 8])
@@ -79,6 +83,30 @@ def test_records_move_with_a_migrated_request():
     assert {got[r.request_id].slice_ids[-1] for r in reqs[:2]} == {2}
     for t in got.values():
         assert _check(t) == 0
+
+
+def test_partial_rollout_keeps_each_token_s_record_from_the_version_that_sampled_it():
+    """A reload mid-response: tokens taken as input under v0 keep v0's experts (the
+    re-prefill under v1 records nothing), later ones carry v1's; the last token before
+    the reload fed only the re-prefill, so it alone has none."""
+    sl = rc.make_slice(0, "moe", "sampled", 0, decode_steps=1)
+    sl.submit(_requests(group_size=1)[0])
+    for _ in range(4):
+        sl.step()
+    m = 5  # tokens so far: 1 from prefill + 4 generate steps
+    sl.interrupt_and_reload(1, rc.params("moe", 1))
+    (t,) = sl.drain()
+    assert t.versions[0] == [0, m] and t.versions[1][0] == 1
+    has = routing_lib.recorded(t.routing)
+    assert has[:m - 1].all() and not has[m - 1]
+    assert _check(t, seed=0, tokens=slice(0, m)) == 1
+    assert _check(t, seed=1, tokens=slice(m, None)) == 0
+    # Each half differs from the other version's experts: the records are not both v0's.
+    own0, P = _full_forward_routing(t, 0), len(t.prompt_tokens)
+    tail = np.flatnonzero(has[m:]) + m
+    assert not np.array_equal(np.sort(t.routing[tail].astype(int), -1),
+                              np.sort(own0[P + tail], -1))
+    sl.load_version(0, rc.params("moe", 0))
 
 
 def test_a_record_survives_the_checkpoint_form():
