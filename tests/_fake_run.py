@@ -272,7 +272,7 @@ class FakeRun(Driver):
 
     def assign(self, a: Assign):
         sl = self.slices[a.slice_id]
-        assert sl.loading is None and len(sl.requests) < self.config.slots_per_slice
+        assert sl.loading is None and len(sl.requests) < self.config.samples_per_slice
         v = a.version if self.sched.multi else sl.version
         assert v in sl.held, f"C1: {a} on a slice holding {sl.held}"
         if self.sched.policy.keeps_c1:  # engine-level C1
@@ -289,7 +289,7 @@ class FakeRun(Driver):
             assert self.group_version[a.group_id] in dst.held, f"C1: {a} to {dst.held}"
         else:
             assert src.version == dst.version, f"C1: migrate across versions {a}"
-        assert len(dst.requests) < self.config.slots_per_slice, a
+        assert len(dst.requests) < self.config.samples_per_slice, a
         r = src.requests.pop((a.group_id, a.sample))
         r.slices.append(a.dst_slice)
         dst.requests[(a.group_id, a.sample)] = r

@@ -209,6 +209,16 @@ def padded_microbatches_fill_the_shards(cfg: Config) -> None:
               f"shards {batch_axes}")
 
 
+def oversubscription_needs_episodes(cfg: Config) -> None:
+    r = cfg.rollout
+    if r.max_episodes_per_slice and cfg.data.source != "env":
+        # A single-turn request holds its slot to the end: more of them than slots
+        # would only queue inside the slice, out of the scheduler's sight.
+        fail("rollout.max_episodes_per_slice", f"{r.max_episodes_per_slice} episodes per "
+             f"slice needs multi-turn episodes (data.source='env'), got data.source="
+             f"{cfg.data.source!r}; leave it 0")
+
+
 def replay_needs_experts(cfg: Config) -> None:
     if cfg.trainer.moe_routing == "replay" and not cfg.model.moe.enabled:
         fail("trainer.moe_routing", "'replay' sends tokens to recorded experts: it needs an "
@@ -251,5 +261,6 @@ RULES = (mesh_axes_divide_their_dims, top_k_within_vocab, special_ids_within_voc
          whole_responses_are_scored, eval_is_single_turn, eval_slice_exists,
          fail_slice_exists, batch_splits_evenly, packed_microbatches_fill_the_shards,
          padded_microbatches_fill_the_shards, replay_needs_experts,
+         oversubscription_needs_episodes,
          token_tasks_have_no_tokenizer,
          residue_prompts_fit, residue_modulus_within_vocab, countdown_fits)

@@ -56,6 +56,19 @@ class RolloutConfig(Section):
     # switches only once empty. V > 1 is modelled by the scheduler and the simulator;
     # the runtime's slices hold one version (validation refuses V > 1 for a run).
     versions_per_slice: int = field(1, min=1)
+    # Multi-turn episodes a slice holds at once. An episode gives up its slot while its
+    # environment answers, so more episodes than slots keep the slots decoding during
+    # slow tool calls; the KV of one at its environment is kept off the pool (device
+    # or host: `episode_kv`). 0: one per slot (a slot idles through its episode's calls).
+    max_episodes_per_slice: int = field(0, min=0)
+    # Where an episode's KV waits during its environment call: "device" (fast to
+    # resume, device memory outside the page pool) or "host" (copied out and back).
+    episode_kv: str = field("device", choices=("device", "host"))
+
+    @property
+    def samples_per_slice(self) -> int:
+        """Requests a slice holds at once: its slots, or `max_episodes_per_slice`."""
+        return self.max_episodes_per_slice or self.slots_per_slice
 
     @property
     def cache_length(self) -> int:
@@ -75,6 +88,10 @@ class RolloutConfig(Section):
         if self.prefill_buckets[-1] < self.max_prefill_length:
             fail(self._f("prefill_buckets"), f"largest bucket {self.prefill_buckets[-1]} < "
                  f"rollout.max_prefill_length {self.max_prefill_length}")
+        if 0 < self.max_episodes_per_slice < self.slots_per_slice:
+            fail(self._f("max_episodes_per_slice"), f"{self.max_episodes_per_slice} < "
+                 f"rollout.slots_per_slice {self.slots_per_slice}: a slice holds at least one "
+                 f"request per slot (0: exactly one)")
         if self.kv_pages and self.kv_pages < self.pages_per_slot:
             fail(self._f("kv_pages"), f"{self.kv_pages} pages cannot hold one request of "
                                       f"cache_length {self.cache_length} ({self.pages_per_slot} "

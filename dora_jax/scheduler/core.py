@@ -76,9 +76,10 @@ class Scheduler:
         return self.trainer_step is not None
 
     def free_slots(self, sl: SliceState) -> int:
-        """Samples the slice can take now: its free slots, and with a paged KV cache
-        no more than its reported free positions hold (see `kv_reported`)."""
-        n = self.config.slots_per_slice - len(sl.running)
+        """Samples the slice can take now: its free places (slots, or episodes with
+        `episodes_per_slice`), and with a paged KV cache no more than its reported free
+        positions hold (see `kv_reported`)."""
+        n = self.config.samples_per_slice - len(sl.running)
         if self.config.admit_tokens and sl.kv_free is not None:
             n = min(n, max(0, sl.kv_free // self.config.admit_tokens))
         return n

@@ -117,7 +117,7 @@ class DoraPolicy(Policy):
         the slice loads at once (P, or an older version with an unserved backlog:
         see the module docstring); otherwise it goes on serving its version."""
         cfg = sched.config
-        p, slots = sched.published, cfg.slots_per_slice
+        p, slots = sched.published, cfg.samples_per_slice
         unfinished = sched.unfinished_by_version()
         demand = {w: n for w, n in unfinished.items() if n > 0}
         # The newest version also stands for the groups still to be admitted.
@@ -209,7 +209,7 @@ class DoraPolicy(Policy):
             if sl.slice_id in kept:
                 need[sl.version] -= sched.free_slots(sl)
             elif sl.loading is not None:
-                need[sl.loading] -= cfg.slots_per_slice
+                need[sl.loading] -= cfg.samples_per_slice
         return {w: n for w, n in need.items() if w == p or w + k >= t}
 
     # -- admission by in-flight samples, and the staleness-aware top-up
@@ -226,7 +226,7 @@ class DoraPolicy(Policy):
         # Slices loading P are P's capacity already: admitting at an older resident
         # version instead would leave them idle when they come up.
         loading_p = sum(sl.loading == p for sl in sched.slices)
-        free[p] += loading_p * cfg.slots_per_slice
+        free[p] += loading_p * cfg.samples_per_slice
         versions = sorted({sched.slices[i].version for i in kept} | ({p} if loading_p else set()))
         if not versions:
             return []

@@ -58,7 +58,7 @@ def check(sched: Scheduler) -> None:
         "trainable group set drifted")
     busy = sched.trainer_step is not None
     for sl in sched.slices:
-        req(len(sl.running) <= cfg.slots_per_slice, f"slice {sl.slice_id} overfull")
+        req(len(sl.running) <= cfg.samples_per_slice, f"slice {sl.slice_id} overfull")
         req(sl.version is None or sl.version <= sched.published,
             f"slice {sl.slice_id} holds unpublished v{sl.version}")
         # A load may name the version in training (deferred until it is published).

@@ -35,7 +35,10 @@ class SchedulerConfig:
     Attributes:
       mode: one of `dora_jax.config.MODES` (a policy in `modes.POLICIES`).
       num_slices: number of decode slices S.
-      slots_per_slice: concurrent requests per slice (same for every slice).
+      slots_per_slice: decode slots per slice (same for every slice).
+      episodes_per_slice: samples a slice holds at once when multi-turn episodes give
+        up their slot during environment calls (`rollout.max_episodes_per_slice`);
+        0: one per slot. The scheduler's capacity is `samples_per_slice`.
       group_size: samples per group G (the GRPO group).
       train_batch_size: TBS, groups consumed by one train step.
       rollout_batch_size: RBS, target number of admitted-but-unconsumed groups
@@ -70,6 +73,7 @@ class SchedulerConfig:
     admit_tokens: int = 0
     score_groups: bool = False
     versions_per_slice: int = 1
+    episodes_per_slice: int = 0
 
     def __post_init__(self):
         """Checks the shape by the run config's rules on it (dora_jax.config), naming
@@ -84,6 +88,9 @@ class SchedulerConfig:
         check_declared(RolloutConfig, "slots_per_slice", self.slots_per_slice)
         check_group_fits(self.group_size, self.num_slices, self.slots_per_slice)
         check_versions(self.versions_per_slice, self.max_staleness)
+        if 0 < self.episodes_per_slice < self.slots_per_slice:
+            raise ConfigError(f"episodes_per_slice {self.episodes_per_slice} < "
+                              f"slots_per_slice {self.slots_per_slice}")
         if self.max_groups is not None and self.max_groups < 0:
             raise ConfigError(f"max_groups must be >= 0 or None, got {self.max_groups}")
         if self.admit_tokens < 0:
@@ -101,7 +108,13 @@ class SchedulerConfig:
                    max_groups=max_groups,
                    admit_tokens=r.max_prefill_length + r.decode_steps if paged else 0,
                    score_groups=cfg.trainer.filter_zero_variance,
-                   versions_per_slice=r.versions_per_slice)
+                   versions_per_slice=r.versions_per_slice,
+                   episodes_per_slice=r.max_episodes_per_slice)
+
+    @property
+    def samples_per_slice(self) -> int:
+        """Samples a slice holds at once (running, or at their environment)."""
+        return self.episodes_per_slice or self.slots_per_slice
 
     @property
     def total_slots(self) -> int:

@@ -32,11 +32,22 @@ def long_tail(g, k):
 @pytest.mark.parametrize("field,value", [
     ("mode", "async"), ("num_slices", 0), ("slots_per_slice", 0), ("group_size", 0),
     ("group_size", 17), ("train_batch_size", 0), ("rollout_batch_size", 3),
-    ("max_staleness", -1), ("max_groups", -1),
+    ("max_staleness", -1), ("max_groups", -1), ("episodes_per_slice", 3),
 ])
 def test_config_validation_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         config(**{field: value})
+
+
+def test_episodes_that_give_up_their_slot_raise_a_slice_s_capacity():
+    """With episodes_per_slice, a slice holds that many samples (the slice runs as many
+    as it has slots; the others are at their environments or wait for a slot)."""
+    for episodes, running, free in ((0, 4, 0), (10, 8, 2)):  # 4 groups of 2 admitted
+        sched = Scheduler(config("sync", episodes_per_slice=episodes, rollout_batch_size=4,
+                                 train_batch_size=4, group_size=2, num_slices=1))
+        sched.decide()
+        assert len(sched.slices[0].running) == running
+        assert sched.free_slots(sched.slices[0]) == free
 
 
 def test_the_view_of_a_run_config_is_checked_as_a_config_built_directly(load_config):

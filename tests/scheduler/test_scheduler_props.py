@@ -22,7 +22,9 @@ def scenarios(draw, modes=MODES):
     cfg = SchedulerConfig(
         mode=mode, num_slices=S, slots_per_slice=slots, group_size=G,
         train_batch_size=tbs, rollout_batch_size=draw(st.integers(tbs, tbs + 4)),
-        max_staleness=draw(st.integers(0, 3)), admit_tokens=draw(st.integers(0, 8)))
+        max_staleness=draw(st.integers(0, 3)), admit_tokens=draw(st.integers(0, 8)),
+        # Episodes that give up their slot at their environment: more held than slots.
+        episodes_per_slice=draw(st.sampled_from([0, 0, slots, 2 * slots + 1])))
     if draw(st.booleans()):  # seeded distribution, incl. long-tailed
         max_len = draw(st.integers(1, 60))
         lengths = lengths_from_seed(draw(st.integers(0, 2**16)),
