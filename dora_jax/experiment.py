@@ -20,7 +20,7 @@ from dora_jax.model import lora, transformer
 from dora_jax.model.sharding import copy_tree
 from dora_jax.rewards.pool import RewardPool
 from dora_jax.rl.trainer import Trainer
-from dora_jax.rollout.episodes import EpisodeRunner
+from dora_jax.rollout.episodes import EpisodeRunner, Latency
 from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.rollout.warmup import warm_engine
 from dora_jax.runtime import compile_times, recovery, writers
@@ -110,8 +110,10 @@ def episode_runner(cfg: Config, tokenizer) -> EpisodeRunner | None:
     d = cfg.data
     if d.source != "env":
         return None
+    latency = None if not d.env_latency_median else Latency(
+        d.env_latency_median, d.env_latency_sigma, d.env_latency_most)
     return EpisodeRunner(d.env, tokenizer, max_turns=d.env_max_turns, timeout=d.env_timeout,
-                         workers=d.env_workers, isolation=d.env_isolation)
+                         workers=d.env_workers, isolation=d.env_isolation, latency=latency)
 
 
 def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,

@@ -100,12 +100,22 @@ class DataConfig(Section):
     env_max_turns: int = field(0, min=0)
     env_timeout: float = field(30.0, gt=0)
     env_workers: int = field(4, min=1)
+    # A delay added to every environment call, for benchmarks of slow tools: seconds,
+    # log-normal around the median with shape sigma, at most env_latency_max (0: 10x
+    # the median), drawn per episode and call (a rerun waits as long). 0: none.
+    env_latency_median: float = field(0.0, ge=0)
+    env_latency_sigma: float = field(1.0, ge=0)
+    env_latency_max: float = field(0.0, ge=0)
     # How the python tool's sandbox isolates model code (envs/sandbox.py):
     # "namespaces" (user, pid, mount, network namespaces on a minimal root, seccomp
     # allow-list) or "filters" (seccomp and Landlock only, for hosts without user
     # namespaces; no writable scratch). A host lacking a required layer stops the
     # run before any compute.
     env_isolation: str = field("namespaces", choices=("namespaces", "filters"))
+
+    @property
+    def env_latency_most(self) -> float:
+        return self.env_latency_max or 10 * self.env_latency_median
 
     @property
     def reward_name(self) -> str:
@@ -128,6 +138,9 @@ class DataConfig(Section):
             fail(self._f("env"), "data.source='env' and data.env (an environment's name) "
                  "go together" if self.env else "data.source='env' needs data.env, an "
                  "environment's name (dora_jax/envs: calculator, python, guess)")
+        if self.env_latency_median and self.env_latency_most >= self.env_timeout:
+            fail(self._f("env_latency_max"), f"calls may be delayed {self.env_latency_most} s, "
+                 f"not less than data.env_timeout {self.env_timeout} s: they would time out")
         if (self.reward_name == "env") != (self.source == "env"):
             fail(self._f("reward"), "reward 'env' (the environment's) is the reward of "
                  "data.source='env', and only of it")

@@ -16,11 +16,16 @@ inside is the environment's and may echo the model's own text, so special-token
 markers in it are broken up before encoding (an observation cannot close its own
 message or open an assistant turn).
 
+Calls run on one event loop per runner: a coroutine `step` runs there, a plain one on
+a daemon thread of its own, at most `workers` calls at once (later ones queue: back-
+pressure, not failure). `latency` adds a deterministic delay to every call (slow-tool
+benchmarks), awaited on the loop, so a slow call holds no thread.
+
 Limits: `max_turns` model turns (default: the environment's own), the request's
 token budget (prompt aside, model and observation tokens together:
-`rollout.max_decode_len`), and `timeout` seconds per environment call (past it the
-episode ends with reward 0; the call's thread is left to finish, which is why tools
-bound their own time: sandbox.py kills its process).
+`rollout.max_decode_len`), and `timeout` seconds per environment call from its start
+(past it the episode ends with reward 0 and a coroutine is cancelled; a thread is left
+to finish, which is why tools bound their own time: sandbox.py kills its process).
 """
 
 from __future__ import annotations
@@ -30,8 +35,11 @@ import collections
 import concurrent.futures
 import dataclasses
 import inspect
+import math
 import threading
 import time
+
+import numpy as np
 
 from dora_jax.envs import base
 from dora_jax.rewards.pool import one_line
@@ -48,6 +56,7 @@ class Episode:
     included)."""
 
     env: base.Environment
+    seed: int = 0  # the request's: draws the latency of each call
     # [["model", start, end] | ["env", start, end, seconds of the call], ...]
     turns: list = dataclasses.field(default_factory=list)
     reward: float = 0.0
@@ -89,6 +98,33 @@ def _break_markers(text: str, markers) -> str:
     return text
 
 
+@dataclasses.dataclass(frozen=True)
+class Latency:
+    """Seconds added to an environment call: log-normal around `median` with shape
+    `sigma`, at most `most`, drawn from (episode seed, call index) so a rerun (or a
+    resumed run) waits as long."""
+
+    median: float
+    sigma: float = 1.0
+    most: float = float("inf")
+
+    def draw(self, seed: int, call: int) -> float:
+        z = np.random.default_rng([seed & 0xFFFFFFFF, call]).standard_normal()
+        return float(min(self.most, self.median * math.exp(self.sigma * z)))
+
+
+class EnvCall:
+    """One environment call: its future ((StepResult, seconds, error or None), never
+    raises) and when it started running (None while queued behind `workers` calls)."""
+
+    def __init__(self):
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.started: float | None = None
+
+    def timed_out(self, now: float, timeout: float) -> bool:
+        return self.started is not None and now - self.started > timeout
+
+
 class EpisodeRunner:
     """Starts episodes, calls their environments off the slice's thread and turns
     observations into tokens.
@@ -97,58 +133,83 @@ class EpisodeRunner:
       env: the environment's registered name (`envs.base.get`).
       tokenizer: decodes turns and encodes observations (text/tokenizer.py).
       max_turns: model turns per episode; 0: the environment's own `max_turns`.
-      timeout: seconds an environment call may take.
+      timeout: seconds an environment call may take once started.
       workers: environment calls at once (per slice).
+      latency: a delay added to every call (None: none).
       frame: (ids before, ids after) an observation's text; None: the tokenizer's
         chat template's framing of a tool message (`observation_frame`).
     """
 
     def __init__(self, env: str, tokenizer, *, max_turns: int = 0, timeout: float = 30.0,
                  workers: int = 4, frame: tuple | None = None,
-                 isolation: str = "namespaces"):
+                 isolation: str = "namespaces", latency: Latency | None = None):
         self.env_cls = base.get(env)
         self.isolation = isolation
         self.tokenizer = tokenizer
         self.max_turns = max_turns or self.env_cls.max_turns
         self.timeout = timeout
         self._name = f"env {env}"
-        self._running = threading.BoundedSemaphore(workers)  # calls at once
+        self.workers, self.latency = workers, latency
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._slots: asyncio.Semaphore | None = None  # calls at once, on the loop
+        self._lock = threading.Lock()
         self.frame = observation_frame(tokenizer) if frame is None else frame
 
-    def begin(self, record: dict) -> Episode:
+    def begin(self, record: dict, seed: int = 0) -> Episode:
         """A new episode on `record` (its environment reset)."""
         env = self.env_cls()
         if env.sandbox_isolation is not None:
             env.sandbox_isolation = self.isolation
         env.reset(record)
-        return Episode(env)
+        return Episode(env, seed=seed)
 
-    def step(self, episode: Episode, turn_tokens: list) -> concurrent.futures.Future:
-        """Sends a model turn to the episode's environment; the future gives
-        (StepResult, seconds, error or None) and never raises."""
-        future, turn = concurrent.futures.Future(), list(turn_tokens)
+    def step(self, episode: Episode, turn_tokens: list) -> EnvCall:
+        """Sends a model turn to the episode's environment."""
+        call, text = EnvCall(), self.tokenizer.decode(list(turn_tokens),
+                                                      skip_special_tokens=True)
+        delay = 0.0 if self.latency is None else self.latency.draw(
+            episode.seed, episode.model_turns)
+        task = asyncio.run_coroutine_threadsafe(
+            self._run(episode.env, text, delay, call), self._event_loop())
+        # Cancelling the call (a timeout) cancels its task, which frees its place.
+        call.future.add_done_callback(lambda f: f.cancelled() and task.cancel())
+        return call
 
-        def call():
-            with self._running:
-                if future.set_running_or_notify_cancel():
-                    future.set_result(self._call(episode.env, turn))
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name=self._name,
+                                 daemon=True).start()
+                self._loop = loop
+            return self._loop
 
-        # A daemon thread per call: a call that never returns (past `timeout` its
-        # episode has ended) cannot hold the process at exit, as a pool's would.
-        threading.Thread(target=call, name=self._name, daemon=True).start()
-        return future
+    async def _run(self, env: base.Environment, text: str, delay: float, call: EnvCall):
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.workers)
+        async with self._slots:
+            if not call.future.set_running_or_notify_cancel():
+                return
+            start = call.started = time.perf_counter()
+            result, _, error = await self._step(env, text)
+            await asyncio.sleep(max(0.0, delay - (time.perf_counter() - start)))
+            call.future.set_result((result, time.perf_counter() - start, error))
 
-    def _call(self, env: base.Environment, turn_tokens: list):
+    @staticmethod
+    async def _step(env: base.Environment, text: str):
+        """(StepResult, seconds, error or None) of `env.step(text)`, never raising."""
         start = time.perf_counter()
         try:
-            result = env.step(self.tokenizer.decode(turn_tokens, skip_special_tokens=True))
-            if inspect.isawaitable(result):
-                result = asyncio.run(_awaited(result))
+            if inspect.iscoroutinefunction(env.step):
+                result = await env.step(text)
+            else:
+                result = await _on_thread(env, text, f"env {type(env).__name__}")
             if not isinstance(result, base.StepResult):
                 raise TypeError(f"step returned {type(result).__name__}, not a StepResult")
             return result, time.perf_counter() - start, None
         except Exception as e:  # noqa: BLE001 - the episode ends with the reason
             return base.StepResult("", 0.0, True), time.perf_counter() - start, one_line(e)
+
 
     def observation_tokens(self, text: str) -> list:
         """Token ids of an observation, framed as a tool message, after which the
@@ -156,11 +217,44 @@ class EpisodeRunner:
         return observation_tokens(self.tokenizer, self.frame, text)
 
     def close(self) -> None:
-        """Nothing to release: calls run on daemon threads."""
+        """Stops the event loop (calls still running are dropped with it)."""
+        with self._lock:
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._loop = None
 
 
 async def _awaited(awaitable):
     return await awaitable
+
+
+async def _on_thread(env: base.Environment, text: str, name: str):
+    """A plain `step` on a daemon thread of its own: one that never returns (past
+    `timeout` its episode has ended) cannot hold the process at exit, as a pool's
+    thread would."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def work():
+        try:
+            result, error = env.step(text), None
+            if inspect.isawaitable(result):  # a coroutine from a plain function
+                result = asyncio.run(_awaited(result))
+        except Exception as e:  # noqa: BLE001 - handed to the loop, raised there
+            result, error = None, e
+        loop.call_soon_threadsafe(_settle, done, result, error)
+
+    threading.Thread(target=work, name=name, daemon=True).start()
+    return await done
+
+
+def _settle(future: asyncio.Future, result, error) -> None:
+    if future.done():  # cancelled meanwhile
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 def observation_frame(tokenizer) -> tuple[list, list]:

@@ -50,8 +50,8 @@ class DecodeSlice:
                  clock: Callable[[], float] = time.time,
                  episodes: EpisodeRunner | None = None):
         self.slice_id, self.engine, self.clock = slice_id, engine, clock
-        self.turns = EpisodeTurns(episodes, engine.stop_ids, engine.max_decode_len)
         self.stats = SliceStats()
+        self.turns = EpisodeTurns(episodes, engine, self.stats)
         self.slots = SlotTable(engine.max_concurrent_decodes, engine.max_decode_len)
         self.calls = DecodeCalls(slice_id, engine, self.slots, self.stats, self._finish,
                                  lookahead=lookahead)
@@ -102,8 +102,9 @@ class DecodeSlice:
 
     @property
     def num_free_slots(self) -> int:
-        """How many more requests `submit`/`import_requests` accept now."""
-        return self.num_slots - len(self._held)
+        """How many more requests `submit`/`import_requests` accept now (beyond the
+        slots, with episodes that give theirs up at their environment)."""
+        return self.turns.capacity - len(self._held)
 
     @property
     def num_running(self) -> int:
@@ -294,12 +295,12 @@ class DecodeSlice:
             seq = f.taken_over(self.slice_id)
             self._held[f.request.request_id] = seq
             if f.prefix is None:
-                if seq.kept is not None:
-                    seq.kept = jax.device_put(seq.kept, dst)
                 if f.env_call is not None:  # still at its environment
                     self.turns.put(seq, seq.kept, f.env_call)
                     seq.kept = None
                 else:
+                    if seq.kept is not None:
+                        seq.kept = jax.device_put(seq.kept, dst)
                     self._waiting.append(seq)
                 continue
             slot = self.slots.lowest_free()

@@ -4,7 +4,11 @@ A turn's end keeps the slot's KV (`engine.extract`), frees the slot and sends th
 turn to the environment (episodes.EpisodeRunner, off the slice's thread); the answer
 either ends the episode or appends the observation to the response, and the slice
 queues the episode first, to be prefilled on top of the kept KV when it gets a slot
-again. Migration moves an episode between turns with its kept KV and its pending
+again. The slot serves other requests meanwhile: with `rollout.max_episodes_per_slice`
+the slice holds more episodes than slots, so slow environments do not idle it. The
+kept KV waits on the device (outside the page pool) or, with `rollout.episode_kv =
+"host"`, in host memory, copied out at the turn's end and back when the answer is in.
+Migration moves an episode between turns with its kept KV and its pending
 call; a preempted or re-prefilled one runs its whole sequence again, observations
 included. The slice owns the slots and the held requests; this component owns the
 episodes at their environments.
@@ -14,6 +18,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+
+import jax
+import numpy as np
 
 from dora_jax import versions as versions_lib
 from dora_jax.rollout.episodes import EpisodeRunner
@@ -25,15 +32,16 @@ class EpisodeTurns:
 
     Args:
       runner: runs the environments (None: a single-turn slice, no episodes).
-      stop_ids: the engine's stop tokens (a turn that ends without one hit its budget).
-      max_decode_len: the engine's, the most tokens an episode's response holds.
+      engine: the slice's (its stop tokens, response budget, where kept KV waits).
+      stats: the slice's SliceStats (host copies of kept KV are counted there).
     """
 
-    def __init__(self, runner: EpisodeRunner | None, stop_ids, max_decode_len: int):
-        self.runner = runner
-        self._stop_ids, self._max_decode_len = stop_ids, max_decode_len
+    def __init__(self, runner: EpisodeRunner | None, engine, stats):
+        self.runner, self._engine, self._stats = runner, engine, stats
+        self._stop_ids, self._max_decode_len = engine.stop_ids, engine.max_decode_len
+        self._to_host = engine.rollout_cfg.episode_kv == "host"
         # request id -> (InFlight, the KV kept (None: run the whole sequence again),
-        # the environment call's future, when it was sent)
+        # its environment call: episodes.EnvCall)
         self._at_env: dict = {}
 
     def __len__(self) -> int:
@@ -42,7 +50,7 @@ class EpisodeTurns:
     def begin(self, seq: InFlight) -> None:
         """Makes a submitted request an episode if it carries a task record."""
         if seq.request.record is not None and self.runner is not None:
-            seq.episode = self.runner.begin(seq.request.record)
+            seq.episode = self.runner.begin(seq.request.record, seq.request.seed)
 
     def turn_ended(self, seq: InFlight) -> bool:
         """Records a model turn that ended (its tokens flushed); True if the episode
@@ -54,11 +62,34 @@ class EpisodeTurns:
             return False
         return True
 
+    @property
+    def capacity(self) -> int:
+        """Requests the slice may hold: one per slot, or with episodes
+        `rollout.max_episodes_per_slice`."""
+        r = self._engine.rollout_cfg
+        return r.samples_per_slice if self.runner is not None else r.slots_per_slice
+
     def send(self, seq: InFlight, kept) -> None:
         """Sends the turn that just ended, its slot already freed with `kept` its KV."""
         start = seq.episode.turns[-1][1]
-        future = self.runner.step(seq.episode, seq.response_tokens[start:])
-        self._at_env[seq.request.request_id] = (seq, kept, future, time.perf_counter())
+        call = self.runner.step(seq.episode, seq.response_tokens[start:])
+        if self._to_host:
+            kept = self._move(kept, None)
+        self._at_env[seq.request.request_id] = (seq, kept, call)
+
+    def _move(self, kept, dst):
+        """The kept KV copied to host memory (dst None) or back onto the slice's mesh;
+        counted in the slice's stats."""
+        t = time.perf_counter()
+        if dst is None:
+            moved = jax.device_get(kept)
+        else:
+            moved = jax.block_until_ready(jax.device_put(kept, dst))
+        self._stats.kv_host_copies += 1
+        self._stats.kv_host_bytes += sum(np.asarray(x).nbytes if dst is None else x.nbytes
+                                         for x in jax.tree.leaves(moved))
+        self._stats.kv_host_seconds += time.perf_counter() - t
+        return moved
 
     def collect(self) -> list:
         """The answers that are in, as (episode's InFlight, why it ended or None). None:
@@ -66,11 +97,12 @@ class EpisodeTurns:
         if not self._at_env:  # every step asks: a single-turn slice pays nothing
             return []
         now, out = time.perf_counter(), []
-        for rid, (seq, kept, future, sent) in list(self._at_env.items()):
-            if future.done():
-                result, seconds, error = future.result()
-            elif now - sent > self.runner.timeout:
-                result, seconds, error = None, now - sent, "env_timeout"
+        for rid, (seq, kept, call) in list(self._at_env.items()):
+            if call.future.done():
+                result, seconds, error = call.future.result()
+            elif call.timed_out(now, self.runner.timeout):
+                call.future.cancel()
+                result, seconds, error = None, now - call.started, "env_timeout"
             else:
                 continue
             del self._at_env[rid]
@@ -99,30 +131,33 @@ class EpisodeTurns:
         seq.behaviour_logprobs.extend([0.0] * len(obs))
         versions_lib.extend(seq.versions, seq.version, len(obs))
         episode.turns.append(["env", start, len(seq.response_tokens), round(seconds, 6)])
+        if self._to_host and kept is not None:
+            kept = self._move(kept, self._engine.get_prefix_destination_sharding())
         seq.kept, seq.unwritten = kept, len(obs) + 1
         return None
 
     def wait(self, timeout: float) -> None:
         """Blocks until an environment answers or `timeout` (nothing else to do)."""
-        concurrent.futures.wait([f for _, _, f, _ in self._at_env.values()],
+        concurrent.futures.wait([call.future for _, _, call in self._at_env.values()],
                                 timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def take(self, request_id):
         """Removes an episode at its environment (migration): (InFlight, kept KV,
-        (future, sent)), or None if it is not there."""
-        if request_id not in self._at_env:
-            return None
-        seq, kept, future, sent = self._at_env.pop(request_id)
-        return seq, kept, (future, sent)
+        EnvCall), or None if it is not there."""
+        return self._at_env.pop(request_id, None)
 
     def put(self, seq: InFlight, kept, env_call) -> None:
-        """Takes over an episode whose environment call `(future, sent)` is pending."""
-        self._at_env[seq.request.request_id] = (seq, kept, *env_call)
+        """Takes over an episode whose environment call (EnvCall) is pending,
+        its kept KV (from another slice) placed where this slice keeps it."""
+        if kept is not None:
+            kept = (self._move(kept, None) if self._to_host else
+                    jax.device_put(kept, self._engine.get_prefix_destination_sharding()))
+        self._at_env[seq.request.request_id] = (seq, kept, env_call)
 
     def drop_kept(self) -> None:
         """Forgets the kept KV (computed under params being replaced)."""
-        for rid, (seq, _, future, sent) in self._at_env.items():
-            self._at_env[rid] = (seq, None, future, sent)
+        for rid, (seq, _, call) in self._at_env.items():
+            self._at_env[rid] = (seq, None, call)
 
     def clear(self) -> None:
         self._at_env.clear()

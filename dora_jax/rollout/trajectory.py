@@ -165,6 +165,9 @@ class SliceStats:
     migrated_out: int = 0
     preempted: int = 0  # running requests sent back to waiting: the KV pool was full
     observation_tokens: int = 0  # episodes' observation tokens prefilled on kept KV
+    kv_host_copies: int = 0  # episodes' kept KV moved to host memory or back
+    kv_host_bytes: int = 0
+    kv_host_seconds: float = 0.0
     peak_pages: int = 0  # most KV pages in use at once (paged cache)
 
     @property
@@ -183,8 +186,8 @@ class InFlight:
       position, RNG key data and step) on the source slice's devices; else None.
     kept, unwritten: a multi-turn episode between turns: the KV of all but its last
       `unwritten` tokens (the turn's end and the observation, prefilled on top).
-    env_call: exported while its environment works on its turn: (the call's future,
-      when it was sent); the destination waits for it as the source would.
+    env_call: exported while its environment works on its turn: its
+      episodes.EnvCall; the destination waits for it as the source would.
     slot: the slot it holds (None: waiting, at its environment, or exported).
     """
 
@@ -200,7 +203,7 @@ class InFlight:
     kept: Any | None = None
     unwritten: int = 0
     episode: Any | None = None  # rollout.episodes.Episode of a multi-turn request
-    env_call: tuple | None = None
+    env_call: Any = None
     slot: int | None = None
     routing: np.ndarray | None = None  # rollout/routing.py's buffer, grown as recorded
 

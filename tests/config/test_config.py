@@ -74,6 +74,7 @@ def test_tiny_param_counts_match_docstrings(spec, index, load_config):
 
 
 _tiny, _moe_tiny = "configs/tiny.py", "configs/moe.py:tiny"
+_multiturn_tiny = "configs/multiturn.py:tiny"
 
 
 def _set(c, dotted, value):
@@ -110,6 +111,8 @@ INVALID = [
     (_tiny, "rollout.max_episodes_per_slice", 4, "rollout.max_episodes_per_slice"),  # < 8
     (_tiny, "rollout.max_episodes_per_slice", 16, "rollout.max_episodes_per_slice"),  # no env
     (_tiny, "rollout.episode_kv", "disk", "rollout.episode_kv"),
+    (_tiny, "data.env_latency_median", -1.0, "data.env_latency_median"),
+    (_multiturn_tiny, "data.env_latency_median", 20.0, "data.env_latency_max"),  # 200 s > 30
     (_tiny, "trainer.loss_agg_mode", "mean", "trainer.loss_agg_mode"),
     (_tiny, "trainer.advantage", "ppo", "trainer.advantage"),
     (_tiny, "trainer.dual_clip", 0.5, "trainer.dual_clip"),

@@ -23,7 +23,7 @@ from dora_jax.model import transformer
 from dora_jax.rollout import DecodeSlice, Engine, SamplingParams
 from dora_jax.rollout import routing as routing_lib
 from dora_jax.rollout.episodes import EpisodeRunner
-from dora_jax.rollout.trajectory import Request
+from dora_jax.rollout.trajectory import Request, SlotOverflowError
 from dora_jax.turns import check_turns, model_token_mask
 
 BUDGET = 24  # response tokens of an episode: model turns and observations
@@ -89,23 +89,24 @@ def stop_id(model: str = "dense") -> int:
 
 @functools.cache
 def engine(kind: str = "greedy", kv_cache: str = "paged", mesh_index: int = 0,
-           model: str = "dense") -> Engine:
+           model: str = "dense", episode_kv: str = "device", episodes: int = 0) -> Engine:
     base_cfg = rc.config(model).rollout
     rollout = dataclasses.replace(
         base_cfg, slots_per_slice=rc.SLOTS, max_prefill_length=rc.MAX_PROMPT,
         max_decode_len=BUDGET, prefill_buckets=(rc.MAX_PROMPT,), temperature=1.0, top_k=0,
         top_p=1.0, eos_id=stop_id(model), decode_steps=4, kv_cache=kv_cache, page_size=4,
-        kv_pages=0)
+        kv_pages=0, episode_kv=episode_kv, max_episodes_per_slice=episodes)
     sampling = SamplingParams(greedy=True) if kind == "greedy" else SamplingParams(0.7)
     return Engine(rc.config(model).model, rollout, rc.meshes()[1][mesh_index],
                   sampling_params=sampling)
 
 
 def make_slice(slice_id=0, kind="greedy", kv_cache="paged", mesh_index=0, version=0,
-               model="dense"):
+               model="dense", episode_kv="device", episodes=0):
     runner = EpisodeRunner("test_followers", IdsTokenizer(), max_turns=MAX_TURNS,
                            timeout=30.0, workers=2, frame=([], []))
-    sl = DecodeSlice(slice_id, engine(kind, kv_cache, mesh_index, model), episodes=runner)
+    sl = DecodeSlice(slice_id, engine(kind, kv_cache, mesh_index, model, episode_kv, episodes),
+                     episodes=runner)
     sl.load_version(version, rc.params(model, 0))
     return sl
 
@@ -152,12 +153,16 @@ def reference_episode(prompt: list) -> tuple[list, list]:
     return response, turns
 
 
-@pytest.mark.parametrize("kv_cache", ["paged", "dense"])
-def test_episodes_keep_kv_between_turns_and_equal_full_forward(kv_cache):
-    sl = make_slice(kv_cache=kv_cache)
+@pytest.mark.parametrize("kv_cache,episode_kv", [("paged", "device"), ("dense", "device"),
+                                                  ("paged", "host")])
+def test_episodes_keep_kv_between_turns_and_equal_full_forward(kv_cache, episode_kv):
+    sl = make_slice(kv_cache=kv_cache, episode_kv=episode_kv)
     for r in episode_requests():
         sl.submit(r)
     got = {t.group_id: t for t in sl.drain()}
+    # Host: each observation's KV went out at the turn's end and back with the answer.
+    env_calls = sum(role == "env" for t in got.values() for role, *_ in t.episode["turns"])
+    assert sl.stats.kv_host_copies == (2 * env_calls if episode_kv == "host" else 0)
     assert sl.num_requests == 0 and sl.num_at_environment == 0
     multi = 0
     for i, prompt in enumerate(PROMPTS):
@@ -257,6 +262,36 @@ def test_a_slice_decodes_other_requests_while_an_episode_waits():
         GATE.set()
     (t,) = sl.drain()
     assert t.group_id == i and t.response_tokens == reference_episode(PROMPTS[i])[0]
+
+
+@pytest.mark.parametrize("episode_kv", ["device", "host"])
+def test_more_episodes_than_slots_fill_the_slots_their_environments_free(episode_kv):
+    """Twice as many episodes as slots: while environments hold some, the others take
+    their slots; every episode still equals its full-forward reference."""
+    sl = make_slice(episode_kv=episode_kv, episodes=2 * rc.SLOTS)
+    reqs = [dataclasses.replace(r, group_id=r.group_id + 10 * copy)
+            for copy in range(2) for r in episode_requests()]
+    assert sl.num_free_slots == 2 * rc.SLOTS
+    GATE.clear()
+    try:
+        for r in reqs:
+            sl.submit(r)
+        with pytest.raises(SlotOverflowError):
+            sl.submit(dataclasses.replace(reqs[0], group_id=99))
+        most, got = 0, []
+        for _ in range(60):  # until every episode held is at its (held) environment
+            got += sl.step()
+            assert sl.num_running <= rc.SLOTS
+            most = max(most, sl.num_running + sl.num_at_environment)
+            if sl.num_requests == sl.num_at_environment:
+                break
+        assert most > rc.SLOTS, "episodes at their environments should free their slots"
+    finally:
+        GATE.set()
+    got += sl.drain()
+    assert sorted(t.group_id for t in got) == sorted(r.group_id for r in reqs)
+    for t in got:
+        assert t.response_tokens == reference_episode(PROMPTS[t.group_id % 10])[0]
 
 
 def test_an_episode_migrates_between_turns_with_its_kv():
