@@ -27,3 +27,10 @@ def doubling_buckets(buckets: Sequence[int], limit: int) -> tuple:
     while out[-1] < limit:
         out.append(min(2 * out[-1], limit))
     return tuple(sorted(set(out)))
+
+
+def prefill_buckets(rollout) -> tuple:
+    """A decode engine's padded prefill lengths (`rollout`: a RolloutConfig): the prompt
+    buckets, then doubling buckets up to cache_length for re-prefilling prompt +
+    tokens so far."""
+    return doubling_buckets(rollout.prefill_buckets, rollout.cache_length)

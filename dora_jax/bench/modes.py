@@ -44,7 +44,8 @@ _MODES = flags.DEFINE_list(
     "modes", ["colocated_sync", "sync", "one_step_off", "partial_rollout",
               "partial_rollout_rounds", "dora_k1", "dora_k2", "dora_k3"],
     "runs: a mode, optionally with _k<K> for its staleness bound (default: the config's) "
-    "and _v<V> for its versions per slice")
+    "_v<V> for its versions per slice and _e<E> for its episodes per slice "
+    "(rollout.max_episodes_per_slice)")
 _SFT_STEPS = flags.DEFINE_integer("sft_steps", 300,
                                   "supervised warm-start steps (0: start from the random init)")
 _CURVES = flags.DEFINE_bool("curves", False, "reward curves instead of the throughput table")

@@ -14,27 +14,28 @@ import shutil
 COLOCATED = "colocated_sync"
 
 
-def spec_versions(spec: str) -> tuple[str, int | None]:
-    """'dora_k2_v1' -> ('dora_k2', 1): a run spec's versions per slice, if it names them."""
-    rest, sep, v = spec.rpartition("_v")
-    if sep and v.isdigit():
-        return rest, int(v)
-    return spec, None
+def spec_parts(spec: str) -> tuple[str, dict]:
+    """'dora_k2_v1_e32' -> ('dora', {'k': 2, 'v': 1, 'e': 32}): a run spec's mode and
+    the suffixes it names: staleness bound K, versions per slice V, episodes per slice E
+    (`rollout.max_episodes_per_slice`)."""
+    parts, named = spec.split("_"), {}
+    while len(parts) > 1 and parts[-1][:1] in ("k", "v", "e") and parts[-1][1:].isdigit():
+        named.setdefault(parts[-1][0], int(parts.pop()[1:]))
+    return "_".join(parts), named
 
 
 def parse_spec(spec: str) -> tuple[str, int | None]:
-    """'dora_k2' -> ('dora', 2); 'sync' -> ('sync', None); a '_v<V>' suffix is ignored."""
-    mode, sep, k = spec_versions(spec)[0].rpartition("_k")
-    if sep and k.isdigit():
-        return mode, int(k)
-    return spec, None
+    """'dora_k2' -> ('dora', 2); 'sync' -> ('sync', None); other suffixes are ignored."""
+    mode, named = spec_parts(spec)
+    return mode, named.get("k")
 
 
 def run_config(base, spec: str, *, steps: int, seed: int | None = None,
                init_checkpoint: str | None = None):
     """The ConfigDict of one measured run: `base` with the spec's mode (and layout, for
-    COLOCATED), staleness bound and versions per slice ('_v<V>'; else K + 1 for dora
-    on a base holding several, 1 for the other modes), and no periodic checkpoints."""
+    COLOCATED), staleness bound, versions per slice ('_v<V>'; else K + 1 for dora
+    on a base holding several, 1 for the other modes), episodes per slice ('_e<E>'),
+    and no periodic checkpoints."""
     from dora_jax.config.model import colocate
 
     c = base.copy_and_resolve_references()
@@ -49,7 +50,10 @@ def run_config(base, spec: str, *, steps: int, seed: int | None = None,
     c.coordinator.mode = mode
     if k is not None:
         c.coordinator.max_staleness = k
-    versions = spec_versions(spec)[1]
+    named = spec_parts(spec)[1]
+    versions = named.get("v")
+    if "e" in named:
+        c.rollout.max_episodes_per_slice = named["e"]
     if versions is not None:
         c.rollout.versions_per_slice = versions
     elif c.rollout.versions_per_slice > 1:

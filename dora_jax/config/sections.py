@@ -14,7 +14,7 @@ from .schema import Section, fail, field
 
 # Allowed values: each list has its one owner here.
 FAIL_POINTS = ("generate", "load", "export", "import")  # runtime/faults.py
-KILL_POINTS = ("", "train", "save", "finished_waiting")
+KILL_POINTS = ("", "train", "save", "finished_waiting", "at_environment")
 ADVANTAGES = ("grpo", "drgrpo", "rloo")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                   "seq-mean-token-sum-norm", "seq-mean-token-sum-over-max-len")
@@ -204,7 +204,9 @@ class CoordinatorConfig(Section):
     # The same for the whole process (runtime/faults.py KillPlan): SIGKILL the
     # (`kill_after` + 1)-th time the run reaches `kill_point` ("": never; "train": a
     # step begun; "save": a checkpoint being written; "finished_waiting": finished
-    # groups waiting on a busy trainer). The same command then resumes the run.
+    # groups waiting on a busy trainer; "at_environment": samples just finished while
+    # four or more episodes wait for their environments). The same command then
+    # resumes the run.
     kill_point: str = field("", choices=KILL_POINTS)
     kill_after: int = field(0, min=0)
     # Rewards run in this many worker processes, never in the coordinator's

@@ -35,6 +35,13 @@ Variants (each warm-started as above, with its own --config):
       the tool is worth
   python -m dora_jax.main --config=configs/multiturn.py:tiny --workdir=/tmp/mt_tiny
       3 steps of 2 groups from the random init: a smoke run of the whole path
+  python -m dora_jax.main --config=configs/multiturn.py:slow_tools --workdir=/tmp/mt_slow
+      the calculator as a slow remote tool (0.4 s median per call, heavy-tailed),
+      six episodes per slot (rollout.max_episodes_per_slice), 32 groups in flight:
+      slots decode other episodes while one waits. Slots held (one episode each,
+      _e8) vs released, side by side:
+      python -m dora_jax.bench.modes --config=configs/multiturn.py:slow_tools \
+        --workdir=/tmp/mt_slow_modes --modes=dora_k2_e8,dora_k2 --steps=20 --reps=2
 
 Tokenizer and model as configs/quickstart.py (the 512-token BPE of
 dora_jax/assets/tokenizer; a Qwen3-family policy of 459,520 parameters); mesh as
@@ -45,7 +52,7 @@ slots); groups of 8, 8 groups per step, 16 admitted ahead, max_staleness 2.
 from dora_jax.configs import quickstart
 from dora_jax.data import word_problems
 
-VARIANTS = (None, "guess", "python", "no_tool", "tiny")
+VARIANTS = (None, "guess", "python", "no_tool", "tiny", "slow_tools")
 
 
 def get_config(arg=None):
@@ -62,6 +69,15 @@ def get_config(arg=None):
         c.trainer.length_buckets = (128, 192)
     elif arg in ("python", "no_tool"):
         c.data.env = arg
+    elif arg == "slow_tools":
+        # The calculator answering like a remote tool: 0.4 s at the median (a model
+        # turn of ~15 tokens takes 50 to 80 ms here), a log-normal tail clipped at 4 s.
+        # An episode spends most of its time at its tool, so six episodes per slot
+        # (and the groups in flight to fill them) keep the slots decoding.
+        c.data.update(dict(env_latency_median=0.4, env_latency_sigma=0.75,
+                           env_latency_max=4.0, env_workers=64))
+        c.rollout.max_episodes_per_slice = 6 * c.rollout.slots_per_slice
+        c.coordinator.rollout_batch_size = 32
     elif arg == "tiny":
         c.coordinator.update(dict(group_size=4, train_batch_size=2, rollout_batch_size=4,
                                   num_steps=3))

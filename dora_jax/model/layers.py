@@ -131,8 +131,8 @@ class Attention(nnx.Module):
         """Causal self-attention over the sequence; also returns its (k, v).
 
         past: (k_BPKD, v_BPKD, length) of positions before this sequence, of which
-        the first `length` are real: every token also attends to them (a prefix
-        extended, not recomputed).
+        the first `length` (a scalar, or one per row [B]) are real: every token also
+        attends to them (a prefix extended, not recomputed).
         segment_ids_BT: packed rows (int, 0 padding): attention stays within each
         segment (see attention.py); not with `past`."""
         q, k, v = self._qkv(x_BTD, positions_BT)
@@ -142,11 +142,12 @@ class Attention(nnx.Module):
             return self._out(o), (k, v)
         past_k, past_v, length = past
         B, T, P = x_BTD.shape[0], x_BTD.shape[1], past_k.shape[1]
-        mask_TS = jnp.concatenate([jnp.broadcast_to(jnp.arange(P) < length, (T, P)),
-                                   jnp.tril(jnp.ones((T, T), bool))], axis=1)
+        held_B11 = jnp.reshape(length, (-1, 1, 1))
+        mask_BTS = jnp.concatenate([jnp.broadcast_to(jnp.arange(P) < held_B11, (B, T, P)),
+                                    jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)),
+                                                     (B, T, T))], axis=2)
         o = attend(q, jnp.concatenate([past_k.astype(self.dtype), k], axis=1),
-                   jnp.concatenate([past_v.astype(self.dtype), v], axis=1),
-                   jnp.broadcast_to(mask_TS, (B, T, P + T)))
+                   jnp.concatenate([past_v.astype(self.dtype), v], axis=1), mask_BTS)
         return self._out(o), (k, v)
 
     def decode(self, x_B1D, positions_B, k_cache_LBSKD, v_cache_LBSKD, layer):

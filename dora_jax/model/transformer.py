@@ -184,9 +184,9 @@ class Transformer(nnx.Module):
         padding). aux holds the MoE losses averaged over MoE layers (zeros for a
         dense model);
         kv is a `KVCache` of this sequence's keys/values (length T) for prefill.
-        past: the KV cache ([layers, B, P, ...]) of the `past_length` positions before
-        `tokens_BT`, which then continue them (positions from past_length on): a
-        prefix extended by a chunk.
+        past: the KV cache ([layers, B, P, ...]) of the `past_length` positions (a
+        scalar, or one per row [B]) before `tokens_BT`, which then continue them
+        (positions from past_length on): prefixes extended by a chunk each.
         segment_ids_BT: packed rows (int32 [B, T]): several sequences concatenated in
         a row, numbered 1, 2, ... contiguously, 0 for padding (anywhere). Each token
         attends only to earlier tokens of its own sequence, so a sequence's logits are
@@ -208,8 +208,8 @@ class Transformer(nnx.Module):
                 positions_BT = segment_positions(segment_ids_BT)
             if valid_BT is None:
                 valid_BT = segment_ids_BT > 0
-        if positions_BT is None:
-            start = 0 if past is None else past_length
+        if positions_BT is None:  # past_length: a scalar, or one per row [B]
+            start = 0 if past is None else jnp.reshape(past_length, (-1, 1))
             positions_BT = jnp.broadcast_to(start + jnp.arange(T), (B, T))
         x = constrain(self._embed(tokens_BT), ("batch", "length", "embed"))
         split = [nnx.split(b) for b in self.blocks]

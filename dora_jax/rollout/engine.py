@@ -5,8 +5,9 @@ Params are an argument of every prefill and generate call; the engine holds none
 one engine serves any version and several versions coexist as several pytrees.
 Extensions to the API (keyword arguments with defaults, or methods of their own): per-
 request `rng`, `num_generated` and `max_new_tokens` of prefill; `length` and
-`shared_pages` of insert (paged cache); `generate_steps`; `extract` (a slot as a
-Prefix, for migration); `pad_tokens`; `generate_fn` (the pure step).
+`shared_pages` of insert (paged cache); `generate_steps`; `prefill_continuations`
+(several prefixes extended in one call); `extract` (a slot as a Prefix, for
+migration); `pad_tokens`; `generate_fn` (the pure step).
 
 `generate_steps` advances every active slot by up to `rollout.decode_steps` tokens in
 one dispatch (a `lax.while_loop`, stop and length masks on device) and one host read;
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from jax.sharding import Mesh
 
-from dora_jax.buckets import doubling_buckets, pick_bucket
+from dora_jax.buckets import pick_bucket, prefill_buckets
 from dora_jax.config import DECODE_RULES, ModelConfig, RolloutConfig
 from dora_jax.model import transformer
 from dora_jax.rollout import sampling
@@ -39,35 +40,6 @@ from dora_jax.rollout.state import DecodeState, EngineParams, Prefix
 
 if TYPE_CHECKING:  # the tokenizer's libraries load only when a tokenizer is asked for
     from dora_jax.text.tokenizer import Tokenizer, TokenizerParameters
-
-
-def prefill_buckets(rollout: RolloutConfig) -> tuple:
-    """Padded prefill lengths: the prompt buckets, then doubling buckets up to
-    cache_length for re-prefilling prompt + tokens so far."""
-    return doubling_buckets(rollout.prefill_buckets, rollout.cache_length)
-
-
-def _stop_ids(rollout_cfg, tokenizer_path, stop_ids) -> tuple:
-    """Explicit stop ids; else none if `eos_id < 0`; else eos_id and, with a
-    tokenizer, every stop id it carries (read from its directory once)."""
-    if stop_ids is not None:
-        ids = [int(i) for i in stop_ids]
-    elif rollout_cfg.eos_id < 0:
-        ids = []
-    else:
-        ids = [rollout_cfg.eos_id]
-        if tokenizer_path is not None:
-            from dora_jax.text.tokenizer import Tokenizer
-            ids += Tokenizer.from_pretrained(tokenizer_path).stop_ids
-    return tuple(dict.fromkeys(ids))
-
-
-def _no_sampler(sampler) -> None:
-    # Behaviour log-probs must be those of the distribution sampled from: the engine
-    # samples with its own SamplingParams, fixed when it is built.
-    if sampler is not None:
-        raise NotImplementedError("a per-call sampler is not supported: the engine samples "
-                                  "with the SamplingParams it was built with")
 
 
 class Engine:
@@ -94,7 +66,7 @@ class Engine:
         check_versions(model_cfg, versions)
         self.model_cfg, self.rollout_cfg, self._mesh = model_cfg, rollout_cfg, mesh
         self.tokenizer_path = tokenizer_path
-        self.stop_ids = _stop_ids(rollout_cfg, tokenizer_path, stop_ids)
+        self.stop_ids = sampling.stop_ids(rollout_cfg, tokenizer_path, stop_ids)
         bad = [i for i in self.stop_ids if not 0 <= i < model_cfg.vocab_size]
         if bad:
             raise ValueError(f"stop ids {bad} are outside the vocabulary "
@@ -233,7 +205,7 @@ class Engine:
         ResultTokens with one row per sample. `rng`: one per sample, each as
         prefill's, so that sample i decodes as the prompt prefilled alone with rng[i]
         does. Other arguments (and the extensions) as in `prefill`."""
-        _no_sampler(sampler)
+        sampling.refuse_sampler(sampler)
         rngs = [None] * num_samples if rng is None else list(rng)
         if num_samples < 1 or len(rngs) != num_samples:
             raise ValueError(f"prefill: need one rng per sample ({num_samples}), got "
@@ -241,6 +213,51 @@ class Engine:
         if any(r is None for r in rngs) and not self.sampling_params.greedy:
             raise ValueError("prefill: a per-request rng is required when sampling")
         keys_N2 = np.stack([sampling.key_data_from_seed(0 if r is None else r) for r in rngs])
+        tokens_T, limit = self._checked(padded_tokens, true_length, num_generated,
+                                        max_new_tokens, existing_prefix is not None)
+        done = np.int32(num_generated)
+        if existing_prefix is None:
+            return self._jit.prefill(params, tokens_T, np.int32(true_length), keys_N2, done,
+                                     limit)
+        if true_length == 0:
+            return self._jit.resample(existing_prefix, keys_N2, done, limit)
+        return self._jit.extend(params, existing_prefix, tokens_T, np.int32(true_length),
+                                keys_N2, done, limit,
+                                self._extended_length(existing_prefix, tokens_T))
+
+    def prefill_continuations(self, *, params: EngineParams, prefixes: list,
+                              padded_tokens: list, true_lengths: list, rngs: list,
+                              num_generated: list, max_new_tokens: list) -> list:
+        """Extension: `prefill(existing_prefix=prefixes[i], padded_tokens=...[i], ...)`
+        for several requests in one batched call, each as alone (the observations of
+        episodes that arrived together). The prefixes share a cache length and the
+        tokens a bucket; at least one token each. Returns [(Prefix, ResultTokens)]."""
+        n = len(prefixes)
+        if not n or any(len(x) != n for x in (padded_tokens, true_lengths, rngs,
+                                               num_generated, max_new_tokens)):
+            raise ValueError("prefill_continuations: one of each argument per request")
+        rows = [self._checked(t, c, g, m, True) for t, c, g, m in zip(
+            padded_tokens, true_lengths, num_generated, max_new_tokens)]
+        if (len({p.cache.length for p in prefixes}) != 1 or len({r[0].shape for r in rows}) != 1
+                or min(true_lengths) < 1):
+            raise ValueError("prefill_continuations: prefixes of one cache length, tokens of "
+                             "one bucket, at least one token each")
+        if any(r is None for r in rngs) and not self.sampling_params.greedy:
+            raise ValueError("prefill: a per-request rng is required when sampling")
+        # Compiled per power of two of rows: the padding rows repeat the first.
+        idx = list(range(n)) + [0] * ((1 << (n - 1).bit_length()) - n)
+        keys = [sampling.key_data_from_seed(0 if r is None else r)[None] for r in rngs]
+        prefixes_out, results = self._jit.extend_many(
+            params, tuple(prefixes[i] for i in idx), np.stack([rows[i][0] for i in idx]),
+            np.asarray([true_lengths[i] for i in idx], np.int32), np.stack([keys[i] for i in idx]),
+            np.asarray([num_generated[i] for i in idx], np.int32),
+            np.asarray([rows[i][1] for i in idx], np.int32),
+            self._extended_length(prefixes[0], rows[0][0]))
+        return list(zip(prefixes_out[:n], results[:n]))
+
+    def _checked(self, padded_tokens, true_length, num_generated, max_new_tokens,
+                 continued: bool) -> tuple[np.ndarray, np.int32]:
+        """(tokens, the response-length limit) of a prefill's arguments, checked."""
         tokens_T = np.asarray(padded_tokens, np.int32)
         if tokens_T.ndim != 1 or tokens_T.shape[0] not in self.buckets:
             raise ValueError(f"prefill: padded_tokens must be 1-D with length in "
@@ -252,25 +269,20 @@ class Engine:
             raise ValueError(f"prefill: true_length ({true_length}) must be in [0, padded "
                              f"length ({tokens_T.shape[0]})]")
         prompt_len = true_length - num_generated
-        if existing_prefix is None and not 1 <= prompt_len <= self.max_prefill_length:
+        if not continued and not 1 <= prompt_len <= self.max_prefill_length:
             raise ValueError(f"prefill: need 1 <= prompt length ({prompt_len}) <= "
                              f"max_prefill_length ({self.max_prefill_length})")
         limit = np.int32(min(max_new_tokens or self.max_decode_len, self.max_decode_len))
         if limit <= num_generated:
             raise ValueError(f"prefill: max_new_tokens ({max_new_tokens}) must exceed "
                              f"num_generated ({num_generated})")
-        done = np.int32(num_generated)
-        if existing_prefix is None:
-            return self._jit.prefill(params, tokens_T, np.int32(true_length), keys_N2, done,
-                                     limit)
-        if true_length == 0:
-            return self._jit.resample(existing_prefix, keys_N2, done, limit)
-        # The result's bucket: room for the prefix's and the chunk's padded lengths.
-        room = existing_prefix.cache.length + tokens_T.shape[0]
-        length = (self.cache_length if room >= self.cache_length
-                  else pick_bucket(room, self.buckets, "prefill buckets"))
-        return self._jit.extend(params, existing_prefix, tokens_T, np.int32(true_length),
-                                keys_N2, done, limit, length)
+        return tokens_T, limit
+
+    def _extended_length(self, prefix: Prefix, tokens_T) -> int:
+        """The bucket of a prefix extended by a chunk: room for both padded lengths."""
+        room = prefix.cache.length + tokens_T.shape[0]
+        return (self.cache_length if room >= self.cache_length
+                else pick_bucket(room, self.buckets, "prefill buckets"))
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, request_id=None,
                *, length: int | None = None, shared_pages=()) -> DecodeState:
@@ -330,7 +342,7 @@ class Engine:
         DecodeState, ResultTokens [S, 6]; rows of inactive slots are not valid).
         Paged cache: first maps the pages the step writes (PagesExhausted if the
         pool is short). sampler: must be None."""
-        _no_sampler(sampler)
+        sampling.refuse_sampler(sampler)
         return self._jit.step(params, decode_state, self._page_view(1))
 
     # ----------------------------------------------------------- extensions

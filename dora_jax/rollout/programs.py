@@ -105,6 +105,38 @@ class Programs:
         logits_1V = jax.lax.dynamic_slice_in_dim(logits_1CV[0], count - 1, 1, axis=0)
         return self._first_tokens(kv, logits_1V, held + count, keys_N2, num_generated, limit)
 
+    def extend_many(self, params, prefixes: tuple, chunks_BC, counts_B, keys_BN2,
+                    num_generated_B, limits_B, length: int):
+        """`extend` of each row (prefix i, chunk i, ...) in one batched forward; returns
+        (a Prefix per row, a ResultTokens per row). The prefixes share a cache length."""
+        B, C = chunks_BC.shape
+        past = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1),
+                            *[p.cache for p in prefixes])
+        held_B = jnp.stack([p.position for p in prefixes])
+        with self._tracing(params):
+            logits_BCV, _, kv = transformer.apply(
+                self.graphdef, self._params(params), chunks_BC, dropless=True,
+                return_kv=True, past=past, past_length=held_B)
+        T0 = past.length
+
+        def assemble(old_1, new_1, held):  # one row: room for the chunk, then cut
+            buf = jnp.zeros((old_1.shape[0], max(T0, length) + C, *old_1.shape[2:]),
+                            old_1.dtype)
+            buf = jax.lax.dynamic_update_slice_in_dim(buf, old_1, 0, axis=1)
+            buf = jax.lax.dynamic_update_slice_in_dim(buf, new_1.astype(old_1.dtype), held,
+                                                      axis=1)
+            return buf[:, :length]
+
+        rows = jax.vmap(assemble, in_axes=(1, 1, 0), out_axes=1)
+        kv = jax.tree.map(lambda old, new: rows(old, new, held_B), past, kv)
+        logits_BV = jnp.take_along_axis(logits_BCV, (counts_B - 1)[:, None, None], axis=1)[:, 0]
+        out = []
+        for i in range(B):
+            cache_i = jax.tree.map(lambda x, i=i: x[:, i:i + 1], kv)
+            out.append(self._first_tokens(cache_i, logits_BV[i:i + 1], held_B[i] + counts_B[i],
+                                          keys_BN2[i], num_generated_B[i], limits_B[i]))
+        return tuple(o[0] for o in out), tuple(o[1] for o in out)
+
     def resample(self, prefix: Prefix, keys_N2, num_generated, limit):
         """N more samples of `prefix`'s text: first tokens from its logits."""
         return self._first_tokens(prefix.cache, prefix.logits[None], prefix.position, keys_N2,
@@ -219,6 +251,7 @@ class Jitted(NamedTuple):
 
     prefill: Callable
     extend: Callable
+    extend_many: Callable
     resample: Callable
     insert: Callable
     step: Callable
@@ -249,6 +282,7 @@ def jit_programs(fn: Programs, mesh: Mesh, rules, param_sh, *, paged: bool) -> J
         prefill=jax.jit(fn.prefill, in_shardings=(param_sh, *[rep] * 5), out_shardings=out),
         extend=jax.jit(fn.extend, static_argnums=(7,), out_shardings=out,
                        in_shardings=(param_sh, prefix_sh, *[rep] * 5)),
+        extend_many=jax.jit(_rows_constrained(fn.extend_many, out), static_argnums=(7,)),
         resample=jax.jit(fn.resample, in_shardings=(prefix_sh, rep, rep, rep),
                          out_shardings=out),
         insert=jax.jit(fn.insert, donate_argnums=(1,), out_shardings=state_sh,
@@ -262,3 +296,13 @@ def jit_programs(fn: Programs, mesh: Mesh, rules, param_sh, *, paged: bool) -> J
         extract=jax.jit(fn.extract, static_argnums=(3,), out_shardings=prefix_sh,
                         in_shardings=(state_sh, rep, rep)),
         prefix_sharding=prefix_sh)
+
+
+def _rows_constrained(extend_many, row_sharding):
+    """`extend_many` with each row's outputs laid out as a single `extend`'s, which
+    `insert` takes (the row count is only known when traced)."""
+    def constrained(params, prefixes, *rest):
+        prefixes_out, results_out = extend_many(params, prefixes, *rest)
+        return (tuple(jax.lax.with_sharding_constraint(p, row_sharding[0]) for p in prefixes_out),
+                tuple(jax.lax.with_sharding_constraint(r, row_sharding[1]) for r in results_out))
+    return constrained

@@ -104,3 +104,26 @@ def sample(logits_BV: jax.Array, keys_B: jax.Array, sp: SamplingParams):
     tokens_B = tokens_B.astype(jnp.int32)
     logprobs_B = jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=-1)[:, 0]
     return tokens_B, logprobs_B
+
+
+def stop_ids(rollout_cfg, tokenizer_path, explicit) -> tuple:
+    """The ids that end a sample: `explicit` ones; else none if `eos_id < 0`; else
+    eos_id and, with a tokenizer, every stop id it carries (read from its directory)."""
+    if explicit is not None:
+        ids = [int(i) for i in explicit]
+    elif rollout_cfg.eos_id < 0:
+        ids = []
+    else:
+        ids = [rollout_cfg.eos_id]
+        if tokenizer_path is not None:
+            from dora_jax.text.tokenizer import Tokenizer
+            ids += Tokenizer.from_pretrained(tokenizer_path).stop_ids
+    return tuple(dict.fromkeys(ids))
+
+
+def refuse_sampler(sampler) -> None:
+    # Behaviour log-probs must be those of the distribution sampled from: the engine
+    # samples with its own SamplingParams, fixed when it is built.
+    if sampler is not None:
+        raise NotImplementedError("a per-call sampler is not supported: the engine samples "
+                                  "with the SamplingParams it was built with")

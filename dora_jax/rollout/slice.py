@@ -56,10 +56,11 @@ class DecodeSlice:
         self.calls = DecodeCalls(slice_id, engine, self.slots, self.stats, self._finish,
                                  lookahead=lookahead)
         self.memory = SliceMemory(engine)
-        self.prefills = Prefills(engine, self.memory, self.stats)
         self.versions = ResidentVersions(
             slice_id, engine, self._held_versions,
             lambda: self.memory.forget(list(self.memory.prefixes)), self.stats)
+        self.prefills = Prefills(engine, self.memory, self.stats, self.slots, self.versions,
+                                 self.calls, clock)
         self._held: dict = {}  # request_id -> InFlight (waiting and running)
         self._waiting: collections.deque = collections.deque()
         self._done: list = []  # finished Trajectories not yet returned by step()
@@ -179,7 +180,10 @@ class DecodeSlice:
                 self._end_episode(seq, why)
         while (self._waiting and not self.slots.full
                and self.memory.has_pages_for(self._waiting[0])):
-            self._start(self._waiting.popleft(), self.slots.lowest_free())
+            if self._waiting[0].kept is not None:  # observations in: prefilled together
+                self.prefills.continue_waiting(self._waiting)
+            else:
+                self.prefills.start(self._waiting.popleft(), self.slots.lowest_free())
         n = 0
         if self.slots.busy:
             # A whole call even with a free slot: it ends after the first step in which
@@ -241,7 +245,7 @@ class DecodeSlice:
             seq.kept, seq.unwritten = None, 0  # KV kept between turns: the old version's
         self.turns.drop_kept()
         for seq in running:
-            self._start(seq, seq.slot)
+            self.prefills.start(seq, seq.slot)
         return seconds
 
     # ------------------------------------------------------------ migration
@@ -303,11 +307,16 @@ class DecodeSlice:
                         seq.kept = jax.device_put(seq.kept, dst)
                     self._waiting.append(seq)
                 continue
+            if self.slots.full:  # more held than slots: it waits, its KV kept and its
+                # last token to run again (as an observation would) when it gets a slot
+                seq.kept, seq.unwritten = jax.device_put(f.prefix, dst), 1
+                self._waiting.appendleft(seq)
+                continue
             slot = self.slots.lowest_free()
             self.versions.set_slot(slot, f.version)
             self.calls.state = self.engine.insert(jax.device_put(f.prefix, dst),
                                                   self.calls.state, slot, length=f.length)
-            self._place(seq, slot, f.length)
+            self.prefills.place(seq, slot, f.length)
         self.stats.migrated_in += len(inflights)
 
     # ------------------------------------------------------------ internals
@@ -331,17 +340,6 @@ class DecodeSlice:
                 f"slice {self.slice_id}: {len(ids)} request(s) but only "
                 f"{self.num_free_slots} free slot(s) of {self.num_slots}")
 
-    def _start(self, seq: InFlight, slot: int):
-        """Prefills `seq` into `slot` (slice_prefill.py); the result is read at the
-        next sync."""
-        self.versions.set_slot(slot, seq.version)
-        self.calls.state, result = self.prefills.into_slot(
-            seq, self.calls.state, slot, self.versions.prefill_params(seq.version))
-        if seq.t_start is None:
-            seq.t_start = self.clock()
-        self._place(seq, slot, seq.length)
-        self.calls.prefilled(seq, result)
-
     def _end_episode(self, seq: InFlight, why: str):
         """Ends an episode between turns. Its finish reason says how its last model
         turn ended (at a stop id: "eos"); `episode.end` says why the episode did."""
@@ -349,11 +347,6 @@ class DecodeSlice:
         del self._held[seq.request.request_id]
         self._done.append(seq.to_trajectory("eos", self.clock()))
         self.stats.finished += 1
-
-    def _place(self, seq: InFlight, slot: int, written: int):
-        self.slots.place(seq, slot, len(seq.request.prompt_tokens), written)
-        if self.engine.pages is not None:
-            self.stats.peak_pages = max(self.stats.peak_pages, self.engine.pages.num_used)
 
     def _free(self, seq: InFlight):
         self.engine.free_resource(seq.slot)
@@ -367,23 +360,15 @@ class DecodeSlice:
         versions_lib.extend(seq.versions, seq.version, len(tokens))
 
     def _reserve_pages(self, n: int):
-        """Makes room in the pool for a call of n steps of every running slot: lets the
-        prompt pages go, then sends the most recently started request back to the head
-        of the queue with its tokens (resumed under the same version: C1)."""
-        if self.memory.short(n):
-            self.calls.sync()  # finished requests give their pages back
-        while self.memory.short(n):
-            if self.memory.drop_prompt_pages():
-                continue
-            if self.slots.owned.sum() <= 1:
-                raise RolloutError(f"slice {self.slice_id}: KV pool of "
-                                   f"{self.engine.pages.num_pages} pages cannot hold one "
-                                   f"request")
-            victim = self.slots.owner(self.slots.latest_started())
+        """Room in the pool for a call of n steps of every running slot (`memory.
+        make_room`): a request preempted goes back to the head of the queue with its
+        tokens (resumed under the same version: C1)."""
+        def preempt(victim):
             self._flush(victim)
             self._free(victim)
             self._waiting.appendleft(victim)
             self.stats.preempted += 1
+        self.memory.make_room(n, self.slots, self.calls.sync, preempt, self.slice_id)
 
     def _finish(self, seq: InFlight):
         self._flush(seq)

@@ -17,6 +17,8 @@ Requests are read through `request` (prompt, group), `response_tokens` and `leng
 
 from __future__ import annotations
 
+from dora_jax.rollout.trajectory import RolloutError
+
 
 def prompt_key(request) -> tuple:
     """The prompt cache's key: samples of one group share their prompt."""
@@ -66,22 +68,44 @@ class SliceMemory:
                    for s in waiting)
         return (pool.num_free - pool.shortfall(n) - need) * pool.page_size
 
-    def has_pages_for(self, seq) -> bool:
-        """Paged cache: the pool has pages for this request's first generate call and
-        for the next call of every running slot."""
+    def pages_needed(self, seq) -> int:
+        """Paged cache: pages this request's start and first generate call take."""
+        pool = self.engine.pages
+        if pool is None:
+            return 0
+        n, r = self.engine.decode_steps, seq.request
+        shared = 0 if seq.response_tokens else len(self.pages.get(prompt_key(r), ()))
+        return pool.pages_for(min(seq.length + n, self.engine.cache_length)) - shared
+
+    def has_pages_for(self, seq, also: int = 0) -> bool:
+        """Paged cache: the pool has pages for this request's first generate call, for
+        `also` more pages (others starting with it) and for the next call of every
+        running slot."""
         pool = self.engine.pages
         if pool is None:
             return True
-        n, r = self.engine.decode_steps, seq.request
-        shared = 0 if seq.response_tokens else len(self.pages.get(prompt_key(r), ()))
-        need = pool.pages_for(min(seq.length + n,
-                                  self.engine.cache_length)) - shared
-        return need + pool.shortfall(n) <= pool.num_free
+        need = self.pages_needed(seq) + also
+        return need + pool.shortfall(self.engine.decode_steps) <= pool.num_free
 
     def short(self, n: int) -> bool:
         """Paged cache: a call of n steps of every running slot does not fit."""
         pool = self.engine.pages
         return pool.shortfall(n) > pool.num_free
+
+    def make_room(self, n: int, slots, sync, preempt, slice_id: int) -> None:
+        """Paged cache: room for a call of n steps of every running slot: what finished
+        in flight is read (`sync`), the prompt pages let go, then the most recently
+        started request of `slots` is preempted (`preempt(seq)`), as often as needed."""
+        if self.short(n):
+            sync()  # finished requests give their pages back
+        while self.short(n):
+            if self.drop_prompt_pages():
+                continue
+            if slots.owned.sum() <= 1:
+                raise RolloutError(f"slice {slice_id}: KV pool of "
+                                   f"{self.engine.pages.num_pages} pages cannot hold one "
+                                   f"request")
+            preempt(slots.owner(slots.latest_started()))
 
     def drop_prompt_pages(self) -> bool:
         """Lets go of the shared prompt pages (their samples keep their mappings);

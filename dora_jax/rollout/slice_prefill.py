@@ -1,24 +1,59 @@
-"""What a decode slice runs before a sample decodes in a slot (`DecodeSlice.prefills`).
+"""What a decode slice runs to put a sample in a slot (`DecodeSlice.prefills`).
 
 The group's prompt runs once under the resident params: a fresh sample draws its first
 token from the prompt's prefix, a resumed one (preempted, or re-prefilled under new
 params) runs only its own tokens on top of it, and on a paged cache they all map the
 prompt's pages (slice_memory.py). An episode between turns runs only its unwritten
-tokens (the last turn's end and the observation) on top of the KV it kept.
+tokens (the last turn's end and the observation) on top of the KV it kept; episodes
+whose observations arrived together run in one batched call (`continue_waiting`).
+The prefill's first token is read with the slice's next call (`calls.prefilled`).
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from dora_jax.rollout.slice_memory import prompt_key
 from dora_jax.rollout.trajectory import InFlight
 
 
 class Prefills:
-    """Prefills into the slots of one engine's decode state, sharing the slice's
-    prompt cache (`memory`) and counting into its `stats`."""
+    """Prefills into the slots of one slice's decode state, sharing its prompt cache
+    (`memory`), slot table, resident versions and calls, counting into its `stats`."""
 
-    def __init__(self, engine, memory, stats):
+    def __init__(self, engine, memory, stats, slots, versions, calls, clock):
         self._engine, self._memory, self._stats = engine, memory, stats
+        self._slots, self._versions, self._calls, self._clock = slots, versions, calls, clock
+
+    def start(self, seq: InFlight, slot: int) -> None:
+        """Prefills `seq` into `slot` under its version's params."""
+        self._versions.set_slot(slot, seq.version)
+        self._calls.state, result = self.into_slot(
+            seq, self._calls.state, slot, self._versions.prefill_params(seq.version))
+        if seq.t_start is None:
+            seq.t_start = self._clock()
+        self.place(seq, slot, seq.length)
+        self._calls.prefilled(seq, result)
+
+    def continue_waiting(self, waiting) -> None:
+        """The episodes at the head of `waiting` whose observations are in, into free
+        slots, in one prefill (`take_continuations`)."""
+        free = np.flatnonzero(~self._slots.owned)
+        seqs = self.take_continuations(waiting, len(free))
+        slots = [int(s) for s in free[:len(seqs)]]
+        for seq, slot in zip(seqs, slots):
+            self._versions.set_slot(slot, seq.version)
+        self._calls.state, results = self.continue_episodes(
+            seqs, self._calls.state, slots, self._versions.prefill_params(seqs[0].version))
+        for seq, slot, result in zip(seqs, slots, results):
+            self.place(seq, slot, seq.length)
+            self._calls.prefilled(seq, result)
+
+    def place(self, seq: InFlight, slot: int, written: int) -> None:
+        """`seq` holds `slot`, whose KV has `written` positions."""
+        self._slots.place(seq, slot, len(seq.request.prompt_tokens), written)
+        if self._engine.pages is not None:
+            self._stats.peak_pages = max(self._stats.peak_pages, self._engine.pages.num_used)
 
     def into_slot(self, seq: InFlight, state, slot: int, params):
         """Prefills `seq` (prompt + response so far) into `slot` of `state` under
@@ -61,3 +96,46 @@ class Prefills:
         seq.kept, seq.unwritten = None, 0
         self._stats.observation_tokens += t - 1
         return engine.insert(prefix, state, slot, length=seq.length), result
+
+    def take_continuations(self, waiting, room: int) -> list:
+        """Takes from the head of `waiting` the episodes whose observations are in
+        (their KV kept), of the head's version, up to `room` and as far as the pool's
+        pages go: those `continue_episodes` prefills together."""
+        head, out, pages = waiting[0], [], 0
+        while (waiting and len(out) < room and waiting[0].kept is not None
+               and waiting[0].version == head.version
+               and self._memory.has_pages_for(waiting[0], also=pages)):
+            pages += self._memory.pages_needed(waiting[0])
+            out.append(waiting.popleft())
+        return out
+
+    def continue_episodes(self, seqs: list, state, slots: list, params):
+        """Episodes' observations on their kept KV into `slots`, one prefill call for
+        those whose kept KV and new tokens share their shapes; returns (the new state,
+        each one's ResultTokens)."""
+        engine, rows = self._engine, {}
+        for i, seq in enumerate(seqs):
+            done = seq.response_tokens
+            padded, t = engine.pad_tokens(done[len(done) - seq.unwritten:])
+            rows.setdefault((seq.kept.cache.length, padded.shape[0]), []).append((i, padded, t))
+        results: list = [None] * len(seqs)
+        for group in rows.values():
+            if len(group) == 1:
+                i = group[0][0]
+                state, results[i] = self._continue_episode(seqs[i], state, slots[i], params)
+                continue
+            mine = [seqs[i] for i, _, _ in group]
+            outs = engine.prefill_continuations(
+                params=params, prefixes=[q.kept for q in mine],
+                padded_tokens=[p for _, p, _ in group], true_lengths=[t for *_, t in group],
+                rngs=[q.request.key_data() for q in mine],
+                num_generated=[len(q.response_tokens) for q in mine],
+                max_new_tokens=[q.request.max_new_tokens for q in mine])
+            self._stats.observation_batches += 1
+            self._stats.observations_batched += len(group)
+            for (i, _, t), seq, (prefix, result) in zip(group, mine, outs):
+                seq.kept, seq.unwritten = None, 0
+                self._stats.observation_tokens += t - 1
+                state = engine.insert(prefix, state, slots[i], length=seq.length)
+                results[i] = result
+        return state, results

@@ -165,6 +165,8 @@ class SliceStats:
     migrated_out: int = 0
     preempted: int = 0  # running requests sent back to waiting: the KV pool was full
     observation_tokens: int = 0  # episodes' observation tokens prefilled on kept KV
+    observation_batches: int = 0  # prefill calls that ran several episodes' observations
+    observations_batched: int = 0  # the observations they ran
     kv_host_copies: int = 0  # episodes' kept KV moved to host memory or back
     kv_host_bytes: int = 0
     kv_host_seconds: float = 0.0

@@ -43,7 +43,8 @@ class KillPlan:
     """SIGKILL to this process the (`after` + 1)-th time the run reaches `point`:
     "train" (a train step begun, not published), "save" (a checkpoint's files being
     written in the background), "finished_waiting" (finished groups waiting for the
-    trainer, which is busy)."""
+    trainer, which is busy), "at_environment" (samples finished while episodes wait
+    for their environments)."""
 
     def __init__(self, point: str, after: int = 0):
         self.point, self._left = point, after

@@ -248,6 +248,8 @@ class Runtime(Driver):
             self.sched.kv_reported(ev.slice_id, ev.kv_free)
         if self.sched.trainer_busy and self.sched.num_finished_groups:
             self._drill("finished_waiting")
+        if sum(sl.num_at_environment for sl in self.slices) >= 4:
+            self._drill("at_environment")
 
     def _drill(self, point: str) -> None:
         if self._kill is not None:

@@ -271,6 +271,9 @@ class StepReporter:
         }
         if episodes:
             record["episodes"] = episodes
+            # Per slice: episodes waiting for their environment as the step ends.
+            record["at_environment"] = {str(sl.slice_id): sl.num_at_environment
+                                        for sl in slices}
         self._last["migrations"], self._last["transfer"] = migrations, transfer
         self.records.append(record)
         self._writer.put(record)

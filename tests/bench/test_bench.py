@@ -15,8 +15,15 @@ def test_parse_spec():
     assert runs.parse_spec("one_step_off") == ("one_step_off", None)
     assert runs.parse_spec("colocated_sync") == ("colocated_sync", None)
     assert runs.parse_spec("dora_k2_v1") == ("dora", 2)
-    assert runs.spec_versions("dora_k2_v1") == ("dora_k2", 1)
-    assert runs.spec_versions("dora_k2") == ("dora_k2", None)
+    assert runs.spec_parts("dora_k2_v1") == ("dora", {"k": 2, "v": 1})
+    assert runs.spec_parts("partial_rollout_e32") == ("partial_rollout", {"e": 32})
+    assert runs.spec_parts("one_step_off") == ("one_step_off", {})
+
+
+def test_a_run_spec_sets_episodes_per_slice(load_config):
+    base = load_config("configs/multiturn.py:tiny", validate=False)
+    assert runs.run_config(base, "dora_k2_e16", steps=2).rollout.max_episodes_per_slice == 16
+    assert runs.run_config(base, "dora_k2", steps=2).rollout.max_episodes_per_slice == 0
 
 
 def test_ratio_lines_use_the_better_sync_and_the_best_other_mode():

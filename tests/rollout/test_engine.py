@@ -222,3 +222,42 @@ def test_warm_up_compiles_every_paged_decode_bucket():
     finally:
         del eng.pages.view
     assert set(seen) == {8, 16, 32, 40}
+
+
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_continuations_prefilled_together_equal_each_alone(model):
+    """Three prefixes (their own prompts, each with tokens of its own appended) in one
+    batched call: each row's first token, log-prob, position and extended KV equal the
+    same prefill alone; three rows compile as four, the fourth dropped."""
+    eng = rc.engine(model, "sampled", 1)
+    params = eng.load_params(rc.params(model, 0))
+    prompts, chunks = rc.PROMPTS[1:4], [[11, 12, 13], [7], [21, 22, 23, 24, 25]]
+    bases = []
+    for i, prompt in enumerate(prompts):
+        padded, P = eng.pad_tokens(prompt)
+        bases.append(eng.prefill(params=params, padded_tokens=padded, true_length=P,
+                                 rng=i)[0])
+    padded = [eng.pad_tokens(c)[0] for c in chunks]
+    together = eng.prefill_continuations(
+        params=params, prefixes=bases, padded_tokens=padded,
+        true_lengths=[len(c) for c in chunks], rngs=[40, 41, 42],
+        num_generated=[len(c) for c in chunks], max_new_tokens=[None] * 3)
+    assert len(together) == 3
+    for base, pad, chunk, seed, (prefix, first) in zip(bases, padded, chunks, [40, 41, 42],
+                                                       together):
+        alone, first_alone = eng.prefill(params=params, padded_tokens=pad,
+                                         true_length=len(chunk), rng=seed,
+                                         num_generated=len(chunk), existing_prefix=base)
+        first, first_alone = jax.device_get((first, first_alone))
+        np.testing.assert_array_equal(first.data[:, :1], first_alone.data[:, :1])  # token
+        np.testing.assert_allclose(first.logprobs, first_alone.logprobs, atol=1e-5)
+        assert int(prefix.position) == int(alone.position)
+        np.testing.assert_allclose(np.asarray(prefix.cache.k), np.asarray(alone.cache.k),
+                                   atol=1e-5)
+    with pytest.raises(ValueError, match="one cache length"):
+        short = eng.prefill(params=params, padded_tokens=eng.pad_tokens([3])[0],
+                            true_length=1, rng=0)[0]
+        long_ = together[0][0]
+        eng.prefill_continuations(params=params, prefixes=[short, long_],
+                                  padded_tokens=padded[:2], true_lengths=[1, 1], rngs=[1, 2],
+                                  num_generated=[1, 1], max_new_tokens=[None, None])

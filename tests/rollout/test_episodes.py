@@ -290,8 +290,37 @@ def test_more_episodes_than_slots_fill_the_slots_their_environments_free(episode
         GATE.set()
     got += sl.drain()
     assert sorted(t.group_id for t in got) == sorted(r.group_id for r in reqs)
+    # The answers held until then arrive together: their observations share a prefill.
+    assert sl.stats.observation_batches >= 1 and sl.stats.observations_batched >= 2
     for t in got:
         assert t.response_tokens == reference_episode(PROMPTS[t.group_id % 10])[0]
+
+
+def test_a_request_moved_into_a_slice_whose_slots_are_taken_waits_and_goes_on():
+    """A slice holding more than its slots: a running request moved in while every
+    slot decodes waits with its KV and continues as it would have (its last token run
+    on the kept KV)."""
+    src = make_slice(0, mesh_index=0)
+    dst = make_slice(1, mesh_index=1, episodes=2 * rc.SLOTS)
+    refs = rc.greedy_reference("dense", rc.params("dense", 0), PROMPTS, eos=stop_id())
+    i = max(range(len(PROMPTS)), key=lambda j: len(refs[j]))
+    assert len(refs[i]) > 6
+    req = episode_requests(record=False)[i]
+    src.submit(req)
+    src.step()
+    (moved,) = src.export_requests([req.request_id])
+    assert moved.prefix is not None
+    fillers = [dataclasses.replace(r, group_id=20 + r.group_id, record=None)
+               for r in episode_requests()]
+    for r in fillers:
+        dst.submit(r)
+    dst.step()
+    assert dst.slots.full
+    dst.import_requests([moved])
+    assert dst.holds(req.request_id) and dst.num_running == rc.SLOTS
+    got = {t.group_id: t for t in dst.drain()}
+    assert got[i].response_tokens[:len(refs[i])] == refs[i] and got[i].slice_ids == [0, 1]
+    assert dst.stats.reprefill_tokens == 0  # one token run again, on the kept KV
 
 
 def test_an_episode_migrates_between_turns_with_its_kv():
