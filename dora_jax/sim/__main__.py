@@ -2,7 +2,8 @@
 
     python -m dora_jax.sim --preset=paper128 --workdir=/tmp/sim128 [--steps=20] \
         [--trainer_devices=N] [--rollout_batch_size=N] [--max_staleness=K] \
-        [--versions_per_slice=V] [--explain]
+        [--versions_per_slice=V] [--episodes_per_slice=E] [--episode_kv=host] \
+        [--explain]
 
 Per mode (each in `<workdir>/<mode>/`, with a real run's outputs and its ledger
 audited): step time, rollout-only share, trainer wait, slot utilisation and
@@ -33,6 +34,12 @@ because only other versions have pending work), always shown to two decimals, an
 (--versions_per_slice V lets a dora slice hold V versions at once). `env` is the slot
 time multi-turn episodes spend waiting for their environment (`--preset=multiturn`),
 slot kept, not decoding.
+
+`--episodes_per_slice E` (E >= slots per slice; 0: one per slot) lets a slice hold E
+multi-turn episodes: one at its environment gives up its slot (no `env` slot time),
+its KV kept on device, or with `--episode_kv=host` copied to host memory and back
+(`host copies` in the summary); `--preset=multiturn_slow_release` is
+`multiturn_slow` with E = 4 x 256.
 """
 
 from __future__ import annotations
@@ -59,6 +66,11 @@ _RBS = flags.DEFINE_integer("rollout_batch_size", None, "RBS: groups admitted an
 _K = flags.DEFINE_integer("max_staleness", None, "K")
 _V = flags.DEFINE_integer("versions_per_slice", None, "V: versions a dora slice holds at "
                           "once (1..K+1; default: the preset's)")
+_E = flags.DEFINE_integer("episodes_per_slice", None, "E: multi-turn episodes a slice holds "
+                          "(an episode at its environment frees its slot); 0: one per slot "
+                          "(default: the preset's)")
+_EPISODE_KV = flags.DEFINE_enum("episode_kv", None, ["device", "host"], "where an episode's "
+                                "KV waits for its environment (default: the preset's)")
 _EXPLAIN = flags.DEFINE_bool("explain", False, "after the table, per mode: the trainer's "
                              "wait by cause and the slots' time by state")
 
@@ -82,8 +94,16 @@ def configured_preset():
     v = preset.versions_per_slice if _V.value is None else _V.value
     if not 1 <= v <= k + 1:
         raise app.UsageError(f"--versions_per_slice must be in 1..K+1 = {k + 1}, got {v}")
-    return dataclasses.replace(preset, trainer_devices=tr, rollout_batch_size=rbs,
-                               max_staleness=k, versions_per_slice=v)
+    preset = dataclasses.replace(
+        preset, trainer_devices=tr, rollout_batch_size=rbs, max_staleness=k,
+        versions_per_slice=v,
+        episodes_per_slice=preset.episodes_per_slice if _E.value is None else _E.value,
+        episode_kv=_EPISODE_KV.value or preset.episode_kv)
+    try:
+        preset.check_episodes()
+    except ValueError as e:
+        raise app.UsageError(f"--episodes_per_slice / --episode_kv: {e}") from None
+    return preset
 
 
 def _simulate(preset, mode, steps, workdir):
@@ -121,7 +141,9 @@ def main(argv):
     print(f"{preset.name}: {preset.description}; {preset.train_batch_size} prompts x "
           f"{preset.group_size} samples per step, K={preset.max_staleness}, "
           f"RBS={preset.rollout_batch_size}, trainer {preset.trainer_devices} + "
-          f"{preset.num_slices} slices of {preset.slice_devices}, {_STEPS.value} steps per mode")
+          f"{preset.num_slices} slices of {preset.slice_devices}, {_STEPS.value} steps per mode"
+          + (f", {preset.episodes_per_slice} episodes a slice (KV on {preset.episode_kv})"
+             if preset.episodes_per_slice else ""))
     results = {}
     header = (f"{'mode':26} {'step min':>8} {'(paper)':>8} {'roll-only':>9} {'(paper)':>8} "
               f"{'trainer wait':>12} {'slot util':>9} {'tokens/s':>9} {'gen tok/s':>9} "

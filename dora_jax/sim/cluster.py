@@ -20,7 +20,9 @@ trainer are simulated, on a float clock with the costs of `cost.CostModel`:
   waits (partial rollout) makes that prefill the whole sequence's. The scheduler
   sees a waiting episode as a running request: dora may migrate it, which moves its
   KV at the usual cost but stalls no decoding (it is not decoding), and it keeps a
-  slot reserved at its destination until its observation arrives there.
+  slot reserved at its destination until its observation arrives there. With more
+  samples than slots per slice (`episodes_per_slice`) it gives up its slot while it
+  waits, its KV kept on device or host (release.py).
 - Weight loads share the transfer bandwidth with the loads in progress. With
   several versions per slice (dora, versions_per_slice > 1) a version is added to a
   slice while it decodes its others and evicted at once; a chunk's steps pay one
@@ -58,6 +60,7 @@ from dora_jax.scheduler.types import (
 from dora_jax.sim.cost import CostModel
 from dora_jax.sim.episodes import Episode
 from dora_jax.sim.records import RunRecords
+from dora_jax.sim.release import BetweenTurns
 from dora_jax.sim.slice import Request, Slice
 from dora_jax.sim.slots import SLOT_REASONS, SlotTime
 from dora_jax.timeline import Timeline
@@ -65,7 +68,7 @@ from dora_jax.timeline import Timeline
 __all__ = ["SLOT_REASONS", "ClusterSim"]
 
 
-class ClusterSim(RunRecords, Driver):
+class ClusterSim(RunRecords, BetweenTurns, Driver):
     """Drives `Scheduler(config)` with simulated slices and trainer.
 
     Args:
@@ -77,16 +80,22 @@ class ClusterSim(RunRecords, Driver):
         requests (replaces `length`); None: every request is one turn.
       colocated: slices and trainer share the devices (colocated sync).
       max_chunk: most decode steps a slice runs before looking at its commands.
+      host_kv: with `config.episodes_per_slice`, an episode's KV waits for its
+        environment in host memory (release.py), not on device.
     """
 
     def __init__(self, config: SchedulerConfig, cost: CostModel,
                  length: Callable[[int, int], int], *, prompt_len: int = 256,
                  colocated: bool = False, max_chunk: int = 64,
-                 episode: Callable[[int, int], Episode] | None = None):
+                 episode: Callable[[int, int], Episode] | None = None,
+                 host_kv: bool = False):
         self.config, self.cost, self.length, self.episode = config, cost, length, episode
         self.prompt_len, self.colocated, self.max_chunk = prompt_len, colocated, max_chunk
+        self.host_kv = host_kv
         self.sched = Scheduler(config)
-        self.slices = [Slice(i, config.slots_per_slice) for i in range(config.num_slices)]
+        release = config.episodes_per_slice > 0  # an episode at its environment frees its slot
+        self.slices = [Slice(i, config.slots_per_slice, release)
+                       for i in range(config.num_slices)]
         self.now = 0.0
         self._events: list = []
         self._seq = itertools.count()
@@ -97,7 +106,7 @@ class ClusterSim(RunRecords, Driver):
         self.done: dict = {}
         self.trainer_busy_until: float | None = None
         self.stats = dict(busy_slot_seconds=0.0, migrations=0, loads=0, interrupts=0,
-                          preemptions=0, decode_steps=0, version_steps=0)
+                          preemptions=0, decode_steps=0, version_steps=0, host_copies=0)
         self._loads_in_progress = 0
         self._changed = True
         self._open: dict = {}  # row -> [kind, start, end, version]: back-to-back spans merge
@@ -232,7 +241,7 @@ class ClusterSim(RunRecords, Driver):
         keep: list = []
         exports, sl.exports = sl.exports, []  # re-entered via a destination
         for key, dst in exports:
-            if key in sl.where:
+            if sl.holds(key):
                 r = sl.remove(key)
             else:
                 waiting = next((w for w in sl.waiting if (w.gid, w.k) == key), None)
@@ -246,7 +255,10 @@ class ClusterSim(RunRecords, Driver):
             r.slices.append(dst)
             r.ready_at = self.now + self.cost.migrate_seconds(self.prompt_len + r.produced)
             self._span(f"slice {sl.i}", "migrate", self.now, r.ready_at, sl.version)
-            d.waiting.append(r)
+            if d.release and (r.env_until is not None or r.observed):
+                d.add(r)  # between turns: held away from the slots, its KV arriving
+            else:
+                d.waiting.append(r)
             self.stats["migrations"] += 1
             if d.exports or d.chunk is None:
                 self._start_chunk(d)
@@ -270,6 +282,7 @@ class ClusterSim(RunRecords, Driver):
                 r.reprefill = r.produced
                 if not sl.parked[j]:  # a parked one re-prefills when its observation does
                     sl.fresh.append(r)
+            self._reload_away(sl, version)
             for r in sl.waiting:
                 r.segments.append((version, r.produced))
         self.sched.version_loaded(i, version)
@@ -304,26 +317,13 @@ class ClusterSim(RunRecords, Driver):
         for j in np.flatnonzero(sl.active & (sl.left == 0)).tolist():
             r = sl.reqs[j]
             if not r.last_turn:  # its environment answers, then its next turn decodes
-                until = self.now + r.episode.latencies[r.turn]
-                sl.park(j, until)
-                self._at(until, "observed", i, r)
+                self._end_turn(sl, j)
                 continue
             sl.remove((r.gid, r.k))
             self.done[(r.gid, r.k)] = r
             self.sched.sample_finished(r.gid, r.k, r.length)
             self._changed = True
         self._apply_commands(sl)
-
-    def _on_observed(self, i, r: Request):
-        """An episode's observation arrived. Parked in a slot, it decodes its next
-        turn from the slice's next chunk; still on its way to a slice (migrated), it
-        takes the observation when it gets a slot."""
-        r.env_until, r.observed = None, True
-        sl = self.slices[r.slices[-1]]
-        if (r.gid, r.k) in sl.where:
-            sl.observed.append(r)
-        if sl.i != i:  # the run loop starts slice i's chunk
-            self._start_chunk(sl)
 
     # ------------------------------------------------------------------ decoding
 
@@ -341,9 +341,12 @@ class ClusterSim(RunRecords, Driver):
             return
         cost, extra, P = self.cost, 0.0, self.prompt_len
         sl.unpark_observed()
-        parked_kv = int(sl.produced[sl.parked].sum())  # held, not read by decoding
+        # Observations of the episodes seated now: one prefill call on their kept KV.
+        extra += cost.prefill_seconds(sl.seat_ready())
+        # KV held, not read by decoding: parked slots', or kept away from the slots.
+        parked_kv = int(sl.produced[sl.parked].sum()) + sl.away_kv
         used = P * len(sl.groups) + int(sl.produced[sl.active].sum()) + parked_kv
-        while sl.waiting:  # admit what the KV memory holds
+        while sl.waiting and sl.free:  # admit what the slots and the KV memory hold
             r = sl.waiting[0]
             need = r.produced + (0 if r.gid in sl.groups else P)
             if sl.where and used + need + sl.num_running + 1 > cost.kv_tokens:

@@ -19,6 +19,9 @@
   MoE policy, its recorded routing (`routing_bytes_per_token`, rollout/routing.py)
   over `migrate_bandwidth`, after `migrate_latency`;
 - a slice holds at most `kv_tokens` positions (long contexts limit its samples);
+- a multi-turn episode's KV copied to host memory during its environment call and
+  back (`rollout.episode_kv = "host"`) moves `kv_bytes_per_token` per position over
+  `host_bandwidth` (the slice's host links, each direction; 0: no host copies);
 - a train step takes `train_fixed + train_per_token` per trained token (prompt +
   response); colocated sync adds `reshard` per step (trainer <-> decode layouts);
 - a generate call costs `call_overhead` on top of its steps (host work between
@@ -65,6 +68,7 @@ class CostModel:
     call_steps: int = 16
     per_version_read: float = 0.0  # seconds per step per extra distinct version
     routing_bytes_per_token: float = 0.0  # an MoE rollout's recorded experts
+    host_bandwidth: float = 0.0  # bytes/s a slice copies to or from host memory
 
     def calls_seconds(self, k: int, full: bool) -> float:
         """Per-call overhead of k decode steps: one call per step unless full."""
@@ -99,6 +103,12 @@ class CostModel:
         return self.migrate_latency + tokens * (
             self.kv_bytes_per_token + self.routing_bytes_per_token) / self.migrate_bandwidth
 
+    def host_seconds(self, tokens: int) -> float:
+        """One copy of `tokens` positions of KV between a slice and its host memory."""
+        if self.host_bandwidth <= 0:
+            raise ValueError("episode KV on host needs the hardware's host_bytes_per_s")
+        return tokens * self.kv_bytes_per_token / self.host_bandwidth
+
     def train_seconds(self, tokens: float) -> float:
         return self.train_fixed + self.train_per_token * tokens
 
@@ -115,7 +125,8 @@ class CostModel:
                       active_params: float | None = None, param_bytes: int = 2,
                       kv_memory_fraction: float = 0.8, adapter_params: float = 0.0,
                       adapter_param_bytes: int = 4, versions: int = 1,
-                      routing_bytes_per_token: float = 0.0) -> CostModel:
+                      routing_bytes_per_token: float = 0.0,
+                      host_bytes_per_s: float = 0.0) -> CostModel:
         """Roofline costs from public figures, scaled by achieved fractions
         (`Efficiency`).
 
@@ -128,7 +139,9 @@ class CostModel:
         accelerator's link inside a slice (NVLink, ICI); link_bytes_per_s: what one
         transfer of weights or KV gets between slices and trainer;
         routing_bytes_per_token: an MoE policy's recorded experts (MoE layers x top_k
-        x 1 byte), moved with a migrating request.
+        x 1 byte), moved with a migrating request; host_bytes_per_s: one
+        accelerator's link to host memory (PCIe), each direction: the KV is sharded
+        over the slice's devices, so a slice copies at `slice_devices` times it.
 
         A decode step reads the weights once, pays the per-step host overhead and
         the collectives' latency (`step_fixed`); each sequence adds its matmuls and
@@ -178,6 +191,7 @@ class CostModel:
             migrate_bandwidth=link_bytes_per_s, migrate_latency=0.05,
             kv_tokens=int(kv_room // kv_bytes_per_token),
             routing_bytes_per_token=routing_bytes_per_token,
+            host_bandwidth=n * host_bytes_per_s,
             train_fixed=eff.train_fixed,
             train_per_token=2 * active * (eff.train_passes - (1 if adapter_params else 0))
             / (trainer_devices * flops * eff.mfu_train))

@@ -6,9 +6,13 @@ leave no policy freedom (`sim/fit.py`, `H800_FIT` below) and assumed the same fo
 v5p; `calibrate.py` fits a cost model to a measured run instead.
 
 - NVIDIA H800 SXM: 989 TFLOP/s dense bf16, 80 GB HBM3 at 3.35 TB/s; weights and KV
-  cross nodes over 400 Gb/s InfiniBand (50 GB/s per transfer).
+  cross nodes over 400 Gb/s InfiniBand (50 GB/s per transfer); each GPU reaches host
+  memory over PCIe gen5 x16 (64 GB/s a direction; we take 50 GB/s achieved, and
+  assume every GPU of a node copies at once at that rate: a PCIe switch shared by
+  two GPUs would halve it).
 - Google TPU v5p: 459 TFLOP/s bf16, 95 GB HBM at 2.76 TB/s; transfers inside the
-  pod over ICI (we take 100 GB/s per transfer, a fraction of a chip's links).
+  pod over ICI (we take 100 GB/s per transfer, a fraction of a chip's links); host
+  memory at 25 GB/s a chip (an assumption, PCIe gen4 x16 achieved: not checked).
 - Qwen2.5-32B: 32.5B parameters, 64 layers, 8 KV heads of dim 128: 256 KiB of bf16
   KV per token. Qwen3-30B-A3B: 30.5B parameters (3.3B active), 48 layers, 4 KV heads
   of dim 128: 96 KiB per token.
@@ -31,6 +35,17 @@ of 4 model turns on average (geometric, up to 32: a few run many), each turn abo
 at the median (log-normal, sigma 0.8: from a few decode steps of about 20 ms to
 several hundred ms, clipped at 2 s); responses are cut at 30,720 positions.
 
+`multiturn_slow` is the same with slow tools (`MULTITURN_SLOW`): the environment
+answers in 80 s at the median (log-normal, sigma 1.0, clipped at 600 s), over five
+times a model turn — at paper64's costs a full slice's decode step at the
+workload's mean context takes about 37 ms, so a 400-token turn about 15 s
+(tests/sim/test_release.py checks the ratio from the cost model). Its episodes hold
+their slots through their tool calls; `multiturn_slow_release` lets a slice hold
+4 x 256 episodes (`episodes_per_slice`, `rollout.max_episodes_per_slice`): an
+episode at its environment gives up its slot, its KV kept on device (or on host,
+`episode_kv`, `rollout.episode_kv`), and re-enters a free slot when its observation
+arrived (release.py).
+
 Every `device_presets/*.json` (a report's preset, fitted by `sim/device_fit.py` to
 our engine's figures on one device) is loaded into PRESETS too, by its name.
 """
@@ -46,9 +61,11 @@ from dora_jax.sim.cost import CostModel, Efficiency, Workload, lora_adapter_para
 from dora_jax.sim.episodes import Turns
 
 H800 = dict(flops=989e12, hbm_bytes_per_s=3.35e12, hbm_bytes=80e9, link_bytes_per_s=50e9,
-            slice_link_bytes_per_s=400e9)
+            slice_link_bytes_per_s=400e9, host_bytes_per_s=50e9)
 V5P = dict(flops=459e12, hbm_bytes_per_s=2.76e12, hbm_bytes=95e9, link_bytes_per_s=100e9,
-           slice_link_bytes_per_s=600e9)
+           slice_link_bytes_per_s=600e9, host_bytes_per_s=25e9)
+# Hardware fields a loaded preset may leave out (0: no host copies).
+_HARDWARE_OPTIONAL = ("host_bytes_per_s",)
 QWEN25_32B = dict(params=32.5e9, kv_bytes_per_token=64 * 2 * 8 * 128 * 2, layers=64,
                   hidden=5120)
 # Qwen2.5-32B's projections (40 query heads and 8 KV heads of dim 128, MLP 27,648)
@@ -105,6 +122,12 @@ class Preset:
     # LoRA: parameters of one adapter set (0: full fine-tuning), bytes per parameter.
     adapter_params: float = 0.0
     adapter_param_bytes: int = 4
+    # Multi-turn episodes a slice holds at once (rollout.max_episodes_per_slice): 0,
+    # one per slot, each keeping its slot through its environment calls; more, an
+    # episode at its environment gives up its slot (release.py), its KV kept on
+    # "device" or copied to "host" and back (rollout.episode_kv).
+    episodes_per_slice: int = 0
+    episode_kv: str = "device"
     paper: dict = dataclasses.field(default_factory=dict)
     provenance: dict = dataclasses.field(default_factory=dict)  # where a loaded one came from
 
@@ -142,6 +165,24 @@ class Preset:
             # LoRA, of the adapters: the frozen base is kept in both layouts).
             cost = dataclasses.replace(cost, reshard=cost.load_seconds(1))
         return cost
+
+    def check_episodes(self) -> None:
+        """ValueError naming the field if `episodes_per_slice` / `episode_kv` do not
+        fit this preset (as the run config refuses them)."""
+        e = self.episodes_per_slice
+        if e and self.workload.turns is None:
+            raise ValueError(f"episodes_per_slice {e} needs multi-turn episodes (a "
+                             f"workload with turns); leave it 0")
+        if 0 < e < self.slots_per_slice:
+            raise ValueError(f"episodes_per_slice {e} < slots_per_slice "
+                             f"{self.slots_per_slice} (0: one per slot)")
+        if self.episode_kv not in ("device", "host"):
+            raise ValueError(f"episode_kv must be 'device' or 'host', got {self.episode_kv!r}")
+        if self.episode_kv == "host" and not e:
+            raise ValueError("episode_kv 'host' needs episodes_per_slice > 0 (a held "
+                             "slot keeps its episode's KV)")
+        if self.episode_kv == "host" and not self.hardware.get("host_bytes_per_s"):
+            raise ValueError("episode_kv 'host' needs the hardware's host_bytes_per_s")
 
     def step_time_bound(self, cost: CostModel | None = None, groups: int = 4096) -> dict:
         """Seconds per train step that no policy can beat at this split: the largest
@@ -192,6 +233,13 @@ MULTITURN = Workload(prompt_len=512, mean_len=400, max_len=8192,
                                  env_median=0.1, env_sigma=0.8, max_env=2.0,
                                  max_response=30_720))
 
+# Slow tools: the environment's median latency over five model turns (the
+# module docstring), heavy-tailed.
+MULTITURN_SLOW = dataclasses.replace(
+    MULTITURN, turns=Turns(mean_turns=4.0, max_turns=32, obs_mean=300, max_obs=4096,
+                           env_median=80.0, env_sigma=1.0, max_env=600.0,
+                           max_response=30_720))
+
 PRESETS = {
     "paper64": Preset(
         "paper64", "Qwen2.5-32B on 64 H800",
@@ -215,17 +263,26 @@ PRESETS = {
         "multiturn", "Qwen2.5-32B on 64 H800, multi-turn agentic episodes",
         total_devices=64, trainer_devices=32, slice_devices=8, slots_per_slice=256,
         hardware=H800, model=QWEN25_32B, workload=MULTITURN, efficiency=H800_FIT),
+    "multiturn_slow": Preset(
+        "multiturn_slow", "Qwen2.5-32B on 64 H800, multi-turn episodes with slow tools, "
+        "slots held through tool calls",
+        total_devices=64, trainer_devices=32, slice_devices=8, slots_per_slice=256,
+        hardware=H800, model=QWEN25_32B, workload=MULTITURN_SLOW, efficiency=H800_FIT),
 }
+PRESETS["multiturn_slow_release"] = dataclasses.replace(
+    PRESETS["multiturn_slow"], name="multiturn_slow_release",
+    description="Qwen2.5-32B on 64 H800, multi-turn episodes with slow tools, 4 x 256 "
+    "episodes a slice (slots released during tool calls)", episodes_per_slice=4 * 256)
 
 DEVICE_PRESETS_DIR = pathlib.Path(__file__).parent / "device_presets"
 _MODEL_REQUIRED = ("params", "kv_bytes_per_token", "layers", "hidden")
 _MODEL_OPTIONAL = ("active_params", "param_bytes", "routing_bytes_per_token")
 _INTS = ("total_devices", "trainer_devices", "slice_devices", "slots_per_slice", "group_size",
          "train_batch_size", "rollout_batch_size", "max_staleness", "versions_per_slice",
-         "adapter_param_bytes")
+         "adapter_param_bytes", "episodes_per_slice")
 _MAY_BE_ZERO = ("step_overhead", "collective_latency", "train_fixed", "max_staleness",
                 "routing_bytes_per_token",
-                "adapter_params")
+                "adapter_params", "episodes_per_slice")
 
 
 def preset_from_dict(d: dict, source: str = "preset") -> Preset:
@@ -274,7 +331,8 @@ def preset_from_dict(d: dict, source: str = "preset") -> Preset:
             number(k, kw[k])
     if "adapter_params" in kw:
         number("adapter_params", kw["adapter_params"])
-    kw["hardware"] = table("hardware", kw["hardware"], tuple(H800))
+    required = tuple(k for k in H800 if k not in _HARDWARE_OPTIONAL)
+    kw["hardware"] = table("hardware", kw["hardware"], required, _HARDWARE_OPTIONAL)
     kw["model"] = table("model", kw["model"], _MODEL_REQUIRED, _MODEL_OPTIONAL)
     if "efficiency" in kw:
         fields = tuple(f.name for f in dataclasses.fields(Efficiency))
@@ -296,7 +354,12 @@ def preset_from_dict(d: dict, source: str = "preset") -> Preset:
     if rollout <= 0 or rollout % kw["slice_devices"]:
         bad("trainer_devices", f"must leave whole slices of {kw['slice_devices']} devices "
             f"of the {kw['total_devices']}, got {kw['trainer_devices']}")
-    return Preset(**kw)
+    preset = Preset(**kw)
+    try:
+        preset.check_episodes()
+    except ValueError as e:
+        bad("episodes_per_slice", str(e))
+    return preset
 
 
 def load_device_presets(directory=DEVICE_PRESETS_DIR, reserved=()) -> dict:

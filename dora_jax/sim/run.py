@@ -52,7 +52,8 @@ def scheduler_config(preset: Preset, mode: str) -> SchedulerConfig:
         rollout_batch_size=preset.rollout_batch_size,
         max_staleness=UNBOUNDED if mode == "partial_rollout_unbounded" else preset.max_staleness,
         # Several versions per slice are dora's; the other modes hold one by definition.
-        versions_per_slice=preset.versions_per_slice if mode == "dora" else 1)
+        versions_per_slice=preset.versions_per_slice if mode == "dora" else 1,
+        episodes_per_slice=preset.episodes_per_slice)
 
 
 def simulate(preset: Preset, mode: str, steps: int, workdir: str | None = None, *,
@@ -62,13 +63,15 @@ def simulate(preset: Preset, mode: str, steps: int, workdir: str | None = None, 
         raise ValueError(f"mode must be one of {SIM_MODES}, got {mode!r}")
     if steps < 2:
         raise ValueError("steps must be >= 2 (figures are over steps 1..N-1)")
+    preset.check_episodes()
     colocated = mode == COLOCATED
     config = scheduler_config(preset, mode)
     cost = cost or preset.cost(colocated, versions=config.versions_per_slice)
     workload = preset.workload
     sim = ClusterSim(config, cost, workload.lengths(preset.group_size),
                      prompt_len=workload.prompt_len, colocated=colocated, max_chunk=max_chunk,
-                     episode=workload.episodes(preset.group_size) if workload.turns else None)
+                     episode=workload.episodes(preset.group_size) if workload.turns else None,
+                     host_kv=preset.episode_kv == "host")
     sim.run(steps)
     summary = summarize(sim, preset, mode, cost)
     if workdir:
@@ -108,6 +111,7 @@ def summarize(sim: ClusterSim, preset: Preset, mode: str, cost: CostModel) -> di
         slot_utilisation=round(sim.stats["busy_slot_seconds"] / (slots * end), 4),
         migrations=sim.stats["migrations"], loads=sim.stats["loads"],
         interrupts=sim.stats["interrupts"], preemptions=sim.stats["preemptions"],
+        host_copies=sim.stats["host_copies"],
         # Distinct versions in a decode step's batch, on average over every slice's steps.
         versions_per_step=round(sim.stats["version_steps"] / max(1, sim.stats["decode_steps"]), 3),
         staleness={str(k): v for k, v in sorted(staleness.items())},

@@ -18,7 +18,11 @@ the batch's tail, with the mode refusing to admit though fewer than RBS groups a
 and unconsumed (`rbs_full`). A slot held by a multi-turn episode waiting for its
 environment is `env` (it keeps its slot, not decoding); once the observation arrived
 it waits for the chunk in flight as a `chunk_end` slot (or for what holds a slice
-between chunks, as its free slots).
+between chunks, as its free slots). A slice that releases slots (release.py) has
+no `env` slot: its episodes wait for their environment away from the slots; a free
+slot that an episode ready for it (or a request waiting for a slot) takes at the
+chunk's end is `chunk_end` until then, and one idle while the slice holds all the
+samples it may (`episodes_per_slice`) and work is pending is `held`.
 """
 
 from __future__ import annotations
@@ -86,9 +90,10 @@ class SlotTime:
             sl.acct = (reason, 0, None, env)
         else:  # requests given to the slice mid-chunk, or observed, wait for its end
             assert sl.rates is not None  # set with the chunk
-            parked = env + len(sl.observed)
-            boundary = len(sl.observed) + (0 if reason <= KV_FULL or not sl.waiting else min(
-                len(sl.waiting), slots - sl.rates[2] - parked))
+            free = slots - sl.rates[2] - env - len(sl.observed)
+            waits = ((0 if reason <= LOADING else len(sl.ready))
+                     + (0 if reason <= KV_FULL else len(sl.waiting)))
+            boundary = len(sl.observed) + min(waits, free)
             sl.acct = (reason, boundary, sl.rates, env)
 
     def since_last_step(self) -> dict:
