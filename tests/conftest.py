@@ -11,9 +11,9 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Many tests build engines and trainers of the same shapes: a persistent compilation
-# cache compiles each program once. One directory per run, which its xdist workers
-# and subprocesses inherit: an entry half-written by a killed run was seen to crash
-# the next run's read. Directories of runs over six hours old are removed.
+# cache compiles each program once. One directory per run, which its subprocesses
+# inherit: an entry half-written by a killed run was seen to crash the next run's
+# read. Directories of runs over six hours old are removed.
 _CACHES = pathlib.Path(tempfile.gettempdir(), "dora_jax_test_compile_cache")
 
 
@@ -33,6 +33,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _remove_old_caches()
     os.environ["JAX_COMPILATION_CACHE_DIR"] = str(
         _CACHES / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+# And one per xdist worker within it: JAX writes an entry in place, so a worker could
+# read an entry another is still writing (seen to abort the reader).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(
+        os.environ["JAX_COMPILATION_CACHE_DIR"], os.environ["PYTEST_XDIST_WORKER"])
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
