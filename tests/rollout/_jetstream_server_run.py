@@ -20,10 +20,10 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 import threading  # noqa: E402
 
+import _rollout_common as rc  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-import _rollout_common as rc  # noqa: E402
 import dora_jax  # noqa: E402
 from dora_jax.model import transformer  # noqa: E402
 from dora_jax.rollout import Engine, SamplingParams  # noqa: E402
@@ -110,6 +110,9 @@ def main():
         return engines[kind, i]
 
     reqs = requests(tok)
+    # One event loop for all runs, open until every server has stopped: JetStream's
+    # return channel still schedules work on the loop after its last response.
+    loop = asyncio.new_event_loop()
     report = {"stops": list(stops), "vocab": tok.vocab_size, "runs": {},
               "is_engine": isinstance(engine("greedy", 0), engine_api.Engine)}
     # (name, sampling, interleaved, multi-sampling samples per request)
@@ -118,25 +121,30 @@ def main():
                                        ("disaggregated_sampled", "sampled", False, 1),
                                        ("interleaved_sampled", "sampled", True, 1),
                                        ("multisampling_greedy", "greedy", False, 2)]:
+        if os.environ.get("ONLY") and name not in os.environ["ONLY"].split(","):
+            continue
         pre = engine(kind, 0)
         gen = pre if interleaved else engine(kind, 1)
         p_pre, p_gen = pre.load_params(params), gen.load_params(params)
         driver = orchestrator.Driver(prefill_engines=[pre], generate_engines=[gen],
                                      prefill_params=[p_pre], generate_params=[p_gen],
                                      interleaved_mode=interleaved, multi_sampling=n > 1)
-        got = asyncio.run(serve(orchestrator, driver, reqs, n))
+        got = loop.run_until_complete(serve(orchestrator, driver, reqs, n))
         alive = all(t.is_alive() for t in driver._all_threads)
         driver.stop()
         runs = []
-        for (prompt, max_tokens, _), samples in zip(reqs, got):
+        for (prompt, max_tokens, req), samples in zip(reqs, got):
             ref = greedy(prompt, max_tokens)
             cut = next((i + 1 for i, t in enumerate(ref) if t in stops), len(ref))
+            # The server streams each token's text (none for token requests).
+            text = "".join(tok.decode([t]) for t in ref[:cut] if t not in stops)
             runs.append({"prompt": prompt, "max_tokens": max_tokens, "samples": samples,
-                         "greedy": ref[:cut], "greedy_text": tok.decode(
-                             [t for t in ref[:cut] if t not in stops])})
+                         "greedy": ref[:cut],
+                         "greedy_text": text if req.HasField("text_content") else ""})
         report["runs"][name] = {"alive": alive, "requests": runs,
                                 "threads": sorted(t.name for t in threading.enumerate())}
         print(f"{name}: done", file=sys.stderr, flush=True)
+    loop.close()
     print("JSON:" + json.dumps(report), flush=True)
 
 
