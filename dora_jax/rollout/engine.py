@@ -30,16 +30,17 @@ from jax.sharding import Mesh
 from dora_jax.buckets import pick_bucket, prefill_buckets
 from dora_jax.config import DECODE_RULES, ModelConfig, RolloutConfig
 from dora_jax.model import transformer
-from dora_jax.rollout import sampling
+from dora_jax.rollout import jetstream_compat, sampling
 from dora_jax.rollout.adapters import AdapterPlaces, check_versions
 from dora_jax.rollout.pages import PagePool
 from dora_jax.rollout.placement import ParamPlacement
 from dora_jax.rollout.programs import Programs, jit_programs
 from dora_jax.rollout.sampling import SamplingParams
-from dora_jax.rollout.state import DecodeState, EngineParams, Prefix
+from dora_jax.rollout.state import DecodeState, EngineParams, Prefix, ResultTokens
 
 if TYPE_CHECKING:  # the tokenizer's libraries load only when a tokenizer is asked for
-    from dora_jax.text.tokenizer import Tokenizer, TokenizerParameters
+    from dora_jax.text.serving_tokenizer import ServingTokenizer
+    from dora_jax.text.tokenizer import TokenizerParameters
 
 
 class Engine:
@@ -57,13 +58,22 @@ class Engine:
         the tokenizer's stop ids.
       versions: LoRA versions resident at once (rollout/adapters.py): with more than
         one, the programs take `places` stacks and each row's place (`with_rows`).
+      checkpoint: a directory of saved params (`checkpointing.load_params`), what
+        `load_params()` without arguments loads (JetStream's server calls it so).
+
+    Served by JetStream's orchestrator as it is: see rollout/jetstream_compat.py.
     """
 
     def __init__(self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, mesh: Mesh, *,
                  rules=DECODE_RULES, sampling_params: SamplingParams | None = None,
                  greedy: bool = False, tokenizer_path: str | None = None,
-                 stop_ids: Sequence[int] | None = None, versions: int = 1):
+                 stop_ids: Sequence[int] | None = None, versions: int = 1,
+                 checkpoint: str | None = None):
         check_versions(model_cfg, versions)
+        jetstream_compat.register_types((ResultTokens, "ResultTokens"), (Engine, "Engine"))
+        self.checkpoint = checkpoint
+        self._frees = jetstream_compat.SlotFrees(rollout_cfg.slots_per_slice)
+        self._default_keys = jetstream_compat.DefaultKeys()
         self.model_cfg, self.rollout_cfg, self._mesh = model_cfg, rollout_cfg, mesh
         self.tokenizer_path = tokenizer_path
         self.stop_ids = sampling.stop_ids(rollout_cfg, tokenizer_path, stop_ids)
@@ -132,17 +142,29 @@ class Engine:
         if self.tokenizer_path is None:
             raise ValueError("this engine was built without a tokenizer_path")
         from dora_jax.text.tokenizer import TokenizerParameters
+        jetstream_compat.register_types((ResultTokens, "ResultTokens"), (Engine, "Engine"))
         return TokenizerParameters(self.tokenizer_path, stop_ids=self.stop_ids)
 
-    def build_tokenizer(self, metadata: TokenizerParameters) -> Tokenizer:
-        """The tokenizer that `metadata` (from `get_tokenizer`) describes."""
+    def build_tokenizer(self, metadata: TokenizerParameters) -> ServingTokenizer:
+        """The tokenizer that `metadata` (from `get_tokenizer`) describes, with
+        JetStream's tokenizer protocol (`.tokenizer`: our Tokenizer itself)."""
+        from dora_jax.text.serving_tokenizer import ServingTokenizer
         from dora_jax.text.tokenizer import Tokenizer
-        return Tokenizer.from_parameters(metadata)
+        jetstream_compat.register_types((ResultTokens, "ResultTokens"), (Engine, "Engine"))
+        return ServingTokenizer(Tokenizer.from_parameters(metadata), metadata.stop_ids,
+                                self.pad_tokens, self.max_prefill_length)
 
-    def load_params(self, params) -> EngineParams:
+    def load_params(self, params=None) -> EngineParams:
         """Places `params` on this engine's mesh with the decode rules: the model's
         param nnx.State or its pure dict, on any devices (e.g. the trainer mesh), or
-        EngineParams (returned as they are if already placed for this engine)."""
+        EngineParams (returned as they are if already placed for this engine).
+        Without `params`: those saved in the engine's `checkpoint` directory."""
+        if params is None:
+            if self.checkpoint is None:
+                raise ValueError("load_params() without params loads the engine's "
+                                 "checkpoint: build the Engine with checkpoint=<dir>")
+            params = jetstream_compat.restore_params(self.checkpoint, self.model_cfg,
+                                                     self._placement)
         return self._placement.place(params)
 
     @property
@@ -153,15 +175,20 @@ class Engine:
     def init_decode_state(self) -> DecodeState:
         """Empty decode state: S inactive slots, zero KV cache (paged: every page
         free — the engine's page tables describe one decode state at a time)."""
-        if self.pages is not None:
-            self.pages.reset()
+        with self._frees.lock:
+            self._frees.reset()
+            if self.pages is not None:
+                self.pages.reset()
         return self._jit.init()
 
     def free_resource(self, slot: int) -> None:
         """Releases the slot's KV pages (paged cache; nothing to do for the dense
-        one). The slot stops decoding at the next generate call."""
-        if self.pages is not None:
-            self.pages.release(slot)
+        one). The slot stops decoding at the next generate call. Safe from another
+        thread; a free that a later insert into the slot overtook releases nothing
+        (jetstream_compat.SlotFrees)."""
+        with self._frees.lock:
+            if self._frees.release_now(slot) and self.pages is not None:
+                self.pages.release(slot)
 
     def get_prefix_destination_sharding(self) -> Prefix:
         return self._jit.prefix_sharding
@@ -184,8 +211,8 @@ class Engine:
           first `true_length` are real.
         sampler: must be None (the engine's SamplingParams sample); request_id: unused.
         Extensions:
-        rng: the request's RNG seed (int) or uint32[2] key data; may be omitted only
-          in greedy mode.
+        rng: the request's RNG seed (int) or uint32[2] key data; omitted: a key of
+          the engine's default scheme (jetstream_compat.DefaultKeys).
         num_generated: response tokens before the one to sample (among the tokens
           given, or the prefix's); the sampled token is response token `num_generated`.
         max_new_tokens: the request's response-length limit (at most, and by
@@ -211,19 +238,23 @@ class Engine:
             raise ValueError(f"prefill: need one rng per sample ({num_samples}), got "
                              f"{len(rngs)}")
         if any(r is None for r in rngs) and not self.sampling_params.greedy:
-            raise ValueError("prefill: a per-request rng is required when sampling")
+            default = iter(self._default_keys.take(sum(r is None for r in rngs)))
+            rngs = [next(default) if r is None else r for r in rngs]
         keys_N2 = np.stack([sampling.key_data_from_seed(0 if r is None else r) for r in rngs])
         tokens_T, limit = self._checked(padded_tokens, true_length, num_generated,
                                         max_new_tokens, existing_prefix is not None)
         done = np.int32(num_generated)
         if existing_prefix is None:
-            return self._jit.prefill(params, tokens_T, np.int32(true_length), keys_N2, done,
-                                     limit)
-        if true_length == 0:
-            return self._jit.resample(existing_prefix, keys_N2, done, limit)
-        return self._jit.extend(params, existing_prefix, tokens_T, np.int32(true_length),
-                                keys_N2, done, limit,
-                                self._extended_length(existing_prefix, tokens_T))
+            out = self._jit.prefill(params, tokens_T, np.int32(true_length), keys_N2, done,
+                                    limit)
+        elif true_length == 0:
+            out = self._jit.resample(existing_prefix, keys_N2, done, limit)
+        else:
+            out = self._jit.extend(params, existing_prefix, tokens_T, np.int32(true_length),
+                                   keys_N2, done, limit,
+                                   self._extended_length(existing_prefix, tokens_T))
+        # One slot's samples, as JetStream's get_result_at_slot(0) reads a first token.
+        return out[0], out[1].replace(samples_per_slot=num_samples)
 
     def prefill_continuations(self, *, params: EngineParams, prefixes: list,
                               padded_tokens: list, true_lengths: list, rngs: list,
@@ -258,7 +289,8 @@ class Engine:
     def _checked(self, padded_tokens, true_length, num_generated, max_new_tokens,
                  continued: bool) -> tuple[np.ndarray, np.int32]:
         """(tokens, the response-length limit) of a prefill's arguments, checked."""
-        tokens_T = np.asarray(padded_tokens, np.int32)
+        tokens_T = jetstream_compat.rebucket(np.asarray(padded_tokens, np.int32), true_length,
+                                             self.buckets, self.rollout_cfg.pad_id, pick_bucket)
         if tokens_T.ndim != 1 or tokens_T.shape[0] not in self.buckets:
             raise ValueError(f"prefill: padded_tokens must be 1-D with length in "
                              f"{self.buckets}, got shape {tokens_T.shape}")
@@ -311,12 +343,13 @@ class Engine:
             raise ValueError(f"bulk_insert: {len(slots)} slots for {prefix.num_samples} "
                              f"samples")
         shared = ()
-        for i, slot in enumerate(slots):
-            decode_state = self._insert(prefix, decode_state, slot, i, length, shared)
-            if i == 0 and self.pages is not None and length is not None:
-                shared = self.pages.share(slot, length)
-        if shared:
-            self.pages.release_pages(shared)
+        with self._frees.lock:
+            for i, slot in enumerate(slots):
+                decode_state = self._insert(prefix, decode_state, slot, i, length, shared)
+                if i == 0 and self.pages is not None and length is not None:
+                    shared = self.pages.share(slot, length)
+            if shared:
+                self.pages.release_pages(shared)
         return decode_state
 
     def _insert(self, prefix, decode_state, slot, sample, length, shared_pages):
@@ -332,9 +365,12 @@ class Engine:
             if not 0 < length <= prefix.cache.length:
                 raise ValueError(f"insert: length {length} outside the prefix's "
                                  f"(1..{prefix.cache.length})")
-            write = np.zeros(self.pages.pages_for(prefix.cache.length), np.int32)
-            assigned = self.pages.assign(slot, length, shared_pages)
-            write[:len(assigned)] = assigned
+        with self._frees.lock:
+            if self.pages is not None:
+                write = np.zeros(self.pages.pages_for(prefix.cache.length), np.int32)
+                assigned = self.pages.assign(slot, length, shared_pages)
+                write[:len(assigned)] = assigned
+            self._frees.inserted(slot)
         return self._jit.insert(prefix, decode_state, np.int32(slot), np.int32(sample), write)
 
     def generate(self, params: EngineParams, decode_state: DecodeState, sampler=None):
@@ -373,8 +409,9 @@ class Engine:
     def _page_view(self, n: int):
         if self.pages is None:
             return None
-        self.pages.advance(n)  # pages for every position the call may write
-        return self.pages.view()
+        with self._frees.lock:
+            self.pages.advance(n)  # pages for every position the call may write
+            return self.pages.view()
 
     def extract(self, decode_state: DecodeState, slot: int, used: int | None = None) -> Prefix:
         """A slot's decode state as a one-sample Prefix (next input token, position,
@@ -387,7 +424,8 @@ class Engine:
             used, self.buckets + (self.cache_length,), "extract buckets")
         pages = None
         if self.pages is not None:
-            pages = self.pages.table[slot, :self.pages.pages_for(length)].copy()
+            with self._frees.lock:
+                pages = self.pages.table[slot, :self.pages.pages_for(length)].copy()
         return self._jit.extract(decode_state, np.int32(slot), pages, length)
 
     def pad_tokens(self, tokens) -> tuple[np.ndarray, int]:

@@ -116,6 +116,19 @@ class ResultTokens:
                         lengths=block[..., slice(*self.length_idx)][..., 0],
                         log_prob=_as_f32(block[..., LOGPROB:LOGPROB + 1]))
 
+    def get_result_at_slots(self, slots: tuple) -> SlotData:
+        """The rows of several slots, one sample each (JetStream's multi-sampling)."""
+        block = self.data[..., list(slots), :]
+        return SlotData(tokens=block[..., slice(*self.tokens_idx)],
+                        valid=block[..., slice(*self.valid_idx)],
+                        lengths=block[..., slice(*self.length_idx)][..., 0],
+                        log_prob=_as_f32(block[..., LOGPROB:LOGPROB + 1]))
+
+    @property
+    def log_prob(self):
+        """JetStream's name: `logprobs` with a tokens axis, [B, 1]."""
+        return self.logprobs[..., None]
+
     @property
     def tokens(self):
         """Sampled token per row."""

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from dora_jax.rollout import SamplingParams, key_data_from_seed, prefill_buckets
+from dora_jax.rollout.jetstream_compat import DEFAULT_STREAM
 from dora_jax.rollout.sampling import truncated_logprobs
 
 
@@ -114,14 +115,25 @@ def test_api_surface_and_bad_calls():
     assert key_data_from_seed(7).tolist() == jax.random.key_data(jax.random.PRNGKey(7)).tolist()
     params = eng.load_params(rc.params("dense", 0))
     with pytest.raises(ValueError, match="padded_tokens"):
-        eng.prefill(params=params, padded_tokens=np.zeros(7, np.int32), true_length=3)
+        eng.prefill(params=params, padded_tokens=np.zeros((1, 8), np.int32), true_length=3)
+    # Padded to another bucket (JetStream's 16, 32, ...): re-padded to ours.
+    p7, r7 = eng.prefill(params=params, padded_tokens=np.arange(1, 8, dtype=np.int32),
+                         true_length=3)
+    p8, r8 = eng.prefill(params=params, padded_tokens=np.array([1, 2, 3, 0, 0, 0, 0, 0],
+                                                               np.int32), true_length=3)
+    assert p7.cache.length == p8.cache.length == 8 and r7.tokens.tolist() == r8.tokens.tolist()
     with pytest.raises(ValueError, match="max_prefill_length"):
         eng.prefill(params=params, padded_tokens=np.zeros(16, np.int32), true_length=9)
     with pytest.raises(ValueError, match="prompt length"):
         eng.prefill(params=params, padded_tokens=np.zeros(8, np.int32), true_length=0)
-    with pytest.raises(ValueError, match="rng"):
-        rc.engine("dense", "sampled", 1).prefill(
-            params=params, padded_tokens=np.zeros(8, np.int32), true_length=3)
+    # No rng while sampling: the default key scheme, a new key per sample.
+    sampler = rc.engine("dense", "sampled", 1)
+    first = sampler._default_keys.take(1)[0]
+    assert first[0] == DEFAULT_STREAM
+    _, r = sampler.prefill_multisampling(params=params, padded_tokens=np.zeros(8, np.int32),
+                                         true_length=3, num_samples=3)
+    assert r.samples_per_slot == 3 and r.get_result_at_slot(0).tokens.shape == (3, 1)
+    assert sampler._default_keys.take(1)[0][1] == first[1] + 4
     state = eng.init_decode_state()
     prefix, _ = eng.prefill(params=params, padded_tokens=np.ones(8, np.int32), true_length=2)
     with pytest.raises(ValueError, match="slot 4 out of range"):

@@ -264,9 +264,12 @@ def test_engine_hands_out_its_tokenizer(trained, saved):
     params = engine.get_tokenizer()
     assert params == TokenizerParameters(str(saved), stop_ids=trained.stop_ids)
     assert engine.stop_ids == trained.stop_ids
-    tok = engine.build_tokenizer(params)
+    tok = engine.build_tokenizer(params)  # JetStream's protocol: padded ids, true length
     for text in SAMPLES:
-        assert tok.encode(text) == trained.encode(text)
-    assert tok.stop_ids == trained.stop_ids
+        ids = trained.encode(text)[-engine.max_prefill_length:]
+        padded, n = tok.encode(text)
+        assert n == len(ids) and list(padded[:n]) == ids and len(padded) in engine.buckets
+        assert tok.tokenizer.encode(text) == trained.encode(text)
+    assert tok.stop_ids == trained.stop_ids and tok.stop_tokens == set(trained.stop_ids)
     with pytest.raises(ValueError, match="tokenizer_path"):
         Engine(cfg.model, cfg.rollout, mesh).get_tokenizer()
