@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from dora_jax.buckets import pick_bucket, prefill_buckets
 from dora_jax.config import DECODE_RULES, ModelConfig, RolloutConfig
 from dora_jax.model import transformer
-from dora_jax.rollout import jetstream_compat, sampling
+from dora_jax.rollout import jetstream_compat, prefill_args, sampling
 from dora_jax.rollout.adapters import AdapterPlaces, check_versions
 from dora_jax.rollout.pages import PagePool
 from dora_jax.rollout.placement import ParamPlacement
@@ -241,8 +241,8 @@ class Engine:
             default = iter(self._default_keys.take(sum(r is None for r in rngs)))
             rngs = [next(default) if r is None else r for r in rngs]
         keys_N2 = np.stack([sampling.key_data_from_seed(0 if r is None else r) for r in rngs])
-        tokens_T, limit = self._checked(padded_tokens, true_length, num_generated,
-                                        max_new_tokens, existing_prefix is not None)
+        tokens_T, limit = prefill_args.checked(self, padded_tokens, true_length, num_generated,
+                                                max_new_tokens, existing_prefix is not None)
         done = np.int32(num_generated)
         if existing_prefix is None:
             out = self._jit.prefill(params, tokens_T, np.int32(true_length), keys_N2, done,
@@ -252,7 +252,7 @@ class Engine:
         else:
             out = self._jit.extend(params, existing_prefix, tokens_T, np.int32(true_length),
                                    keys_N2, done, limit,
-                                   self._extended_length(existing_prefix, tokens_T))
+                                   prefill_args.extended_length(self, existing_prefix, tokens_T))
         # One slot's samples, as JetStream's get_result_at_slot(0) reads a first token.
         return out[0], out[1].replace(samples_per_slot=num_samples)
 
@@ -267,7 +267,7 @@ class Engine:
         if not n or any(len(x) != n for x in (padded_tokens, true_lengths, rngs,
                                                num_generated, max_new_tokens)):
             raise ValueError("prefill_continuations: one of each argument per request")
-        rows = [self._checked(t, c, g, m, True) for t, c, g, m in zip(
+        rows = [prefill_args.checked(self, t, c, g, m, True) for t, c, g, m in zip(
             padded_tokens, true_lengths, num_generated, max_new_tokens)]
         if (len({p.cache.length for p in prefixes}) != 1 or len({r[0].shape for r in rows}) != 1
                 or min(true_lengths) < 1):
@@ -283,38 +283,8 @@ class Engine:
             np.asarray([true_lengths[i] for i in idx], np.int32), np.stack([keys[i] for i in idx]),
             np.asarray([num_generated[i] for i in idx], np.int32),
             np.asarray([rows[i][1] for i in idx], np.int32),
-            self._extended_length(prefixes[0], rows[0][0]))
+            prefill_args.extended_length(self, prefixes[0], rows[0][0]))
         return list(zip(prefixes_out[:n], results[:n]))
-
-    def _checked(self, padded_tokens, true_length, num_generated, max_new_tokens,
-                 continued: bool) -> tuple[np.ndarray, np.int32]:
-        """(tokens, the response-length limit) of a prefill's arguments, checked."""
-        tokens_T = jetstream_compat.rebucket(np.asarray(padded_tokens, np.int32), true_length,
-                                             self.buckets, self.rollout_cfg.pad_id, pick_bucket)
-        if tokens_T.ndim != 1 or tokens_T.shape[0] not in self.buckets:
-            raise ValueError(f"prefill: padded_tokens must be 1-D with length in "
-                             f"{self.buckets}, got shape {tokens_T.shape}")
-        if not 0 <= num_generated < self.max_decode_len:
-            raise ValueError(f"prefill: num_generated must be in [0, max_decode_len="
-                             f"{self.max_decode_len}), got {num_generated}")
-        if not 0 <= true_length <= tokens_T.shape[0]:
-            raise ValueError(f"prefill: true_length ({true_length}) must be in [0, padded "
-                             f"length ({tokens_T.shape[0]})]")
-        prompt_len = true_length - num_generated
-        if not continued and not 1 <= prompt_len <= self.max_prefill_length:
-            raise ValueError(f"prefill: need 1 <= prompt length ({prompt_len}) <= "
-                             f"max_prefill_length ({self.max_prefill_length})")
-        limit = np.int32(min(max_new_tokens or self.max_decode_len, self.max_decode_len))
-        if limit <= num_generated:
-            raise ValueError(f"prefill: max_new_tokens ({max_new_tokens}) must exceed "
-                             f"num_generated ({num_generated})")
-        return tokens_T, limit
-
-    def _extended_length(self, prefix: Prefix, tokens_T) -> int:
-        """The bucket of a prefix extended by a chunk: room for both padded lengths."""
-        room = prefix.cache.length + tokens_T.shape[0]
-        return (self.cache_length if room >= self.cache_length
-                else pick_bucket(room, self.buckets, "prefill buckets"))
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, request_id=None,
                *, length: int | None = None, shared_pages=()) -> DecodeState:

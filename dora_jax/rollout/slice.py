@@ -244,7 +244,8 @@ class DecodeSlice:
             seq.version = version
             seq.kept, seq.unwritten = None, 0  # KV kept between turns: the old version's
         self.turns.drop_kept()
-        for seq in running:
+        for seq in running:  # freed first: the engine pairs each free with an insert
+            self.engine.free_resource(seq.slot)
             self.prefills.start(seq, seq.slot)
         return seconds
 

@@ -239,6 +239,7 @@ def test_interrupt_and_reload_records_two_versions():
     assert t.token_versions() == [0] * m + [1] * len(tail)
     want = rc.logprob_reference("dense", p1, list(prompt) + head, tail, 1.0)
     np.testing.assert_allclose(t.behaviour_logprobs[m:], want, rtol=0, atol=2e-5)
+    assert sl.engine.pages.num_used == 0  # the re-inserted slot's pages went back too
     sl.load_version(0, p0)
 
 
