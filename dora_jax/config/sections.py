@@ -64,6 +64,10 @@ class RolloutConfig(Section):
     # Where an episode's KV waits during its environment call: "device" (fast to
     # resume, device memory outside the page pool) or "host" (copied out and back).
     episode_kv: str = field("device", choices=("device", "host"))
+    # Episodes whose observations arrive together are prefilled in one batched call
+    # (Engine.prefill_continuations; its shapes compile as they first occur). Off:
+    # one prefill each.
+    batch_observations: bool = False
 
     @property
     def samples_per_slice(self) -> int:

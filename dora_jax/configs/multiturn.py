@@ -77,6 +77,7 @@ def get_config(arg=None):
         c.data.update(dict(env_latency_median=0.4, env_latency_sigma=0.75,
                            env_latency_max=4.0, env_workers=64))
         c.rollout.max_episodes_per_slice = 6 * c.rollout.slots_per_slice
+        c.rollout.batch_observations = True
         c.coordinator.rollout_batch_size = 32
     elif arg == "tiny":
         c.coordinator.update(dict(group_size=4, train_batch_size=2, rollout_batch_size=4,

@@ -89,24 +89,26 @@ def stop_id(model: str = "dense") -> int:
 
 @functools.cache
 def engine(kind: str = "greedy", kv_cache: str = "paged", mesh_index: int = 0,
-           model: str = "dense", episode_kv: str = "device", episodes: int = 0) -> Engine:
+           model: str = "dense", episode_kv: str = "device", episodes: int = 0,
+           batch: bool = False) -> Engine:
     base_cfg = rc.config(model).rollout
     rollout = dataclasses.replace(
         base_cfg, slots_per_slice=rc.SLOTS, max_prefill_length=rc.MAX_PROMPT,
         max_decode_len=BUDGET, prefill_buckets=(rc.MAX_PROMPT,), temperature=1.0, top_k=0,
         top_p=1.0, eos_id=stop_id(model), decode_steps=4, kv_cache=kv_cache, page_size=4,
-        kv_pages=0, episode_kv=episode_kv, max_episodes_per_slice=episodes)
+        kv_pages=0, episode_kv=episode_kv, max_episodes_per_slice=episodes,
+        batch_observations=batch)
     sampling = SamplingParams(greedy=True) if kind == "greedy" else SamplingParams(0.7)
     return Engine(rc.config(model).model, rollout, rc.meshes()[1][mesh_index],
                   sampling_params=sampling)
 
 
 def make_slice(slice_id=0, kind="greedy", kv_cache="paged", mesh_index=0, version=0,
-               model="dense", episode_kv="device", episodes=0):
+               model="dense", episode_kv="device", episodes=0, batch=False):
     runner = EpisodeRunner("test_followers", IdsTokenizer(), max_turns=MAX_TURNS,
                            timeout=30.0, workers=2, frame=([], []))
-    sl = DecodeSlice(slice_id, engine(kind, kv_cache, mesh_index, model, episode_kv, episodes),
-                     episodes=runner)
+    sl = DecodeSlice(slice_id, engine(kind, kv_cache, mesh_index, model, episode_kv, episodes,
+                                      batch), episodes=runner)
     sl.load_version(version, rc.params(model, 0))
     return sl
 
@@ -268,7 +270,7 @@ def test_a_slice_decodes_other_requests_while_an_episode_waits():
 def test_more_episodes_than_slots_fill_the_slots_their_environments_free(episode_kv):
     """Twice as many episodes as slots: while environments hold some, the others take
     their slots; every episode still equals its full-forward reference."""
-    sl = make_slice(episode_kv=episode_kv, episodes=2 * rc.SLOTS)
+    sl = make_slice(episode_kv=episode_kv, episodes=2 * rc.SLOTS, batch=True)
     reqs = [dataclasses.replace(r, group_id=r.group_id + 10 * copy)
             for copy in range(2) for r in episode_requests()]
     assert sl.num_free_slots == 2 * rc.SLOTS
