@@ -16,9 +16,9 @@ inside is the environment's and may echo the model's own text, so special-token
 markers in it are broken up before encoding (an observation cannot close its own
 message or open an assistant turn).
 
-Calls run on one event loop for the process: a coroutine `step` runs there, a plain one
-on a daemon thread of its own, at most `workers` calls of a runner at once (later ones
-queue: back-pressure, not failure). `latency` adds a deterministic delay to every call (slow-tool
+Calls run on one event loop per runner: a coroutine `step` runs there, a plain one on
+a daemon thread of its own, at most `workers` calls at once (later ones queue: back-
+pressure, not failure). `latency` adds a deterministic delay to every call (slow-tool
 benchmarks), awaited on the loop, so a slow call holds no thread.
 
 Limits: `max_turns` model turns (default: the environment's own), the request's
@@ -150,7 +150,9 @@ class EpisodeRunner:
         self.timeout = timeout
         self._name = f"env {env}"
         self.workers, self.latency = workers, latency
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._slots: asyncio.Semaphore | None = None  # calls at once, on the loop
+        self._lock = threading.Lock()
         self.frame = observation_frame(tokenizer) if frame is None else frame
 
     def begin(self, record: dict, seed: int = 0) -> Episode:
@@ -168,10 +170,19 @@ class EpisodeRunner:
         delay = 0.0 if self.latency is None else self.latency.draw(
             episode.seed, episode.model_turns)
         task = asyncio.run_coroutine_threadsafe(
-            self._run(episode.env, text, delay, call), _event_loop())
+            self._run(episode.env, text, delay, call), self._event_loop())
         # Cancelling the call (a timeout) cancels its task, which frees its place.
         call.future.add_done_callback(lambda f: f.cancelled() and task.cancel())
         return call
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name=self._name,
+                                 daemon=True).start()
+                self._loop = loop
+            return self._loop
 
     async def _run(self, env: base.Environment, text: str, delay: float, call: EnvCall):
         if self._slots is None:
@@ -206,25 +217,11 @@ class EpisodeRunner:
         return observation_tokens(self.tokenizer, self.frame, text)
 
     def close(self) -> None:
-        """Nothing to release: calls run on the process's environment loop, which
-        outlives runners (a daemon thread)."""
-
-
-_LOOP: asyncio.AbstractEventLoop | None = None
-_LOOP_LOCK = threading.Lock()
-
-
-def _event_loop() -> asyncio.AbstractEventLoop:
-    """The one event loop of the process's environment calls, started on first use on
-    a daemon thread (runners bound their own calls; none holds a thread of its own)."""
-    global _LOOP
-    with _LOOP_LOCK:
-        if _LOOP is None:
-            loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="environment calls",
-                             daemon=True).start()
-            _LOOP = loop
-        return _LOOP
+        """Stops the event loop (calls still running are dropped with it)."""
+        with self._lock:
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._loop = None
 
 
 async def _awaited(awaitable):

@@ -99,12 +99,14 @@ def test_episodes_run_audited_with_their_turns_in_the_ledger(mode, chatty_tokeni
     # An environment call may wait for version 1 (partial_rollout, below): well within
     # the call's time limit, which would end the episode.
     over = dict(data__env_timeout=300.0) if mode == "partial_rollout" else {}
-    cfg = config(chatty_tokenizer, mode, steps=2, **over)
+    # Three steps first: the episode held at its environment (below) finishes, under two
+    # versions, while version 0's groups are still trained, before the run stops.
+    cfg = config(chatty_tokenizer, mode, steps=3, **over)
     if mode == "partial_rollout":
         _first_observation_waits_for_version_1(monkeypatch, cfg.mesh.num_slices)
     experiment.run(cfg, str(tmp_path))
     monkeypatch.undo()
-    cfg = config(chatty_tokenizer, mode, steps=4, **over)  # the same run, resumed and continued
+    cfg = config(chatty_tokenizer, mode, steps=5, **over)  # the same run, resumed and continued
     summary = experiment.run(cfg, str(tmp_path))
     events, audit = audit_workdir(cfg, str(tmp_path))
     assert audit.ok, audit.summary()
