@@ -122,6 +122,25 @@ def audit_workdir(cfg, workdir):
                                     cfg.rollout.max_decode_len)
 
 
+def assert_resumed_whole(cfg, workdir) -> list:
+    """Asserts a run killed once and resumed: one `resume` line, the ledger audited
+    clean, every admitted group consumed once or left, every step trained. Returns
+    the standing events."""
+    from dora_jax.scheduler import ledger
+
+    events, report = audit_workdir(cfg, str(workdir))
+    assert sum(e["event"] == "resume" for e in events) == 1
+    assert report.ok, report.summary()
+    standing = ledger.standing(events)
+    admitted = {e["group_id"] for e in standing if e["event"] == "admit"}
+    consumed = [e["group_id"] for e in standing if e["event"] == "consume"]
+    left = {e["group_id"] for e in standing if e["event"] in ("filter", "unconsumed")}
+    assert admitted <= set(consumed) | left and len(consumed) == len(set(consumed))
+    c = cfg.coordinator
+    assert len(consumed) == c.num_steps * c.train_batch_size
+    return standing
+
+
 @pytest.fixture(scope="session")
 def tiny_hf_checkpoint(tmp_path_factory):
     """A Hugging Face checkpoint directory of configs/qwen3_gsm8k.py:tiny's model

@@ -36,9 +36,7 @@ def test_a_kill_at_a_chosen_point_resumes_whole(point, after, tmp_path):
     step begun, a checkpoint being written, finished groups waiting on a busy
     trainer. The same command without the drill resumes it: one `resume` line,
     nothing lost or trained twice, every step trained, the ledger audited clean."""
-    from conftest import load_repo_config
-
-    from dora_jax.scheduler import SchedulerConfig, ledger
+    from conftest import assert_resumed_whole, load_repo_config
 
     workdir = tmp_path / "run"
     overrides = ["--config.model.num_layers=1", "--config.coordinator.num_steps=8",
@@ -54,19 +52,9 @@ def test_a_kill_at_a_chosen_point_resumes_whole(point, after, tmp_path):
     assert f"killing the run at {point}" in killed.stderr
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    events = ledger.read(str(workdir / "ledger.jsonl"))
-    assert sum(e["event"] == "resume" for e in events) == 1
     cfg = load_repo_config("configs/tiny.py", model__num_layers=1,
                            coordinator__num_steps=8, coordinator__checkpoint_every=2)
-    report = ledger.audit_run(events, SchedulerConfig.from_config(cfg),
-                              cfg.rollout.max_decode_len)
-    assert report.ok, report.summary()
-    standing = ledger.standing(events)
-    admitted = {e["group_id"] for e in standing if e["event"] == "admit"}
-    consumed = [e["group_id"] for e in standing if e["event"] == "consume"]
-    left = {e["group_id"] for e in standing if e["event"] in ("filter", "unconsumed")}
-    assert admitted <= set(consumed) | left and len(consumed) == len(set(consumed))
-    assert len(consumed) == 8 * cfg.coordinator.train_batch_size
+    consumed = [e for e in assert_resumed_whole(cfg, workdir) if e["event"] == "consume"]
     # The summary is the whole run's, both processes', not the resumed one's alone.
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["steps"] == 8 and summary["resumed_from_step"] < 8
