@@ -49,11 +49,11 @@ def test_a_run_holds_several_versions_per_slice_and_audits_clean(small_config, t
 
 
 def test_a_failed_multi_version_slice_restarts_and_nothing_is_lost(small_config, tmp_path):
-    from conftest import audit_workdir
-
     """Slice 1 raises at its first generate call, holding samples: they are
     regenerated under their groups' versions, the emptied slice is given versions
     again (added into its free places), and the ledger audits clean."""
+    from conftest import audit_workdir
+
     c = _config(small_config, num_steps=4, fail_slice=1, fail_point="generate")
     cfg = config_lib.validate(c, num_devices=8)
     summary = experiment.run(cfg, str(tmp_path))
@@ -62,8 +62,12 @@ def test_a_failed_multi_version_slice_restarts_and_nothing_is_lost(small_config,
     assert summary["slice_failures"] == 1 and report.steps == 4
     (failed,) = [e for e in _lines(tmp_path / "ledger.jsonl") if e["event"] == "slice_failed"]
     assert failed["slice"] == 1 and failed["regenerated"] > 0
+    # The restarted slice loads the version it lost and each one published after.
+    # Whether it decodes too depends on how soon the other slices finish the work.
     spans = json.loads((tmp_path / "timeline.json").read_text())
-    assert [s for s in spans if s["row"] == "slice 1" and s["kind"] == "decode"]
+    loads = sorted(s["version"] for s in spans if s["row"] == "slice 1"
+                   and s["kind"] == "load" and s["start"] > failed["time"])
+    assert loads == [0, 1, 2, 3], loads
 
 
 def test_a_multi_version_run_resumes_and_evaluates(small_config, tmp_path):
