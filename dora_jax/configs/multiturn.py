@@ -42,6 +42,14 @@ Variants (each warm-started as above, with its own --config):
       _e8) vs released, side by side:
       python -m dora_jax.bench.modes --config=configs/multiturn.py:slow_tools \
         --workdir=/tmp/mt_slow_modes --modes=dora_k2_e8,dora_k2 --steps=20 --reps=2
+  python -m dora_jax.main --config=configs/multiturn.py:slow_tools_multi --workdir=/tmp/mt_multi
+      slow_tools with rank-8 adapters over the frozen warm start, and every slice
+      holding the K + 1 = 3 versions of the staleness window at once
+      (rollout.versions_per_slice): a slice takes each new version beside those its
+      episodes at their tools still need, so no slice idles while an old episode
+      finishes. Held vs released, side by side:
+      python -m dora_jax.bench.modes --config=configs/multiturn.py:slow_tools_multi \
+        --workdir=/tmp/mt_multi_modes --modes=dora_k2_e8,dora_k2 --steps=20 --reps=2
 
 Tokenizer and model as configs/quickstart.py (the 512-token BPE of
 dora_jax/assets/tokenizer; a Qwen3-family policy of 459,520 parameters); mesh as
@@ -52,7 +60,8 @@ slots); groups of 8, 8 groups per step, 16 admitted ahead, max_staleness 2.
 from dora_jax.configs import quickstart
 from dora_jax.data import word_problems
 
-VARIANTS = (None, "guess", "python", "no_tool", "tiny", "slow_tools")
+VARIANTS = (None, "guess", "python", "no_tool", "tiny", "slow_tools",
+            "slow_tools_multi")
 
 
 def get_config(arg=None):
@@ -69,7 +78,7 @@ def get_config(arg=None):
         c.trainer.length_buckets = (128, 192)
     elif arg in ("python", "no_tool"):
         c.data.env = arg
-    elif arg == "slow_tools":
+    elif arg in ("slow_tools", "slow_tools_multi"):
         # The calculator answering like a remote tool: 0.4 s at the median (a model
         # turn of ~15 tokens takes 50 to 80 ms here), a log-normal tail clipped at 4 s.
         # An episode spends most of its time at its tool, so six episodes per slot
@@ -79,6 +88,10 @@ def get_config(arg=None):
         c.rollout.max_episodes_per_slice = 6 * c.rollout.slots_per_slice
         c.rollout.batch_observations = True
         c.coordinator.rollout_batch_size = 32
+        if arg == "slow_tools_multi":
+            c.model.lora.update(dict(rank=8, alpha=16.0))
+            c.trainer.learning_rate = quickstart.LORA_LEARNING_RATE
+            c.rollout.versions_per_slice = c.coordinator.max_staleness + 1
     elif arg == "tiny":
         c.coordinator.update(dict(group_size=4, train_batch_size=2, rollout_batch_size=4,
                                   num_steps=3))
