@@ -39,7 +39,8 @@ slot kept, not decoding.
 multi-turn episodes: one at its environment gives up its slot (no `env` slot time),
 its KV kept on device, or with `--episode_kv=host` copied to host memory and back
 (`host copies` in the summary); `--preset=multiturn_slow_release` is
-`multiturn_slow` with E = 4 x 256.
+`multiturn_slow` with E = 4 x 256, `--preset=multiturn_slow_lora` that with LoRA
+adapters, K + 1 versions a dora slice and the KV on host.
 """
 
 from __future__ import annotations

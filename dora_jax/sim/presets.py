@@ -44,7 +44,11 @@ their slots through their tool calls; `multiturn_slow_release` lets a slice hold
 4 x 256 episodes (`episodes_per_slice`, `rollout.max_episodes_per_slice`): an
 episode at its environment gives up its slot, its KV kept on device (or on host,
 `episode_kv`, `rollout.episode_kv`), and re-enters a free slot when its observation
-arrived (release.py).
+arrived (release.py). `multiturn_slow_lora` is `multiturn_slow_release` with
+paper128_lora's adapters: every mode trains and publishes adapters, and a dora slice
+holds K + 1 = 4 versions, so an episode's version stays resident beside newer ones
+while it waits on its tools; the KV of episodes at their tools waits on host (1024
+episodes a slice overflow its device KV).
 
 Every `device_presets/*.json` (a report's preset, fitted by `sim/device_fit.py` to
 our engine's figures on one device) is loaded into PRESETS too, by its name.
@@ -273,6 +277,12 @@ PRESETS["multiturn_slow_release"] = dataclasses.replace(
     PRESETS["multiturn_slow"], name="multiturn_slow_release",
     description="Qwen2.5-32B on 64 H800, multi-turn episodes with slow tools, 4 x 256 "
     "episodes a slice (slots released during tool calls)", episodes_per_slice=4 * 256)
+
+PRESETS["multiturn_slow_lora"] = dataclasses.replace(
+    PRESETS["multiturn_slow_release"], name="multiturn_slow_lora",
+    description=f"Qwen2.5-32B with LoRA rank {LORA_RANK} on 64 H800, multi-turn episodes "
+    "with slow tools, 4 x 256 episodes a slice, K + 1 adapter versions per slice",
+    versions_per_slice=4, adapter_params=QWEN25_32B_LORA, episode_kv="host")
 
 DEVICE_PRESETS_DIR = pathlib.Path(__file__).parent / "device_presets"
 _MODEL_REQUIRED = ("params", "kv_bytes_per_token", "layers", "hidden")

@@ -132,6 +132,24 @@ def test_release_raises_throughput_with_slow_tools():
     assert held["slot_idle"]["env"] > 0.3 and released["slot_idle"]["env"] == 0
 
 
+def test_k_plus_1_adapter_versions_keep_dora_level_with_partial_rollout():
+    """Slow tools, slots released, rollout-bound (48 trainer devices): a one-version
+    slice idles on versions its episodes at their tools still hold; with adapters and
+    K + 1 versions a slice none idles for a version, and dora, one version per
+    episode, decodes as fast as partial rollout, which mixes them."""
+    def run(mode, versions):
+        p = _small("multiturn_slow_lora", tbs=64, versions_per_slice=versions,
+                   trainer_devices=48)
+        s = simulate(p, mode, 5)
+        assert s["audit_ok"], s["audit"]
+        return s
+    one, multi, partial = run("dora", 1), run("dora", 4), run("partial_rollout", 1)
+    assert one["slot_idle"]["version_mismatch"] > 0.1
+    assert multi["slot_idle"]["version_mismatch"] == 0
+    assert multi["tokens_per_second"] > 1.2 * one["tokens_per_second"]
+    assert multi["tokens_per_second"] >= 0.99 * partial["tokens_per_second"]
+
+
 def test_slow_tools_take_over_five_model_turns():
     """The slow preset's median tool call against a 400-token model turn at a full
     slice's decode step, every slot at the workload's mean position (the prompt and
