@@ -43,13 +43,13 @@ Variants (each warm-started as above, with its own --config):
       python -m dora_jax.bench.modes --config=configs/multiturn.py:slow_tools \
         --workdir=/tmp/mt_slow_modes --modes=dora_k2_e8,dora_k2 --steps=20 --reps=2
   python -m dora_jax.main --config=configs/multiturn.py:slow_tools_multi --workdir=/tmp/mt_multi
-      slow_tools with rank-8 adapters over the frozen warm start, and every slice
-      holding the K + 1 = 3 versions of the staleness window at once
-      (rollout.versions_per_slice): a slice takes each new version beside those its
-      episodes at their tools still need, so no slice idles while an old episode
-      finishes. Held vs released, side by side:
+      slow_tools at agent scale: rank-8 adapters over the frozen warm start, every
+      slice holding the K + 1 = 4 versions of the staleness window at once
+      (rollout.versions_per_slice: a slice takes each new version beside those its
+      episodes at their tools still need), 32 groups a step, 128 admitted ahead, up
+      to 256 episodes a slice. Held vs released, side by side:
       python -m dora_jax.bench.modes --config=configs/multiturn.py:slow_tools_multi \
-        --workdir=/tmp/mt_multi_modes --modes=dora_k2_e8,dora_k2 --steps=20 --reps=2
+        --workdir=/tmp/mt_multi_modes --modes=dora_k3_e8,dora_k3 --steps=12 --reps=2
 
 Tokenizer and model as configs/quickstart.py (the 512-token BPE of
 dora_jax/assets/tokenizer; a Qwen3-family policy of 459,520 parameters); mesh as
@@ -89,9 +89,16 @@ def get_config(arg=None):
         c.rollout.batch_observations = True
         c.coordinator.rollout_batch_size = 32
         if arg == "slow_tools_multi":
+            # Enough episodes in flight to keep the slots decoding through the tool
+            # calls: 32 groups a step, four steps' worth admitted (K + 1 = 4), up to
+            # 32 episodes a slot, every call of them at once.
             c.model.lora.update(dict(rank=8, alpha=16.0))
             c.trainer.learning_rate = quickstart.LORA_LEARNING_RATE
+            c.coordinator.update(dict(max_staleness=3, train_batch_size=32,
+                                      rollout_batch_size=128))
             c.rollout.versions_per_slice = c.coordinator.max_staleness + 1
+            c.rollout.max_episodes_per_slice = 32 * c.rollout.slots_per_slice
+            c.data.env_workers = c.rollout.max_episodes_per_slice
     elif arg == "tiny":
         c.coordinator.update(dict(group_size=4, train_batch_size=2, rollout_batch_size=4,
                                   num_steps=3))
