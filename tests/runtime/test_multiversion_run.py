@@ -62,12 +62,13 @@ def test_a_failed_multi_version_slice_restarts_and_nothing_is_lost(small_config,
     assert summary["slice_failures"] == 1 and report.steps == 4
     (failed,) = [e for e in _lines(tmp_path / "ledger.jsonl") if e["event"] == "slice_failed"]
     assert failed["slice"] == 1 and failed["regenerated"] > 0
-    # The restarted slice loads the version it lost and each one published after.
+    # The restarted slice is given each version published after its failure (and
+    # the one it lost, unless the others finished that version's work first).
     # Whether it decodes too depends on how soon the other slices finish the work.
     spans = json.loads((tmp_path / "timeline.json").read_text())
     loads = sorted(s["version"] for s in spans if s["row"] == "slice 1"
                    and s["kind"] == "load" and s["start"] > failed["time"])
-    assert loads == [0, 1, 2, 3], loads
+    assert {1, 2, 3} <= set(loads) <= {0, 1, 2, 3}, loads
 
 
 def test_a_multi_version_run_resumes_and_evaluates(small_config, tmp_path):
