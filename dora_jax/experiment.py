@@ -162,9 +162,10 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     # Without lookahead a slice reports a finished sample in the step that ends it,
     # so the scheduler never migrates or reloads around a request that has in fact
     # already finished on the device.
+    runners = [episode_runner(cfg, tokenizer) for _ in slice_meshes]
     slices = [DecodeSlice.create(i, mesh, cfg.model, cfg.rollout, rules=cfg.mesh.decode_rules,
                                  lookahead=False, tokenizer_path=cfg.data.tokenizer or None,
-                                 stop_ids=stop_ids, episodes=episode_runner(cfg, tokenizer),
+                                 stop_ids=stop_ids, episodes=runners[i],
                                  versions=cfg.rollout.versions_per_slice)
               for i, mesh in enumerate(slice_meshes)]
     for sl in slices:  # every slice starts on version 0, as the scheduler assumes
@@ -239,6 +240,8 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
             closing.callback(reporter.close)
             closing.callback(ledger.close)
             closing.callback(rewards.close)
+            for runner in filter(None, runners):  # their event loops' threads end
+                closing.callback(runner.close)
     summary["mode"] = cfg.coordinator.mode
     if resumed is not None:
         summary["resumed_from_step"] = resumed.plan.step

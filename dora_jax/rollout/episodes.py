@@ -179,7 +179,7 @@ class EpisodeRunner:
         with self._lock:
             if self._loop is None:
                 loop = asyncio.new_event_loop()
-                threading.Thread(target=loop.run_forever, name=self._name,
+                threading.Thread(target=_serve, args=(loop,), name=self._name,
                                  daemon=True).start()
                 self._loop = loop
             return self._loop
@@ -222,6 +222,13 @@ class EpisodeRunner:
             if self._loop is not None:
                 self._loop.call_soon_threadsafe(self._loop.stop)
                 self._loop = None
+
+
+def _serve(loop: asyncio.AbstractEventLoop) -> None:
+    try:
+        loop.run_forever()
+    finally:
+        loop.close()
 
 
 async def _awaited(awaitable):

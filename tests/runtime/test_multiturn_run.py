@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import threading
+import time
 
 import pytest
 from conftest import audit_workdir, load_repo_config
@@ -102,12 +103,20 @@ def test_episodes_run_audited_with_their_turns_in_the_ledger(mode, chatty_tokeni
     # Three steps first: the episode held at its environment (below) finishes, under two
     # versions, while version 0's groups are still trained, before the run stops.
     cfg = config(chatty_tokenizer, mode, steps=3, **over)
+    before = {t for t in threading.enumerate() if t.name.startswith("env ")}
     if mode == "partial_rollout":
         _first_observation_waits_for_version_1(monkeypatch, cfg.mesh.num_slices)
     experiment.run(cfg, str(tmp_path))
     monkeypatch.undo()
     cfg = config(chatty_tokenizer, mode, steps=5, **over)  # the same run, resumed and continued
     summary = experiment.run(cfg, str(tmp_path))
+    # A finished run leaves no environment thread behind (an event loop per slice).
+    def env_threads():
+        return {t for t in threading.enumerate() if t.name.startswith("env ")} - before
+    deadline = time.monotonic() + 10
+    while env_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not env_threads()
     events, audit = audit_workdir(cfg, str(tmp_path))
     assert audit.ok, audit.summary()
     assert any(e["event"] == "resume" for e in events)
