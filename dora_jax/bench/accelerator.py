@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -117,7 +118,9 @@ def child_env(platform: str, out: str) -> dict:
     else:
         env.pop("XLA_FLAGS", None)
     env["DORA_ACCELERATOR_RECORDS"] = os.path.join(out, "tests_records.jsonl")
-    env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(out, "compile_cache"))
+    # Its own cache, removed when a part is killed at its budget: the part may have
+    # left an entry half-written, which no later program may read.
+    env["JAX_COMPILATION_CACHE_DIR"] = os.path.join(out, "compile_cache")
     return env
 
 
@@ -288,6 +291,8 @@ def check(out: str, size_name: str, budget_s: int, parts: list, tests_k: str = "
         share = budget_s * size.shares[name]
         status, seconds = run_part(part_command(name, size, out, host["platform"], tests_k),
                                    env, share, os.path.join(out, f"{name}.log"))
+        if status == "timed out":  # it may have died writing a cache entry
+            shutil.rmtree(env["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
         report["parts"][name] = dict(status=status, seconds=round(seconds, 1),
                                      budget_s=round(share, 1),
                                      memory=_read_json(os.path.join(out, f"{name}_memory.json")),

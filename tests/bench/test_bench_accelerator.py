@@ -52,6 +52,27 @@ def test_a_failing_part_is_recorded_and_the_next_still_runs(tmp_path, monkeypatc
     assert "cpu: not shown here" in summary
 
 
+def test_parts_use_the_report_s_own_cache_which_a_killed_part_removes(tmp_path,
+                                                                       monkeypatch):
+    """A part killed at its budget may die writing a compilation-cache entry: the
+    parts' cache (the report's own, whatever the caller's) is removed after it."""
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "callers"))
+    monkeypatch.setattr(accelerator, "detect", lambda: dict(
+        platform="cpu", device_kind="cpu", devices=8, jax="x"))
+    write_and_hang = ("import os, pathlib, time; d = pathlib.Path("
+                      "os.environ['JAX_COMPILATION_CACHE_DIR']); d.mkdir(parents=True); "
+                      "(d / 'entry').write_bytes(b'half'); time.sleep(60)")
+    commands = {"engine": [sys.executable, "-c", write_and_hang],
+                "trainer": [sys.executable, "-c", "import os; "
+                            "print(os.environ['JAX_COMPILATION_CACHE_DIR'])"]}
+    monkeypatch.setattr(accelerator, "part_command", lambda name, *a: commands[name])
+    out = tmp_path / "report"
+    report = accelerator.check(str(out), "tiny", 5, ["engine", "trainer"])
+    assert report["parts"]["engine"]["status"] == "timed out"
+    assert (out / "trainer.log").read_text().strip() == str(out / "compile_cache")
+    assert not (out / "compile_cache").exists() and not (tmp_path / "callers").exists()
+
+
 def test_peak_memory_is_recorded_when_the_module_fails(tmp_path):
     out = tmp_path / "mem.json"
     code = subprocess.run([sys.executable, "-m", "dora_jax.bench.peak_memory", str(out),
