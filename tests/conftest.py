@@ -6,6 +6,7 @@ import os
 import pathlib
 import shutil
 import tempfile
+import threading
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -40,6 +41,33 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ["JAX_COMPILATION_CACHE_DIR"], os.environ["PYTEST_XDIST_WORKER"])
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+def _write_cache_entries_whole() -> None:
+    """JAX writes a persistent-cache entry in place (without a lock unless the cache
+    has a size limit), so a reader in another thread or process can find it half
+    written, and deserializing that aborts the reader. Here an entry is written
+    under a temporary name and renamed into place."""
+    try:
+        from jax._src import lru_cache
+    except ImportError:  # the accelerator stack made unimportable (test_layering.py)
+        return
+    original = lru_cache.LRUCache.put
+
+    def put(self, key, value):
+        if getattr(self, "eviction_enabled", True) or not key:
+            return original(self, key, value)
+        path = pathlib.Path(self.path, f"{key}{lru_cache._CACHE_SUFFIX}")
+        if path.exists():
+            return
+        partial = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+        partial.write_bytes(value)
+        os.replace(partial, path)
+
+    lru_cache.LRUCache.put = put
+
+
+_write_cache_entries_whole()
 
 import pytest  # noqa: E402
 
