@@ -6,7 +6,6 @@ import os
 import pathlib
 import shutil
 import tempfile
-import threading
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -43,32 +42,6 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
-def _write_cache_entries_whole() -> None:
-    """JAX writes a persistent-cache entry in place (without a lock unless the cache
-    has a size limit), so a reader in another thread or process can find it half
-    written, and deserializing that aborts the reader. Here an entry is written
-    under a temporary name and renamed into place."""
-    try:
-        from jax._src import lru_cache
-    except ImportError:  # the accelerator stack made unimportable (test_layering.py)
-        return
-    original = lru_cache.LRUCache.put
-
-    def put(self, key, value):
-        if getattr(self, "eviction_enabled", True) or not key:
-            return original(self, key, value)
-        path = pathlib.Path(self.path, f"{key}{lru_cache._CACHE_SUFFIX}")
-        if path.exists():
-            return
-        partial = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-        partial.write_bytes(value)
-        os.replace(partial, path)
-
-    lru_cache.LRUCache.put = put
-
-
-_write_cache_entries_whole()
-
 import pytest  # noqa: E402
 
 from dora_jax import config as config_lib  # noqa: E402  (imports no JAX)
@@ -77,8 +50,9 @@ from dora_jax.model import hf_checks
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = {"dense": "configs/tiny.py", "moe": "configs/moe.py:tiny"}
 
-# An xdist worker that dies (a native crash: a segfault or abort inside XLA, seen about
-# once in a thousand runtime tests) takes its test with it. That test runs once more on
+# An xdist worker that dies (a native crash: a segfault or abort inside XLA, seen one
+# to two times a full run, loading an executable from the compilation cache during an
+# engine's warm-up) takes its test with it. That test runs once more on
 # a fresh worker and counts only by that second run; a second crash fails it. The
 # session's summary names every test that crashed a worker.
 _CRASHED: list = []
