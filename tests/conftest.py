@@ -41,7 +41,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-
 import pytest  # noqa: E402
 
 from dora_jax import config as config_lib  # noqa: E402  (imports no JAX)
@@ -50,11 +49,11 @@ from dora_jax.model import hf_checks
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = {"dense": "configs/tiny.py", "moe": "configs/moe.py:tiny"}
 
-# An xdist worker that dies (a native crash: a segfault or abort inside XLA, seen one
-# to two times a full run, loading an executable from the compilation cache during an
-# engine's warm-up) takes its test with it. That test runs once more on
-# a fresh worker and counts only by that second run; a second crash fails it. The
-# session's summary names every test that crashed a worker.
+# An xdist worker that dies (a native crash: a segfault or abort inside XLA, seen once
+# or twice a full run, loading an executable from the compilation cache during an
+# engine's warm-up) takes its test with it. That test runs once more on a fresh worker
+# and counts only by that second run; a second crash fails it. The session's summary
+# names every test that crashed a worker.
 _CRASHED: list = []
 
 
