@@ -179,7 +179,7 @@ class DecodeSlice:
             else:
                 self._end_episode(seq, why)
         while (self._waiting and not self.slots.full
-               and self.memory.has_pages_for(self._waiting[0])):
+               and self.memory.room_for(self._waiting[0])):
             if (self._waiting[0].kept is not None  # observations in: prefilled together
                     and self.engine.rollout_cfg.batch_observations):
                 self.prefills.continue_waiting(self._waiting)

@@ -5,7 +5,8 @@
   paged cache, the prompt's whole pages, which every sample of the group maps.
   Forgotten when the group leaves the slice or the params change.
 - Admission by free pages: a waiting request starts only when the pool holds its
-  first call and the next call of every running request.
+  first call and the next call of every running request, other groups' prompt pages
+  let go first if that makes room.
 - Room for a call: when the running requests' next call does not fit, the prompt
   pages are let go first; the slice then preempts (its most recently started
   request goes back to the head of its queue).
@@ -86,6 +87,19 @@ class SliceMemory:
             return True
         need = self.pages_needed(seq) + also
         return need + pool.shortfall(self.engine.decode_steps) <= pool.num_free
+
+    def room_for(self, seq, also: int = 0) -> bool:
+        """`has_pages_for`, after letting go of other groups' prompt pages if the pool
+        is short: a group's pages stay cached while any sample of it is held, e.g.
+        episodes at their environments, and would hold up the work ready to decode
+        (their samples keep their mappings; later ones copy the prompt's prefix)."""
+        if self.has_pages_for(seq, also):
+            return True
+        mine = prompt_key(seq.request)
+        others = [key for key in self.pages if key != mine]
+        for key in others:
+            self.engine.pages.release_pages(self.pages.pop(key))
+        return bool(others) and self.has_pages_for(seq, also)
 
     def short(self, n: int) -> bool:
         """Paged cache: a call of n steps of every running slot does not fit."""

@@ -104,7 +104,7 @@ class Prefills:
         head, out, pages = waiting[0], [], 0
         while (waiting and len(out) < room and waiting[0].kept is not None
                and waiting[0].version == head.version
-               and self._memory.has_pages_for(waiting[0], also=pages)):
+               and self._memory.room_for(waiting[0], also=pages)):
             pages += self._memory.pages_needed(waiting[0])
             out.append(waiting.popleft())
         return out
