@@ -228,6 +228,13 @@ def _serve(loop: asyncio.AbstractEventLoop) -> None:
     try:
         loop.run_forever()
     finally:
+        # The calls still running are dropped: cancelled and let unwind (briefly),
+        # not destroyed pending with the loop.
+        pending = asyncio.all_tasks(loop)
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.wait(pending, timeout=1.0))
         loop.close()
 
 
@@ -249,7 +256,10 @@ async def _on_thread(env: base.Environment, text: str, name: str):
                 result = asyncio.run(_awaited(result))
         except Exception as e:  # noqa: BLE001 - handed to the loop, raised there
             result, error = None, e
-        loop.call_soon_threadsafe(_settle, done, result, error)
+        try:
+            loop.call_soon_threadsafe(_settle, done, result, error)
+        except RuntimeError:  # the loop was closed: its runner dropped the call
+            pass
 
     threading.Thread(target=work, name=name, daemon=True).start()
     return await done

@@ -5,6 +5,7 @@ timeouts counted from a call's start."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 
@@ -131,3 +132,39 @@ def test_a_call_times_out_from_its_start_not_while_queued():
     call.started = time.perf_counter()
     assert not call.timed_out(call.started + 0.5, 1.0)
     assert call.timed_out(call.started + 1.5, 1.0)
+
+
+@pytest.mark.parametrize("env", ["test_held_async", "test_held_sync"])
+def test_closing_a_runner_drops_its_running_calls_cleanly(env, caplog):
+    """Calls still at their environments when the runner closes are cancelled: the
+    loop ends without a task destroyed pending, and a plain step returning after the
+    close finds the loop gone without raising."""
+    global COUNT
+    COUNT = Counting()
+    runner = EpisodeRunner(env, Words(), workers=8, frame=([], []))
+    unraised = []
+    hook, threading.excepthook = threading.excepthook, unraised.append
+    try:
+        calls = [runner.step(runner.begin({}, seed=i), [i]) for i in range(4)]
+        deadline = time.monotonic() + 30
+        while COUNT.now < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        loops = [t for t in threading.enumerate() if t.name == f"env {env}"]
+        assert len(loops) == 1
+        with caplog.at_level("ERROR", logger="asyncio"):
+            runner.close()
+            for t in loops:
+                t.join(10)
+            COUNT.release.set()  # the plain steps' threads return into a closed loop
+            deadline = time.monotonic() + 10
+            while COUNT.now and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.05)
+            gc.collect()  # a task destroyed pending says so when collected
+    finally:
+        COUNT.release.set()
+        threading.excepthook = hook
+    assert not any(t.is_alive() for t in loops)
+    assert not [r.message for r in caplog.records if "destroyed" in r.message]
+    assert not unraised
+    assert all(c.future.cancelled() or not c.future.done() for c in calls)
