@@ -29,10 +29,7 @@ def export(cfg: Config, workdir: str, out: str, *, dtype: str | None = None,
     """Writes the newest params of the run in `workdir` to `out` (`format`: FORMATS);
     returns {"step", "files", "out"} (and "base" for peft). FileNotFoundError if the
     run has no checkpoint."""
-    from dora_jax import devices
-    from dora_jax.checkpointing import Checkpointer
     from dora_jax.model import hf, lora, peft_format
-    from dora_jax.rl.trainer import Trainer
     from dora_jax.tasks import sources
 
     if format not in FORMATS:
@@ -45,10 +42,34 @@ def export(cfg: Config, workdir: str, out: str, *, dtype: str | None = None,
         raise peft_format.PeftFormatError(
             "--format=peft: the run's base is not model.checkpoint's (random, or from "
             "init_checkpoint): pass --base_out=DIR to write it beside the adapters")
+    step, params = newest_params(cfg, workdir)
+    tokenizer = sources.tokenizer_for(cfg)
+    if format == "merged":
+        files = hf.save_pretrained(cfg.model, params, out, dtype=dtype,
+                                   tokenizer=tokenizer)
+        return {"step": step, "files": files, "out": out}
+    if base_out:
+        hf.save_pretrained(lora.base_config(cfg.model), lora.split(params)[0],
+                           base_out, dtype=dtype, tokenizer=tokenizer)
+    files = peft_format.save_adapters(cfg.model, params, out, dtype=dtype,
+                                      base_model_name_or_path=os.path.abspath(base))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    return {"step": step, "files": files, "out": out, "base": base_out or base}
+
+
+def newest_params(cfg: Config, workdir: str, trainer_mesh=None) -> tuple:
+    """(step, params) of the newest checkpoint of the run in `workdir`, on the trainer
+    mesh (built from `cfg.mesh` if not given). FileNotFoundError if it has none."""
+    from dora_jax import devices
+    from dora_jax.checkpointing import Checkpointer
+    from dora_jax.rl.trainer import Trainer
+
     directory = os.path.join(workdir, "checkpoints")
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"{workdir}: no checkpoints/ (has the run saved a step?)")
-    trainer_mesh, _ = devices.make_meshes(cfg.mesh)
+    if trainer_mesh is None:
+        trainer_mesh, _ = devices.make_meshes(cfg.mesh)
     trainer = Trainer(cfg, trainer_mesh)
     with Checkpointer(directory, async_save=False) as checkpointer:
         step = checkpointer.latest_step()
@@ -56,19 +77,7 @@ def export(cfg: Config, workdir: str, out: str, *, dtype: str | None = None,
             raise FileNotFoundError(f"{directory}: no checkpoint")
         state, _ = checkpointer.restore(trainer.abstract_state(), step)
     trainer.load_state(state)
-    tokenizer = sources.tokenizer_for(cfg)
-    if format == "merged":
-        files = hf.save_pretrained(cfg.model, trainer.params, out, dtype=dtype,
-                                   tokenizer=tokenizer)
-        return {"step": step, "files": files, "out": out}
-    if base_out:
-        hf.save_pretrained(lora.base_config(cfg.model), lora.split(trainer.params)[0],
-                           base_out, dtype=dtype, tokenizer=tokenizer)
-    files = peft_format.save_adapters(cfg.model, trainer.params, out, dtype=dtype,
-                                      base_model_name_or_path=os.path.abspath(base))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
-    return {"step": step, "files": files, "out": out, "base": base_out or base}
+    return step, trainer.params
 
 
 if __name__ == "__main__":
