@@ -1,0 +1,138 @@
+"""Our side of a throughput comparison with another RL library, at a named workload.
+
+    python -m dora_jax.bench.peer --workload=tiny [--steps=60] [--rounds=3]
+    python -m dora_jax.bench.peer --workload=larger
+
+Workloads (random init, configs/tiny.py's residue task, its mesh on 8 devices, faked
+on a CPU): `tiny` is configs/tiny.py's policy (2 layers, d_model 64), 16 samples a step
+(4 groups of 4) of at most 16 tokens; `larger` is 8 layers, d_model 256, 32 samples a
+step (8 groups of 4) of at most 128 tokens. No periodic saves, no evaluation.
+
+Each round is one audited run of `--steps` steps (`--mode`, default dora); rounds of
+the modes given run interleaved. The steady state is what follows step `--warmup`
+(compilation and the pipeline fill come before it). Per round and as the median over
+rounds: response tokens/s; the step time (one step to the next) split into the train
+step and the trainer's wait for rollouts; the rollout-only share; slot utilisation;
+response lengths (mean, p50, p90, max, share cut at the length limit), so that a
+peer's run can be matched to ours in what it generates. Ends with
+`response tokens/s: X (median of N rounds, <mode>, <workload>)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+import numpy as np
+from absl import app, flags, logging
+
+from dora_jax.bench import CONFIGS
+
+WORKLOADS = {
+    # (model overrides, groups per step, samples per group, response tokens at most)
+    "tiny": ({}, 4, 4, 16),
+    "larger": (dict(num_layers=8, d_model=256, num_heads=4, num_kv_heads=2, head_dim=64,
+                    mlp_hidden=768), 8, 4, 128),
+}
+
+_WORKLOAD = flags.DEFINE_enum("workload", "tiny", list(WORKLOADS), "the named workload")
+_MODES = flags.DEFINE_list("modes", ["dora"], "modes to run (sync, one_step_off, dora...)")
+_STEPS = flags.DEFINE_integer("steps", 60, "train steps per round")
+_WARMUP = flags.DEFINE_integer("warmup", 10, "steps before the steady state")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "interleaved rounds")
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/dora_peer", "where the runs go")
+
+
+def workload_config(name: str, mode: str, steps: int):
+    """configs/tiny.py set to the named workload, in `mode`, without periodic saves."""
+    from dora_jax import config as config_lib
+    from dora_jax.bench import runs
+
+    model, groups, group_size, max_len = WORKLOADS[name]
+    c = config_lib.load(str(CONFIGS / "tiny.py"))
+    c.model.update(model)
+    c.rollout.max_decode_len = max_len
+    c.trainer.length_buckets = (c.rollout.max_prefill_length + max_len,)
+    c.coordinator.update(dict(group_size=group_size, train_batch_size=groups,
+                              rollout_batch_size=2 * groups))
+    c.eval.every = 0
+    return runs.run_config(c, mode, steps=steps)
+
+
+def steady_figures(workdir: str, warmup: int) -> dict:
+    """The steady state of the run in `workdir`: the steps after `warmup` (slot
+    utilisation: the run's, summary.json's)."""
+    steps = [r for r in map(json.loads, open(os.path.join(workdir, "metrics.jsonl")))
+             if "trained_tokens" in r and "eval" not in r]
+    steady = [r for r in steps if r["step"] > warmup]
+    if len(steady) < 2:
+        raise ValueError(f"{len(steps)} steps: too few after --warmup={warmup}")
+    start = next(r["time"] for r in steps if r["step"] == warmup)
+    seconds = steady[-1]["time"] - start
+    lengths, cut = [], 0
+    with open(os.path.join(workdir, "ledger.jsonl")) as f:
+        for event in map(json.loads, f):
+            if event.get("event") == "consume" and event["step"] > warmup:
+                for s in event["samples"]:
+                    lengths.append(s["response_len"])
+                    cut += s["finish"] == "length"
+    return {
+        "tokens_per_s": sum(r["trained_tokens"] for r in steady) / seconds,
+        "step_s": seconds / len(steady),
+        "train_s": statistics.mean(r["step_time"] for r in steady),
+        "wait_s": statistics.mean(r["trainer_wait"] for r in steady),
+        "slot_util": json.load(open(os.path.join(workdir, "summary.json")))[
+            "mean_slot_utilisation"],
+        "len_mean": float(np.mean(lengths)), "len_p50": float(np.percentile(lengths, 50)),
+        "len_p90": float(np.percentile(lengths, 90)), "len_max": int(max(lengths)),
+        "cut_share": cut / len(lengths),
+    }
+
+
+COLUMNS = ("tokens_per_s", "step_s", "train_s", "wait_s", "slot_util", "len_mean",
+           "len_p50", "len_p90", "len_max", "cut_share")
+
+
+def _row(label: str, fig: dict) -> str:
+    return f"{label:<16}" + "".join(f"{fig[c]:>13.4g}" for c in COLUMNS)
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)  # Orbax logs each save at INFO
+    from dora_jax import cli
+    from dora_jax.bench import runs
+
+    name, steps, warmup = _WORKLOAD.value, _STEPS.value, _WARMUP.value
+    if not 0 <= warmup < steps - 2:
+        raise SystemExit(f"error: --warmup={warmup} must leave 2 steps of --steps={steps}")
+    configs = {m: workload_config(name, m, steps) for m in _MODES.value}
+    from dora_jax.model import hf_checks
+
+    cli.start_devices(hf_checks.validated(next(iter(configs.values()))))
+    model, groups, group_size, max_len = WORKLOADS[name]
+    print(f"workload {name}: {groups * group_size} samples a step of at most {max_len} "
+          f"tokens, {steps} steps a round (steady after step {warmup}), {_ROUNDS.value} "
+          f"interleaved rounds", flush=True)
+    print(f"{'run':<16}" + "".join(f"{c:>13}" for c in COLUMNS), flush=True)
+    figures: dict = {m: [] for m in configs}
+    for r in range(_ROUNDS.value):
+        for mode, c in configs.items():
+            workdir = os.path.join(_WORKDIR.value, name, mode, str(r))
+            summary = runs.audited_run(c, workdir)
+            if not summary["audit_ok"]:
+                raise SystemExit(f"error: {workdir}: the ledger's audit failed: "
+                                 f"{summary['audit']}")
+            figures[mode].append(steady_figures(workdir, warmup))
+            print(_row(f"{mode} {r}", figures[mode][-1]), flush=True)
+    for mode, rows in figures.items():
+        print(_row(f"{mode} median", {c: statistics.median(x[c] for x in rows)
+                                      for c in COLUMNS}), flush=True)
+    for mode, rows in figures.items():
+        print(f"response tokens/s: {statistics.median(x['tokens_per_s'] for x in rows):.0f} "
+              f"(median of {len(rows)} rounds, {mode}, {name})")
+
+
+if __name__ == "__main__":
+    app.run(main)
