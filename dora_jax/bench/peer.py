@@ -3,10 +3,12 @@
     python -m dora_jax.bench.peer --workload=tiny [--steps=60] [--rounds=3]
     python -m dora_jax.bench.peer --workload=larger
 
-Workloads (random init, configs/tiny.py's residue task, its mesh on 8 devices, faked
-on a CPU): `tiny` is configs/tiny.py's policy (2 layers, d_model 64), 16 samples a step
-(4 groups of 4) of at most 16 tokens; `larger` is 8 layers, d_model 256, 32 samples a
-step (8 groups of 4) of at most 128 tokens. No periodic saves, no evaluation.
+Workloads (random init, configs/tiny.py's residue task): `tiny` is configs/tiny.py's
+policy (2 layers, d_model 64), 16 samples a step (4 groups of 4) of at most 16 tokens;
+`larger` is 8 layers, d_model 256, 32 samples a step (8 groups of 4) of at most 128
+tokens. No periodic saves, no evaluation. `--layout=spread`: configs/tiny.py's mesh on
+8 devices (faked on a CPU); `pair`: the trainer on one device, one decode slice of all
+the slots on another.
 
 Each round is one audited run of `--steps` steps (`--mode`, default dora); rounds of
 the modes given run interleaved. The steady state is what follows step `--warmup`
@@ -15,7 +17,7 @@ rounds: response tokens/s; the step time (one step to the next) split into the t
 step and the trainer's wait for rollouts; the rollout-only share; slot utilisation;
 response lengths (mean, p50, p90, max, share cut at the length limit), so that a
 peer's run can be matched to ours in what it generates. Ends with
-`response tokens/s: X (median of N rounds, <mode>, <workload>)`.
+`response tokens/s: X (median of N rounds, <mode>, <workload>, <layout>)`.
 """
 
 from __future__ import annotations
@@ -36,7 +38,14 @@ WORKLOADS = {
                     mlp_hidden=768), 8, 4, 128),
 }
 
+# Where the work runs: configs/tiny.py's mesh (the trainer on data=2 x fsdp=2, four
+# decode slices of 8 slots), or one device for the trainer and one for a slice of 32
+# slots (a peer that runs on one device is matched by it on a host whose devices
+# are faked on its cores).
+LAYOUTS = ("spread", "pair")
+
 _WORKLOAD = flags.DEFINE_enum("workload", "tiny", list(WORKLOADS), "the named workload")
+_LAYOUT = flags.DEFINE_enum("layout", "spread", list(LAYOUTS), "where the work runs")
 _MODES = flags.DEFINE_list("modes", ["dora"], "modes to run (sync, one_step_off, dora...)")
 _STEPS = flags.DEFINE_integer("steps", 60, "train steps per round")
 _WARMUP = flags.DEFINE_integer("warmup", 10, "steps before the steady state")
@@ -44,8 +53,9 @@ _ROUNDS = flags.DEFINE_integer("rounds", 3, "interleaved rounds")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/dora_peer", "where the runs go")
 
 
-def workload_config(name: str, mode: str, steps: int):
-    """configs/tiny.py set to the named workload, in `mode`, without periodic saves."""
+def workload_config(name: str, mode: str, steps: int, layout: str = "spread"):
+    """configs/tiny.py set to the named workload and layout, in `mode`, without
+    periodic saves."""
     from dora_jax import config as config_lib
     from dora_jax.bench import runs
 
@@ -57,6 +67,11 @@ def workload_config(name: str, mode: str, steps: int):
     c.coordinator.update(dict(group_size=group_size, train_batch_size=groups,
                               rollout_batch_size=2 * groups))
     c.eval.every = 0
+    if layout == "pair":
+        slots = c.rollout.slots_per_slice * c.mesh.num_slices
+        c.mesh.trainer.update(dict(data=1, fsdp=1))
+        c.mesh.num_slices = 1
+        c.rollout.slots_per_slice = slots
     return runs.run_config(c, mode, steps=steps)
 
 
@@ -107,14 +122,14 @@ def main(argv):
     name, steps, warmup = _WORKLOAD.value, _STEPS.value, _WARMUP.value
     if not 0 <= warmup < steps - 2:
         raise SystemExit(f"error: --warmup={warmup} must leave 2 steps of --steps={steps}")
-    configs = {m: workload_config(name, m, steps) for m in _MODES.value}
+    configs = {m: workload_config(name, m, steps, _LAYOUT.value) for m in _MODES.value}
     from dora_jax.model import hf_checks
 
     cli.start_devices(hf_checks.validated(next(iter(configs.values()))))
     model, groups, group_size, max_len = WORKLOADS[name]
-    print(f"workload {name}: {groups * group_size} samples a step of at most {max_len} "
-          f"tokens, {steps} steps a round (steady after step {warmup}), {_ROUNDS.value} "
-          f"interleaved rounds", flush=True)
+    print(f"workload {name} ({_LAYOUT.value}): {groups * group_size} samples a step of at "
+          f"most {max_len} tokens, {steps} steps a round (steady after step {warmup}), "
+          f"{_ROUNDS.value} interleaved rounds", flush=True)
     print(f"{'run':<16}" + "".join(f"{c:>13}" for c in COLUMNS), flush=True)
     figures: dict = {m: [] for m in configs}
     for r in range(_ROUNDS.value):
@@ -131,7 +146,7 @@ def main(argv):
                                       for c in COLUMNS}), flush=True)
     for mode, rows in figures.items():
         print(f"response tokens/s: {statistics.median(x['tokens_per_s'] for x in rows):.0f} "
-              f"(median of {len(rows)} rounds, {mode}, {name})")
+              f"(median of {len(rows)} rounds, {mode}, {name}, {_LAYOUT.value})")
 
 
 if __name__ == "__main__":
