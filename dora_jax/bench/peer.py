@@ -27,7 +27,6 @@ import os
 import statistics
 
 import numpy as np
-from absl import app, flags, logging
 
 from dora_jax.bench import CONFIGS
 
@@ -44,13 +43,6 @@ WORKLOADS = {
 # are faked on its cores).
 LAYOUTS = ("spread", "pair")
 
-_WORKLOAD = flags.DEFINE_enum("workload", "tiny", list(WORKLOADS), "the named workload")
-_LAYOUT = flags.DEFINE_enum("layout", "spread", list(LAYOUTS), "where the work runs")
-_MODES = flags.DEFINE_list("modes", ["dora"], "modes to run (sync, one_step_off, dora...)")
-_STEPS = flags.DEFINE_integer("steps", 60, "train steps per round")
-_WARMUP = flags.DEFINE_integer("warmup", 10, "steps before the steady state")
-_ROUNDS = flags.DEFINE_integer("rounds", 3, "interleaved rounds")
-_WORKDIR = flags.DEFINE_string("workdir", "/tmp/dora_peer", "where the runs go")
 
 
 def workload_config(name: str, mode: str, steps: int, layout: str = "spread"):
@@ -113,41 +105,51 @@ def _row(label: str, fig: dict) -> str:
     return f"{label:<16}" + "".join(f"{fig[c]:>13.4g}" for c in COLUMNS)
 
 
-def main(argv):
-    del argv
-    logging.set_verbosity(logging.WARNING)  # Orbax logs each save at INFO
-    from dora_jax import cli
-    from dora_jax.bench import runs
-
-    name, steps, warmup = _WORKLOAD.value, _STEPS.value, _WARMUP.value
-    if not 0 <= warmup < steps - 2:
-        raise SystemExit(f"error: --warmup={warmup} must leave 2 steps of --steps={steps}")
-    configs = {m: workload_config(name, m, steps, _LAYOUT.value) for m in _MODES.value}
-    from dora_jax.model import hf_checks
-
-    cli.start_devices(hf_checks.validated(next(iter(configs.values()))))
-    model, groups, group_size, max_len = WORKLOADS[name]
-    print(f"workload {name} ({_LAYOUT.value}): {groups * group_size} samples a step of at "
-          f"most {max_len} tokens, {steps} steps a round (steady after step {warmup}), "
-          f"{_ROUNDS.value} interleaved rounds", flush=True)
-    print(f"{'run':<16}" + "".join(f"{c:>13}" for c in COLUMNS), flush=True)
-    figures: dict = {m: [] for m in configs}
-    for r in range(_ROUNDS.value):
-        for mode, c in configs.items():
-            workdir = os.path.join(_WORKDIR.value, name, mode, str(r))
-            summary = runs.audited_run(c, workdir)
-            if not summary["audit_ok"]:
-                raise SystemExit(f"error: {workdir}: the ledger's audit failed: "
-                                 f"{summary['audit']}")
-            figures[mode].append(steady_figures(workdir, warmup))
-            print(_row(f"{mode} {r}", figures[mode][-1]), flush=True)
-    for mode, rows in figures.items():
-        print(_row(f"{mode} median", {c: statistics.median(x[c] for x in rows)
-                                      for c in COLUMNS}), flush=True)
-    for mode, rows in figures.items():
-        print(f"response tokens/s: {statistics.median(x['tokens_per_s'] for x in rows):.0f} "
-              f"(median of {len(rows)} rounds, {mode}, {name}, {_LAYOUT.value})")
-
-
 if __name__ == "__main__":
+    from absl import app, flags, logging
+
+    # Flags here: tests import this module beside other benchmarks that define
+    # flags of the same names.
+    _WORKLOAD = flags.DEFINE_enum("workload", "tiny", list(WORKLOADS), "the named workload")
+    _LAYOUT = flags.DEFINE_enum("layout", "spread", list(LAYOUTS), "where the work runs")
+    _MODES = flags.DEFINE_list("modes", ["dora"], "modes to run (sync, one_step_off, dora...)")
+    _STEPS = flags.DEFINE_integer("steps", 60, "train steps per round")
+    _WARMUP = flags.DEFINE_integer("warmup", 10, "steps before the steady state")
+    _ROUNDS = flags.DEFINE_integer("rounds", 3, "interleaved rounds")
+    _WORKDIR = flags.DEFINE_string("workdir", "/tmp/dora_peer", "where the runs go")
+
+    def main(argv):
+        del argv
+        logging.set_verbosity(logging.WARNING)  # Orbax logs each save at INFO
+        from dora_jax import cli
+        from dora_jax.bench import runs
+
+        name, steps, warmup = _WORKLOAD.value, _STEPS.value, _WARMUP.value
+        if not 0 <= warmup < steps - 2:
+            raise SystemExit(f"error: --warmup={warmup} must leave 2 steps of --steps={steps}")
+        configs = {m: workload_config(name, m, steps, _LAYOUT.value) for m in _MODES.value}
+        from dora_jax.model import hf_checks
+
+        cli.start_devices(hf_checks.validated(next(iter(configs.values()))))
+        model, groups, group_size, max_len = WORKLOADS[name]
+        print(f"workload {name} ({_LAYOUT.value}): {groups * group_size} samples a step of at "
+              f"most {max_len} tokens, {steps} steps a round (steady after step {warmup}), "
+              f"{_ROUNDS.value} interleaved rounds", flush=True)
+        print(f"{'run':<16}" + "".join(f"{c:>13}" for c in COLUMNS), flush=True)
+        figures: dict = {m: [] for m in configs}
+        for r in range(_ROUNDS.value):
+            for mode, c in configs.items():
+                workdir = os.path.join(_WORKDIR.value, name, mode, str(r))
+                summary = runs.audited_run(c, workdir)
+                if not summary["audit_ok"]:
+                    raise SystemExit(f"error: {workdir}: the ledger's audit failed: "
+                                     f"{summary['audit']}")
+                figures[mode].append(steady_figures(workdir, warmup))
+                print(_row(f"{mode} {r}", figures[mode][-1]), flush=True)
+        for mode, rows in figures.items():
+            print(_row(f"{mode} median", {c: statistics.median(x[c] for x in rows)
+                                          for c in COLUMNS}), flush=True)
+        for mode, rows in figures.items():
+            print(f"response tokens/s: {statistics.median(x['tokens_per_s'] for x in rows):.0f} "
+                  f"(median of {len(rows)} rounds, {mode}, {name}, {_LAYOUT.value})")
     app.run(main)
