@@ -190,11 +190,21 @@ def test_episodes_keep_kv_between_turns_and_equal_full_forward(kv_cache, episode
     assert sl.stats.reprefill_tokens == 0
 
 
-def test_sampled_episode_logprobs_equal_full_forward_on_model_tokens():
-    sl = make_slice(kind="sampled", mesh_index=1)
-    for r in episode_requests():
+@pytest.mark.parametrize("episode_kv,episodes", [("device", 0), ("device", 2 * rc.SLOTS),
+                                                 ("host", 2 * rc.SLOTS)])
+def test_sampled_episode_logprobs_equal_full_forward_on_model_tokens(episode_kv, episodes):
+    """Held slots, and slots released at the environment (the KV kept on the device or
+    copied to host and back): behaviour log-probs equal the full forward's."""
+    sl = make_slice(kind="sampled", mesh_index=1, episode_kv=episode_kv, episodes=episodes)
+    reqs = [dataclasses.replace(r, group_id=r.group_id + 10 * copy)
+            for copy in range(1 + bool(episodes)) for r in episode_requests()]
+    for r in reqs:
         sl.submit(r)
-    for t in sl.drain():
+    got = sl.drain()
+    assert len(got) == len(reqs)
+    if episode_kv == "host":
+        assert sl.stats.kv_host_copies > 0
+    for t in got:
         prompt, resp = list(t.prompt_tokens), t.response_tokens
         logits = full_logits(prompt + resp)[len(prompt) - 1:-1].astype(np.float64) / 0.7
         want = np.array([z[tok] - rc.logsumexp(z) for z, tok in zip(logits, resp)])
