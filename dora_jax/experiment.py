@@ -21,6 +21,7 @@ from dora_jax.model.sharding import copy_tree
 from dora_jax.rewards.pool import RewardPool
 from dora_jax.rl.trainer import Trainer
 from dora_jax.rollout.episodes import EpisodeRunner, Latency
+from dora_jax.rollout.sampling import read_stop_ids
 from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.rollout.warmup import warm_engine
 from dora_jax.runtime import compile_times, recovery, writers
@@ -156,9 +157,7 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     trainer_mesh, slice_meshes = devices.make_meshes(cfg.mesh)
     graphdef, params = initial_params(cfg, trainer_mesh)
     # Every stop id of the tokenizer read above ends a sequence (no engine reads it again).
-    stop_ids = None
-    if tokenizer is not None and cfg.rollout.eos_id >= 0:
-        stop_ids = (cfg.rollout.eos_id, *getattr(tokenizer, "stop_ids", ()))
+    stop_ids = read_stop_ids(cfg.rollout, tokenizer)
     # Without lookahead a slice reports a finished sample in the step that ends it,
     # so the scheduler never migrates or reloads around a request that has in fact
     # already finished on the device.

@@ -56,13 +56,11 @@ def serving_rollout(cfg: Config, *, slots: int, max_tokens: int):
                                prefill_buckets=buckets, kv_pages=0)
 
 
-def served_params(cfg: Config, workdir: str | None):
+def served_params(cfg: Config, workdir: str | None, trainer_mesh):
     """(step or None, params without adapters, their model config): the newest
     checkpoint of the run in `workdir`, else what the config starts from."""
-    from dora_jax import devices
     from dora_jax.model import lora
 
-    trainer_mesh, _ = devices.make_meshes(cfg.mesh)
     if workdir:
         from dora_jax.export import newest_params
 
@@ -76,45 +74,53 @@ def served_params(cfg: Config, workdir: str | None):
     return step, params, cfg.model
 
 
-def build(cfg: Config, workdir: str | None, *, slots: int, max_tokens: int,
+def build(cfg: Config, workdir: str | None, tokenizer, *, slots: int, max_tokens: int,
           temperature: float = 0.0):
-    """(Engine, its placed params, step): the policy on decode slice 0's mesh;
-    temperature 0 decodes greedily."""
+    """(Engine, its placed params, step): the policy on decode slice 0's mesh, its
+    stop ids the run's (`tokenizer`: the run's, or None); temperature 0 decodes
+    greedily."""
     from dora_jax import devices
     from dora_jax.rollout import Engine, SamplingParams
-    from dora_jax.tasks import sources
+    from dora_jax.rollout.sampling import read_stop_ids
 
-    step, params, model_cfg = served_params(cfg, workdir)
+    trainer_mesh, slice_meshes = devices.make_meshes(cfg.mesh)
+    step, params, model_cfg = served_params(cfg, workdir, trainer_mesh)
     rollout = serving_rollout(cfg, slots=slots, max_tokens=max_tokens)
-    tokenizer = sources.tokenizer_for(cfg)
-    stop_ids = None
-    if tokenizer is not None and rollout.eos_id >= 0:
-        stop_ids = (rollout.eos_id, *getattr(tokenizer, "stop_ids", ()))
     sampling = (SamplingParams(greedy=True) if temperature == 0
                 else SamplingParams(temperature, rollout.top_k, rollout.top_p))
-    _, slice_meshes = devices.make_meshes(cfg.mesh)
     engine = Engine(model_cfg, rollout, slice_meshes[0], rules=cfg.mesh.decode_rules,
                     sampling_params=sampling, tokenizer_path=cfg.data.tokenizer or None,
-                    stop_ids=stop_ids)
+                    stop_ids=read_stop_ids(rollout, tokenizer))
     return engine, engine.load_params(params), step
 
 
-def prompt_tokens(cfg: Config, texts, *, raw: bool) -> list[list[int]]:
+def prompt_tokens(cfg: Config, tokenizer, texts, *, raw: bool,
+                  max_length: int) -> list[list[int]]:
     """Each text as the model's prompt: a chat user turn with the task's instruction
-    (as training built them), or with `raw` the text's own tokens."""
+    and the config's chat-template arguments (as training built them), or with `raw`
+    the text's own tokens. ValueError, naming the prompt, if one is longer than
+    `max_length` tokens."""
     from dora_jax.data.text_records import DEFAULT_INSTRUCTIONS, chat_tokens
-    from dora_jax.tasks import sources
+    from dora_jax.tasks.base import chat_tokenizer, text_options
 
-    tokenizer = sources.tokenizer_for(cfg)
     if tokenizer is None:
         raise ValueError("serving text needs the run's tokenizer (data.tokenizer)")
     if raw or tokenizer.chat_template is None:
-        return [tokenizer.encode(t) for t in texts]
-    instruction = cfg.data.instruction
-    if instruction is None:
-        instruction = DEFAULT_INSTRUCTIONS.get(cfg.data.source, "")
-    return [chat_tokens(tokenizer, t, instruction=instruction,
-                        system_prompt=cfg.data.system_prompt or None) for t in texts]
+        prompts = [tokenizer.encode(t) for t in texts]
+    else:
+        options = text_options(cfg)
+        instruction = options["instruction"]
+        if instruction is None:
+            instruction = DEFAULT_INSTRUCTIONS.get(cfg.data.source, "")
+        chat = chat_tokenizer(cfg, tokenizer)
+        prompts = [chat_tokens(chat, t, instruction=instruction,
+                               system_prompt=options["system_prompt"]) for t in texts]
+    for text, ids in zip(texts, prompts):
+        if len(ids) > max_length:
+            raise ValueError(f"--prompt={text[:60]!r}: {len(ids)} tokens, more than the "
+                             f"{max_length} a prompt may have (rollout.max_prefill_length "
+                             f"raised to JetStream's bucket)")
+    return prompts
 
 
 def driver_for(engine, params):
@@ -203,10 +209,15 @@ if __name__ == "__main__":
         max_tokens = _MAX_TOKENS.value or cfg.rollout.max_decode_len
         cli.start_devices(cfg)
         with cli.one_line_errors():
-            engine, params, step = build(cfg, _WORKDIR.value, slots=_SLOTS.value,
+            tokenizer = sources.tokenizer_for(cfg)
+            # Before any compute: a prompt too long is named now.
+            longest = serving_rollout(cfg, slots=_SLOTS.value,
+                                      max_tokens=max_tokens).max_prefill_length
+            prompts = (prompt_tokens(cfg, tokenizer, _PROMPT.value, raw=_RAW.value,
+                                     max_length=longest) if _PROMPT.value else [])
+            engine, params, step = build(cfg, _WORKDIR.value, tokenizer, slots=_SLOTS.value,
                                          max_tokens=max_tokens,
                                          temperature=_TEMPERATURE.value)
-            prompts = prompt_tokens(cfg, _PROMPT.value, raw=_RAW.value)
         where = f"step {step} of {_WORKDIR.value}" if step is not None else "initial params"
         print(f"serving {where} with JetStream's orchestrator, {_SLOTS.value} slots",
               flush=True)
@@ -219,7 +230,6 @@ if __name__ == "__main__":
                 raise
             if _PORT.value is None:
                 driver.stop()
-            tokenizer = sources.tokenizer_for(cfg)
             for text, ids in zip(_PROMPT.value, got):
                 shown = tokenizer.decode(ids, skip_special_tokens=True)
                 print(json.dumps({"prompt": text, "ids": ids, "text": shown})

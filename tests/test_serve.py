@@ -32,10 +32,9 @@ _SRC = os.environ.get("JETSTREAM_SRC")
 
 
 def _jetstream_missing() -> list:
-    have_js = (os.path.isdir(os.path.join(_SRC, "jetstream")) if _SRC
-               else importlib.util.find_spec("jetstream") is not None)
-    return [m for m in ("grpc", "prometheus_client", "shortuuid", "seqio", "transformers")
-            if importlib.util.find_spec(m) is None] + ([] if have_js else ["jetstream"])
+    """serve.missing_modules(), JetStream counted as present in JETSTREAM_SRC."""
+    in_src = bool(_SRC) and os.path.isdir(os.path.join(_SRC, "jetstream"))
+    return [m for m in serve.missing_modules() if not (m == "jetstream" and in_src)]
 
 
 def test_the_longest_prompt_rises_to_one_of_jetstream_s_buckets(load_config):
@@ -63,6 +62,22 @@ def test_without_jetstream_serving_stops_before_any_compute_naming_what_to_insta
     assert out.returncode == 1
     (line,) = [x for x in out.stderr.splitlines() if x.startswith("error:")]
     assert "serving needs" in line and ".[jetstream]" in line
+
+
+def test_prompts_are_built_as_training_built_them_and_too_long_ones_are_named(load_config):
+    from dora_jax.tasks import sources
+
+    cfg = load_config(QUICKSTART)
+    tokenizer = sources.tokenizer_for(cfg)
+    record = sources.prompt_records(cfg, tokenizer)[0][0]
+    (ids,) = serve.prompt_tokens(cfg, tokenizer, [record["question"]], raw=False,
+                                 max_length=64)
+    assert ids == record["tokens"]
+    assert serve.prompt_tokens(cfg, tokenizer, ["7 - 3"], raw=True,
+                               max_length=64) == [tokenizer.encode("7 - 3")]
+    with pytest.raises(ValueError, match=r"--prompt='Calculate.*tokens, more than the 64"):
+        serve.prompt_tokens(cfg, tokenizer, ["Calculate " + "9 + " * 40 + "1."], raw=False,
+                            max_length=64)
 
 
 def test_the_buckets_are_jetstream_s():
@@ -135,7 +150,8 @@ def test_serve_answers_from_a_trained_quickstart_checkpoint(load_config, tmp_pat
 
     answers = [json.loads(line) for line in lines if line.startswith("{")]
     assert [a["prompt"] for a in answers] == questions
-    for got, prompt in zip(answers, serve.prompt_tokens(cfg, questions, raw=False)):
+    prompts = serve.prompt_tokens(cfg, tokenizer, questions, raw=False, max_length=64)
+    for got, prompt in zip(answers, prompts):
         assert got["ids"] == greedy(prompt), got["prompt"]
         assert got["text"] == tokenizer.decode(got["ids"], skip_special_tokens=True)
     assert grpc_ids == greedy(tokenizer.encode(questions[0]))

@@ -10,11 +10,11 @@ tokens. No periodic saves, no evaluation. `--layout=spread`: configs/tiny.py's m
 8 devices (faked on a CPU); `pair`: the trainer on one device, one decode slice of all
 the slots on another.
 
-Each round is one audited run of `--steps` steps (`--mode`, default dora); rounds of
-the modes given run interleaved. The steady state is what follows step `--warmup`
+Each round is one audited run of `--steps` steps per mode (`--modes`, default dora),
+the modes interleaved. The steady state is what follows step `--warmup`
 (compilation and the pipeline fill come before it). Per round and as the median over
 rounds: response tokens/s; the step time (one step to the next) split into the train
-step and the trainer's wait for rollouts; the rollout-only share; slot utilisation;
+step and the trainer's wait for rollouts; slot utilisation (the whole run's);
 response lengths (mean, p50, p90, max, share cut at the length limit), so that a
 peer's run can be matched to ours in what it generates. Ends with
 `response tokens/s: X (median of N rounds, <mode>, <workload>, <layout>)`.
@@ -44,7 +44,6 @@ WORKLOADS = {
 LAYOUTS = ("spread", "pair")
 
 
-
 def workload_config(name: str, mode: str, steps: int, layout: str = "spread"):
     """configs/tiny.py set to the named workload and layout, in `mode`, without
     periodic saves."""
@@ -70,8 +69,8 @@ def workload_config(name: str, mode: str, steps: int, layout: str = "spread"):
 def steady_figures(workdir: str, warmup: int) -> dict:
     """The steady state of the run in `workdir`: the steps after `warmup` (slot
     utilisation: the run's, summary.json's)."""
-    steps = [r for r in map(json.loads, open(os.path.join(workdir, "metrics.jsonl")))
-             if "trained_tokens" in r and "eval" not in r]
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        steps = [r for r in map(json.loads, f) if "trained_tokens" in r and "eval" not in r]
     steady = [r for r in steps if r["step"] > warmup]
     if len(steady) < 2:
         raise ValueError(f"{len(steps)} steps: too few after --warmup={warmup}")
@@ -84,13 +83,14 @@ def steady_figures(workdir: str, warmup: int) -> dict:
                 for s in event["samples"]:
                     lengths.append(s["response_len"])
                     cut += s["finish"] == "length"
+    with open(os.path.join(workdir, "summary.json")) as f:
+        summary = json.load(f)
     return {
         "tokens_per_s": sum(r["trained_tokens"] for r in steady) / seconds,
         "step_s": seconds / len(steady),
         "train_s": statistics.mean(r["step_time"] for r in steady),
         "wait_s": statistics.mean(r["trainer_wait"] for r in steady),
-        "slot_util": json.load(open(os.path.join(workdir, "summary.json")))[
-            "mean_slot_utilisation"],
+        "slot_util": summary["mean_slot_utilisation"],
         "len_mean": float(np.mean(lengths)), "len_p50": float(np.percentile(lengths, 50)),
         "len_p90": float(np.percentile(lengths, 90)), "len_max": int(max(lengths)),
         "cut_share": cut / len(lengths),

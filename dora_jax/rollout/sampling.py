@@ -121,6 +121,14 @@ def stop_ids(rollout_cfg, tokenizer_path, explicit) -> tuple:
     return tuple(dict.fromkeys(ids))
 
 
+def read_stop_ids(rollout_cfg, tokenizer) -> tuple | None:
+    """`stop_ids`' explicit ids from a tokenizer already read (its `stop_ids` after
+    eos_id), so no engine reads it again; None without one or with `eos_id < 0`."""
+    if tokenizer is None or rollout_cfg.eos_id < 0:
+        return None
+    return (rollout_cfg.eos_id, *getattr(tokenizer, "stop_ids", ()))
+
+
 def refuse_sampler(sampler) -> None:
     # Behaviour log-probs must be those of the distribution sampled from: the engine
     # samples with its own SamplingParams, fixed when it is built.
