@@ -128,3 +128,28 @@ def test_a_failing_writer_still_lets_the_others_close(tmp_path):
     with pytest.raises(OSError, match="disk full"):
         reporter.close()
     assert sorted(closed) == ["broken", "fine"]
+
+
+def test_tensorboards_own_reader_sees_each_step_and_a_resumes_purge(tmp_path):
+    """The event files as TensorBoard itself reads them (its EventAccumulator, which drops
+    what a later file's session start purges): every step's scalars, a resumed run's
+    steps replacing those the crashed run had written past its checkpoint."""
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    from dora_jax.runtime.tensorboard import TensorBoardWriter
+
+    logdir = str(tmp_path / "tensorboard")
+    crashed = TensorBoardWriter(logdir)
+    for step in range(4):
+        crashed.write({"step": step, "reward_mean": step / 10, "trainer": {"loss": 1.0 - step / 8}})
+    crashed.close()
+    resumed = TensorBoardWriter(logdir, purge_step=2)  # resumed from step 2's checkpoint
+    for step in range(2, 5):
+        resumed.write({"step": step, "reward_mean": 0.5 + step, "trainer": {"loss": -step}})
+    resumed.close()
+    board = accumulator.EventAccumulator(logdir)
+    board.Reload()
+    assert sorted(board.Tags()["scalars"]) == ["reward_mean", "trainer/loss"]
+    assert [(e.step, e.value) for e in board.Scalars("reward_mean")] == [
+        (0, 0.0), (1, pytest.approx(0.1)), (2, 2.5), (3, 3.5), (4, 4.5)]
+    assert [(e.step, e.value) for e in board.Scalars("trainer/loss")] == [
+        (0, 1.0), (1, 0.875), (2, -2.0), (3, -3.0), (4, -4.0)]
