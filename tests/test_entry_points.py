@@ -210,5 +210,9 @@ def test_bench_peer(tmp_path):
                      "--rounds=1", f"--workdir={tmp_path}")
     parse(final_line(out),
           rf"response tokens/s: {NUMBER} \(median of 1 rounds, dora, tiny, spread\)", 1, 1e7)
-    (row,) = [x for x in out.stdout.splitlines() if x.startswith("dora median")]
+    lines = out.stdout.splitlines()
+    (row,) = [x for x in lines if x.startswith("dora median")]
     assert 1 <= float(row.split()[-2]) <= 16  # the longest response: at most 16 tokens
+    cpu = lines[lines.index(row) + 1].split()  # the steady state's CPU by part
+    assert cpu[:3] == ["cpu", "ms/step", "xla"] and cpu[-2] == "total"
+    assert float(cpu[-1]) > 0

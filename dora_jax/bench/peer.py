@@ -6,9 +6,11 @@
 Workloads (random init, configs/tiny.py's residue task): `tiny` is configs/tiny.py's
 policy (2 layers, d_model 64), 16 samples a step (4 groups of 4) of at most 16 tokens;
 `larger` is 8 layers, d_model 256, 32 samples a step (8 groups of 4) of at most 128
-tokens. No periodic saves, no evaluation. `--layout=spread`: configs/tiny.py's mesh on
-8 devices (faked on a CPU); `pair`: the trainer on one device, one decode slice of all
-the slots on another.
+tokens. Prompts are the task's 6 tokens, prefilled in one bucket of 8, so that KV
+caches and train rows (8 + the response limit) are as long as a peer's that bounds
+prompts at 6 tokens. No periodic saves, no evaluation. `--layout=spread`:
+configs/tiny.py's mesh on 8 devices (faked on a CPU); `pair`: the trainer on one
+device, and on another one decode slice with a slot for each sample of a step.
 
 Each round is one audited run of `--steps` steps per mode (`--modes`, default dora),
 the modes interleaved. The steady state is what follows step `--warmup`
@@ -16,7 +18,10 @@ the modes interleaved. The steady state is what follows step `--warmup`
 rounds: response tokens/s; the step time (one step to the next) split into the train
 step and the trainer's wait for rollouts; slot utilisation (the whole run's);
 response lengths (mean, p50, p90, max, share cut at the length limit), so that a
-peer's run can be matched to ours in what it generates. Ends with
+peer's run can be matched to ours in what it generates; and where the steady state's
+CPU time went, in milliseconds a step by part (bench/cpu_split.py: XLA's compute
+threads, the slice workers, the coordinator, the trainer thread, the metric writers,
+the reward pool, the rest; Linux only). Ends with
 `response tokens/s: X (median of N rounds, <mode>, <workload>, <layout>)`.
 """
 
@@ -28,7 +33,7 @@ import statistics
 
 import numpy as np
 
-from dora_jax.bench import CONFIGS
+from dora_jax.bench import CONFIGS, cpu_split
 
 WORKLOADS = {
     # (model overrides, groups per step, samples per group, response tokens at most)
@@ -38,10 +43,12 @@ WORKLOADS = {
 }
 
 # Where the work runs: configs/tiny.py's mesh (the trainer on data=2 x fsdp=2, four
-# decode slices of 8 slots), or one device for the trainer and one for a slice of 32
-# slots (a peer that runs on one device is matched by it on a host whose devices
-# are faked on its cores).
+# decode slices of 8 slots), or one device for the trainer and one for a slice with a
+# slot per sample of a step (a peer that runs on one device is matched by it on a host
+# whose devices are faked on its cores). One slice holds one version at a time, so
+# slots beyond a step's samples would decode empty rows.
 LAYOUTS = ("spread", "pair")
+PROMPT_BUCKET = 8  # the residue task's prompts: BOS, a cue and 4 symbols
 
 
 def workload_config(name: str, mode: str, steps: int, layout: str = "spread"):
@@ -53,16 +60,16 @@ def workload_config(name: str, mode: str, steps: int, layout: str = "spread"):
     model, groups, group_size, max_len = WORKLOADS[name]
     c = config_lib.load(str(CONFIGS / "tiny.py"))
     c.model.update(model)
-    c.rollout.max_decode_len = max_len
-    c.trainer.length_buckets = (c.rollout.max_prefill_length + max_len,)
+    c.rollout.update(dict(max_prefill_length=PROMPT_BUCKET, prefill_buckets=(PROMPT_BUCKET,),
+                          max_decode_len=max_len))
+    c.trainer.length_buckets = (PROMPT_BUCKET + max_len,)
     c.coordinator.update(dict(group_size=group_size, train_batch_size=groups,
                               rollout_batch_size=2 * groups))
     c.eval.every = 0
     if layout == "pair":
-        slots = c.rollout.slots_per_slice * c.mesh.num_slices
         c.mesh.trainer.update(dict(data=1, fsdp=1))
         c.mesh.num_slices = 1
-        c.rollout.slots_per_slice = slots
+        c.rollout.slots_per_slice = groups * group_size
     return runs.run_config(c, mode, steps=steps)
 
 
@@ -105,6 +112,30 @@ def _row(label: str, fig: dict) -> str:
     return f"{label:<16}" + "".join(f"{fig[c]:>13.4g}" for c in COLUMNS)
 
 
+def _cpu_row(label: str, cpu: dict | None) -> str:
+    if cpu is None:
+        return f"{label:<16}cpu split not available (no /proc)"
+    return (f"{label:<16}cpu ms/step " + " ".join(f"{p} {cpu[p]:.1f}" for p in cpu_split.PARTS)
+            + f" | total {cpu['total']:.1f}")
+
+
+class SteadyCPU:
+    """`on_step` for a run: the CPU split (cpu_split.py) from step `warmup` to the last."""
+
+    def __init__(self, warmup: int, steps: int):
+        self.warmup, self.steps = warmup, steps
+        self.start = self.end = None
+
+    def __call__(self, record: dict) -> None:
+        if record["step"] == self.warmup:
+            self.start = cpu_split.snapshot()
+        elif record["step"] == self.steps - 1:
+            self.end = cpu_split.snapshot()
+
+    def per_step(self) -> dict | None:
+        return cpu_split.per_step(self.start, self.end, self.steps - 1 - self.warmup)
+
+
 if __name__ == "__main__":
     from absl import app, flags, logging
 
@@ -137,18 +168,25 @@ if __name__ == "__main__":
               f"{_ROUNDS.value} interleaved rounds", flush=True)
         print(f"{'run':<16}" + "".join(f"{c:>13}" for c in COLUMNS), flush=True)
         figures: dict = {m: [] for m in configs}
+        cpus: dict = {m: [] for m in configs}
         for r in range(_ROUNDS.value):
             for mode, c in configs.items():
                 workdir = os.path.join(_WORKDIR.value, name, mode, str(r))
-                summary = runs.audited_run(c, workdir)
+                cpu = SteadyCPU(warmup, steps)
+                summary = runs.audited_run(c, workdir, on_step=cpu)
                 if not summary["audit_ok"]:
                     raise SystemExit(f"error: {workdir}: the ledger's audit failed: "
                                      f"{summary['audit']}")
                 figures[mode].append(steady_figures(workdir, warmup))
+                cpus[mode].append(cpu.per_step())
                 print(_row(f"{mode} {r}", figures[mode][-1]), flush=True)
+                print(_cpu_row("", cpus[mode][-1]), flush=True)
         for mode, rows in figures.items():
             print(_row(f"{mode} median", {c: statistics.median(x[c] for x in rows)
                                           for c in COLUMNS}), flush=True)
+            measured = [x for x in cpus[mode] if x is not None]
+            print(_cpu_row("", {p: statistics.median(x[p] for x in measured)
+                                for p in measured[0]} if measured else None), flush=True)
         for mode, rows in figures.items():
             print(f"response tokens/s: {statistics.median(x['tokens_per_s'] for x in rows):.0f} "
                   f"(median of {len(rows)} rounds, {mode}, {name}, {_LAYOUT.value})")

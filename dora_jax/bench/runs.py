@@ -93,8 +93,9 @@ def warm_start(base, workdir: str, steps: int) -> str:
     return directory
 
 
-def audited_run(c, workdir: str) -> dict:
-    """Runs one config into a fresh `workdir`; returns its summary with the audit."""
+def audited_run(c, workdir: str, on_step=lambda record: None) -> dict:
+    """Runs one config into a fresh `workdir` (`on_step`: called with each step's
+    metrics record); returns its summary with the audit."""
     import jax
 
     from dora_jax import experiment
@@ -104,7 +105,7 @@ def audited_run(c, workdir: str) -> dict:
 
     cfg = hf_checks.validated(c, num_devices=jax.device_count())
     shutil.rmtree(workdir, ignore_errors=True)
-    summary = experiment.run(cfg, workdir)
+    summary = experiment.run(cfg, workdir, on_step=on_step)
     report = ledger.audit_run(ledger.read(os.path.join(workdir, "ledger.jsonl")),
                               SchedulerConfig.from_config(cfg), cfg.rollout.max_decode_len)
     summary["audit_ok"], summary["audit"] = report.ok, report.summary()

@@ -57,7 +57,8 @@ class WeightBook:
             self._base, params = lora.split(params)
         self._by_version = {version: params}
         self._awaited: dict[int, list[concurrent.futures.Future]] = {}
-        self.publish_bytes = lora.tree_bytes(params)  # of the latest publish
+        # Every publish has these shapes: counted once, not on each step.
+        self.publish_bytes = lora.tree_bytes(params)
 
     @property
     def versions(self) -> list[int]:
@@ -69,7 +70,6 @@ class WeightBook:
         keep = set(keep)
         self._by_version = {v: p for v, p in self._by_version.items() if v in keep}
         self._by_version[version] = params
-        self.publish_bytes = lora.tree_bytes(params)
         for box in self._awaited.pop(version, []):
             if not box.done():  # cancelled: its slice failed and restarted since
                 box.set_result(self._whole(params))
