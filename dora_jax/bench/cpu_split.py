@@ -7,6 +7,8 @@ it. Parts: `xla` (XLA's compute threads, which run every device's programs),
 `slices` (the slice workers' own threads: dispatch, host reads, bookkeeping),
 `coordinator` (the main thread), `trainer` (batches, dispatch, the publish copy),
 `writers` (metrics), `rewards` (the reward pool's processes and its threads), `other`.
+XLA's CPU client may run a small program on the thread that dispatches it, so
+`slices` and `trainer` can hold part of their devices' compute.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def part_of(thread_name: str | None, comm: str) -> str:
         return "trainer"
     if thread_name == "metrics writer":
         return "writers"
-    if thread_name.endswith(("_loop)", "QueueFeederThread")):  # the pebble pool's
+    if thread_name.endswith("_loop)"):  # the pebble pool's task, pool and message loops
         return "rewards"
     return "other"
 

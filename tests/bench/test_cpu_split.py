@@ -19,6 +19,7 @@ def test_parts_follow_thread_names():
     assert cpu_split.part_of(None, "tf_XLAEigen") == "xla"
     assert cpu_split.part_of(None, "python") == "other"
     assert cpu_split.part_of("checkpoint saves", "python") == "other"
+    assert cpu_split.part_of("QueueFeederThread", "python") == "other"  # not pebble's
 
 
 def test_per_step_differences_by_hand():
