@@ -1,6 +1,8 @@
 """Every mode's action sequence on fixed scenarios, counted and hashed: the V = 1
 reference (fixtures/scheduler_v1_actions.json, recorded before slices could hold
-several versions; `python tests/_record_v1.py` prints it for the current tree)."""
+several versions and again when a group's placement became the fullest slice that
+holds it, `policies.fullest_fitting`; `python tests/_record_v1.py` prints it for the
+current tree)."""
 import hashlib
 import json
 import sys

@@ -10,8 +10,8 @@ groups frees admission room), slice versions, admission, request assignment.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-import heapq
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
@@ -64,45 +64,57 @@ class Policy:
         """Check mode-specific invariants; `req(cond, msg)` raises if cond is false."""
 
 
+def fullest_fitting(free_sorted: list, need: int) -> int:
+    """Index in `free_sorted` ((free slots, slice id), ascending) of the slice a group
+    with `need` samples to place goes to: the fullest that holds them all, so that
+    slices fill and their generate calls run with every slot busy rather than two
+    slices each half full; if none holds them, the emptiest (the rest go to the next).
+    Lowest id on ties."""
+    i = bisect.bisect_left(free_sorted, (need, -1))
+    if i == len(free_sorted):
+        i = bisect.bisect_left(free_sorted, (free_sorted[-1][0], -1))
+    return i
+
+
 def assign_pending(sched: Scheduler, slice_ok: Callable[[SliceState], bool] = lambda sl: True,
                    match_version: bool = True) -> list:
     """Give pending samples (oldest version, then oldest group first) a free slot on a
     serving slice accepted by `slice_ok` and, if `match_version` (C1), holding the
     group's version.
 
-    A group's samples go to the slice with the most free slots (lowest id on ties),
-    as many as fit there, so the slice prefills the group's prompt once; the rest
-    go to the next such slice. Heaps keyed by version keep this
-    O(pending * log slices) for large clusters."""
+    A group's samples go to one slice where they fit (`fullest_fitting`), so the slice
+    prefills the group's prompt once; a group too big for any goes to the emptiest,
+    as many as fit, the rest to the next. Free-slot lists kept sorted by version make
+    it O(pending * log slices) comparisons for large clusters."""
     if not sched.has_pending():
         return []
-    heaps: dict = {}
+    free: dict = {}
     for sl in sched.slices:
         n = sched.free_slots(sl)
         if sl.serving and n > 0 and slice_ok(sl):
-            heaps.setdefault(sl.version if match_version else None, []).append(
-                (-n, sl.slice_id))
-    for h in heaps.values():
-        heapq.heapify(h)
-    acts, cur = [], None  # cur: [group_id, heap, -free slots left, slice id]
+            free.setdefault(sl.version if match_version else None, []).append(
+                (n, sl.slice_id))
+    for lst in free.values():
+        lst.sort()
+    acts, cur = [], None  # cur: [group_id, free list, free slots left, slice id]
 
     def put_back():
-        if cur is not None and cur[2] < 0:
-            heapq.heappush(cur[1], (cur[2], cur[3]))
+        if cur is not None and cur[2] > 0:
+            bisect.insort(cur[1], (cur[2], cur[3]))
 
     for v in sched.pending_versions():
-        h = heaps.get(v if match_version else None)
-        if not h:
+        lst = free.get(v if match_version else None)
+        if not lst:
             continue  # no free slot for this version: its samples are not walked
         for g, k in sched.pending_of_version(v):
             if cur is None or cur[0] != g.group_id or cur[2] == 0:
                 put_back()
                 cur = None
-                if not h:
+                if not lst:
                     break  # this version's slices are full
-                cur = [g.group_id, h, *heapq.heappop(h)]
+                cur = [g.group_id, lst, *lst.pop(fullest_fitting(lst, g.n_pending))]
             acts.append(sched.do_assign(g.group_id, k, cur[3]))
-            cur[2] += 1
+            cur[2] -= 1
         put_back()
         cur = None
     return acts

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from .policies import fullest_fitting
 from .types import AddVersion, Evict, SliceState
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -76,9 +77,9 @@ def assign_resident(sched: Scheduler,
                     slice_ok: Callable[[SliceState], bool] = lambda sl: True) -> list:
     """`policies.assign_pending` for multi-version slices: pending samples, oldest
     version then oldest group first, each to a slice holding its group's version,
-    a group's samples to the slice with the most free slots (lowest id on ties), as
-    many as fit there, the rest to the next. Free slots are shared by a slice's
-    versions, so they are counted per slice."""
+    a group's samples to one slice where they all fit (`policies.fullest_fitting`),
+    else as many as fit on the emptiest, the rest to the next. Free slots are shared
+    by a slice's versions, so they are counted per slice."""
     if not sched.has_pending():
         return []
     free = {}
@@ -95,7 +96,8 @@ def assign_resident(sched: Scheduler,
                 cands = [i for i in cands if free[i] > 0]
                 if not cands:
                     break
-                cur = (g.group_id, max(cands, key=lambda i: (free[i], -i)))
+                order = sorted((free[i], i) for i in cands)
+                cur = (g.group_id, order[fullest_fitting(order, g.n_pending)][1])
             acts.append(sched.do_assign(g.group_id, k, cur[1]))
             free[cur[1]] -= 1
     return acts

@@ -311,3 +311,22 @@ def test_dora_admits_for_the_slices_loading_the_new_version():
                                                                LoadVersion(3, 1)]
     assert [a for a in acts if isinstance(a, Admit)] == [Admit(6, 1), Admit(7, 1)]
     assert sched.pending_by_version()[0] == 0
+
+
+def test_a_group_goes_to_the_fullest_slice_that_holds_it_whole():
+    """Two slices of 8 slots, groups of 4: the second group joins the first on slice 0
+    (one generate call with every slot busy) rather than half-filling slice 1. Groups
+    of 3 on slices of 4 with one slot left: a group that fits nowhere whole goes to
+    the emptiest slice, the rest to the next."""
+    s = Scheduler(config(num_slices=2, slots_per_slice=8, group_size=4, train_batch_size=1,
+                         rollout_batch_size=2))
+    placed = {(a.group_id, a.slice_id) for a in s.decide() if isinstance(a, Assign)}
+    assert placed == {(0, 0), (1, 0)}
+    lists = [(1, 0), (1, 1), (4, 2)]
+    from dora_jax.scheduler.policies import fullest_fitting
+
+    assert lists[fullest_fitting(lists, 3)] == (4, 2)
+    assert lists[fullest_fitting(lists, 1)] == (1, 0)
+    assert lists[fullest_fitting(lists, 5)] == (4, 2)  # none holds 5: the emptiest
+    tied = [(2, 3), (2, 5)]
+    assert tied[fullest_fitting(tied, 4)] == (2, 3)  # lowest id on ties
