@@ -207,12 +207,13 @@ def test_sft(tmp_path):
 @pytest.mark.slow
 def test_bench_peer(tmp_path):
     out = run_module("dora_jax.bench.peer", "--workload=tiny", "--steps=6", "--warmup=2",
-                     "--rounds=1", f"--workdir={tmp_path}")
+                     "--rounds=1", "--nostop", f"--workdir={tmp_path}")
     parse(final_line(out),
           rf"response tokens/s: {NUMBER} \(median of 1 rounds, dora, tiny, spread\)", 1, 1e7)
     lines = out.stdout.splitlines()
     (row,) = [x for x in lines if x.startswith("dora median")]
-    assert 1 <= float(row.split()[-2]) <= 16  # the longest response: at most 16 tokens
+    # No stop token: every response runs to the limit of 16 (all cut there).
+    assert float(row.split()[-2]) == 16 and float(row.split()[-1]) == 1.0
     cpu = lines[lines.index(row) + 1].split()  # the steady state's CPU by part
     assert cpu[:3] == ["cpu", "ms/step", "xla"] and cpu[-2] == "total"
     assert float(cpu[-1]) > 0

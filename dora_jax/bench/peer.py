@@ -1,7 +1,7 @@
 """Our side of a throughput comparison with another RL library, at a named workload.
 
     python -m dora_jax.bench.peer --workload=tiny [--steps=60] [--rounds=3]
-    python -m dora_jax.bench.peer --workload=larger
+    python -m dora_jax.bench.peer --workload=larger [--nostop]
 
 Workloads (random init, configs/tiny.py's residue task): `tiny` is configs/tiny.py's
 policy (2 layers, d_model 64), 16 samples a step (4 groups of 4) of at most 16 tokens;
@@ -11,6 +11,8 @@ caches and train rows (8 + the response limit) are as long as a peer's that boun
 prompts at 6 tokens. No periodic saves, no evaluation. `--layout=spread`:
 configs/tiny.py's mesh on 8 devices (faked on a CPU); `pair`: the trainer on one
 device, and on another one decode slice with a slot for each sample of a step.
+`--nostop`: no stop token, every response runs to the limit, so that the lengths
+match a peer's run held the same way.
 
 Each round is one audited run of `--steps` steps per mode (`--modes`, default dora),
 the modes interleaved. The steady state is what follows step `--warmup`
@@ -51,9 +53,10 @@ LAYOUTS = ("spread", "pair")
 PROMPT_BUCKET = 8  # the residue task's prompts: BOS, a cue and 4 symbols
 
 
-def workload_config(name: str, mode: str, steps: int, layout: str = "spread"):
+def workload_config(name: str, mode: str, steps: int, layout: str = "spread",
+                    stop: bool = True):
     """configs/tiny.py set to the named workload and layout, in `mode`, without
-    periodic saves."""
+    periodic saves; `stop=False`: no stop token, every response runs to the limit."""
     from dora_jax import config as config_lib
     from dora_jax.bench import runs
 
@@ -66,6 +69,8 @@ def workload_config(name: str, mode: str, steps: int, layout: str = "spread"):
     c.coordinator.update(dict(group_size=group_size, train_batch_size=groups,
                               rollout_batch_size=2 * groups))
     c.eval.every = 0
+    if not stop:
+        c.rollout.eos_id = -1
     if layout == "pair":
         c.mesh.trainer.update(dict(data=1, fsdp=1))
         c.mesh.num_slices = 1
@@ -148,6 +153,8 @@ if __name__ == "__main__":
     _WARMUP = flags.DEFINE_integer("warmup", 10, "steps before the steady state")
     _ROUNDS = flags.DEFINE_integer("rounds", 3, "interleaved rounds")
     _WORKDIR = flags.DEFINE_string("workdir", "/tmp/dora_peer", "where the runs go")
+    _STOP = flags.DEFINE_bool("stop", True, "--nostop: no stop token, every response runs "
+                              "to the limit (lengths a peer's run can match exactly)")
 
     def main(argv):
         del argv
@@ -158,7 +165,8 @@ if __name__ == "__main__":
         name, steps, warmup = _WORKLOAD.value, _STEPS.value, _WARMUP.value
         if not 0 <= warmup < steps - 2:
             raise SystemExit(f"error: --warmup={warmup} must leave 2 steps of --steps={steps}")
-        configs = {m: workload_config(name, m, steps, _LAYOUT.value) for m in _MODES.value}
+        configs = {m: workload_config(name, m, steps, _LAYOUT.value, _STOP.value)
+                   for m in _MODES.value}
         from dora_jax.model import hf_checks
 
         cli.start_devices(hf_checks.validated(next(iter(configs.values()))))

@@ -85,8 +85,12 @@ def top_k_within_vocab(cfg: Config) -> None:
 
 def special_ids_within_vocab(cfg: Config) -> None:
     for name in ("eos_id", "pad_id"):
-        if not 0 <= getattr(cfg.rollout, name) < cfg.model.vocab_size:
-            fail(f"rollout.{name}", f"must be a token id < vocab_size ({cfg.model.vocab_size})")
+        value = getattr(cfg.rollout, name)
+        if name == "eos_id" and value == -1:  # no stop token
+            continue
+        if not 0 <= value < cfg.model.vocab_size:
+            fail(f"rollout.{name}", f"must be a token id < vocab_size ({cfg.model.vocab_size})"
+                 + (" or -1 (no stop token)" if name == "eos_id" else ""))
 
 
 def filtering_needs_replacement(cfg: Config) -> None:

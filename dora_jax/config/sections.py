@@ -41,7 +41,7 @@ class RolloutConfig(Section):
     temperature: float = field(1.0, gt=0)
     top_k: int = field(0, min=0)  # 0: off
     top_p: float = field(1.0, gt=0, le=1)  # 1.0: off
-    eos_id: int = 1
+    eos_id: int = 1  # -1: no stop token, responses run to max_decode_len (benchmarks)
     pad_id: int = 0
     # KV memory: "paged" (a pool of pages shared by the slots, used as contexts grow)
     # or "dense" (every slot reserves cache_length positions).

@@ -41,3 +41,13 @@ def test_too_few_steps_after_the_warmup_is_an_error(tmp_path):
            consumed=[(1, [3])])
     with pytest.raises(ValueError, match="too few"):
         peer.steady_figures(str(tmp_path), warmup=0)
+
+
+def test_nostop_leaves_the_engine_without_stop_ids():
+    from dora_jax.model import hf_checks
+    from dora_jax.rollout import sampling
+
+    held = hf_checks.validated(peer.workload_config("tiny", "dora", 6, stop=False))
+    assert held.rollout.eos_id == -1 and sampling.stop_ids(held.rollout, None, None) == ()
+    default = hf_checks.validated(peer.workload_config("tiny", "dora", 6))
+    assert sampling.stop_ids(default.rollout, None, None) == (default.rollout.eos_id,)

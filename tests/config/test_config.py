@@ -108,6 +108,7 @@ INVALID = [
     (_tiny, "rollout.temperature", 0.0, "rollout.temperature"),
     (_tiny, "rollout.top_p", 1.5, "rollout.top_p"),
     (_tiny, "rollout.eos_id", 128, "rollout.eos_id"),
+    (_tiny, "rollout.eos_id", -2, "rollout.eos_id"),  # -1 alone means no stop token
     (_tiny, "rollout.max_episodes_per_slice", 4, "rollout.max_episodes_per_slice"),  # < 8
     (_tiny, "rollout.max_episodes_per_slice", 16, "rollout.max_episodes_per_slice"),  # no env
     (_tiny, "rollout.episode_kv", "disk", "rollout.episode_kv"),

@@ -337,17 +337,18 @@ def test_a_resumed_runs_summary_covers_the_whole_run(tmp_path, small_config):
 
 @pytest.mark.parametrize("mode", ["dora", "sync"])
 def test_a_failing_slice_is_restarted_and_nothing_is_lost(mode, tmp_path, small_config):
-    """Slice 1 raises at its first generate call, holding samples (the fault plan:
-    coordinator.fail_slice, fail_point="generate"): the run goes on, the slice's
+    """Slice 0, where the first groups go, raises at its first generate call, holding
+    samples (the fault plan: coordinator.fail_slice, fail_point="generate"): the run
+    goes on, the slice's
     samples are regenerated, the restarted slice loads the version it is told, the
     ledger and metrics.jsonl record the failure, and the whole ledger audits clean."""
-    cfg = small_config(mode, num_steps=5, fail_slice=1, fail_point="generate")
+    cfg = small_config(mode, num_steps=5, fail_slice=0, fail_point="generate")
     summary, _ = _run(cfg, tmp_path)
     events, report = audit_workdir(cfg, tmp_path)
     assert report.ok, report.summary() + str(report.c2[:3])
     assert report.steps == 5 and summary["slice_failures"] == 1
     (failed,) = [e for e in events if e["event"] == "slice_failed"]
-    assert failed["slice"] == 1 and "injected failure" in failed["error"]
+    assert failed["slice"] == 0 and "injected failure" in failed["error"]
     assert failed["regenerated"] > 0  # it held samples when it failed
     assert sum(m["slice_failures"] for m in _metrics(tmp_path)) == 1
 
