@@ -117,10 +117,10 @@ def _row(label: str, fig: dict) -> str:
     return f"{label:<16}" + "".join(f"{fig[c]:>13.4g}" for c in COLUMNS)
 
 
-def _cpu_row(label: str, cpu: dict | None) -> str:
+def _cpu_row(cpu: dict | None) -> str:
     if cpu is None:
-        return f"{label:<16}cpu split not available (no /proc)"
-    return (f"{label:<16}cpu ms/step " + " ".join(f"{p} {cpu[p]:.1f}" for p in cpu_split.PARTS)
+        return f"{'':<16}cpu split not available (no /proc)"
+    return (f"{'':<16}cpu ms/step " + " ".join(f"{p} {cpu[p]:.1f}" for p in cpu_split.PARTS)
             + f" | total {cpu['total']:.1f}")
 
 
@@ -188,13 +188,13 @@ if __name__ == "__main__":
                 figures[mode].append(steady_figures(workdir, warmup))
                 cpus[mode].append(cpu.per_step())
                 print(_row(f"{mode} {r}", figures[mode][-1]), flush=True)
-                print(_cpu_row("", cpus[mode][-1]), flush=True)
+                print(_cpu_row(cpus[mode][-1]), flush=True)
         for mode, rows in figures.items():
             print(_row(f"{mode} median", {c: statistics.median(x[c] for x in rows)
                                           for c in COLUMNS}), flush=True)
             measured = [x for x in cpus[mode] if x is not None]
-            print(_cpu_row("", {p: statistics.median(x[p] for x in measured)
-                                for p in measured[0]} if measured else None), flush=True)
+            print(_cpu_row({p: statistics.median(x[p] for x in measured)
+                            for p in measured[0]} if measured else None), flush=True)
         for mode, rows in figures.items():
             print(f"response tokens/s: {statistics.median(x['tokens_per_s'] for x in rows):.0f} "
                   f"(median of {len(rows)} rounds, {mode}, {name}, {_LAYOUT.value})")
