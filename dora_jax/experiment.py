@@ -102,7 +102,8 @@ def warm_up(slices, trainer, cfg: Config, watch=None) -> None:
     with watch(DECODE_PHASE):
         for sl in slices:
             warm_engine(sl.engine, sl.versions.prefill_params(sl.version), reprefills=reprefills,
-                        generate_params=sl.versions.generate_params())
+                        generate_params=sl.versions.generate_params(),
+                       group_size=cfg.coordinator.group_size)
             sl.reset_decode_state()
 
 

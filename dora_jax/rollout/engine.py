@@ -301,35 +301,33 @@ class Engine:
         if prefix.num_samples != 1:
             raise ValueError(f"insert: the prefix holds {prefix.num_samples} samples; "
                              f"bulk_insert places them")
-        return self._insert(prefix, decode_state, slot, 0, length, shared_pages)
+        return self._insert_rows(prefix, decode_state, [slot], length, shared_pages)
 
     def bulk_insert(self, prefix: Prefix, decode_state: DecodeState, slots: list[int], *,
                     length: int | None = None) -> DecodeState:
-        """Places sample i of `prefix` (from `prefill_multisampling`) in `slots[i]`:
-        what inserting each alone gives. Extension, paged cache: with `length` (the
-        positions written) the slots map the prompt's whole pages of the first slot
+        """Places sample i of `prefix` (from `prefill_multisampling`) in `slots[i]`, in
+        one call: what inserting each alone gives. Extension, paged cache: with `length`
+        (the positions written) the slots map the prompt's whole pages of the first slot
         rather than copies."""
         if len(slots) != prefix.num_samples:
             raise ValueError(f"bulk_insert: {len(slots)} slots for {prefix.num_samples} "
                              f"samples")
-        shared = ()
-        with self._frees.lock:
-            for i, slot in enumerate(slots):
-                decode_state = self._insert(prefix, decode_state, slot, i, length, shared)
-                if i == 0 and self.pages is not None and length is not None:
-                    shared = self.pages.share(slot, length)
-            if shared:
-                self.pages.release_pages(shared)
-        return decode_state
+        return self._insert_rows(prefix, decode_state, list(slots), length, (),
+                                 share_first=length is not None)
 
-    def _insert(self, prefix, decode_state, slot, sample, length, shared_pages):
-        if not 0 <= slot < self.max_concurrent_decodes:
-            raise ValueError(f"insert: slot {slot} out of range [0, "
-                             f"{self.max_concurrent_decodes})")
+    def _insert_rows(self, prefix, decode_state, slots, length, shared_pages,
+                     share_first: bool = False):
+        """Sample i of `prefix` into slots[i] (row 0 of a one-sample prefix into
+        slots[0]); paged: each slot maps `shared_pages`, or with `share_first` the
+        first slot's whole prompt pages, and fresh pages for the rest."""
+        for slot in slots:
+            if not 0 <= slot < self.max_concurrent_decodes:
+                raise ValueError(f"insert: slot {slot} out of range [0, "
+                                 f"{self.max_concurrent_decodes})")
         if prefix.cache.length > self.cache_length:
             raise ValueError(f"insert: prefix of length {prefix.cache.length} exceeds "
                              f"cache_length {self.cache_length}")
-        write = None
+        write_Nn = None
         if self.pages is not None:
             length = prefix.cache.length if length is None else length
             if not 0 < length <= prefix.cache.length:
@@ -337,11 +335,15 @@ class Engine:
                                  f"(1..{prefix.cache.length})")
         with self._frees.lock:
             if self.pages is not None:
-                write = np.zeros(self.pages.pages_for(prefix.cache.length), np.int32)
-                assigned = self.pages.assign(slot, length, shared_pages)
-                write[:len(assigned)] = assigned
-            self._frees.inserted(slot)
-        return self._jit.insert(prefix, decode_state, np.int32(slot), np.int32(sample), write)
+                write_Nn = self.pages.assign_rows(slots, length, prefix.cache.length,
+                                                  shared_pages, share_first)
+            for slot in slots:
+                self._frees.inserted(slot)
+        # Compiled per power of two of rows: the padding rows repeat the first.
+        idx = list(range(len(slots))) + [0] * ((1 << (len(slots) - 1).bit_length()) - len(slots))
+        return self._jit.insert(prefix, decode_state, np.asarray(slots, np.int32)[idx],
+                                np.arange(len(slots), dtype=np.int32)[idx],
+                                None if write_Nn is None else write_Nn[idx])
 
     def generate(self, params: EngineParams, decode_state: DecodeState, sampler=None):
         """One decode step of every slot (donates `decode_state`). Returns (new

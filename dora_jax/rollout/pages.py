@@ -169,6 +169,29 @@ class PagePool:
         written, plus what calls still running may add); pages stay mapped."""
         self.bound[slots] = np.minimum(self.bound[slots], tokens)
 
+    def assign_rows(self, slots, tokens: int, prefix_tokens: int, shared=(),
+                    share_first: bool = False) -> np.ndarray:
+        """`assign` of each slot (all or none: PagesExhausted leaves none mapped), with
+        `shared`, or with `share_first` the first slot's whole pages; returns where
+        each writes a prefix of `prefix_tokens` positions, int32[slots, its pages]."""
+        write_Nn = np.zeros((len(slots), self.pages_for(prefix_tokens)), np.int32)
+        mapped, borrowed = [], ()
+        try:
+            for i, slot in enumerate(slots):
+                assigned = self.assign(slot, tokens, shared)
+                write_Nn[i, :len(assigned)] = assigned
+                mapped.append(slot)
+                if i == 0 and share_first:
+                    shared = borrowed = self.share(slot, tokens)
+        except PagesExhausted:
+            for slot in mapped:
+                self.release(slot)
+            raise
+        finally:
+            if borrowed:
+                self.release_pages(borrowed)
+        return write_Nn
+
     def release(self, slot: int) -> None:
         """Drops the slot's pages (freed when no one else maps them)."""
         self._drop(self.table[slot, :self.mapped[slot]])

@@ -155,28 +155,35 @@ class Programs:
                                    jnp.ones(N, bool), finished_N)
         return prefix, result
 
-    def insert(self, prefix: Prefix, state: DecodeState, slot, sample, write_pages):
-        """Sample `sample` of the prefix into `slot`; paged: the prefix's chunk j goes to
-        page write_pages[j] (0, the null page, for shared and unused chunks)."""
+    def insert(self, prefix: Prefix, state: DecodeState, slots_N, samples_N, write_pages_Nn):
+        """Sample samples_N[i] of the prefix into slot slots_N[i], for each i in one
+        call (a row may repeat another: same slot, same sample); paged: the prefix's
+        chunk j of row i goes to page write_pages_Nn[i, j] (0, the null page, for
+        shared and unused chunks)."""
         def put_dense(cache_LSCKD, new_L1TKD):
-            return jax.lax.dynamic_update_slice(
-                cache_LSCKD, new_L1TKD.astype(cache_LSCKD.dtype), (0, slot, 0, 0, 0))
+            new = new_L1TKD.astype(cache_LSCKD.dtype)
+            for i in range(slots_N.shape[0]):
+                cache_LSCKD = jax.lax.dynamic_update_slice(cache_LSCKD, new,
+                                                           (0, slots_N[i], 0, 0, 0))
+            return cache_LSCKD
 
         def put_paged(pool_LKPpD, new_L1TKD):
             L, _, T, K, D = new_L1TKD.shape
-            n, ps = write_pages.shape[0], pool_LKPpD.shape[3]
+            (N, n), ps = write_pages_Nn.shape, pool_LKPpD.shape[3]
             x = jnp.pad(new_L1TKD[:, 0], ((0, 0), (0, n * ps - T), (0, 0), (0, 0)))
             x_LKnpD = x.reshape(L, n, ps, K, D).transpose(0, 3, 1, 2, 4)
-            return pool_LKPpD.at[:, :, write_pages].set(x_LKnpD.astype(pool_LKPpD.dtype))
+            x_LKNnpD = jnp.broadcast_to(x_LKnpD[:, :, None], (L, K, N, n, ps, D))
+            return pool_LKPpD.at[:, :, write_pages_Nn.reshape(-1)].set(
+                x_LKNnpD.reshape(L, K, N * n, ps, D).astype(pool_LKPpD.dtype))
 
-        put = put_dense if write_pages is None else put_paged
+        put = put_dense if write_pages_Nn is None else put_paged
         cache = jax.tree.map(put, state.cache, prefix.cache)
-        return DecodeState(cache, state.tokens.at[slot].set(prefix.token[sample]),
-                           state.positions.at[slot].set(prefix.position),
-                           state.steps.at[slot].set(prefix.step),
-                           state.keys.at[slot].set(prefix.key[sample]),
-                           state.active.at[slot].set(prefix.active[sample]),
-                           state.limits.at[slot].set(prefix.limit))
+        return DecodeState(cache, state.tokens.at[slots_N].set(prefix.token[samples_N]),
+                           state.positions.at[slots_N].set(prefix.position),
+                           state.steps.at[slots_N].set(prefix.step),
+                           state.keys.at[slots_N].set(prefix.key[samples_N]),
+                           state.active.at[slots_N].set(prefix.active[samples_N]),
+                           state.limits.at[slots_N].set(prefix.limit))
 
     def extract(self, state: DecodeState, slot, pages, length: int):
         def take_dense(c):

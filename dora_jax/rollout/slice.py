@@ -183,6 +183,8 @@ class DecodeSlice:
             if (self._waiting[0].kept is not None  # observations in: prefilled together
                     and self.engine.rollout_cfg.batch_observations):
                 self.prefills.continue_waiting(self._waiting)
+            elif self.prefills.fresh(self._waiting[0]):  # a group's samples together
+                self.prefills.start_group(self._waiting)
             else:
                 self.prefills.start(self._waiting.popleft(), self.slots.lowest_free())
         n = 0

@@ -31,7 +31,8 @@ class DecodeCalls:
         self.state = self.engine.init_decode_state()
         pages = self.engine.pages
         self._pool_epoch = None if pages is None else pages.epoch
-        self._prefills: list = []  # (seq, prefill ResultTokens on device), not yet read
+        # (seq, prefill ResultTokens on device, the seq's row in it), not yet read
+        self._prefills: list = []
         self._inflight = None  # (prefills, generate ResultTokens, steps), not yet read
 
     @property
@@ -48,9 +49,10 @@ class DecodeCalls:
             raise RolloutError(f"slice {self.slice_id}: its engine's KV page pool was reset "
                                f"by another decode state; give each slice its own Engine")
 
-    def prefilled(self, seq: InFlight, result) -> None:
-        """`seq`'s prefill was dispatched; its first token is read with the next call."""
-        self._prefills.append((seq, result))
+    def prefilled(self, seq: InFlight, result, row: int = 0) -> None:
+        """`seq`'s prefill was dispatched (its first token in `row` of `result`); the
+        token is read with the next call."""
+        self._prefills.append((seq, result, row))
 
     def generate(self, params, n: int) -> None:
         """Dispatches a call of `n` steps (none if 0) and reads the previous call, or
@@ -79,9 +81,13 @@ class DecodeCalls:
     def _read(self, prefills, result, n=0):
         # Prefill results first: they precede any generate result of the same slot.
         if prefills:
-            for (seq, _), r in zip(prefills, jax.device_get([r for _, r in prefills])):
-                self.slots.record(seq.slot, int(r.steps[0]), r.tokens[0], r.logprobs[0])
-                if r.finished[0]:
+            # A group's samples share one prefill's result: each is read once.
+            results = {id(r): r for _, r, _ in prefills}
+            host = dict(zip(results, jax.device_get(list(results.values()))))
+            for seq, r, row in prefills:
+                h = host[id(r)]
+                self.slots.record(seq.slot, int(h.steps[row]), h.tokens[row], h.logprobs[row])
+                if h.finished[row]:
                     self.on_finished(seq)
         if result is None:
             return

@@ -1,7 +1,9 @@
 """What a decode slice runs to put a sample in a slot (`DecodeSlice.prefills`).
 
-The group's prompt runs once under the resident params: a fresh sample draws its first
-token from the prompt's prefix, a resumed one (preempted, or re-prefilled under new
+The group's prompt runs once under the resident params: the samples that start
+together draw their first tokens from that one prefill and go into their slots in one
+call (`start_group`), a later fresh sample draws its first token from the prompt's
+prefix, a resumed one (preempted, or re-prefilled under new
 params) runs only its own tokens on top of it, and on a paged cache they all map the
 prompt's pages (slice_memory.py). An episode between turns runs only its unwritten
 tokens (the last turn's end and the observation) on top of the KV it kept; episodes
@@ -34,6 +36,54 @@ class Prefills:
             seq.t_start = self._clock()
         self.place(seq, slot, seq.length)
         self._calls.prefilled(seq, result)
+
+    def start_group(self, waiting) -> None:
+        """The fresh samples at the head of `waiting` that share its prompt (not cached
+        yet), version and limit, into free slots as far as slots and pages go: one
+        prefill draws each one's first token, one call inserts them all."""
+        seqs = self.take_group(waiting, int((~self._slots.owned).sum()))
+        if len(seqs) == 1:
+            self.start(seqs[0], self._slots.lowest_free())
+            return
+        slots = [int(s) for s in np.flatnonzero(~self._slots.owned)[:len(seqs)]]
+        for seq, slot in zip(seqs, slots):
+            self._versions.set_slot(slot, seq.version)
+        r, engine, stats = seqs[0].request, self._engine, self._stats
+        P = len(r.prompt_tokens)
+        padded, _ = engine.pad_tokens(r.prompt_tokens)
+        prefix, result = engine.prefill_multisampling(
+            params=self._versions.prefill_params(seqs[0].version), padded_tokens=padded,
+            true_length=P, rng=[q.request.key_data() for q in seqs], num_samples=len(seqs),
+            max_new_tokens=r.max_new_tokens)
+        self._calls.state = engine.bulk_insert(prefix, self._calls.state, slots, length=P)
+        stats.prefills += 1
+        stats.prefill_tokens += P
+        stats.prefills_shared += len(seqs) - 1
+        self._memory.remember(prompt_key(r), prefix, slots[0], P)
+        now = self._clock()
+        for row, (seq, slot) in enumerate(zip(seqs, slots)):
+            seq.t_start = now
+            self.place(seq, slot, P)
+            self._calls.prefilled(seq, result, row)
+
+    def take_group(self, waiting, room: int) -> list:
+        """Takes from the head of `waiting` the fresh samples of its prompt, version and
+        limit, up to `room` and as far as the pool's pages go (at least the head)."""
+        head = waiting[0]
+        key, pages, out = prompt_key(head.request), 0, []
+        while (waiting and len(out) < room and self.fresh(waiting[0])
+               and prompt_key(waiting[0].request) == key
+               and waiting[0].version == head.version
+               and waiting[0].request.max_new_tokens == head.request.max_new_tokens
+               and (not out or self._memory.room_for(waiting[0], also=pages))):
+            pages += self._memory.pages_needed(waiting[0])
+            out.append(waiting.popleft())
+        return out
+
+    def fresh(self, seq: InFlight) -> bool:
+        """`seq` starts from its prompt, which no sample on this slice has run yet."""
+        return (seq.kept is None and not seq.response_tokens and seq.t_start is None
+                and prompt_key(seq.request) not in self._memory.prefixes)
 
     def continue_waiting(self, waiting) -> None:
         """The episodes at the head of `waiting` whose observations are in, into free

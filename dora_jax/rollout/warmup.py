@@ -25,12 +25,14 @@ def extension_shapes(engine: Engine) -> list:
             for t in reachable(engine.max_decode_len - 1)]
 
 
-def warm_engine(engine: Engine, params, *, reprefills: bool, generate_params=None) -> None:
+def warm_engine(engine: Engine, params, *, reprefills: bool, generate_params=None,
+                group_size: int = 1) -> None:
     """Runs every function `engine` compiles on a throwaway decode state (which
     resets a paged engine's pool: the slice then takes a fresh one). `reprefills`:
     the mode re-prefills prompt + tokens so far (partial_rollout). A multi-version
     engine's calls name each row's place: `params` those of a prefill (one row),
-    `generate_params` those of a generate call (every slot's row)."""
+    `generate_params` those of a generate call (every slot's row). `group_size`: the
+    samples of a prompt, which a slice starts with one prefill (`Prefills.start_group`)."""
     generate_params = params if generate_params is None else generate_params
     r = engine.rollout_cfg
     buckets = [b for b in engine.buckets if reprefills or b <= r.prefill_buckets[-1]]
@@ -45,6 +47,17 @@ def warm_engine(engine: Engine, params, *, reprefills: bool, generate_params=Non
         if length == prompt_len:  # a prompt: another sample of its group reuses it
             prefix, _ = engine.prefill(params=params, rng=1, existing_prefix=prefix,
                                        padded_tokens=engine.pad_tokens([])[0], true_length=0)
+            group = min(group_size, engine.max_concurrent_decodes,
+                        engine.pages.num_pages if engine.pages is not None else group_size)
+            if group > 1:
+                # What compiles depends on the prefix's shape only: one written position
+                # takes a slot one page, so that a small pool holds the group.
+                shared, _ = engine.prefill_multisampling(
+                    params=params, rng=list(range(group)), num_samples=group,
+                    padded_tokens=padded, true_length=length)
+                state = engine.bulk_insert(shared, state, list(range(group)), length=1)
+                for slot in range(group):
+                    engine.free_resource(slot)
         state = engine.insert(prefix, state, 0)
     if reprefills:  # resumed requests extend their group's prompt prefix
         for prompt_len, so_far in extension_shapes(engine):

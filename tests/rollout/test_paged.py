@@ -43,6 +43,21 @@ def test_pool_by_hand():
     assert view.flat_pages.shape == (8,) and (view.flat_slots == 3).all()
 
 
+def test_rows_map_all_or_none_and_share_the_first_slots_whole_pages():
+    pool = PagePool(num_pages=6, page_size=4, slots=4, max_tokens=12)
+    # 6 positions of an 8-position prefix: slot 0 writes both its pages, slots 1 and 2
+    # map slot 0's whole page and write only the second.
+    write = pool.assign_rows([0, 1, 2], 6, 8, share_first=True)
+    assert write.tolist() == [[1, 2], [0, 3], [0, 4]]
+    assert [list(pool.slot_pages(s)) for s in range(3)] == [[1, 2], [1, 3], [1, 4]]
+    assert pool.num_free == 2
+    pool.release(0)
+    with pytest.raises(PagesExhausted):  # 9 positions: 3 pages each, 4 free
+        pool.assign_rows([0, 3], 9, 12)
+    assert pool.mapped[0] == pool.mapped[3] == 0 and pool.num_free == 3  # none mapped
+    pool.check()
+
+
 @settings(max_examples=300, deadline=None, derandomize=True)
 @example([("assign", 0, 9), ("assign", 1, 13), ("assign", 2, 1), ("assign", 3, 13),
           ("assign", 2, 5)])  # refused: the slot's own pages must stay mapped

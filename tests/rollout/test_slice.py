@@ -304,21 +304,41 @@ def test_sharded_slice_decodes_and_takes_migrated_requests(model, shape):
     assert all(got[r.request_id].slice_ids == [0, 3] for r in reqs)
 
 
-def test_a_group_is_prefilled_once_and_samples_as_if_alone():
-    """Four samples of one prompt submitted together: one forward pass over the
-    prompt, the other three start from its prefix, and every sample's tokens and
+@pytest.mark.parametrize("kv_cache", ["paged", "dense"])
+def test_a_group_is_prefilled_once_and_samples_as_if_alone(monkeypatch, kv_cache):
+    """Six samples of one prompt submitted together on four slots: one forward pass
+    over the prompt, and one call puts the four that start together in their slots;
+    the last two start from its prefix as slots free. Every sample's tokens and
     log-probs equal those of the same request decoded alone (its own prefill)."""
-    sl = rc.make_slice(1, "dense", "sampled", 1)
+    sl = rc.make_slice(1, "dense", "sampled", 1, kv_cache=kv_cache)
+    calls = {"prefill": 0, "resample": 0, "insert": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    jitted = sl.engine._jit
+    monkeypatch.setattr(sl.engine, "_jit", jitted._replace(
+        **{name: counted(name, getattr(jitted, name)) for name in calls}))
     group = [Request(group_id=5, prompt_id="p", sample_index=k, prompt_tokens=rc.PROMPTS[2],
-                     seed=200 + k, version=0) for k in range(4)]
-    for r in group:
+                     seed=200 + k, version=0) for k in range(6)]
+    for r in group[:rc.SLOTS]:
         sl.submit(r)
-    together = {t.request_id: t for t in sl.drain()}
-    assert (sl.stats.prefills, sl.stats.prefills_shared) == (1, 3)
+    together = {t.request_id: t for t in sl.step()}
+    for r in group[rc.SLOTS:]:
+        while not sl.num_free_slots:
+            together.update((t.request_id, t) for t in sl.step())
+        sl.submit(r)
+    together.update((t.request_id, t) for t in sl.drain())
+    assert calls == {"prefill": 1, "resample": 2, "insert": 3}, calls
+    assert (sl.stats.prefills, sl.stats.prefills_shared) == (1, 5)
     assert (sl.stats.prefill_tokens, sl.stats.reprefill_tokens) == (len(rc.PROMPTS[2]), 0)
     assert len({tuple(t.response_tokens) for t in together.values()}) > 1  # distinct samples
+    monkeypatch.undo()
     for r in group:
-        alone = rc.make_slice(1, "dense", "sampled", 1)
+        alone = rc.make_slice(1, "dense", "sampled", 1, kv_cache=kv_cache)
         alone.submit(r)
         (t,) = alone.drain()
         assert alone.stats.prefills == 1
