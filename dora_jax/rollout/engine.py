@@ -248,7 +248,8 @@ class Engine:
             out = self._jit.prefill(params, tokens_T, np.int32(true_length), keys_N2, done,
                                     limit)
         elif true_length == 0:
-            out = self._jit.resample(existing_prefix, keys_N2, done, limit)
+            out = self._jit.resample(existing_prefix.cache, existing_prefix.logits,
+                                     existing_prefix.position, keys_N2, done, limit)
         else:
             out = self._jit.extend(params, existing_prefix, tokens_T, np.int32(true_length),
                                    keys_N2, done, limit,

@@ -137,10 +137,12 @@ class Programs:
                                           keys_BN2[i], num_generated_B[i], limits_B[i]))
         return tuple(o[0] for o in out), tuple(o[1] for o in out)
 
-    def resample(self, prefix: Prefix, keys_N2, num_generated, limit):
-        """N more samples of `prefix`'s text: first tokens from its logits."""
-        return self._first_tokens(prefix.cache, prefix.logits[None], prefix.position, keys_N2,
-                                  num_generated, limit)
+    def resample(self, cache, logits_V, position, keys_N2, num_generated, limit):
+        """N more samples of a prefix's text (its cache, logits and position, not its
+        samples: a prefix of any number resamples with one program): first tokens from
+        its logits."""
+        return self._first_tokens(cache, logits_V[None], position, keys_N2, num_generated,
+                                  limit)
 
     def _first_tokens(self, kv, logits_1V, true_length, keys_N2, num_generated, limit):
         N = keys_N2.shape[0]
@@ -290,7 +292,7 @@ def jit_programs(fn: Programs, mesh: Mesh, rules, param_sh, *, paged: bool) -> J
         extend=jax.jit(fn.extend, static_argnums=(7,), out_shardings=out,
                        in_shardings=(param_sh, prefix_sh, *[rep] * 5)),
         extend_many=jax.jit(_rows_constrained(fn.extend_many, out), static_argnums=(7,)),
-        resample=jax.jit(fn.resample, in_shardings=(prefix_sh, rep, rep, rep),
+        resample=jax.jit(fn.resample, in_shardings=(prefix_kv_sh, *[rep] * 5),
                          out_shardings=out),
         insert=jax.jit(fn.insert, donate_argnums=(1,), out_shardings=state_sh,
                        in_shardings=(prefix_sh, state_sh, rep, rep, rep)),

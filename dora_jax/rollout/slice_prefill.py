@@ -68,7 +68,8 @@ class Prefills:
 
     def take_group(self, waiting, room: int) -> list:
         """Takes from the head of `waiting` the fresh samples of its prompt, version and
-        limit, up to `room` and as far as the pool's pages go (at least the head)."""
+        limit, up to `room` and as far as the pool's pages go (at least the head), as
+        many as the largest power of two of those: the shapes warm-up compiles."""
         head = waiting[0]
         key, pages, out = prompt_key(head.request), 0, []
         while (waiting and len(out) < room and self.fresh(waiting[0])
@@ -78,7 +79,9 @@ class Prefills:
                and (not out or self._memory.room_for(waiting[0], also=pages))):
             pages += self._memory.pages_needed(waiting[0])
             out.append(waiting.popleft())
-        return out
+        keep = 1 << (len(out).bit_length() - 1)
+        waiting.extendleft(reversed(out[keep:]))
+        return out[:keep]
 
     def fresh(self, seq: InFlight) -> bool:
         """`seq` starts from its prompt, which no sample on this slice has run yet."""

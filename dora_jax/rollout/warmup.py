@@ -32,7 +32,8 @@ def warm_engine(engine: Engine, params, *, reprefills: bool, generate_params=Non
     the mode re-prefills prompt + tokens so far (partial_rollout). A multi-version
     engine's calls name each row's place: `params` those of a prefill (one row),
     `generate_params` those of a generate call (every slot's row). `group_size`: the
-    samples of a prompt, which a slice starts with one prefill (`Prefills.start_group`)."""
+    samples of a prompt, which a slice starts together, a power of two of them at a
+    time (`Prefills.start_group`)."""
     generate_params = params if generate_params is None else generate_params
     r = engine.rollout_cfg
     buckets = [b for b in engine.buckets if reprefills or b <= r.prefill_buckets[-1]]
@@ -49,14 +50,14 @@ def warm_engine(engine: Engine, params, *, reprefills: bool, generate_params=Non
                                        padded_tokens=engine.pad_tokens([])[0], true_length=0)
             group = min(group_size, engine.max_concurrent_decodes,
                         engine.pages.num_pages if engine.pages is not None else group_size)
-            if group > 1:
+            for n in (1 << k for k in range(1, group.bit_length())):  # 2, 4, ... <= group
                 # What compiles depends on the prefix's shape only: one written position
                 # takes a slot one page, so that a small pool holds the group.
                 shared, _ = engine.prefill_multisampling(
-                    params=params, rng=list(range(group)), num_samples=group,
+                    params=params, rng=list(range(n)), num_samples=n,
                     padded_tokens=padded, true_length=length)
-                state = engine.bulk_insert(shared, state, list(range(group)), length=1)
-                for slot in range(group):
+                state = engine.bulk_insert(shared, state, list(range(n)), length=1)
+                for slot in range(n):
                     engine.free_resource(slot)
         state = engine.insert(prefix, state, 0)
     if reprefills:  # resumed requests extend their group's prompt prefix

@@ -236,6 +236,30 @@ def test_warm_up_compiles_every_paged_decode_bucket():
     assert set(seen) == {8, 16, 32, 40}
 
 
+def test_warm_up_compiles_what_groups_starting_together_run():
+    """With the run's group size, warm-up compiles every shape a slice's groups of
+    fresh samples start with (a power of two of them at a time): groups of 1 to 4
+    samples then decode without compiling anything."""
+    from dora_jax.rollout import DecodeSlice, Engine, Request
+    from dora_jax.rollout.warmup import warm_engine
+
+    eng = Engine(rc.config("dense").model, rc.rollout(), rc.meshes()[1][3],
+                 sampling_params=rc.SAMPLING["sampled"])
+    params = eng.load_params(rc.params("dense", 0))
+    warm_engine(eng, params, reprefills=False, group_size=4)
+    programs = ("prefill", "resample", "insert", "steps")
+    compiled = {name: getattr(eng._jit, name)._cache_size() for name in programs}
+    sl = DecodeSlice(0, eng)
+    sl.load_version(0, params)
+    for size in (1, 2, 3, 4):
+        for k in range(size):
+            sl.submit(Request(group_id=size, prompt_id=size, sample_index=k, version=0,
+                              prompt_tokens=rc.PROMPTS[size], seed=10 * size + k))
+        assert len(sl.drain()) == size
+    assert {name: getattr(eng._jit, name)._cache_size() for name in programs} == compiled
+    assert sl.stats.prefills == 4 and sl.stats.prefills_shared == 6
+
+
 @pytest.mark.parametrize("model", ["dense", "moe"])
 def test_continuations_prefilled_together_equal_each_alone(model):
     """Three prefixes (their own prompts, each with tokens of its own appended) in one

@@ -304,12 +304,16 @@ def test_sharded_slice_decodes_and_takes_migrated_requests(model, shape):
     assert all(got[r.request_id].slice_ids == [0, 3] for r in reqs)
 
 
-@pytest.mark.parametrize("kv_cache", ["paged", "dense"])
-def test_a_group_is_prefilled_once_and_samples_as_if_alone(monkeypatch, kv_cache):
+@pytest.mark.parametrize("kv_cache,samples,calls_made", [
+    ("paged", 6, (1, 2, 3)), ("dense", 6, (1, 2, 3)), ("paged", 3, (1, 1, 2))])
+def test_a_group_is_prefilled_once_and_samples_as_if_alone(monkeypatch, kv_cache, samples,
+                                                           calls_made):
     """Six samples of one prompt submitted together on four slots: one forward pass
     over the prompt, and one call puts the four that start together in their slots;
-    the last two start from its prefix as slots free. Every sample's tokens and
-    log-probs equal those of the same request decoded alone (its own prefill)."""
+    the last two start from its prefix as slots free. Three: two start together (a
+    power of two, the shapes warm-up compiles), the third from the prefix. Every
+    sample's tokens and log-probs equal those of the same request decoded alone (its
+    own prefill)."""
     sl = rc.make_slice(1, "dense", "sampled", 1, kv_cache=kv_cache)
     calls = {"prefill": 0, "resample": 0, "insert": 0}
 
@@ -323,7 +327,7 @@ def test_a_group_is_prefilled_once_and_samples_as_if_alone(monkeypatch, kv_cache
     monkeypatch.setattr(sl.engine, "_jit", jitted._replace(
         **{name: counted(name, getattr(jitted, name)) for name in calls}))
     group = [Request(group_id=5, prompt_id="p", sample_index=k, prompt_tokens=rc.PROMPTS[2],
-                     seed=200 + k, version=0) for k in range(6)]
+                     seed=200 + k, version=0) for k in range(samples)]
     for r in group[:rc.SLOTS]:
         sl.submit(r)
     together = {t.request_id: t for t in sl.step()}
@@ -332,8 +336,8 @@ def test_a_group_is_prefilled_once_and_samples_as_if_alone(monkeypatch, kv_cache
             together.update((t.request_id, t) for t in sl.step())
         sl.submit(r)
     together.update((t.request_id, t) for t in sl.drain())
-    assert calls == {"prefill": 1, "resample": 2, "insert": 3}, calls
-    assert (sl.stats.prefills, sl.stats.prefills_shared) == (1, 5)
+    assert calls == dict(zip(("prefill", "resample", "insert"), calls_made)), calls
+    assert (sl.stats.prefills, sl.stats.prefills_shared) == (1, samples - 1)
     assert (sl.stats.prefill_tokens, sl.stats.reprefill_tokens) == (len(rc.PROMPTS[2]), 0)
     assert len({tuple(t.response_tokens) for t in together.values()}) > 1  # distinct samples
     monkeypatch.undo()
