@@ -217,7 +217,9 @@ class Runtime(Driver):
             self._samples_finished(ev)
         elif isinstance(ev, GroupScored):
             self._scoring.discard(ev.group_id)
-            self.sched.group_scored(ev.group_id, self.book.keeps_signal(ev.group_id))
+            self.sched.group_scored(ev.group_id, not self.cfg.trainer.filter_zero_variance
+                                    or self.book.keeps_signal(ev.group_id))
+            self._finished_waiting()
         elif isinstance(ev, VersionLoaded):
             self.sched.version_loaded(ev.slice_id, ev.version)
         elif isinstance(ev, StepDone):
@@ -239,17 +241,21 @@ class Runtime(Driver):
             self.book.finished(t)
             self.sched.sample_finished(t.group_id, t.sample_index, len(t.response_tokens))
             if self.sched.config.score_groups and self.sched.groups[t.group_id].finished:
-                # DAPO's dynamic sampling: once every reward is in, a group whose
+                # Once every reward is in the group is trainable (the coordinator never
+                # waits on the reward pool) or, DAPO's dynamic sampling, a group whose
                 # rewards are all equal leaves, and the scheduler admits another.
                 gid = t.group_id
                 self._scoring.add(gid)
                 self.book.when_scored(gid, lambda gid=gid: self._events.put(GroupScored(gid)))
         if ev.kv_free is not None:
             self.sched.kv_reported(ev.slice_id, ev.kv_free)
-        if self.sched.trainer_busy and self.sched.num_finished_groups:
-            self._drill("finished_waiting")
+        self._finished_waiting()
         if sum(sl.num_at_environment for sl in self.slices) >= 4:
             self._drill("at_environment")
+
+    def _finished_waiting(self) -> None:
+        if self.sched.trainer_busy and self.sched.num_finished_groups:
+            self._drill("finished_waiting")
 
     def _drill(self, point: str) -> None:
         if self._kill is not None:

@@ -54,7 +54,8 @@ class SchedulerConfig:
         slice takes no more samples than its last reported free positions allow
         (`Scheduler.kv_reported`). 0: capacity in slots only.
       score_groups: a finished group is trained only once the driver has scored it
-        (`Scheduler.group_scored`), which may filter it out instead (DAPO's dynamic
+        (`Scheduler.group_scored`; a run always does, so that its coordinator never
+        waits on a reward), which may filter it out instead (DAPO's dynamic
         sampling); its admission room then goes to a new group.
       versions_per_slice: V, versions a slice may hold at once (residency.py); 1: one
         version per slice, switched only once the slice is empty. Only a mode whose
@@ -107,7 +108,9 @@ class SchedulerConfig:
                    rollout_batch_size=c.rollout_batch_size, max_staleness=c.max_staleness,
                    max_groups=max_groups,
                    admit_tokens=r.max_prefill_length + r.decode_steps if paged else 0,
-                   score_groups=cfg.trainer.filter_zero_variance,
+                   # A run trains a group once its rewards are in (filtered or
+                   # not), so that its coordinator never waits on the reward pool.
+                   score_groups=True,
                    versions_per_slice=r.versions_per_slice,
                    episodes_per_slice=r.max_episodes_per_slice)
 

@@ -3,6 +3,8 @@ versions resident, migrations, lag K) with the params every slice loads checked
 against the trainer's, on-policy ratios in sync mode, a failing trainer, and rollout
 batches larger than all the slots in every mode."""
 
+import concurrent.futures
+import threading
 import time
 
 import jax
@@ -127,6 +129,39 @@ def test_failing_trainer_stops_with_one_error_and_a_complete_ledger(tmp_path, sm
     # Steps 0 and 1 trained; every other admitted group is listed as unconsumed.
     assert report.steps == 2 and not (report.c1 or report.c2 or report.c3), report.summary()
     assert sum(e["event"] == "unconsumed" for e in events) == report.groups_admitted - 4
+
+
+def test_a_slow_reward_holds_up_neither_the_coordinator_nor_other_groups(
+        tmp_path, small_config, monkeypatch):
+    """The rewards of the first group to finish take 2 s more (a reward call near its
+    time limit): the run goes on meanwhile, training the groups that finished after
+    it, and trains the slow group once its rewards are in, by its deadline (K)."""
+    cfg = small_config("dora", max_staleness=2, rollout_batch_size=8, num_steps=6)
+    slow: dict = {}
+
+    class SlowFirstGroup(experiment.RewardPool):
+        def submit(self, record, response):
+            scored = super().submit(record, response)
+            if slow.setdefault("prompt_id", record["prompt_id"]) != record["prompt_id"]:
+                return scored
+            late: concurrent.futures.Future = concurrent.futures.Future()
+
+            def resolve():
+                time.sleep(2.0)
+                late.set_result(scored.result())
+            threading.Thread(target=resolve, daemon=True).start()
+            return late
+
+    monkeypatch.setattr(experiment, "RewardPool", SlowFirstGroup)
+    _run(cfg, tmp_path)
+    events, report = audit_workdir(cfg, tmp_path)
+    assert report.ok, report.summary()
+    consumed = [e for e in events if e["event"] == "consume"]
+    (late,) = [e for e in consumed if e["prompt_id"] == slow["prompt_id"]]
+    before = [e for e in consumed if e["step"] < late["step"]]
+    assert late["step"] <= late["version"] + cfg.coordinator.max_staleness
+    # Whole train steps ran while its rewards were pending, not after them.
+    assert before and all(late["time"] - e["time"] > 1.0 for e in before), (late, before)
 
 
 @pytest.mark.slow
