@@ -50,6 +50,14 @@ def run_staggered(sl, reqs, arrivals, returned_at=None):
     return out
 
 
+def counting(counts: dict, name: str, fn):
+    """`fn`, counting its calls in counts[name]."""
+    def wrapped(*args, **kwargs):
+        counts[name] += 1
+        return fn(*args, **kwargs)
+    return wrapped
+
+
 def ideal_schedule(lengths, arrivals, slots, lag):
     """When an ideal continuous batcher returns each request, and how many generate
     steps it runs. A request admitted at step t has token 0 from its prefill and
@@ -316,16 +324,9 @@ def test_a_group_is_prefilled_once_and_samples_as_if_alone(monkeypatch, kv_cache
     own prefill)."""
     sl = rc.make_slice(1, "dense", "sampled", 1, kv_cache=kv_cache)
     calls = {"prefill": 0, "resample": 0, "insert": 0}
-
-    def counted(name, fn):
-        def call(*args, **kwargs):
-            calls[name] += 1
-            return fn(*args, **kwargs)
-        return call
-
     jitted = sl.engine._jit
     monkeypatch.setattr(sl.engine, "_jit", jitted._replace(
-        **{name: counted(name, getattr(jitted, name)) for name in calls}))
+        **{name: counting(calls, name, getattr(jitted, name)) for name in calls}))
     group = [Request(group_id=5, prompt_id="p", sample_index=k, prompt_tokens=rc.PROMPTS[2],
                      seed=200 + k, version=0) for k in range(samples)]
     for r in group[:rc.SLOTS]:
@@ -367,15 +368,9 @@ def test_a_load_places_params_once(monkeypatch):
     sl = DecodeSlice(9, eng)
     counts = {"load_params": 0, "device_put": 0, "paths": 0}
 
-    def counting(name, fn):
-        def wrapped(*args, **kwargs):
-            counts[name] += 1
-            return fn(*args, **kwargs)
-        return wrapped
-
-    monkeypatch.setattr(eng, "load_params", counting("load_params", eng.load_params))
-    monkeypatch.setattr(jax, "device_put", counting("device_put", jax.device_put))
-    monkeypatch.setattr(placement, "_leaf_paths", counting("paths", placement._leaf_paths))
+    monkeypatch.setattr(eng, "load_params", counting(counts, "load_params", eng.load_params))
+    monkeypatch.setattr(jax, "device_put", counting(counts, "device_put", jax.device_put))
+    monkeypatch.setattr(placement, "_leaf_paths", counting(counts, "paths", placement._leaf_paths))
     sl.load_version(0, on_trainer)
     assert counts == {"load_params": 1, "device_put": 1, "paths": 0}
     sl.load_version(1, placed)
