@@ -75,6 +75,7 @@ _BLOCKED = frozenset({
     "os.chmod", "os.chown", "os.truncate", "shutil.rmtree", "shutil.copyfile",
     "shutil.move", "webbrowser.open", "urllib.Request",
 })
+_CLOSED = "reward pool closed before this sample was scored"
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 
@@ -92,7 +93,9 @@ class RewardPool:
     module-level function, or an object of one such as `verifiers.TokenReward`);
     each worker unpickles it once. A call that raises, passes `timeout` seconds
     (0: no limit), exhausts `memory_mb`, kills its worker or touches a blocked
-    operation scores 0 with the reason; the run goes on.
+    operation scores 0 with the reason; the run goes on. `submit_many` scores samples
+    that finish together in one call per worker (a round trip per sample costs about
+    0.14 ms of CPU, most of a cheap reward's cost).
     """
 
     def __init__(self, fn: RewardFn, num_workers: int = 2, timeout: float = 60.0, *,
@@ -101,6 +104,7 @@ class RewardPool:
         self._timeout = timeout or None
         self._max_response, self._memory_mb = max_response, memory_mb
         preload = tuple(preload) or modules_for(fn)
+        self._num_workers, self._batching = num_workers, True
         self._pending: set[concurrent.futures.Future] = set()
         self._lock = threading.Lock()
         self._pool = pebble.ProcessPool(
@@ -110,18 +114,80 @@ class RewardPool:
     def submit(self, record: dict, response: Sequence) -> concurrent.futures.Future:
         """Future of (reward, error text or None) for one response."""
         out: concurrent.futures.Future = concurrent.futures.Future()
-        if len(response) > self._max_response:
-            out.set_result((0.0, f"response of {len(response)} items is over "
-                                 f"coordinator.reward_max_response={self._max_response}; "
-                                 "not scored"))
+        refused = self._refused(response)
+        if refused is not None:
+            out.set_result(refused)
             return out
+        self._schedule(out, record, _plain(response))
+        return out
+
+    def submit_many(self, items: Sequence[tuple[dict, Sequence]]
+                    ) -> list[concurrent.futures.Future]:
+        """`submit`'s futures for `(record, response)` pairs, scored in one call per
+        worker. A call that runs out of time or loses its worker is scored again one
+        sample per call, so each sample's reward or error is its own; after a call runs
+        out of time (the samples' total can pass a limit each keeps) the pool scores one
+        sample per call from then on."""
+        outs, todo = [], []
+        for record, response in items:
+            out: concurrent.futures.Future = concurrent.futures.Future()
+            outs.append(out)
+            refused = self._refused(response)
+            if refused is None:
+                todo.append((out, record, _plain(response)))
+            else:
+                out.set_result(refused)
+        if not self._batching or len(todo) < 2:
+            for args in todo:
+                self._schedule(*args)
+            return outs
+        with self._lock:
+            self._pending.update(out for out, _, _ in todo)
+        per_call = -(-len(todo) // self._num_workers)
+        for i in range(0, len(todo), per_call):
+            chunk = todo[i:i + per_call]
+            try:
+                inner = self._pool.schedule(_score_many, args=([a[1:] for a in chunk],),
+                                            timeout=self._timeout)
+            except RuntimeError as e:
+                for out, _, _ in chunk:
+                    self._resolve(out, self._unscheduled(e))
+                continue
+            inner.add_done_callback(lambda f, chunk=chunk: self._settle_many(f, chunk))
+        return outs
+
+    def _refused(self, response: Sequence) -> tuple[float, str] | None:
+        if len(response) > self._max_response:
+            return 0.0, (f"response of {len(response)} items is over "
+                         f"coordinator.reward_max_response={self._max_response}; not scored")
+        return None
+
+    def _schedule(self, out: concurrent.futures.Future, record: dict, response) -> None:
         with self._lock:
             self._pending.add(out)
-        if not isinstance(response, str):
-            response = [int(t) for t in response]
-        inner = self._pool.schedule(_score, args=(record, response), timeout=self._timeout)
+        try:
+            inner = self._pool.schedule(_score, args=(record, response), timeout=self._timeout)
+        except RuntimeError as e:  # a retry from a pool thread can come after close
+            self._resolve(out, self._unscheduled(e))
+            return
         inner.add_done_callback(lambda f: self._resolve(out, self._settle(f)))
-        return out
+
+    def _unscheduled(self, error: RuntimeError) -> tuple[float, str]:
+        return 0.0, (one_line(error) if self._pool.active else _CLOSED)
+
+    def _settle_many(self, future, chunk: list) -> None:
+        try:
+            results = future.result()
+        except (TimeoutError, pebble.ProcessExpired) as e:
+            if isinstance(e, TimeoutError):
+                self._batching = False
+            for args in chunk:
+                self._schedule(*args)
+            return
+        except BaseException:  # noqa: BLE001 — the pool's reason, for every sample
+            results = [self._settle(future)] * len(chunk)
+        for (out, _, _), result in zip(chunk, results):
+            self._resolve(out, result)
 
     def _resolve(self, out: concurrent.futures.Future, result: tuple) -> None:
         with self._lock:
@@ -139,7 +205,7 @@ class RewardPool:
             return 0.0, (f"reward worker died (exit code {e.exitcode}); a call past "
                          f"coordinator.reward_memory_mb={self._memory_mb} can end so")
         except (concurrent.futures.CancelledError, concurrent.futures.BrokenExecutor):
-            return 0.0, "reward pool closed before this sample was scored"
+            return 0.0, _CLOSED
         except Exception as e:  # noqa: BLE001 — a pickling or pool failure is data too
             return 0.0, one_line(e)
 
@@ -150,13 +216,17 @@ class RewardPool:
         self._pool.join(timeout=10)
         # A stopped pebble pool leaves the futures of unfinished calls pending.
         for out in list(self._pending):
-            self._resolve(out, (0.0, "reward pool closed before this sample was scored"))
+            self._resolve(out, (0.0, _CLOSED))
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _plain(response: str | Sequence) -> str | list[int]:
+    return response if isinstance(response, str) else [int(t) for t in response]
 
 
 def when_all_done(futures: list, callback: Callable[[], None]) -> None:
@@ -235,6 +305,10 @@ def _init_worker(fn: RewardFn, memory_mb: int, preload: Sequence[str]) -> None:
     if sys.platform.startswith("linux"):
         _limit_memory(memory_mb)
     sys.addaudithook(_audit)
+
+
+def _score_many(items: list) -> list[tuple[float, str | None]]:
+    return [_score(record, response) for record, response in items]
 
 
 def _score(record: dict, response: str | list) -> tuple[float, str | None]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from dora_jax.rewards import pool, shaping
 from dora_jax.rollout.trajectory import Trajectory
@@ -50,7 +50,7 @@ class GroupBook:
 
     Args:
       cfg: the validated run config (reward shaping reads it).
-      rewards: the reward pool (`submit(record, response) -> Future`).
+      rewards: the reward pool (`submit_many([(record, response)]) -> [Future]`).
       write: writes one ledger line (`LedgerWriter.write`).
       clock: seconds since the run started.
     """
@@ -67,15 +67,22 @@ class GroupBook:
         self.groups[a.group_id] = Group(record, a.version)
         self._write(**driver.admit_record(a, record["prompt_id"], self._clock()))
 
-    def finished(self, t: Trajectory) -> None:
-        """Keeps a finished sample and sends it to the reward pool."""
-        g = self.groups[t.group_id]
-        g.trajectories[t.sample_index] = t
-        if t.episode is not None:  # scored by its environment, turn by turn
-            g.rewards[t.sample_index] = _resolved((float(t.episode["reward"]),
-                                                   t.episode.get("error")))
-            return
-        g.rewards[t.sample_index] = self._rewards.submit(g.record, t.response_tokens)
+    def finished(self, ts: Sequence[Trajectory]) -> None:
+        """Keeps samples that finished together and sends them to the reward pool in
+        one submission."""
+        to_score = []
+        for t in ts:
+            g = self.groups[t.group_id]
+            g.trajectories[t.sample_index] = t
+            if t.episode is None:
+                to_score.append(t)
+            else:  # scored by its environment, turn by turn
+                g.rewards[t.sample_index] = _resolved((float(t.episode["reward"]),
+                                                       t.episode.get("error")))
+        futures = self._rewards.submit_many(
+            [(self.groups[t.group_id].record, t.response_tokens) for t in to_score])
+        for t, future in zip(to_score, futures, strict=True):
+            self.groups[t.group_id].rewards[t.sample_index] = future
 
     def when_scored(self, gid: int, callback: Callable[[], None]) -> None:
         """Calls `callback` once every reward of the (finished) group is in, in the

@@ -237,8 +237,8 @@ class Runtime(Driver):
 
     def _samples_finished(self, ev: SamplesFinished):
         self._to_ack.add(ev.slice_id)
+        self.book.finished(ev.trajectories)
         for t in ev.trajectories:
-            self.book.finished(t)
             self.sched.sample_finished(t.group_id, t.sample_index, len(t.response_tokens))
             if self.sched.config.score_groups and self.sched.groups[t.group_id].finished:
                 # Once every reward is in the group is trainable (the coordinator never

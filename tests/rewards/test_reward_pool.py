@@ -45,6 +45,23 @@ def not_a_number(record, response):
     return float("nan")
 
 
+def dies(record, response):
+    if record.get("die"):
+        os._exit(3)
+    return 1.0
+
+
+def _counting_calls(pool) -> list:
+    """The worker calls `pool` makes from now on, by function name."""
+    calls, schedule = [], pool._pool.schedule
+
+    def counted(fn, *args, **kwargs):
+        calls.append(fn.__name__)
+        return schedule(fn, *args, **kwargs)
+    pool._pool.schedule = counted
+    return calls
+
+
 def test_failures_are_recorded_and_the_pool_goes_on():
     with RewardPool(length_or_explode, num_workers=2) as pool:
         ok = pool.submit({}, [1, 2, 3])
@@ -114,3 +131,39 @@ def test_closing_never_waits_on_a_hung_call():
     pool.close()
     assert time.perf_counter() - start < 10
     assert hung.result(1)[0] == 0.0 and queued.result(1)[0] == 0.0
+
+
+def test_samples_that_finish_together_take_one_call_per_worker_and_score_as_alone():
+    items = [({}, [1, 2, 3]), ({"explode": True}, [1]), ({}, [1] * 5), ({}, [1, 2]),
+             ({}, []), ({}, [4, 4, 4, 4])]
+    with RewardPool(length_or_explode, num_workers=2, max_response=4) as pool:
+        alone = [pool.submit(*item).result(60) for item in items]
+        calls = _counting_calls(pool)
+        together = [f.result(60) for f in pool.submit_many(items)]
+    assert together == alone
+    assert alone[1] == (0.0, "RuntimeError: bad verifier") and "reward_max_response" in alone[2][1]
+    assert calls == ["_score_many"] * 2  # 5 to score (one refused unscored), 2 workers
+
+
+def test_a_sample_that_hangs_a_shared_call_times_out_alone_and_calls_go_single():
+    with RewardPool(sleepy, num_workers=1, timeout=1.0) as pool:
+        pool.submit({}, [1]).result(60)  # the worker is up
+        got = [f.result(60) for f in pool.submit_many([({}, [1]), ({"sleep": 30}, [1]),
+                                                       ({}, [2])])]
+        assert got == [(1.0, None), (0.0, "reward timed out after 1 s (worker killed)"),
+                       (1.0, None)]
+        # The samples' total can pass the limit each keeps: one sample per call now.
+        calls = _counting_calls(pool)
+        assert [f.result(60) for f in pool.submit_many([({}, [1])] * 3)] == [(1.0, None)] * 3
+        assert calls == ["_score"] * 3
+
+
+def test_a_sample_that_kills_a_shared_call_s_worker_is_the_only_one_to_score_zero():
+    with RewardPool(dies, num_workers=1) as pool:
+        got = [f.result(60) for f in pool.submit_many([({}, [1]), ({"die": True}, [1]),
+                                                       ({}, [2])])]
+        assert got[0] == got[2] == (1.0, None)
+        assert got[1][0] == 0.0 and "exit code 3" in got[1][1]
+        calls = _counting_calls(pool)
+        pool.submit_many([({}, [1])] * 2)[1].result(60)
+        assert calls == ["_score_many"]  # a death is the sample's, not the batch size's

@@ -125,13 +125,13 @@ class _CheckpointingRun(FakeRun):
         if ev[0] == "finished":
             gid, k = ev[2]
             r = self.done[(gid, k)]
-            self.book.finished(Trajectory(
+            self.book.finished([Trajectory(
                 group_id=gid, prompt_id=gid, sample_index=k, version=self.group_version[gid],
                 prompt_tokens=[1], response_tokens=_tokens(gid, k, r.length),
                 behaviour_logprobs=[-0.5 - i / 8 for i in range(r.length)],
                 versions=[list(s) for s in r.segments], slice_ids=list(r.slices),
                 finish_reason="eos", t_submit=0.0, t_start=0.0, t_finish=float(self.tick),
-                routing=_routing(gid, k, r.length)))
+                routing=_routing(gid, k, r.length))])
         if ev[0] == "step":
             s = self.sched
             finished = [g for g, gs in s.groups.items() if gs.trainable]
@@ -155,11 +155,12 @@ class _CheckpointingRun(FakeRun):
 
 
 class _Rewards:
-    """The reward pool's interface, scoring at once."""
+    """The reward pool's interface (`submit_many`), scoring at once."""
 
-    def submit(self, record, response):
-        done = concurrent.futures.Future()
-        done.set_result((_reward(response), None))
+    def submit_many(self, items):
+        done = [concurrent.futures.Future() for _ in items]
+        for future, (_, response) in zip(done, items):
+            future.set_result((_reward(response), None))
         return done
 
 
