@@ -134,11 +134,13 @@ def test_failing_trainer_stops_with_one_error_and_a_complete_ledger(tmp_path, sm
 
 def test_a_slow_reward_holds_up_neither_the_coordinator_nor_other_groups(
         tmp_path, small_config, monkeypatch):
-    """The last reward of the first group to finish is held back until a train step has
-    consumed other groups (a reward call near its time limit): the run goes on
+    """The last reward of the first group to finish is held back until K train steps
+    have consumed other groups (a reward call near its time limit): the run goes on
     meanwhile, and trains the slow group once its rewards are in, by its deadline (K).
-    A coordinator that waited on the slow group's rewards would train nothing first."""
+    A coordinator that waited on the slow group's rewards would stop at the first step
+    that took the group, before K steps."""
     cfg = small_config("dora", max_staleness=2, rollout_batch_size=8, num_steps=6)
+    hold_until = cfg.coordinator.max_staleness * cfg.coordinator.train_batch_size
     slow: dict = {}
     samples: collections.Counter = collections.Counter()
     ledger = tmp_path / "ledger.jsonl"
@@ -160,7 +162,7 @@ def test_a_slow_reward_holds_up_neither_the_coordinator_nor_other_groups(
 
             def resolve():
                 deadline = time.monotonic() + 60
-                while not consumed_lines() and time.monotonic() < deadline:
+                while consumed_lines() < hold_until and time.monotonic() < deadline:
                     time.sleep(0.05)
                 slow["trained_before"] = consumed_lines()
                 late.set_result(scored.result())
@@ -171,7 +173,7 @@ def test_a_slow_reward_holds_up_neither_the_coordinator_nor_other_groups(
     _run(cfg, tmp_path)
     events, report = audit_workdir(cfg, tmp_path)
     assert report.ok, report.summary()
-    assert slow["trained_before"] > 0  # a step trained while the rewards were held
+    assert slow["trained_before"] >= hold_until  # K steps trained while it was held
     consumed = [e for e in events if e["event"] == "consume"]
     (late,) = [e for e in consumed if e["prompt_id"] == slow["prompt_id"]]
     assert late["step"] > min(e["step"] for e in consumed)
