@@ -50,25 +50,27 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = {"dense": "configs/tiny.py", "moe": "configs/moe.py:tiny"}
 
 # An xdist worker that dies (a native crash: a segfault or abort inside XLA, seen once
-# or twice a full run, loading an executable from the compilation cache during an
-# engine's warm-up) takes its test with it. That test runs once more on a fresh worker
-# and counts only by that second run; a second crash fails it. The session's summary
-# names every test that crashed a worker.
-_CRASHED: list = []
+# or twice a full run, reading or writing an executable of the persistent compilation
+# cache during an engine's warm-up) takes its test with it. That test runs again on a
+# fresh worker, up to twice, and counts only by its last run; a third crash fails it.
+# The session's summary names every test that crashed a worker, and how often.
+_CRASHED: dict = {}
+_RERUNS = 2
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_handlecrashitem(crashitem, report, sched):
-    if crashitem in _CRASHED:
+    _CRASHED[crashitem] = _CRASHED.get(crashitem, 0) + 1
+    if _CRASHED[crashitem] > _RERUNS:
         return
-    _CRASHED.append(crashitem)
     sched.mark_test_pending(crashitem)
     report.outcome = "rerun"
 
 
 def pytest_terminal_summary(terminalreporter):
-    for nodeid in _CRASHED:
-        terminalreporter.write_line(f"worker crashed, test run again: {nodeid}", red=True)
+    for nodeid, crashes in _CRASHED.items():
+        terminalreporter.write_line(f"a worker crashed {crashes}x running {nodeid} "
+                                    f"({min(crashes, _RERUNS)} rerun)", red=True)
 
 
 def reference(module: str):
