@@ -113,13 +113,7 @@ class RewardPool:
 
     def submit(self, record: dict, response: Sequence) -> concurrent.futures.Future:
         """Future of (reward, error text or None) for one response."""
-        out: concurrent.futures.Future = concurrent.futures.Future()
-        refused = self._refused(response)
-        if refused is not None:
-            out.set_result(refused)
-            return out
-        self._schedule(out, record, _plain(response))
-        return out
+        return self.submit_many([(record, response)])[0]
 
     def submit_many(self, items: Sequence[tuple[dict, Sequence]]
                     ) -> list[concurrent.futures.Future]:
@@ -132,11 +126,12 @@ class RewardPool:
         for record, response in items:
             out: concurrent.futures.Future = concurrent.futures.Future()
             outs.append(out)
-            refused = self._refused(response)
-            if refused is None:
+            if len(response) <= self._max_response:
                 todo.append((out, record, _plain(response)))
             else:
-                out.set_result(refused)
+                out.set_result((0.0, f"response of {len(response)} items is over "
+                                     f"coordinator.reward_max_response={self._max_response}; "
+                                     "not scored"))
         if not self._batching or len(todo) < 2:
             for args in todo:
                 self._schedule(*args)
@@ -156,11 +151,6 @@ class RewardPool:
             inner.add_done_callback(lambda f, chunk=chunk: self._settle_many(f, chunk))
         return outs
 
-    def _refused(self, response: Sequence) -> tuple[float, str] | None:
-        if len(response) > self._max_response:
-            return 0.0, (f"response of {len(response)} items is over "
-                         f"coordinator.reward_max_response={self._max_response}; not scored")
-        return None
 
     def _schedule(self, out: concurrent.futures.Future, record: dict, response) -> None:
         with self._lock:

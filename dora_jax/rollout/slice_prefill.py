@@ -41,11 +41,12 @@ class Prefills:
         """The fresh samples at the head of `waiting` that share its prompt (not cached
         yet), version and limit, into free slots as far as slots and pages go: one
         prefill draws each one's first token, one call inserts them all."""
-        seqs = self.take_group(waiting, int((~self._slots.owned).sum()))
+        free = np.flatnonzero(~self._slots.owned)
+        seqs = self.take_group(waiting, len(free))
         if len(seqs) == 1:
             self.start(seqs[0], self._slots.lowest_free())
             return
-        slots = [int(s) for s in np.flatnonzero(~self._slots.owned)[:len(seqs)]]
+        slots = [int(s) for s in free[:len(seqs)]]
         for seq, slot in zip(seqs, slots):
             self._versions.set_slot(slot, seq.version)
         r, engine, stats = seqs[0].request, self._engine, self._stats
