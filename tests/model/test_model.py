@@ -164,3 +164,21 @@ def test_blockwise_attention_model_equals_dense(dense):
     tokens = jax.random.randint(jax.random.key(2), (2, 11), 0, dense.vocab_size)
     np.testing.assert_allclose(tf.apply(bw_graphdef, params, tokens)[0],
                                tf.apply(graphdef, params, tokens)[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("spec,contract", [("btd,df->btf", 1), ("btd,dhk->bthk", 1),
+                                           ("bthk,hkd->btd", 2)])
+def test_dense_is_the_einsum_it_stands_for(spec, contract):
+    from dora_jax.model.layers import dense
+
+    lhs, rhs = spec.split("->")[0].split(",")
+    sizes = dict(b=2, t=3, d=8, f=5, h=2, k=4)
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, [sizes[c] for c in lhs])
+    w = jax.random.normal(kw, [sizes[c] for c in rhs])
+    np.testing.assert_allclose(dense(x, w, contract), jnp.einsum(spec, x, w), rtol=1e-5,
+                               atol=1e-5)
+    grads = [jax.grad(lambda x, w: (f(x, w) ** 2).sum(), argnums=(0, 1))(x, w)
+             for f in (lambda x, w: dense(x, w, contract), lambda x, w: jnp.einsum(spec, x, w))]
+    for ours, theirs in zip(*grads):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
