@@ -151,7 +151,6 @@ class RewardPool:
             inner.add_done_callback(lambda f, chunk=chunk: self._settle_many(f, chunk))
         return outs
 
-
     def _schedule(self, out: concurrent.futures.Future, record: dict, response) -> None:
         with self._lock:
             self._pending.add(out)
