@@ -170,6 +170,11 @@ class ModelConfig(Section):
     attention_block: int = field(512, min=1)
     remat: str = field("none", choices=REMAT_POLICIES)
     scan_layers: bool = True  # one compiled layer period, scanned over the depth
+    # Full forwards (training, prefill) unroll the layer scan over the stacked params:
+    # no per-layer residual is stacked (XLA's CPU backend zero-fills such stacks, then
+    # writes them layer by layer), at a compile time that grows with depth. Decode
+    # always scans.
+    unroll_forward: bool = False
     moe: MoEConfig = MoEConfig()
     lora: LoRAConfig = LoRAConfig()
 

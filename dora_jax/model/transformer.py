@@ -243,7 +243,7 @@ class Transformer(nnx.Module):
             routing_xs = None if routing is None else routing.reshape(
                 self.cfg.num_layers // p, -1, *routing.shape[1:])
             x, (kv, auxes) = jax.lax.scan(body, x, (tuple(s for _, s in split), past_xs,
-                                                    routing_xs))
+                                                    routing_xs), unroll=self.cfg.unroll_forward)
             if return_kv:  # [n, p, ...] -> [layers, ...]: layer j*p + r
                 k, v = (a.reshape(-1, *a.shape[2:]) for a in kv)
             # [n, B, T, k] per MoE layer of the period -> [MoE layers, B, T, k]

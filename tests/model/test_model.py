@@ -109,6 +109,44 @@ def test_token_logprobs_alignment():
 
 
 @pytest.mark.parametrize("moe_every", [1, 2])
+def test_an_unrolled_forward_is_the_scanned_one(moe_every, load_config):
+    """`unroll_forward` changes how the stacked layers run, not what they compute:
+    logits, MoE losses, prefill KV, the routing a rollout records and gradients."""
+    base = load_config("configs/moe.py:tiny").model
+    cfg = dataclasses.replace(base, num_layers=4, unroll_forward=False,
+                              moe=dataclasses.replace(base.moe, moe_every=moe_every))
+    graphdef, params = tf.create(cfg, seed=3)
+    unrolled, _ = tf.create(dataclasses.replace(cfg, unroll_forward=True), seed=3)
+    tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, cfg.vocab_size)
+
+    def run(g):
+        return tf.apply(g, params, tokens, dropless=True, return_kv=True,
+                        return_routing=True)
+
+    (logits, aux, kv), (ref, ref_aux, ref_kv) = run(unrolled), run(graphdef)
+    np.testing.assert_allclose(logits, ref, atol=1e-5)
+    np.testing.assert_allclose(kv.k, ref_kv.k, atol=1e-5)
+    np.testing.assert_allclose(kv.v, ref_kv.v, atol=1e-5)
+    np.testing.assert_array_equal(aux["routing"], ref_aux["routing"])
+    for key in tf.AUX_KEYS:
+        np.testing.assert_allclose(aux[key], ref_aux[key], atol=1e-6)
+
+    def grads(g):
+        return jax.grad(lambda p: tf.apply(g, p, tokens, dropless=True)[0].std())(params)
+
+    for a, b in zip(jax.tree.leaves(grads(unrolled)), jax.tree.leaves(grads(graphdef)),
+                    strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+    # Unrolled: no loop is left in the forward's program; scanned: the layer loop.
+    def loops(g):
+        hlo = jax.jit(lambda p: tf.apply(g, p, tokens, dropless=True)[0]).lower(
+            params).as_text()
+        return hlo.count("stablehlo.while")
+
+    assert loops(unrolled) < loops(graphdef)
+
+
+@pytest.mark.parametrize("moe_every", [1, 2])
 def test_scanned_layers_equal_the_unrolled_model(moe_every, load_config):
     """Scanning one layer period over the depth (dense/MoE interleave included)
     gives the unrolled model's logits, MoE losses, prefill KV and decode steps."""
