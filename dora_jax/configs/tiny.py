@@ -24,9 +24,7 @@ def get_config(arg=None):
     c = config_lib.base()
     c.model.update(dict(vocab_size=128, d_model=64, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=16, mlp_hidden=192,
-                        tie_embeddings=False, qk_norm=True,
-                        # A CPU config: XLA's CPU backend trains unrolled layers faster.
-                        unroll_forward=True))
+                        tie_embeddings=False, qk_norm=True))
     c.mesh.trainer.update(dict(data=2, fsdp=2, tensor=1, expert=1))
     c.mesh.slice.update(dict(tensor=1, expert=1))
     c.mesh.num_slices = 4

@@ -51,3 +51,13 @@ def test_nostop_leaves_the_engine_without_stop_ids():
     assert held.rollout.eos_id == -1 and sampling.stop_ids(held.rollout, None, None) == ()
     default = hf_checks.validated(peer.workload_config("tiny", "dora", 6))
     assert sampling.stop_ids(default.rollout, None, None) == (default.rollout.eos_id,)
+
+
+def test_the_larger_workload_unrolls_its_full_forwards_and_tiny_scans():
+    from dora_jax.model import hf_checks
+
+    larger = hf_checks.validated(peer.workload_config("larger", "dora", 6, layout="pair"))
+    m = larger.model
+    assert (m.num_layers, m.d_model, m.mlp_hidden, m.unroll_forward) == (8, 256, 768, True)
+    assert larger.rollout.max_decode_len == 128
+    assert not hf_checks.validated(peer.workload_config("tiny", "dora", 6)).model.unroll_forward

@@ -109,9 +109,7 @@ def test_in_bfloat16_replay_removes_the_mismatch_routing_flips_cause():
     On the same batch and params, replaying the rollout's experts leaves less
     mismatch than recomputing them."""
     cfg = rc.config("moe")
-    # The scanned forward, as configs/moe.py's accelerator run has it (the CPU configs
-    # unroll it, which here happens to round every route as the decode does).
-    model = dataclasses.replace(cfg.model, dtype="bfloat16", unroll_forward=False)
+    model = dataclasses.replace(cfg.model, dtype="bfloat16")
     rollout = dataclasses.replace(rc.rollout(), temperature=rc.TEMPERATURE)
     engine = rc.Engine(model, rollout, rc.meshes()[1][3],
                        sampling_params=rc.SAMPLING["sampled"])
