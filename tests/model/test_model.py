@@ -137,7 +137,7 @@ def test_an_unrolled_forward_is_the_scanned_one(moe_every, load_config):
     for a, b in zip(jax.tree.leaves(grads(unrolled)), jax.tree.leaves(grads(graphdef)),
                     strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
-    # Unrolled: no loop is left in the forward's program; scanned: the layer loop.
+    # Unrolled, the layer loop is gone from the program (attention keeps its own).
     def loops(g):
         hlo = jax.jit(lambda p: tf.apply(g, p, tokens, dropless=True)[0]).lower(
             params).as_text()
