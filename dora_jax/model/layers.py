@@ -7,6 +7,8 @@ that crosses a layer boundary is constrained by logical names.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,8 +35,8 @@ def dense(x, w, contract: int = 1):
     """x's last `contract` dims times w's first ones, as one 2-D matmul. XLA's CPU
     backend gives the backward of a batched einsum (`btd,df->btf`) transposing copies
     that took a fifth of a train step; on a TPU or GPU the reshapes are free."""
-    k = w.shape[:contract]
-    y = x.reshape(-1, int(np.prod(k))) @ w.reshape(int(np.prod(k)), -1)
+    n = math.prod(w.shape[:contract])
+    y = x.reshape(-1, n) @ w.reshape(n, -1)
     return y.reshape(*x.shape[:x.ndim - contract], *w.shape[contract:])
 
 
