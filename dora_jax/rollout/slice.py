@@ -318,8 +318,7 @@ class DecodeSlice:
                 continue
             slot = self.slots.lowest_free()
             self.versions.set_slot(slot, f.version)
-            self.calls.state = self.engine.insert(jax.device_put(f.prefix, dst),
-                                                  self.calls.state, slot, length=f.length)
+            self.calls.insert(jax.device_put(f.prefix, dst), slot, length=f.length)
             self.prefills.place(seq, slot, f.length)
         self.stats.migrated_in += len(inflights)
 

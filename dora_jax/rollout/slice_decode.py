@@ -1,5 +1,9 @@
 """The device side of a slice: its decode state, and the calls dispatched but not read.
 
+Every program that changes the decode state donates it, so the state has one owner:
+`DecodeCalls._run` runs such a program and stores its result, and the slice's other
+parts insert and generate through `DecodeCalls`, never holding a state of their own.
+
 With lookahead a generate call is read only after the next one is dispatched, so the
 device never waits for the host; the slice's host view then lags one call behind,
 and `sync` reads everything outstanding where it needs the exact state.
@@ -8,17 +12,25 @@ and `sync` reads everything outstanding where it needs the exact state.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 
 from dora_jax.rollout.engine import Engine
 from dora_jax.rollout.slots import SlotTable
+from dora_jax.rollout.state import DecodeState, Prefix
 from dora_jax.rollout.trajectory import InFlight, RolloutError, SliceStats
+
+T = TypeVar("T")
 
 
 class DecodeCalls:
     """Prefill results and generate calls in flight, read into the slot table; a slot
     that finished is handed to `on_finished`."""
+
+    # Assigned by `_run` alone: a state passed to a donating program is deleted, so
+    # a second place holding or storing one could hand a deleted buffer to the next.
+    _state: Any = None
 
     def __init__(self, slice_id: int, engine: Engine, slots: SlotTable, stats: SliceStats,
                  on_finished: Callable[[InFlight], None], *, lookahead: bool):
@@ -28,12 +40,33 @@ class DecodeCalls:
 
     def reset(self) -> None:
         """A fresh decode state; whatever was in flight is dropped."""
-        self.state = self.engine.init_decode_state()
+        self._run(lambda _: (self.engine.init_decode_state(), None))
         pages = self.engine.pages
         self._pool_epoch = None if pages is None else pages.epoch
         # (seq, prefill ResultTokens on device, the seq's row in it), not yet read
         self._prefills: list = []
         self._inflight = None  # (prefills, generate ResultTokens, steps), not yet read
+
+    @property
+    def state(self) -> DecodeState:
+        """The decode state, to read (e.g. `engine.extract`), not to pass to a program
+        that donates it: `insert`, `bulk_insert` and `generate` do that."""
+        return self._state
+
+    def insert(self, prefix: Prefix, slot: int, **kwargs) -> None:
+        """`engine.insert` of `prefix` into `slot` (kwargs: length, shared_pages)."""
+        self._run(lambda state: (self.engine.insert(prefix, state, slot, **kwargs), None))
+
+    def bulk_insert(self, prefix: Prefix, slots: list[int], **kwargs) -> None:
+        """`engine.bulk_insert` of `prefix`'s samples into `slots` (kwargs: length)."""
+        self._run(lambda state: (self.engine.bulk_insert(prefix, state, slots, **kwargs),
+                                 None))
+
+    def _run(self, program: Callable[[DecodeState], tuple[DecodeState, T]]) -> T:
+        """Runs `program` on the decode state, which it donates, and keeps the state
+        it returns: the one place the state is replaced. Returns its other output."""
+        self._state, out = program(self._state)
+        return out
 
     @property
     def outstanding(self) -> bool:
@@ -59,7 +92,7 @@ class DecodeCalls:
         this one without lookahead."""
         result = None
         if n:
-            self.state, result = self.engine.generate_steps(params, self.state, n)
+            result = self._run(lambda state: self.engine.generate_steps(params, state, n))
             if self.engine.pages is not None:
                 self.stats.peak_pages = max(self.stats.peak_pages, self.engine.pages.num_used)
             self.stats.generate_calls += 1

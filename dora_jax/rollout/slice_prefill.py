@@ -9,6 +9,7 @@ prompt's pages (slice_memory.py). An episode between turns runs only its unwritt
 tokens (the last turn's end and the observation) on top of the KV it kept; episodes
 whose observations arrived together run in one batched call (`continue_waiting`).
 The prefill's first token is read with the slice's next call (`calls.prefilled`).
+Inserts go through `calls`, the decode state's one owner (slice_decode.py).
 """
 
 from __future__ import annotations
@@ -30,8 +31,7 @@ class Prefills:
     def start(self, seq: InFlight, slot: int) -> None:
         """Prefills `seq` into `slot` under its version's params."""
         self._versions.set_slot(slot, seq.version)
-        self._calls.state, result = self.into_slot(
-            seq, self._calls.state, slot, self._versions.prefill_params(seq.version))
+        result = self.into_slot(seq, slot, self._versions.prefill_params(seq.version))
         if seq.t_start is None:
             seq.t_start = self._clock()
         self.place(seq, slot, seq.length)
@@ -56,7 +56,7 @@ class Prefills:
             params=self._versions.prefill_params(seqs[0].version), padded_tokens=padded,
             true_length=P, rng=[q.request.key_data() for q in seqs], num_samples=len(seqs),
             max_new_tokens=r.max_new_tokens)
-        self._calls.state = engine.bulk_insert(prefix, self._calls.state, slots, length=P)
+        self._calls.bulk_insert(prefix, slots, length=P)
         stats.prefills += 1
         stats.prefill_tokens += P
         stats.prefills_shared += len(seqs) - 1
@@ -97,8 +97,8 @@ class Prefills:
         slots = [int(s) for s in free[:len(seqs)]]
         for seq, slot in zip(seqs, slots):
             self._versions.set_slot(slot, seq.version)
-        self._calls.state, results = self.continue_episodes(
-            seqs, self._calls.state, slots, self._versions.prefill_params(seqs[0].version))
+        results = self.continue_episodes(seqs, slots,
+                                         self._versions.prefill_params(seqs[0].version))
         for seq, slot, result in zip(seqs, slots, results):
             self.place(seq, slot, seq.length)
             self._calls.prefilled(seq, result)
@@ -109,11 +109,11 @@ class Prefills:
         if self._engine.pages is not None:
             self._stats.peak_pages = max(self._stats.peak_pages, self._engine.pages.num_used)
 
-    def into_slot(self, seq: InFlight, state, slot: int, params):
-        """Prefills `seq` (prompt + response so far) into `slot` of `state` under
-        `params`; returns (the new state, the prefill's ResultTokens, to be read)."""
+    def into_slot(self, seq: InFlight, slot: int, params):
+        """Prefills `seq` (prompt + response so far) into `slot` under `params`;
+        returns the prefill's ResultTokens, to be read."""
         if seq.kept is not None:
-            return self._continue_episode(seq, state, slot, params)
+            return self._continue_episode(seq, slot, params)
         r, engine, memory, stats = seq.request, self._engine, self._memory, self._stats
         P, key, done = len(r.prompt_tokens), prompt_key(r), seq.response_tokens
         base = memory.prefixes.get(key)
@@ -129,8 +129,8 @@ class Prefills:
         prefix, result = engine.prefill(params=params, padded_tokens=padded, true_length=t,
                                         rng=r.key_data(), num_generated=len(done),
                                         existing_prefix=base, max_new_tokens=r.max_new_tokens)
-        state = engine.insert(prefix, state, slot, length=seq.length,
-                              shared_pages=memory.pages.get(key, ()))
+        self._calls.insert(prefix, slot, length=seq.length,
+                           shared_pages=memory.pages.get(key, ()))
         stats.reprefill_tokens += len(done)
         if base is not None:
             stats.prefills_shared += 1
@@ -138,9 +138,9 @@ class Prefills:
             stats.prefills += 1
             stats.prefill_tokens += P
         memory.remember(key, prefix if base is None else base, slot, P)
-        return state, result
+        return result
 
-    def _continue_episode(self, seq: InFlight, state, slot: int, params):
+    def _continue_episode(self, seq: InFlight, slot: int, params):
         r, engine, done = seq.request, self._engine, seq.response_tokens
         padded, t = engine.pad_tokens(done[len(done) - seq.unwritten:])
         prefix, result = engine.prefill(params=params, existing_prefix=seq.kept,
@@ -149,7 +149,8 @@ class Prefills:
                                         max_new_tokens=r.max_new_tokens)
         seq.kept, seq.unwritten = None, 0
         self._stats.observation_tokens += t - 1
-        return engine.insert(prefix, state, slot, length=seq.length), result
+        self._calls.insert(prefix, slot, length=seq.length)
+        return result
 
     def take_continuations(self, waiting, room: int) -> list:
         """Takes from the head of `waiting` the episodes whose observations are in
@@ -163,10 +164,10 @@ class Prefills:
             out.append(waiting.popleft())
         return out
 
-    def continue_episodes(self, seqs: list, state, slots: list, params):
+    def continue_episodes(self, seqs: list, slots: list, params) -> list:
         """Episodes' observations on their kept KV into `slots`, one prefill call for
-        those whose kept KV and new tokens share their shapes; returns (the new state,
-        each one's ResultTokens)."""
+        those whose kept KV and new tokens share their shapes; returns each one's
+        ResultTokens."""
         engine, rows = self._engine, {}
         for i, seq in enumerate(seqs):
             done = seq.response_tokens
@@ -176,7 +177,7 @@ class Prefills:
         for group in rows.values():
             if len(group) == 1:
                 i = group[0][0]
-                state, results[i] = self._continue_episode(seqs[i], state, slots[i], params)
+                results[i] = self._continue_episode(seqs[i], slots[i], params)
                 continue
             mine = [seqs[i] for i, _, _ in group]
             outs = engine.prefill_continuations(
@@ -190,6 +191,6 @@ class Prefills:
             for (i, _, t), seq, (prefix, result) in zip(group, mine, outs):
                 seq.kept, seq.unwritten = None, 0
                 self._stats.observation_tokens += t - 1
-                state = engine.insert(prefix, state, slots[i], length=seq.length)
+                self._calls.insert(prefix, slots[i], length=seq.length)
                 results[i] = result
-        return state, results
+        return results

@@ -2,7 +2,9 @@
 bad input. References are full forwards (tests/_rollout_common.py) or the same
 request run alone."""
 
+import ast
 import json
+import pathlib
 
 import _rollout_common as rc
 import jax
@@ -21,6 +23,7 @@ from dora_jax.rollout import (
     Trajectory,
     VersionMismatchError,
 )
+from dora_jax.rollout.slice_decode import DecodeCalls
 
 # Arrival step of each of the six prompts: more requests than slots, staggered.
 ARRIVALS = [0, 0, 1, 1, 3, 6]
@@ -383,3 +386,81 @@ def test_a_load_places_params_once(monkeypatch):
     assert sl.version == 2 and sl.stats.weight_loads == 3
     (t,) = sl.drain()
     assert [v for v, _ in t.versions] == [1, 2]
+
+
+ROLLOUT = pathlib.Path(__file__).resolve().parents[2] / "dora_jax" / "rollout"
+# The engine's programs that donate the decode state passed to them.
+DONATING = {"init_decode_state", "insert", "bulk_insert", "generate", "generate_steps"}
+
+
+def _scopes(tree):
+    """(node, "Class.method" of the innermost class and function around it)."""
+    def walk(node, names):
+        for child in ast.iter_child_nodes(node):
+            inner = names
+            if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                inner = names + [child.name]
+            yield child, ".".join(inner)
+            yield from walk(child, inner)
+    return walk(tree, [])
+
+
+def test_the_decode_state_is_replaced_in_one_method_only():
+    """Every donating program runs on a slice's decode state through
+    `DecodeCalls._run`, the one place the state attribute is assigned: a caller
+    elsewhere could keep (and pass again) a state that a program already donated."""
+    assigned, donating = [], []
+    for path in sorted(ROLLOUT.glob("*.py")):
+        for node, scope in _scopes(ast.parse(path.read_text())):
+            targets = (node.targets if isinstance(node, ast.Assign)
+                       else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+                       else [])
+            for target in targets:
+                for t in ast.walk(target):
+                    if isinstance(t, ast.Attribute) and t.attr in ("state", "_state"):
+                        assigned.append((path.name, scope))
+            if (path.name.startswith("slice") and isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute) and node.func.attr in DONATING
+                    and ast.unparse(node.func.value).endswith("engine")):
+                donating.append((path.name, scope.split(".")[0]))
+    assert assigned == [("slice_decode.py", "DecodeCalls._run")]
+    assert donating and set(donating) == {("slice_decode.py", "DecodeCalls")}
+
+
+def test_each_donating_call_consumes_the_state_and_the_old_one_is_deleted(monkeypatch):
+    """Prefills (alone, a group's together, from the group's prefix, a re-prefill after
+    a reload), generate calls and a migration in: each program is given the state the
+    last one kept and deletes it (donation deletes on CPU too; a deleted buffer passed
+    again raises), and the slices finish their requests."""
+    live: dict = {}  # id -> the state each slice holds now
+    runs = []
+    run = DecodeCalls._run
+
+    def checked(self, program):
+        given = self._state
+        assert given is None or live.get(id(given)) is given, "a state no slice holds"
+        out = run(self, program)
+        if given is not None:
+            assert all(x.is_deleted() for x in jax.tree.leaves(given))
+            del live[id(given)]
+        assert not any(x.is_deleted() for x in jax.tree.leaves(self._state))
+        live[id(self._state)] = self._state
+        runs.append(program)
+        return out
+    monkeypatch.setattr(DecodeCalls, "_run", checked)
+    src = rc.make_slice(0, "dense", "sampled", 0, decode_steps=1)
+    group = [Request(group_id=7, prompt_id="g", sample_index=k, prompt_tokens=rc.PROMPTS[1],
+                     seed=300 + k, version=0) for k in range(3)]
+    for r in requests()[:1] + group:
+        src.submit(r)
+    for _ in range(3):
+        src.step()
+    assert src.stats.prefills_shared == 2  # two together, the third from the prefix
+    dst = rc.make_slice(1, "dense", "sampled", 1, decode_steps=1)
+    dst.import_requests(src.export_requests([group[0].request_id]))
+    src.interrupt_and_reload(1, rc.params("dense", 1))
+    done = src.drain() + dst.drain()
+    assert len(done) == 4 and src.idle and dst.idle
+    assert src.stats.reprefill_tokens and dst.stats.migrated_in == 1
+    assert len(runs) > 10
+    assert set(live) == {id(src.calls.state), id(dst.calls.state)}
