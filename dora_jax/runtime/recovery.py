@@ -47,7 +47,7 @@ from dora_jax.scheduler import ledger
 from dora_jax.scheduler.core import Scheduler
 from dora_jax.scheduler.ledger import standing
 from dora_jax.scheduler.modes import POLICIES
-from dora_jax.scheduler.types import FINISHED, GroupState, SampleState, SchedulerConfig, SliceState
+from dora_jax.scheduler.types import SchedulerConfig
 
 _log = logging.getLogger(__name__)
 
@@ -248,16 +248,7 @@ def scheduler_for(config: SchedulerConfig, p: ResumePlan, kept_versions: dict) -
     """A Scheduler in the state the plan resumes from: version `p.step` published and
     loaded on every slice, the trainer idle, the kept groups finished (and scored),
     the others queued for readmission."""
-    sched = Scheduler(config)
-    sched.published = sched.next_step = p.step
-    sched.next_group_id = p.next_group_id
-    sched.filtered = p.filtered  # the run's count, not this process's
-    sched.slices = [SliceState(i, p.step) for i in range(config.num_slices)]
-    G = config.group_size
-    for gid in p.kept:
-        w = kept_versions[gid]
-        samples = [SampleState(FINISHED, None, [w], []) for _ in range(G)]
-        sched.groups[gid] = GroupState(gid, w, samples, n_finished=G)
-    sched.readmit_queue.extend(p.readmit)
-    sched._recount()
-    return sched
+    return Scheduler.resumed(
+        config, published=p.step, next_group_id=p.next_group_id,
+        filtered=p.filtered,  # the run's count, not this process's
+        kept={gid: kept_versions[gid] for gid in p.kept}, readmit=p.readmit)

@@ -16,7 +16,7 @@ consumed groups leave `groups`, so provenance comes from the executed actions.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 from . import failures, invariants, residency
 from .modes import policy_for
@@ -68,6 +68,28 @@ class Scheduler:
         # hold a version that just left the staleness window.
         self.settled = True
         self._recount()
+
+    @classmethod
+    def resumed(cls, config: SchedulerConfig, *, published: int, next_group_id: int,
+                filtered: int, kept: Mapping[int, int],
+                readmit: Iterable[int] = ()) -> Scheduler:
+        """The state a run resumes from (runtime/recovery.py): version `published`
+        published and held by every slice, the trainer idle, the `kept` groups
+        ({group id: version}) finished and scored, the `readmit` group ids admitted
+        again before new ones; `filtered` is the run's count so far."""
+        sched = cls(config)
+        sched.published = sched.next_step = published
+        sched.next_group_id = next_group_id
+        sched.filtered = filtered
+        sched.slices = [SliceState(i, published) for i in range(config.num_slices)]
+        G = config.group_size
+        for gid, version in sorted(kept.items()):
+            samples = [SampleState(FINISHED, None, [version], []) for _ in range(G)]
+            sched.groups[gid] = GroupState(gid, version, samples, n_finished=G)
+        sched.readmit_queue.extend(readmit)
+        sched._recount()
+        sched.check_invariants()
+        return sched
 
     # ------------------------------------------------------------------ queries
 
@@ -133,6 +155,10 @@ class Scheduler:
         """Trainable (finished, and scored if the run scores), unconsumed groups (a
         counter: no scan)."""
         return len(self._trainable)
+
+    def trainable_group_ids(self) -> set:
+        """Ids of the trainable unconsumed groups (a copy)."""
+        return set(self._trainable)
 
     def finished_groups(self) -> list[GroupState]:
         """Trainable unconsumed groups, oldest version then oldest group first."""
@@ -350,8 +376,19 @@ class Scheduler:
 
     def sample_lost(self, group_id: int, sample: int):
         """A running sample's progress is gone (its slice failed, or a migration
-        never arrived): it is pending again, regenerated first."""
-        failures.sample_lost(self, group_id, sample)
+        never arrived): it leaves its slice and is pending again under its group's
+        version (C1), at the head of that version's queue: regenerated first, being
+        the oldest work."""
+        g = self.groups[group_id]
+        smp = g.samples[sample]
+        if smp.status != RUNNING:
+            raise ValueError(f"sample_lost: ({group_id}, {sample}) is {smp.status}")
+        self._leave(self.slices[smp.slice_id], (group_id, sample))
+        smp.status, smp.slice_id, smp.versions, smp.slices = PENDING, None, [], []
+        g.n_running -= 1
+        g.n_pending += 1
+        self._pending_v[g.version] += 1
+        self._pending_q.setdefault(g.version, deque()).appendleft((group_id, sample))
 
     def _recount(self):
         """Rebuild the per-version counters from the groups."""

@@ -51,10 +51,11 @@ def check(sched: Scheduler) -> None:
             req((smp.status == PENDING) == (not smp.versions), f"({gid},{k}) versions")
             if c1:  # C1: one version per trajectory and per group
                 req(set(smp.versions) <= {g.version}, f"C1: ({gid},{k}) ran {smp.versions}")
-    req(_nonzero(uncons) == _nonzero(sched._unconsumed_v)
-        and _nonzero(unfin) == _nonzero(sched._unfinished_v)
-        and _nonzero(pend) == _nonzero(sched._pending_v), "per-version counters drifted")
-    req(sched._trainable == {gid for gid, g in sched.groups.items() if g.trainable},
+    req(_nonzero(uncons) == _nonzero(sched.unconsumed_by_version())
+        and _nonzero(unfin) == _nonzero(sched.unfinished_by_version())
+        and _nonzero(pend) == _nonzero(sched.pending_by_version()),
+        "per-version counters drifted")
+    req(sched.trainable_group_ids() == {gid for gid, g in sched.groups.items() if g.trainable},
         "trainable group set drifted")
     busy = sched.trainer_step is not None
     for sl in sched.slices:

@@ -330,3 +330,53 @@ def test_a_group_goes_to_the_fullest_slice_that_holds_it_whole():
     assert lists[fullest_fitting(lists, 5)] == (4, 2)  # none holds 5: the emptiest
     tied = [(2, 3), (2, 5)]
     assert tied[fullest_fitting(tied, 4)] == (2, 3)  # lowest id on ties
+
+
+def test_a_resumed_scheduler_builds_its_own_state_and_counters():
+    """`Scheduler.resumed`: published version on every slice, kept groups finished
+    and trainable, lost groups readmitted (in order) before new ones; its counters
+    agree with the groups (check_invariants) and the run goes on to train."""
+    cfg = config("dora", group_size=2, train_batch_size=2, rollout_batch_size=4)
+    sched = Scheduler.resumed(cfg, published=3, next_group_id=9, filtered=2,
+                              kept={5: 2, 7: 3}, readmit=(6, 8))
+    assert (sched.published, sched.next_step, sched.trainer_step) == (3, 3, None)
+    assert [sl.version for sl in sched.slices] == [3] * cfg.num_slices
+    assert sched.filtered == 2 and sched.trainable_group_ids() == {5, 7}
+    assert sched.unconsumed_by_version() == {2: 1, 3: 1}
+    assert not sched.has_pending() and sched.num_unfinished_samples == 0
+    acts = sched.decide()
+    sched.check_invariants()
+    admits = [a for a in acts if isinstance(a, Admit)]
+    assert [(a.group_id, a.readmit) for a in admits[:2]] == [(6, True), (8, True)]
+    assert all(not a.readmit and a.group_id >= 9 for a in admits[2:])
+    assert [a.group_ids for a in acts if isinstance(a, TrainStep)] == [(5, 7)]
+
+
+def test_only_the_core_touches_the_scheduler_s_private_fields():
+    """The per-version counters, pending queues and helpers that keep the invariants
+    are read and written in scheduler/core.py alone: elsewhere (package and tests)
+    no object but `self` has them looked up."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    core = root / "dora_jax" / "scheduler" / "core.py"
+    private = set()
+    for node in ast.walk(ast.parse(core.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") \
+                and not node.attr.startswith("__") and ast.unparse(node.value) == "self":
+            private.add(node.attr)
+        elif isinstance(node, ast.FunctionDef) and node.name.startswith("_") \
+                and not node.name.startswith("__"):
+            private.add(node.name)
+    assert {"_pending_v", "_pending_q", "_trainable", "_leave", "_recount"} <= private
+    found = []
+    for path in [*root.glob("dora_jax/**/*.py"), *root.glob("tests/**/*.py")]:
+        if path == core:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr in private
+                    and ast.unparse(node.value) not in ("self", "cls")):
+                found.append(f"{path.relative_to(root)}:{node.lineno} "
+                             f"{ast.unparse(node)}")
+    assert not found, found
