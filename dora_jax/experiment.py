@@ -26,6 +26,7 @@ from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.rollout.warmup import warm_engine
 from dora_jax.runtime import compile_times, recovery, writers
 from dora_jax.runtime.evaluation import EvalDecoder
+from dora_jax.runtime.faults import Drills
 from dora_jax.runtime.loop import Runtime
 from dora_jax.runtime.report import StepReporter
 from dora_jax.scheduler.core import Scheduler
@@ -224,7 +225,8 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     timeline = Timeline()
     runtime = Runtime(cfg, scheduler, slices, trainer, stream, rewards, ledger, reporter,
                       timeline, on_step=on_step, checkpointer=checkpointer, resumed=resumed,
-                      eval_decoder=eval_decoder, eval_prompts=eval_prompts)
+                      eval_decoder=eval_decoder, eval_prompts=eval_prompts,
+                      faults=Drills.from_config(cfg.coordinator))
     try:
         try:
             summary = runtime.run(cfg.coordinator.num_steps - trainer.version)

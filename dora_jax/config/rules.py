@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from .model import _axes_of
 from .modes import CAPABILITIES, modes_with
 from .schema import check, fail
-from .sections import RolloutConfig
+from .sections import FAIL_ANY_SLICE, FAIL_NO_SLICE, RolloutConfig
 
 if TYPE_CHECKING:  # pragma: no cover
     from .run import Config
@@ -163,7 +163,8 @@ def fail_slice_exists(cfg: Config) -> None:
     n, fail_slice = cfg.mesh.num_slices, cfg.coordinator.fail_slice
     if fail_slice >= n:
         fail("coordinator.fail_slice", f"must name a slice < mesh.num_slices "
-              f"({n}), or be -1 (none) or -2 (any), got {fail_slice}")
+              f"({n}), or be {FAIL_NO_SLICE} (none) or {FAIL_ANY_SLICE} (any), "
+              f"got {fail_slice}")
 
 
 def _samples_split(cfg: Config) -> tuple[int, int]:

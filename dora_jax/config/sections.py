@@ -14,7 +14,9 @@ from .schema import Section, fail, field
 
 # Allowed values: each list has its one owner here.
 FAIL_POINTS = ("generate", "load", "export", "import")  # runtime/faults.py
-KILL_POINTS = ("", "train", "save", "finished_waiting", "at_environment")
+FAIL_NO_SLICE, FAIL_ANY_SLICE = -1, -2  # coordinator.fail_slice's two special values
+KILL_NEVER = ""  # coordinator.kill_point's "no kill"
+KILL_POINTS = (KILL_NEVER, "train", "save", "finished_waiting", "at_environment")
 ADVANTAGES = ("grpo", "drgrpo", "rloo")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                   "seq-mean-token-sum-norm", "seq-mean-token-sum-over-max-len")
@@ -202,7 +204,7 @@ class CoordinatorConfig(Section):
     # "generate" (a generate call with requests held), "load" (placing a version's
     # params), "export" (a migration out, its hand-over not yet filled) or "import"
     # (a migration in, its requests arrived). The restarted slice does not fail again.
-    fail_slice: int = field(-1, min=-2)
+    fail_slice: int = field(FAIL_NO_SLICE, min=FAIL_ANY_SLICE)
     fail_point: str = field("generate", choices=FAIL_POINTS)
     fail_after: int = field(0, min=0)
     # The same for the whole process (runtime/faults.py KillPlan): SIGKILL the
@@ -211,7 +213,7 @@ class CoordinatorConfig(Section):
     # groups waiting on a busy trainer; "at_environment": samples just finished while
     # four or more episodes wait for their environments). The same command then
     # resumes the run.
-    kill_point: str = field("", choices=KILL_POINTS)
+    kill_point: str = field(KILL_NEVER, choices=KILL_POINTS)
     kill_after: int = field(0, min=0)
     # Rewards run in this many worker processes, never in the coordinator's
     # (rewards/pool.py): model text is untrusted input.

@@ -33,7 +33,7 @@ from dora_jax.runtime.events import (
     StepDone,
     VersionLoaded,
 )
-from dora_jax.runtime.faults import FaultPlan, KillPlan
+from dora_jax.runtime.faults import NO_FAULTS, Faults
 from dora_jax.runtime.groups import GroupBook
 from dora_jax.runtime.report import StepReporter, WaitClock, episode_record
 from dora_jax.runtime.saves import BackgroundSaves
@@ -58,14 +58,16 @@ class Runtime(Driver):
     `slices` are `DecodeSlice`s on disjoint sub-meshes holding the trainer's version;
     `checkpointer` (optional) saves every `coordinator.checkpoint_every` steps, off this
     thread (saves.py); `resumed` (`recovery.load`) is the run this one continues;
-    `eval_decoder` evaluates `eval_prompts` every `eval.every` steps (evaluation.py).
+    `eval_decoder` evaluates `eval_prompts` every `eval.every` steps (evaluation.py);
+    `faults` is where drills fail the run on purpose (faults.py; none by default).
     """
 
     def __init__(self, cfg, scheduler: Scheduler, slices, trainer, prompts: PromptStream,
                  rewards: RewardPool, ledger: LedgerWriter, reporter: StepReporter,
                  timeline: Timeline, on_step: Callable[[dict], None] = lambda m: None,
                  checkpointer=None, clock: Callable[[], float] = time.perf_counter,
-                 resumed=None, eval_decoder=None, eval_prompts=()):
+                 resumed=None, eval_decoder=None, eval_prompts=(),
+                 faults: Faults = NO_FAULTS):
         self.cfg, self.sched, self.slices, self.trainer = cfg, scheduler, slices, trainer
         self.prompts, self.ledger = prompts, ledger
         self.reporter, self.timeline, self.on_step = reporter, timeline, on_step
@@ -83,18 +85,15 @@ class Runtime(Driver):
         self._events: queue.Queue = queue.Queue()
         self.evaluation = None if eval_decoder is None else Evaluation(
             cfg.eval, eval_prompts, eval_decoder, rewards, self._events, self.clock)
-        c = cfg.coordinator
-        faults = None if c.fail_slice == -1 else FaultPlan(
-            c.fail_point, c.fail_after, None if c.fail_slice == -2 else c.fail_slice)
+        self.faults = faults
         self.workers = [SliceWorker(sl, self._events, timeline, self.clock, faults)
                         for sl in slices]
-        self._kill = KillPlan(c.kill_point, c.kill_after) if c.kill_point else None
         self._saves = None if checkpointer is None else BackgroundSaves(
-            checkpointer, after_copy=lambda: self._drill("save"))
+            checkpointer, after_copy=lambda: faults.run_reached("save"))
         self.slice_failures: list = []  # (slice id, step) of each failure survived
         self._reported = 0  # of them, in metrics.jsonl so far
         self.trainer_worker = TrainerWorker(trainer, cfg, self._events, timeline, self.clock,
-                                            saves=self._saves, drill=self._drill)
+                                            saves=self._saves, drill=faults.run_reached)
         self._inflight_batches: dict[int, SentBatch] = {}
         self._to_ack: set = set()  # slices whose finished samples await an answer
         self._scoring: set = set()  # finished groups whose rewards are not all in
@@ -251,15 +250,11 @@ class Runtime(Driver):
             self.sched.kv_reported(ev.slice_id, ev.kv_free)
         self._finished_waiting()
         if sum(sl.num_at_environment for sl in self.slices) >= 4:
-            self._drill("at_environment")
+            self.faults.run_reached("at_environment")
 
     def _finished_waiting(self) -> None:
         if self.sched.trainer_busy and self.sched.num_finished_groups:
-            self._drill("finished_waiting")
-
-    def _drill(self, point: str) -> None:
-        if self._kill is not None:
-            self._kill.reached(point)
+            self.faults.run_reached("finished_waiting")
 
     def _failed(self, ev: Failed):
         if ev.source != TRAINER and (
@@ -293,7 +288,9 @@ class Runtime(Driver):
         self.ledger.write("slice_failed", slice=i, step=self.sched.next_step,
                           time=self.clock(), error=f"{type(error).__name__}: {error}",
                           regenerated=lost, in_hand_over=in_hand_over)
-        self.workers[i] = SliceWorker(self.slices[i], self._events, self.timeline, self.clock)
+        # Without the run's faults: a drill fails a slice once, not its restart.
+        self.workers[i] = SliceWorker(self.slices[i], self._events, self.timeline, self.clock,
+                                      NO_FAULTS)
         self.workers[i].start()
 
     def _wait_kind(self) -> str | None:

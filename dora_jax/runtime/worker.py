@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.rollout.trajectory import Request
 from dora_jax.runtime.events import EvalGenerated, Failed, SamplesFinished, VersionLoaded
-from dora_jax.runtime.faults import FaultPlan
+from dora_jax.runtime.faults import NO_FAULTS, Faults
 from dora_jax.timeline import Timeline
 
 _STOP = object()
@@ -62,9 +62,9 @@ class SliceWorker:
 
     def __init__(self, slice_: DecodeSlice, events: queue.Queue, timeline: Timeline,
                  clock: Callable[[], float] = time.perf_counter,
-                 faults: FaultPlan | None = None):
+                 faults: Faults = NO_FAULTS):
         self.slice = slice_
-        self._faults = faults  # coordinator.fail_slice
+        self._faults = faults
 
         # Hand-over boxes of migrations out of this slice not yet filled:
         # box -> (request ids, destination worker).
@@ -162,7 +162,7 @@ class SliceWorker:
                 start, version, slots = self._clock(), sl.version, sl.running_by_version()
                 self._mark(f"decoding {sl.num_requests} request(s) under version(s) "
                            f"{sorted(slots) or [version]}")
-                self._fault_point("generate")
+                self._faults.slice_reached("generate", self.slice_id)
                 finished = sl.step()
                 self._timeline.add(self._row, "decode", start, self._clock(),
                                    max(slots, default=version), slots)
@@ -175,10 +175,6 @@ class SliceWorker:
 
     def _mark(self, what: str) -> None:
         self.doing = (what, self._clock())
-
-    def _fault_point(self, point: str) -> None:
-        if self._faults is not None:
-            self._faults.reached(point, self.slice_id)
 
     def _apply(self, kind: str, arg):
         sl = self.slice
@@ -196,7 +192,7 @@ class SliceWorker:
                 if params is None:
                     return  # stopping before the version was published
             start = self._clock()
-            self._fault_point("load")
+            self._faults.slice_reached("load", self.slice_id)
             if kind == "reload":
                 sl.interrupt_and_reload(version, params)
             elif kind == "add":
@@ -212,7 +208,7 @@ class SliceWorker:
             start = self._clock()
             held = [r for r in request_ids if sl.holds(r)]
             if held:  # a migration leaves
-                self._fault_point("export")
+                self._faults.slice_reached("export", self.slice_id)
             # On a failure the box stays unfilled: the coordinator releases it and
             # regenerates the samples it would have carried (`release_hand_overs`),
             # or, past the restart limit, the destination stops waiting at shutdown.
@@ -224,7 +220,7 @@ class SliceWorker:
         elif kind == "import":
             moving = self._wait_for(arg)
             if moving:
-                self._fault_point("import")
+                self._faults.slice_reached("import", self.slice_id)
                 start = self._clock()
                 sl.import_requests(moving)
                 self._timeline.add(self._row, "migrate", start, self._clock(), sl.version)
