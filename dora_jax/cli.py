@@ -1,9 +1,10 @@
-"""What every command line of the package shares (main, sft, export): flag parsing
-that reports a bad flag or config in one line, the --config flag, validation before
-any compute, CPU device faking before JAX starts, and one exception policy.
+"""What every command line of the package shares (main, sft, export, serve): flag
+parsing that reports a bad flag or config in one line, the --config flag, validation
+of the config and --workdir before any compute, CPU device faking before JAX starts,
+and one exception policy.
 
-The policy: the errors a user can fix — an invalid config, bad data, a missing or
-damaged checkpoint or file — end the program with one line `error: ...` and no
+The policy: the errors a user can fix — an invalid config or flag, bad data, a missing
+or damaged checkpoint or file — end the program with one line `error: ...` and no
 traceback; anything else is a bug and keeps its traceback.
 """
 
@@ -81,6 +82,10 @@ def parse_flags(argv):
             from None
 
 
+class FlagError(ValueError):
+    """A flag's value is unusable; the message names the flag."""
+
+
 def user_errors() -> tuple:
     """The exception types that end a program with one line (module docstring)."""
     from dora_jax import config as config_lib
@@ -88,8 +93,8 @@ def user_errors() -> tuple:
     from dora_jax.model.hf_config import CheckpointError
     from dora_jax.untrusted_files import UntrustedFileError
 
-    return (config_lib.ConfigError, DataError, CheckpointError, UntrustedFileError,
-            FileNotFoundError)
+    return (config_lib.ConfigError, FlagError, DataError, CheckpointError,
+            UntrustedFileError, FileNotFoundError)
 
 
 @contextlib.contextmanager
@@ -130,6 +135,37 @@ def validated_config(holder, *, with_pretrained: bool = False):
         if d.source == "env":
             _check_sandbox(d)
     return (cfg, pretrained) if with_pretrained else cfg
+
+
+def workdir_to_write(path: str, flag: str = "--workdir") -> str:
+    """`path` as a directory this process writes in, checked before any compute (the
+    run would otherwise fail at its first write, after the devices and model
+    started): made if missing, then one line naming `flag` if something is in the
+    way, it cannot be made (a file among its parents, no permission) or it is not
+    writable. As root, permission bits do not stop a write, so neither do they here."""
+    with one_line_errors():
+        if os.path.lexists(path) and not os.path.isdir(path):
+            raise FlagError(f"{flag}: {path} exists and is not a directory")
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise FlagError(f"{flag}: cannot create {path}: {e.strerror}") from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise FlagError(f"{flag}: {path} is not writable by this user")
+    return path
+
+
+def workdir_to_read(path: str, flag: str = "--workdir") -> str:
+    """`path` as the directory of a run to read, checked before any compute: one line
+    naming `flag` if it is missing, not a directory or not readable."""
+    with one_line_errors():
+        if not os.path.lexists(path):
+            raise FlagError(f"{flag}: no such directory: {path}")
+        if not os.path.isdir(path):
+            raise FlagError(f"{flag}: {path} is not a directory")
+        if not os.access(path, os.R_OK | os.X_OK):
+            raise FlagError(f"{flag}: {path} is not readable by this user")
+    return path
 
 
 def _check_sandbox(d) -> None:

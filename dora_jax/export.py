@@ -102,6 +102,7 @@ if __name__ == "__main__":
         del argv
         logging.set_verbosity(logging.WARNING)
         cfg = cli.validated_config(_CONFIG)
+        cli.workdir_to_read(_WORKDIR.value)
         cli.start_devices(cfg)  # the run's meshes: faked on a CPU host before JAX starts
         with cli.one_line_errors():
             result = export(cfg, _WORKDIR.value, _OUT.value, dtype=_DTYPE.value,

@@ -46,6 +46,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
     # Before JAX: it says how many devices to fake; the tokenizer read is reused.
     cfg, pretrained = cli.validated_config(_CONFIG, with_pretrained=True)
+    cli.workdir_to_write(_WORKDIR.value)
     cli.start_devices(cfg)
     import tqdm
 

@@ -206,6 +206,8 @@ if __name__ == "__main__":
                              f"'.[jetstream]', and JetStream's checkout on PYTHONPATH "
                              f"(docs/rollout.md)")
         cfg = cli.validated_config(_CONFIG)
+        if _WORKDIR.value:
+            cli.workdir_to_read(_WORKDIR.value)
         max_tokens = _MAX_TOKENS.value or cfg.rollout.max_decode_len
         cli.start_devices(cfg)
         with cli.one_line_errors():

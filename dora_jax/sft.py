@@ -167,6 +167,7 @@ if __name__ == "__main__":
         del argv
         logging.set_verbosity(logging.WARNING)
         cfg = cli.validated_config(_CONFIG)
+        cli.workdir_to_write(_WORKDIR.value)
         with cli.one_line_errors():
             out = train(cfg, _WORKDIR.value, steps=_STEPS.value, batch_size=_BATCH.value,
                         learning_rate=_LR.value)

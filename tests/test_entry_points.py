@@ -12,6 +12,7 @@ import fcntl
 import json
 import math
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -217,3 +218,66 @@ def test_bench_peer(tmp_path):
     cpu = lines[lines.index(row) + 1].split()  # the steady state's CPU by part
     assert cpu[:3] == ["cpu", "ms/step", "xla"] and cpu[-2] == "total"
     assert float(cpu[-1]) > 0
+
+
+# --workdir checked before any compute (cli.workdir_to_write / workdir_to_read).
+WRITERS = [("dora_jax.main", []), ("dora_jax.sft", [])]
+READERS = [("dora_jax.export", ["--out=/tmp/never_written"])]
+
+
+def workdir_error(entry: str, extra: list, workdir) -> str:
+    """The one line `entry` ends with for `workdir`, which it must give before any
+    compute: nothing on stdout, where faking the CPU devices would put its note."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-m", entry, *TINY, *extra, f"--workdir={workdir}"],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode != 0 and len(lines) == 1, out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.stdout == "", out.stdout
+    assert lines[0].startswith("error: --workdir: "), lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("entry, extra", WRITERS + READERS)
+def test_a_workdir_that_is_a_regular_file_is_one_line(entry, extra, tmp_path):
+    path = tmp_path / "run"
+    path.write_text("not a directory")
+    line = workdir_error(entry, extra, path)
+    assert line.endswith(f"{path} exists and is not a directory" if (entry, extra) in WRITERS
+                         else f"{path} is not a directory"), line
+    assert path.read_text() == "not a directory"
+
+
+@pytest.mark.parametrize("entry, extra", WRITERS)
+def test_a_workdir_whose_creation_fails_is_one_line(entry, extra, tmp_path):
+    """A regular file among its parents: the directory cannot be made, root or not."""
+    (tmp_path / "file").write_text("")
+    path = tmp_path / "file" / "run"
+    line = workdir_error(entry, extra, path)
+    assert line == f"error: --workdir: cannot create {path}: Not a directory"
+
+
+def _no_write_permission(tmp_path):
+    """(a directory this process may not write in, a path it may not create): where
+    permission bits apply, a read-only directory; as root they do not, so places the
+    kernel refuses root too: /proc/sys (a read-only mount: access(W_OK) says no) and
+    a new directory in /sys (mkdir there fails with EPERM)."""
+    if os.geteuid() != 0:
+        locked = tmp_path / "locked"
+        locked.mkdir()
+        locked.chmod(0o555)
+        return locked, locked / "run"
+    if os.access("/proc/sys", os.W_OK) or not os.path.isdir("/sys"):
+        pytest.skip("running as root with no place the kernel refuses root a write")
+    return pathlib.Path("/proc/sys"), pathlib.Path(f"/sys/dora_jax_{os.getpid()}")
+
+
+@pytest.mark.parametrize("entry, extra", WRITERS)
+def test_a_workdir_without_write_permission_is_one_line(entry, extra, tmp_path):
+    existing, to_create = _no_write_permission(tmp_path)
+    assert workdir_error(entry, extra, existing) == (
+        f"error: --workdir: {existing} is not writable by this user")
+    line = workdir_error(entry, extra, to_create)
+    assert line.startswith(f"error: --workdir: cannot create {to_create}: "), line
+    assert ("Permission denied" in line or "Operation not permitted" in line), line
+    assert not to_create.exists()

@@ -170,6 +170,7 @@ if __name__ == "__main__":
             raise SystemExit(f"error: --warmup={warmup} must leave 2 steps of --steps={steps}")
         configs = {m: workload_config(name, m, steps, _LAYOUT.value, _STOP.value)
                    for m in _MODES.value}
+        cli.workdir_to_write(_WORKDIR.value)
         from dora_jax.model import hf_checks
 
         cli.start_devices(hf_checks.validated(next(iter(configs.values()))))

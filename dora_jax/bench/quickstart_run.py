@@ -44,11 +44,12 @@ def fit_layout(c, num_devices: int) -> str:
 
 def main(argv):
     del argv
-    import jax
+    from dora_jax import cli
 
     f = flags.FLAGS
-    workdir = f.workdir
-    os.makedirs(workdir, exist_ok=True)
+    workdir = cli.workdir_to_write(f.workdir)
+    import jax
+
     c = f.config
     layout = fit_layout(c, jax.device_count())
     if not f.eval:
