@@ -30,6 +30,7 @@ import logging
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from dora_jax.config import ATTENTION_IMPLS
 from dora_jax.model.sharding import active_rules, logical_to_spec
@@ -349,7 +350,7 @@ def causal_attention(q_BTHD, k_BTKD, v_BTKD, implementation: str = "auto",
         return cudnn_causal(q_BTHD, k_BTKD, v_BTKD)
     if impl == "splash":
         kernel = functools.partial(splash_causal, block=block, interpret=interpret)
-        args = (q_BTHD, k_BTKD, v_BTKD)
+        args: tuple[jax.Array, ...] = (q_BTHD, k_BTKD, v_BTKD)
         if packed:
             kernel = functools.partial(_splash_packed, kernel)
             args += (segment_ids_BT,)
@@ -359,7 +360,7 @@ def causal_attention(q_BTHD, k_BTKD, v_BTKD, implementation: str = "auto",
         mesh, rules = ctx
         q_spec = logical_to_spec(("batch", "length", "heads", "head_dim"), rules, mesh)
         kv_spec = logical_to_spec(("batch", "length", "kv_heads", "head_dim"), rules, mesh)
-        specs = (q_spec, kv_spec, kv_spec)
+        specs: tuple[PartitionSpec, ...] = (q_spec, kv_spec, kv_spec)
         if packed:
             specs += (logical_to_spec(("batch", "length"), rules, mesh),)
         return jax.shard_map(kernel, mesh=mesh, in_specs=specs,

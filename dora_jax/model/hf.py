@@ -87,8 +87,8 @@ def _leaf(cfg: ModelConfig, names: tuple) -> _Leaf:
            ("final_norm", "scale"): ("model.norm.weight", False),
            ("lm_head",): ("lm_head.weight", True)}
     if names in top:
-        name, linear = top[names]
-        return _Leaf(lambda layer, expert: name, linear, None, False)
+        top_name, linear = top[names]
+        return _Leaf(lambda layer, expert: top_name, linear, None, False)
     if names[0] != "blocks":
         raise CheckpointError(f"no Hugging Face name for param {names}")
     block, inner = names[1], names[2:]
@@ -107,7 +107,7 @@ def _leaf(cfg: ModelConfig, names: tuple) -> _Leaf:
                               f"have none in the supported families)")
     fixed = None if cfg.scan_layers else block
 
-    def name(layer, expert):
+    def name(layer: int | None, expert: int | None) -> str:
         layer = fixed if layer is None else layer
         return f"model.layers.{layer}." + suffix.replace("{e}", str(expert))
 
@@ -138,7 +138,7 @@ def config_from_checkpoint(path: str, *, dtype: str | None = None, **overrides) 
     where = os.path.join(path, "config.json")
     fields = hf_config.model_fields(hf, where)
     if dtype is None:
-        dtype = {"bfloat16": "bfloat16"}.get(hf_config.stored_dtype(hf, where), "float32")
+        dtype = "bfloat16" if hf_config.stored_dtype(hf, where) == "bfloat16" else "float32"
     moe = {**fields.pop("moe"), **overrides.pop("moe", {})}
     return ModelConfig.from_dict({**fields, "dtype": dtype, "param_dtype": dtype,
                                   **overrides, "moe": moe})

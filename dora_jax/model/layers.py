@@ -96,6 +96,8 @@ class Attention(nnx.Module):
             self.bv = param(rngs, (K, Dh), ("kv_heads", "head_dim"), pd, std=0.0)
         else:
             self.bq = self.bk = self.bv = None
+        self.q_norm: RMSNorm | None
+        self.k_norm: RMSNorm | None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(Dh, "head_dim", cfg.norm_eps, pd, rngs=rngs)
             self.k_norm = RMSNorm(Dh, "head_dim", cfg.norm_eps, pd, rngs=rngs)
@@ -123,7 +125,7 @@ class Attention(nnx.Module):
                        dense(x_BTD, self.wv[...].astype(dt)))
         if self.bq is not None:
             q, k, v = (y + b[...].astype(dt) for y, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # set together
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = np.asarray(self.inv_freq, np.float32)
         q = rope(q, positions_BT, inv_freq)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -74,7 +74,7 @@ _local = threading.local()
 
 
 @contextlib.contextmanager
-def activation_rules(mesh: Mesh | None, rules: Rules | None):
+def activation_rules(mesh: Mesh | None, rules: Rules) -> Iterator[None]:
     """Within this context, `constrain` shards activations by `rules` on `mesh`.
 
     Enter it around the *tracing* of a jitted function (i.e. around its call).
@@ -101,7 +101,7 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     spec = logical_to_spec(names, rules, mesh)
     # An axis that does not divide the dimension cannot shard it; leave it replicated
     # rather than fail (e.g. a batch of one prompt at prefill on a data-parallel mesh).
-    fixed = []
+    fixed: list[str | tuple[str, ...] | None] = []
     for dim, axes in zip(x.shape, tuple(spec) + (None,) * (x.ndim - len(spec))):
         if axes is None:
             fixed.append(None)

@@ -158,7 +158,9 @@ class Transformer(nnx.Module):
         """Layers of one period in order: (x, [k per layer], [v ...], [MoE aux ...]).
         past: None or (k [period, B, P, K, D], v, length) for these layers; routing:
         None or the recorded experts of this period's MoE layers [m, B, T, k]."""
-        ks, vs, auxes = [], [], []
+        ks: list[jax.Array] = []
+        vs: list[jax.Array] = []
+        auxes: list[dict] = []
         for r, (graphdef, state) in enumerate(zip(graphdefs, states)):
             layer_past = None if past is None else (past[0][r], past[1][r], past[2])
             block = nnx.merge(graphdef, state)

@@ -167,7 +167,7 @@ class Evaluation:
         if self.due(version) or (last and version not in self.evaluated):
             self.start(worker, version, params)
 
-    def finish(self, offer_last: Callable[[], int], take_event: Callable[[], None]) -> None:
+    def finish(self, offer_last: Callable[[], int], take_event: Callable[[], object]) -> None:
         """Evaluates the final version if none has (`offer_last` returns it), taking
         events until every evaluation sent is scored; once more if its slice failed
         before running it."""
@@ -208,6 +208,7 @@ class Evaluation:
     def scored(self, ev: EvalScored) -> dict:
         """The evaluation's metrics record."""
         gen = self._pending.pop(ev.version)
+        assert gen is not None  # its EvalGenerated came first
         greedy, sampled = self._scores.pop(ev.version)
 
         def pairs(fs, ts):

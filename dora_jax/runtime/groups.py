@@ -33,7 +33,7 @@ class Group:
     def shape(self, cfg) -> tuple[list, list]:
         """(rewards the trainer sees, overlong penalties), in sample order; computed
         on the first call, which must come after every reward is in."""
-        if self._shaped is None:
+        if self._shaped is None or self._penalties is None:  # set together
             t = cfg.trainer
             self._shaped, self._penalties = shaping.shaped_rewards(
                 [self.rewards[k].result()[0] for k in sorted(self.trajectories)],
@@ -165,6 +165,6 @@ class GroupBook:
 
 def _resolved(result) -> concurrent.futures.Future:
     """A future already holding `result`: a reward known without the pool."""
-    done = concurrent.futures.Future()
+    done: concurrent.futures.Future = concurrent.futures.Future()
     done.set_result(result)
     return done

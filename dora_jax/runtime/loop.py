@@ -14,6 +14,7 @@ restarts) up to `coordinator.max_slice_restarts` times.
 
 from __future__ import annotations
 
+import functools
 import queue
 import time
 from collections.abc import Callable
@@ -226,8 +227,10 @@ class Runtime(Driver):
             self._step_done(ev)
             return 1
         elif isinstance(ev, EvalGenerated):
+            assert self.evaluation is not None  # only a run that evaluates posts these
             self.evaluation.generated(ev)
         elif isinstance(ev, EvalScored):
+            assert self.evaluation is not None
             self.reporter.eval(self.evaluation.scored(ev))
         elif isinstance(ev, Failed):
             self._failed(ev)
@@ -246,7 +249,7 @@ class Runtime(Driver):
                 # rewards are all equal leaves, and the scheduler admits another.
                 gid = t.group_id
                 self._scoring.add(gid)
-                self.book.when_scored(gid, lambda gid=gid: self._events.put(GroupScored(gid)))
+                self.book.when_scored(gid, functools.partial(self._events.put, GroupScored(gid)))
         if ev.kv_free is not None:
             self.sched.kv_reported(ev.slice_id, ev.kv_free)
         self._finished_waiting()
@@ -262,7 +265,7 @@ class Runtime(Driver):
             self._kill.reached(point)
 
     def _failed(self, ev: Failed):
-        if ev.source != TRAINER and (
+        if not isinstance(ev.source, str) and (  # a slice's id; the trainer's is TRAINER
                 len(self.slice_failures) < self.cfg.coordinator.max_slice_restarts):
             self._restart_slice(ev.source, ev.error)
             return

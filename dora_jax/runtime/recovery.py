@@ -62,7 +62,7 @@ MAY_DIFFER = ("coordinator.num_steps", "coordinator.kill_point", "coordinator.ki
 def _is_default(cfg: Config, dotted: str, value) -> bool:
     """Whether config field `dotted` (JSON form `value`) holds its declared default."""
     *sections, name = dotted.split(".")
-    node = cfg
+    node: object = cfg
     for part in sections:
         node = getattr(node, part, None)
     if not dataclasses.is_dataclass(node):

@@ -27,6 +27,7 @@ import contextlib
 import queue
 import threading
 from collections import Counter
+from typing import Any
 
 import numpy as np
 
@@ -109,7 +110,8 @@ class WaitClock:
     the mode's batch rule), or short of finished groups ("starvation")."""
 
     def __init__(self, now: float = 0.0):
-        self._kind, self._since = None, now
+        self._kind: str | None = None
+        self._since = now
         self._split = dict.fromkeys(WAIT_KINDS, 0.0)
 
     def mark(self, now: float, kind: str | None) -> None:
@@ -192,9 +194,9 @@ class StepReporter:
         self._writer = _RecordWriter(writers)
         self.records: list[dict] = []
         self.evals: list[dict] = []  # evaluation records, apart from the steps'
-        self._last = {"migrations": 0, "transfer": 0.0, "busy": {}, "total": {},
+        self._last: dict[str, Any] = {"migrations": 0, "transfer": 0.0, "busy": {}, "total": {},
                       "prefill_tokens": {}, "reprefill_tokens": {}}
-        self.staleness = Counter()
+        self.staleness: Counter[int] = Counter()
         self._from_step = 0
         self._earlier: list[dict] = []  # the earlier segments' step records
         self._segments: list[dict] = []  # the earlier segments (`ledger.segments`)

@@ -164,8 +164,9 @@ class SliceWorker:
                            f"{sorted(slots) or [version]}")
                 self._fault_point("generate")
                 finished = sl.step()
-                self._timeline.add(self._row, "decode", start, self._clock(),
-                                   max(slots, default=version), slots)
+                busiest = max(slots, default=version)
+                assert busiest is not None  # a slice that decodes holds a version
+                self._timeline.add(self._row, "decode", start, self._clock(), busiest, slots)
                 if finished:
                     self._awaiting_ack = True
                     self._events.put(SamplesFinished(self.slice_id, finished,
@@ -220,14 +221,16 @@ class SliceWorker:
             box.put(moving)
             self.unfilled.pop(id(box), None)
             if moving:
-                self._timeline.add(self._row, "migrate", start, self._clock(), sl.version)
+                self._timeline.add(self._row, "migrate", start, self._clock(),
+                                   _held_version(sl))
         elif kind == "import":
             moving = self._wait_for(arg)
             if moving:
                 self._fault_point("import")
                 start = self._clock()
                 sl.import_requests(moving)
-                self._timeline.add(self._row, "migrate", start, self._clock(), sl.version)
+                self._timeline.add(self._row, "migrate", start, self._clock(),
+                                   _held_version(sl))
         elif kind == "eval":
             decoder, version, params, records = arg
             if sl.engine.versions == 1 and sl.version == version and sl.params is not None:
@@ -258,3 +261,9 @@ class SliceWorker:
             except queue.Empty:
                 continue
         return []
+
+
+def _held_version(sl: DecodeSlice) -> int:
+    """The version of a slice that holds requests (it always has one loaded)."""
+    assert sl.version is not None
+    return sl.version
