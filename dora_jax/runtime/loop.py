@@ -17,7 +17,8 @@ from __future__ import annotations
 import functools
 import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from dora_jax.data.prompts import PromptStream
 from dora_jax.rewards.pool import RewardPool
@@ -47,6 +48,15 @@ from dora_jax.scheduler.ledger import LedgerWriter
 from dora_jax.scheduler.types import Admit, Assign, Migrate, TrainStep
 from dora_jax.timeline import Timeline
 
+if TYPE_CHECKING:
+    from dora_jax.checkpointing import Checkpointer
+    from dora_jax.config import Config
+    from dora_jax.rl.trainer import Trainer
+    from dora_jax.rollout.slice import DecodeSlice
+    from dora_jax.runtime.evaluation import EvalDecoder
+    from dora_jax.runtime.recovery import Resumed
+    from dora_jax.scheduler.types import AddVersion, Evict, InterruptReload, LoadVersion
+
 
 class RunError(RuntimeError):
     """The run stopped: a slice, the trainer or the coordinator failed (the cause is
@@ -62,15 +72,18 @@ class Runtime(Driver):
     `eval_decoder` evaluates `eval_prompts` every `eval.every` steps (evaluation.py).
     """
 
-    def __init__(self, cfg, scheduler: Scheduler, slices, trainer, prompts: PromptStream,
-                 rewards: RewardPool, ledger: LedgerWriter, reporter: StepReporter,
-                 timeline: Timeline, on_step: Callable[[dict], None] = lambda m: None,
-                 checkpointer=None, clock: Callable[[], float] = time.perf_counter,
-                 resumed=None, eval_decoder=None, eval_prompts=()):
+    def __init__(self, cfg: Config, scheduler: Scheduler, slices: list[DecodeSlice],
+                 trainer: Trainer, prompts: PromptStream, rewards: RewardPool, ledger: LedgerWriter,
+                 reporter: StepReporter, timeline: Timeline,
+                 on_step: Callable[[dict], None] = lambda m: None,
+                 checkpointer: Checkpointer | None = None,
+                 clock: Callable[[], float] = time.perf_counter, resumed: Resumed | None = None,
+                 eval_decoder: EvalDecoder | None = None,
+                 eval_prompts: Sequence[dict] = ()) -> None:
         self.cfg, self.sched, self.slices, self.trainer = cfg, scheduler, slices, trainer
         self.prompts, self.ledger = prompts, ledger
         self.reporter, self.timeline, self.on_step = reporter, timeline, on_step
-        self._saved_version = None
+        self._saved_version: int | None = None
         self._t0 = clock()
         self.clock = lambda: clock() - self._t0
         self.book = GroupBook(cfg, rewards, ledger.write, self.clock)
@@ -174,13 +187,13 @@ class Runtime(Driver):
             self._saves.close()
 
     # ------------------------------------------------------------------ actions
-    def admit(self, a: Admit):
+    def admit(self, a: Admit) -> None:
         record = self._readmit.pop(a.group_id) if a.readmit else self.prompts.next()
         if record is None:
             raise RuntimeError(f"prompt source exhausted at group {a.group_id}")
         self.book.admit(a, record)
 
-    def assign(self, a: Assign):
+    def assign(self, a: Assign) -> None:
         g = self.book[a.group_id]
         self.workers[a.slice_id].submit(Request(
             group_id=a.group_id, prompt_id=g.record["prompt_id"], sample_index=a.sample,
@@ -188,21 +201,21 @@ class Runtime(Driver):
             seed=request_seed(self.cfg.seed, a.group_id, a.sample),
             record=g.record if self.cfg.data.source == "env" else None))
 
-    def migrate(self, a: Migrate):
+    def migrate(self, a: Migrate) -> None:
         self.workers[a.src_slice].migrate([(a.group_id, a.sample)], self.workers[a.dst_slice])
 
-    def load(self, a, *, interrupt: bool):
+    def load(self, a: LoadVersion | InterruptReload, *, interrupt: bool) -> None:
         in_training = self.sched.published + 1 if self.sched.trainer_busy else None
         self.workers[a.slice_id].load(a.version, self.weights.for_load(a.version, in_training),
                                       interrupt=interrupt)
 
-    def add_version(self, a):
+    def add_version(self, a: AddVersion) -> None:
         self.workers[a.slice_id].add(a.version, self.weights.for_load(a.version))
 
-    def evict(self, a):
+    def evict(self, a: Evict) -> None:
         self.workers[a.slice_id].evict(a.version)
 
-    def train(self, a: TrainStep):
+    def train(self, a: TrainStep) -> None:
         """The step's groups, scored, go into the trajectory stream."""
         trajectories = self.book.batch(a.group_ids)
         now = self.clock()

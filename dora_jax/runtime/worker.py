@@ -40,12 +40,18 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.rollout.trajectory import Request
 from dora_jax.runtime.events import EvalGenerated, Failed, SamplesFinished, VersionLoaded
 from dora_jax.runtime.faults import FaultPlan
 from dora_jax.timeline import Timeline
+
+if TYPE_CHECKING:
+    from flax import nnx
+
+    from dora_jax.runtime.evaluation import EvalDecoder
 
 _STOP = object()
 
@@ -90,7 +96,8 @@ class SliceWorker:
     def submit(self, request: Request) -> None:
         self._commands.put(("submit", request))
 
-    def load(self, version: int, params, *, interrupt: bool = False) -> None:
+    def load(self, version: int, params: nnx.State | concurrent.futures.Future, *,
+             interrupt: bool = False) -> None:
         """Make `version` resident; with `interrupt`, keep and re-prefill in-flight
         requests under it (partial_rollout). `params`: the version's params on any
         devices (this loop places them), or a `concurrent.futures.Future` of them (the
@@ -98,7 +105,7 @@ class SliceWorker:
         nothing, until they are published."""
         self._commands.put(("reload" if interrupt else "load", (version, params)))
 
-    def add(self, version: int, params) -> None:
+    def add(self, version: int, params: nnx.State | concurrent.futures.Future) -> None:
         """Multi-version slice: load `version` (params as for `load`, published) into
         a free place; the other versions' requests decode on meanwhile."""
         self._commands.put(("add", (version, params)))
@@ -128,7 +135,8 @@ class SliceWorker:
             awaited += [(rid, dst.slice_id) for rid in request_ids]
         return awaited
 
-    def evaluate(self, decoder, version: int, params, records: list) -> None:
+    def evaluate(self, decoder: EvalDecoder, version: int,
+                 params: nnx.State | concurrent.futures.Future, records: list) -> None:
         """Between two generate calls, generate an evaluation of `version` (`params`
         as published) on `records` with `decoder` (runtime/evaluation.py), then post
         `EvalGenerated`. This slice's own requests wait meanwhile."""
