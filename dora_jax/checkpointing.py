@@ -169,7 +169,10 @@ class Checkpointer:
     def restore_as_saved(self, step: int | None = None) -> Any:
         """Checkpoint `step` (default: the latest) as it was saved: nested dicts of
         host arrays, whatever the current model looks like."""
-        step = self.latest_step() if step is None else step
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"no checkpoint in {self.directory}")
         out = self._manager.restore(
             int(step), args=ocp.args.Composite(state=ocp.args.StandardRestore(None),
                                                extra=ocp.args.JsonRestore()))

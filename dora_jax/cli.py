@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+from typing import Any
 
 from absl import flags
 from ml_collections import config_flags
@@ -189,7 +190,7 @@ def _cpu_variant(spec: str | None) -> str | None:
     if not spec:
         return None
     path, _, variant = spec.partition(":")
-    module_vars = {}
+    module_vars: dict[str, Any] = {}
     try:
         with open(configs.resolve(path)) as f:  # its VARIANTS, without building it
             exec(f.read().split("\ndef get_config")[0], module_vars)

@@ -150,7 +150,7 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
         return dict(summary, already_trained=trained, mode=cfg.coordinator.mode)
     if tokenizer is None:
         tokenizer = sources.tokenizer_for(cfg)
-    skipped = []
+    skipped: list = []
     if records is None:
         records, skipped = sources.prompt_records(cfg, tokenizer)
     # Held-out prompts never reach the prompt stream: training cannot admit them.

@@ -86,9 +86,10 @@ if __name__ == "__main__":
     from dora_jax import cli
 
     _CONFIG = cli.define_config_flag()
-    _WORKDIR = flags.DEFINE_string("workdir", None, "the run's workdir")
+    _WORKDIR = flags.DEFINE_string("workdir", None, "the run's workdir", required=True)
     _OUT = flags.DEFINE_string("out", None, "the directory to write: the Hugging Face "
-                               "checkpoint, or with --format=peft the adapter")
+                               "checkpoint, or with --format=peft the adapter",
+                               required=True)
     _DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"],
                                "stored dtype (default: the params')")
     _FORMAT = flags.DEFINE_enum("format", "merged", list(FORMATS),
@@ -96,7 +97,6 @@ if __name__ == "__main__":
                                 "peft: the LoRA adapters in PEFT's format")
     _BASE_OUT = flags.DEFINE_string("base_out", None, "with --format=peft: also write the "
                                     "run's base as a Hugging Face checkpoint here")
-    flags.mark_flags_as_required(["workdir", "out"])
 
     def main(argv):
         del argv

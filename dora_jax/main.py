@@ -35,10 +35,10 @@ from dora_jax import cli, configs
 __doc__ += configs.listing() + "\n"
 
 _CONFIG = cli.define_config_flag(lock=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "ledger, metrics, timeline, checkpoints")
+_WORKDIR = flags.DEFINE_string("workdir", None, "ledger, metrics, timeline, checkpoints",
+                               required=True)
 _FRESH = flags.DEFINE_bool("fresh", False, "start over in a workdir that holds a run "
                            "(by default the run there is resumed)")
-flags.mark_flag_as_required("workdir")
 
 
 def main(argv):

@@ -157,11 +157,11 @@ if __name__ == "__main__":
     from dora_jax import cli
 
     _CONFIG = cli.define_config_flag()
-    _WORKDIR = flags.DEFINE_string("workdir", None, "checkpoints/ and sft_metrics.jsonl")
+    _WORKDIR = flags.DEFINE_string("workdir", None, "checkpoints/ and sft_metrics.jsonl",
+                                   required=True)
     _STEPS = flags.DEFINE_integer("steps", 300, "teacher-forced updates")
     _BATCH = flags.DEFINE_integer("batch_size", 32, "demonstrations per update")
     _LR = flags.DEFINE_float("learning_rate", 3e-3, "AdamW learning rate")
-    flags.mark_flag_as_required("workdir")
 
     def main(argv):
         del argv

@@ -181,14 +181,16 @@ def tests_figures(out: str) -> dict:
     """Counts from pytest's junit XML and the comparisons the tests recorded."""
     import xml.etree.ElementTree as ET
 
-    figures = {}
+    figures: dict[str, object] = {}
     try:
-        suite = ET.parse(os.path.join(out, "tests.xml")).getroot()
-        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-        figures.update({k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors",
-                                                           "skipped")})
-        figures["failed"] = [c.get("name") for c in suite.iter("testcase")
-                             if c.find("failure") is not None or c.find("error") is not None]
+        root = ET.parse(os.path.join(out, "tests.xml")).getroot()
+        suite = root if root.tag == "testsuite" else root.find("testsuite")
+        if suite is not None:
+            figures.update({k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors",
+                                                               "skipped")})
+            figures["failed"] = [c.get("name") for c in suite.iter("testcase")
+                                 if c.find("failure") is not None
+                                 or c.find("error") is not None]
     except (OSError, ET.ParseError, AttributeError):
         pass
     records = []

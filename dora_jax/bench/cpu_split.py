@@ -71,7 +71,7 @@ def snapshot() -> dict | None:
         return None
     names = {t.native_id: t.name for t in threading.enumerate()}
     hz = os.sysconf("SC_CLK_TCK")
-    out = {}
+    out: dict[tuple[str, str | int], tuple[str, float]] = {}
     for tid in os.listdir("/proc/self/task"):
         task = f"/proc/self/task/{tid}"
         ticks = _ticks(f"{task}/stat")

@@ -90,7 +90,7 @@ def model_config(name: str):
 def make_requests(n: int, max_prompt: int, vocab: int, seed: int = 0) -> list:
     rng = np.random.default_rng(seed)
     return [Request(group_id=i, prompt_id=i, sample_index=0,
-                    prompt_tokens=rng.integers(2, vocab, rng.integers(4, max_prompt + 1)),
+                    prompt_tokens=tuple(rng.integers(2, vocab, rng.integers(4, max_prompt + 1))),
                     seed=1000 + i, version=0) for i in range(n)]
 
 
@@ -153,7 +153,7 @@ def make_fixed_batch(engine: Engine):
 def best_of_interleaved(repeats: int, *fns):
     """Runs the fns in turn `repeats` times (so load changes hit all alike); returns
     each one's fastest (seconds, output)."""
-    best = [None] * len(fns)
+    best: list = [None] * len(fns)
     for _ in range(repeats):
         for i, fn in enumerate(fns):
             r = fn()

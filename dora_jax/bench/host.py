@@ -62,7 +62,7 @@ def run_tree(tree: str, workdir: str, steps: int, profile: str | None = None) ->
 def coordinator_profile(path: str, steps: int, top: int = 8) -> dict:
     """Milliseconds per step the coordinator (the main thread inside `Runtime.run`)
     was busy, in all and by the function directly under the run loop's methods."""
-    by = collections.Counter()
+    by: collections.Counter[str] = collections.Counter()
     for line in open(path):
         stack, _, n = line.rstrip().rpartition(" ")
         frames = [re.sub(r" \((?:.*/)?([^/]*?):\d+\)", r" (\1)", f) for f in stack.split(";")]
@@ -84,7 +84,7 @@ def main(argv):
     del argv
     f = flags.FLAGS
     trees = {"baseline": f.baseline, "this": os.getcwd()}
-    results = {name: [] for name in trees}
+    results: dict[str, list] = {name: [] for name in trees}
     scratch = tempfile.mkdtemp(prefix="bench_host_")
     for rep in range(f.reps):
         order = list(trees) if rep % 2 == 0 else list(trees)[::-1]

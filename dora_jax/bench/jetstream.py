@@ -80,8 +80,8 @@ def tests_root() -> pathlib.Path:
 
 def counts(junit_xml: str) -> dict:
     """Tests, failures (errors included) and skips of a pytest JUnit report."""
-    suites = ET.parse(junit_xml).getroot()
-    suites = [suites] if suites.tag == "testsuite" else list(suites)
+    root = ET.parse(junit_xml).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root)
     total = {"tests": 0, "failed": 0, "skipped": 0}
     for s in suites:
         total["tests"] += int(s.get("tests", 0))

@@ -20,7 +20,8 @@ def kernel_table(trace_events: list) -> tuple[collections.Counter, collections.C
     device_pids = {e["pid"] for e in trace_events
                    if e.get("ph") == "M" and e.get("name") == "process_name"
                    and any(d in e["args"]["name"] for d in ("GPU", "TPU"))}
-    micros, launches = collections.Counter(), collections.Counter()
+    micros: collections.Counter[str] = collections.Counter()
+    launches: collections.Counter[str] = collections.Counter()
     for e in trace_events:
         if e.get("ph") == "X" and e.get("pid") in device_pids and "dur" in e:
             micros[e["name"]] += e["dur"]

@@ -37,7 +37,7 @@ from dora_jax.bench import CONFIGS
 from dora_jax.bench.runs import COLOCATED, audited_run, parse_spec, run_config, warm_start
 
 _CONFIG = config_flags.DEFINE_config_file("config", str(CONFIGS / "longtail.py"), "config file")
-_WORKDIR = flags.DEFINE_string("workdir", None, "where every run is kept")
+_WORKDIR = flags.DEFINE_string("workdir", None, "where every run is kept", required=True)
 _STEPS = flags.DEFINE_integer("steps", 60, "train steps per run")
 _REPS = flags.DEFINE_integer("reps", 3, "repetitions of every mode (the table gives medians)")
 _MODES = flags.DEFINE_list(
@@ -81,7 +81,7 @@ def median_row(summaries: list[dict]) -> dict:
     """Medians of every column over a mode's audited runs, and their staleness
     histogram summed."""
     row = {h: statistics.median(_value(s, k) for s in summaries) for h, k, _ in COLUMNS}
-    stale = Counter()
+    stale: Counter[int] = Counter()
     for s in summaries:
         stale.update({int(k): v for k, v in s["staleness"].items()})
     row["staleness"] = dict(sorted(stale.items()))
@@ -117,9 +117,9 @@ def ratio_lines(rows: dict[str, dict], dora_spec: str) -> list[str]:
     syncs = [s for s in SYNC_MODES if s in tps]
     if not syncs or dora_spec not in tps:
         return ["(need a sync mode and dora to print ratios)"]
-    best_sync = max(syncs, key=tps.get)
+    best_sync = max(syncs, key=tps.__getitem__)
     others = [s for s in tps if parse_spec(s)[0] != "dora"]
-    best_other = max(others, key=tps.get)
+    best_other = max(others, key=tps.__getitem__)
     lines = [f"{s}/{best_sync} tokens/s ratio: {tps[s] / tps[best_sync]:.2f}"
              for s in tps if parse_spec(s)[0] == "dora"]
     lines += [f"(dora = {dora_spec}; sync = {best_sync}; best other = {best_other})",
@@ -186,5 +186,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    flags.mark_flags_as_required(["workdir"])
     app.run(main)

@@ -132,7 +132,8 @@ class SteadyCPU:
 
     def __init__(self, warmup: int, steps: int):
         self.warmup, self.steps = warmup, steps
-        self.start = self.end = None
+        self.start: dict | None = None
+        self.end: dict | None = None
 
     def __call__(self, record: dict) -> None:
         if record["step"] == self.warmup:

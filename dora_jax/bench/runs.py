@@ -18,7 +18,8 @@ def spec_parts(spec: str) -> tuple[str, dict]:
     """'dora_k2_v1_e32' -> ('dora', {'k': 2, 'v': 1, 'e': 32}): a run spec's mode and
     the suffixes it names: staleness bound K, versions per slice V, episodes per slice E
     (`rollout.max_episodes_per_slice`)."""
-    parts, named = spec.split("_"), {}
+    parts = spec.split("_")
+    named: dict[str, int] = {}
     while len(parts) > 1 and parts[-1][:1] in ("k", "v", "e") and parts[-1][1:].isdigit():
         named.setdefault(parts[-1][0], int(parts.pop()[1:]))
     return "_".join(parts), named

@@ -128,9 +128,11 @@ def control(case: corpus.Case, host: Host) -> bool:
     if case.trigger == "write":
         open(fill["sentinel"], "w").close()
     elif case.trigger in ("unix", "abstract", "tcp"):
-        family, address = {"unix": (socket.AF_UNIX, host.unix),
-                           "abstract": (socket.AF_UNIX, "\0" + host.abstract),
-                           "tcp": (socket.AF_INET, ("127.0.0.1", host.port))}[case.trigger]
+        targets: dict[str, tuple[socket.AddressFamily, str | tuple[str, int]]] = {
+            "unix": (socket.AF_UNIX, host.unix),
+            "abstract": (socket.AF_UNIX, "\0" + host.abstract),
+            "tcp": (socket.AF_INET, ("127.0.0.1", host.port))}
+        family, address = targets[case.trigger]
         with socket.socket(family) as s:
             s.connect(address)
             try:  # the listener may trip on the connection and close before the data
@@ -161,7 +163,8 @@ def run_corpus(substring: str = "", cases: list | None = None) -> tuple[list[dic
     /tmp, /dev/shm, /var/tmp, tripwires fired between cases)."""
     chosen = [c for c in (cases if cases is not None else corpus.cases()) if substring in c.name]
     tmp_before, mounts_before = tmp_entries(), mounts()
-    probes, rows = {}, []
+    probes: dict = {}
+    rows: list[dict] = []
     with Host() as host:
         for case in chosen:
             rows.append(run_case(case, host, probes))

@@ -7,14 +7,18 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dora_jax.envs.sandbox import SandboxLimits, SandboxResult
 
 
 @dataclasses.dataclass
 class Observation:
-    result: object  # envs.sandbox.SandboxResult (built from the observation for env cases)
+    result: SandboxResult  # built from the observation for env cases
     tripped: list  # host-side tripwires fired for the case
-    probe: object  # a run of "pass" at the same level, for status comparisons
-    limits: object  # the SandboxLimits the call ran under
+    probe: SandboxResult  # a run of "pass" at the same level, for status comparisons
+    limits: SandboxLimits  # the limits the call ran under
     elapsed: float  # wall seconds of the call, seen from the bench
     stall: float = 0.0  # longest extra wait of a bench thread during the call
     extra: dict = dataclasses.field(default_factory=dict)

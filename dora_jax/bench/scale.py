@@ -150,7 +150,7 @@ def decode_tokens_per_second(reps: int, slots: int, calls: int = 4) -> dict:
             state = eng.insert(prefix, state, slot, length=n)
         state, _ = eng.generate_steps(p, state)  # compile
         runs[layout] = [eng, p, jax.block_until_ready(state)]
-    times = {layout: [] for layout in runs}
+    times: dict[str, list[float]] = {layout: [] for layout in runs}
     for _ in range(reps):  # interleaved
         for layout, run in runs.items():
             eng, p, state = run
@@ -185,7 +185,7 @@ def concurrent_samples(layout: str, slots: int, pool_tokens: int, steps: int) ->
     while sl.stats.generate_steps < steps:
         while sl.num_free_slots:
             sl.submit(Request(group_id=n, prompt_id=n, sample_index=0, version=0,
-                              prompt_tokens=rng.integers(2, cfg.vocab_size, prompt),
+                              prompt_tokens=tuple(rng.integers(2, cfg.vocab_size, prompt)),
                               seed=n, max_new_tokens=int(next(lengths))))
             n += 1
         sl.step()
@@ -194,6 +194,7 @@ def concurrent_samples(layout: str, slots: int, pool_tokens: int, steps: int) ->
     if layout == "paged":
         print(f"paged slice: peak pages {sl.stats.peak_pages} of {rollout.pool_pages}, "
               f"{sl.stats.preempted} preemptions, {sl.stats.finished} finished")
+    assert warm is not None  # set once a third of the steps had run
     return (sl.stats.busy_slot_steps - warm[1]) / (sl.stats.generate_steps - warm[0])
 
 
@@ -214,7 +215,7 @@ def prefills_per_group(groups: int = 2, group_size: int = 4) -> float:
     for g in range(groups):
         for k in range(group_size):
             sl.submit(Request(group_id=g, prompt_id=str(g), sample_index=k, version=0,
-                              prompt_tokens=[1, 5 + g, 7, 9], seed=100 * g + k))
+                              prompt_tokens=(1, 5 + g, 7, 9), seed=100 * g + k))
     finished = sl.drain()
     assert len(finished) == groups * group_size
     return sl.stats.prefills / groups
@@ -263,7 +264,7 @@ def _memory_line() -> str:
 
 
 def _compile_line() -> str:
-    times = {}
+    times: dict[tuple[bool, int], list[float]] = {}  # (scanned, layers) -> seconds
     for _ in range(_REPS.value):  # interleaved
         for scan in (True, False):
             for depth in (4, 32):

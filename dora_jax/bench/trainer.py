@@ -45,6 +45,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import dataclasses
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -163,7 +165,7 @@ def packed_vs_padded(cfg: config_lib.Config, rounds: int, steps: int) -> None:
         t0 = time.perf_counter()
         run(tr)
         print(f"  {name}: first pass (compiles) {time.perf_counter() - t0:.1f}s")
-    times = {name: [] for name in trainers}
+    times: dict[str, list[float]] = {name: [] for name in trainers}
     for _ in range(rounds):
         for name, tr in trainers.items():
             t0 = time.perf_counter()
@@ -214,7 +216,7 @@ def replay_vs_recompute(cfg: config_lib.Config, rounds: int, steps: int) -> None
 
     for tr in trainers.values():  # compile, then warm
         run(tr)
-    times = {name: [] for name in trainers}
+    times: dict[str, list[float]] = {name: [] for name in trainers}
     for _ in range(rounds):
         for name, tr in trainers.items():
             t0 = time.perf_counter()
@@ -226,6 +228,11 @@ def replay_vs_recompute(cfg: config_lib.Config, rounds: int, steps: int) -> None
               f"rounds x {steps} steps; rounds {', '.join(f'{x * 1e3:.1f}' for x in ts)} ms)")
     print(f"replay/recompute step time: "
           f"{statistics.median(times['replay']) / statistics.median(times['recompute']):.3f}")
+
+
+def _runner(tr: Trainer, batch: TrainBatch) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """(one train step of `tr`, its params)."""
+    return (lambda: tr.train_step(batch)), (lambda: tr.params)
 
 
 def plain_optax_step(cfg: config_lib.Config, graphdef, group_size: int):
@@ -271,7 +278,8 @@ def main(argv):
 
     graphdef, params0 = transformer.create(cfg.model, cfg.seed)
     host_params = jax.device_get(params0)
-    runners = {}
+    # name -> (one step, the params it leaves)
+    runners: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {}
     def mesh_of(shape):
         devices = jax.devices()[:int(np.prod(shape))]
         return Mesh(np.array(devices).reshape(shape), config_lib.TRAINER_MESH_AXES)
@@ -287,8 +295,7 @@ def main(argv):
     for name in (("config", "single") if mesh_choice == "both" else (mesh_choice,)):
         tr = Trainer(cfg, meshes[name], params=jax.device_put(host_params), graphdef=graphdef)
         shape = "x".join(str(v) for v in meshes[name].shape.values())
-        runners[f"trainer[{name} mesh {shape}]"] = (
-            lambda tr=tr: tr.train_step(batch), lambda tr=tr: tr.params)
+        runners[f"trainer[{name} mesh {shape}]"] = _runner(tr, batch)
 
     tx, step = plain_optax_step(cfg, graphdef, batch.group_size)
     plain = {"params": jax.device_put(host_params)}
@@ -305,7 +312,7 @@ def main(argv):
         t0 = time.perf_counter()
         jax.block_until_ready((run(), result()))
         print(f"  {name}: first step (compile) {time.perf_counter() - t0:.1f}s")
-    times = {name: [] for name in runners}
+    times: dict[str, list[float]] = {name: [] for name in runners}
     for _ in range(rounds):
         for name, (run, result) in runners.items():
             t0 = time.perf_counter()

@@ -26,7 +26,8 @@ from dora_jax.rewards import verifiers
 DATASET = "jsonl_qa"
 
 
-class JsonlQa(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+# tfds is not read by mypy (pyproject.toml): its base's __init_subclass__ is unknown to it.
+class JsonlQa(tfds.core.GeneratorBasedBuilder, skip_registration=True):  # type: ignore[call-arg]
     """Question/answer pairs from local JSONL files, one split per file.
 
     Not registered with TFDS by class (a module run as a script would register it
@@ -143,9 +144,9 @@ def tfds_records(name: str, split: str, data_dir: str | None, tokenizer, *,
         kind = _text(example, "verifier", where) if "verifier" in example else verifier
         answer = _text(example, "answer", where)
         if kind == "gsm8k" and "####" in answer:
-            answer = verifiers.extract_gsm8k_answer(answer)
+            answer = verifiers.extract_gsm8k_answer(answer) or ""
         elif kind == "math" and "\\boxed" in answer:
-            answer = verifiers.extract_boxed(answer)
+            answer = verifiers.extract_boxed(answer) or ""
         if not answer:
             raise prompts.DataError(f"{where}: no final answer")
         if kind == "gsm8k" and not _is_number(answer):

@@ -88,7 +88,7 @@ def _host_paths():
                 paths.add(os.path.dirname(os.path.realpath(parts[5].strip())))
     if os.path.isfile("/etc/ld.so.cache"):
         paths.add("/etc/ld.so.cache")
-    kept = []
+    kept: list[str] = []
     for p in sorted(paths, key=len):
         if not any(p == k or p.startswith(k + os.sep) for k in kept):
             kept.append(p)
@@ -174,7 +174,7 @@ def _rlimits(limits, tasks):
 
 def _child(request, as_root, sync):
     level, limits, missing = request["isolation"], request["limits"], set(request["missing"])
-    layers = {}
+    layers: dict = {}
     filters = _load_filters(request["filters"])  # before the pivot hides its file
     _libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: dies with the launcher
     spaced = level == "namespaces" and "user_ns" in request["made"]
@@ -237,6 +237,7 @@ def _load_filters(path):
     import importlib.util  # noqa: PLC0415
 
     spec = importlib.util.spec_from_file_location("_sandbox_filters", path)
+    assert spec is not None and spec.loader is not None  # a .py path always has both
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -95,7 +95,8 @@ def load_seccomp(threads: bool) -> bool:
         if lib.seccomp_attr_set(ctx, _FLTATR_ACT_BADARCH, _ACT_KILL_PROCESS):
             return False
         none = (_ArgCmp * 1)()
-        plain = [(name, _ACT_ALLOW, []) for name in sorted(ALLOWED)]
+        plain: list[tuple[str, int, list[_ArgCmp]]] = [
+            (name, _ACT_ALLOW, []) for name in sorted(ALLOWED)]
         plain += [(name, 0x00050000 | _ENOSYS, []) for name in sorted(ENOSYS)]
         plain += [(name, _ACT_ALLOW, args) for name, args in
                   _conditional_rules(os.getpid(), threads)]

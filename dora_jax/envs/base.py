@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 
@@ -67,12 +68,13 @@ class Environment:
         raise NotImplementedError(f"{cls.__name__} has no demonstrations")
 
 
-_ENVIRONMENTS: dict[str, type] = {}
+_ENVIRONMENTS: dict[str, type[Environment]] = {}
+_Env = TypeVar("_Env", bound=Environment)
 
 
-def register(name: str) -> Callable[[type], type]:
+def register(name: str) -> Callable[[type[_Env]], type[_Env]]:
     """Class decorator: the environment is `data.env=name`."""
-    def add(cls: type) -> type:
+    def add(cls: type[_Env]) -> type[_Env]:
         if name in _ENVIRONMENTS and _ENVIRONMENTS[name] is not cls:
             raise ValueError(f"environment {name!r} is registered twice")
         _ENVIRONMENTS[name] = cls
@@ -86,7 +88,7 @@ def names() -> tuple:
     return tuple(sorted(_ENVIRONMENTS))
 
 
-def get(name: str) -> type:
+def get(name: str) -> type[Environment]:
     """The environment class registered as `name` (ValueError naming the choices)."""
     _load_builtins()
     if name not in _ENVIRONMENTS:

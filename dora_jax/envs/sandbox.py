@@ -104,6 +104,7 @@ def _read_bounded(proc: subprocess.Popen, keep: int, deadline: float) -> tuple[b
     """The child's output until it closes or the deadline: (kept bytes, truncated,
     timed out). Past `keep` bytes output is read and dropped, so the child never
     blocks on a full pipe and memory stays bounded."""
+    assert proc.stdout is not None  # opened with stdout=PIPE
     fd = proc.stdout.fileno()
     kept, truncated = bytearray(), False
     with selectors.DefaultSelector() as selector:  # fds may pass FD_SETSIZE
@@ -204,6 +205,7 @@ def _run(request: str, limits: SandboxLimits) -> SandboxResult:
         [os.path.realpath(sys.executable), "-I", "-S", "-B", _CHILD], cwd="/", env=env,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         start_new_session=True, close_fds=True)
+    assert proc.stdin is not None and proc.stdout is not None  # both opened as pipes
     try:
         try:
             proc.stdin.write(request.encode())
@@ -223,7 +225,8 @@ def _run(request: str, limits: SandboxLimits) -> SandboxResult:
     seconds = time.monotonic() - start
     header, output = _split_header(output)
     if header is None:
-        error = f"timeout after {limits.timeout_s} s" if timed_out else _setup_failure(output)
+        error: str | None = (f"timeout after {limits.timeout_s} s" if timed_out
+                             else _setup_failure(output))
         return SandboxResult(ok=False, stdout="", error=error, seconds=seconds)
     truncated |= len(output) > limits.max_output_bytes
     output = output[:limits.max_output_bytes]

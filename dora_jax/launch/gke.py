@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+from typing import NoReturn
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -41,11 +42,14 @@ from dora_jax.launch import jobset
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/x.py[:variant]",
                                           lock_config=True)
-_TPU = flags.DEFINE_string("tpu", None, "TPU slice type, e.g. v5p-128, v5e-16, v6e-8")
+_TPU = flags.DEFINE_string("tpu", None, "TPU slice type, e.g. v5p-128, v5e-16, v6e-8",
+                           required=True)
 _IMAGE = flags.DEFINE_string("image", None, "container image built from this repository's "
-                             "Dockerfile, e.g. REGISTRY/dora-jax:0.1.0 (see docs/launchers.md)")
+                             "Dockerfile, e.g. REGISTRY/dora-jax:0.1.0 (see docs/launchers.md)",
+                             required=True)
 _BUCKET = flags.DEFINE_string("bucket", None, "Cloud Storage bucket holding the workdir "
-                              "(mounted in the head pod by the GCS FUSE CSI driver)")
+                              "(mounted in the head pod by the GCS FUSE CSI driver)",
+                              required=True)
 _MOUNT = flags.DEFINE_string("mount_path", "", "where the bucket is mounted (default "
                              "/gcs/BUCKET)")
 _WORKDIR = flags.DEFINE_string("workdir", None, "the run's workdir, under the mount "
@@ -66,11 +70,11 @@ _SERVER_IMAGE = flags.DEFINE_string("server_image", jobset.SERVER_IMAGE,
                                     "Pathways server image (resource manager, workers)")
 _PROXY_IMAGE = flags.DEFINE_string("proxy_image", jobset.PROXY_IMAGE,
                                    "Pathways IFRT proxy image")
-flags.mark_flags_as_required(["config", "tpu", "image", "bucket"])
+flags.mark_flag_as_required("config")
 ANNOTATION_PREFIX = "dora-jax"
 
 
-def error(message) -> None:
+def error(message: object) -> NoReturn:
     """Stops with one line `error: ...` on stderr (no traceback), exit status 1."""
     raise SystemExit("error: " + " ".join(str(message).split()))
 
@@ -94,7 +98,7 @@ def collect_overrides(argv: list[str]) -> list[str]:
 
 def config_spec() -> str:
     """The `--config=` value as given (path and `:variant`)."""
-    return flags.FLAGS["config"].config_filename
+    return config_flags.get_config_filename(flags.FLAGS["config"])
 
 
 def spec_from_flags(argv: list[str]) -> dict:
@@ -127,7 +131,7 @@ def spec_from_flags(argv: list[str]) -> dict:
     return job
 
 
-def annotations(job: dict, argv: list[str]) -> dict:
+def jobset_annotations(job: dict, argv: list[str]) -> dict:
     """How the file was made and what it asks for, as the JobSet's annotations. They
     go through the YAML emitter like every other field: in a comment header, an
     argument holding a newline would end the comment and start YAML of its own
@@ -148,7 +152,7 @@ def render(job: dict, argv: list[str]) -> str:
     import yaml
 
     js = jobset.render_jobset(job)
-    js["metadata"]["annotations"] = annotations(job, argv)
+    js["metadata"]["annotations"] = jobset_annotations(job, argv)
     return yaml.safe_dump(js, sort_keys=False)
 
 

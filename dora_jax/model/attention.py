@@ -30,6 +30,7 @@ import logging
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from dora_jax.config import ATTENTION_IMPLS
 from dora_jax.model.sharding import active_rules, logical_to_spec
@@ -39,7 +40,8 @@ NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax, not Na
 _log = logging.getLogger(__name__)
 
 
-def attend(q_BTHD, k_BSKD, v_BSKD, mask_BTS):
+def attend(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
+           mask_BTS: jax.Array) -> jax.Array:
     """Dense grouped-query attention under an explicit mask (also the decode path)."""
     B, T, H, D = q_BTHD.shape
     K = k_BSKD.shape[2]
@@ -52,7 +54,8 @@ def attend(q_BTHD, k_BSKD, v_BSKD, mask_BTS):
     return out.reshape(B, T, H, D)
 
 
-def dense_causal(q_BTHD, k_BTKD, v_BTKD, segment_ids_BT=None):
+def dense_causal(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array,
+                 segment_ids_BT: jax.Array | None = None) -> jax.Array:
     """The reference: causal attention under a materialised [B, T, T] mask, within
     each segment when `segment_ids_BT` is given."""
     B, T = q_BTHD.shape[:2]
@@ -236,7 +239,8 @@ def _flash_bwd(bq, bk, residuals, d_out):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def blockwise_causal(q_BTHD, k_BTKD, v_BTKD, block: int = 512, segment_ids_BT=None):
+def blockwise_causal(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, block: int = 512,
+                     segment_ids_BT: jax.Array | None = None) -> jax.Array:
     """Flash-style causal attention with blocks of `block` queries and keys; T is
     padded up to a multiple of the block (the padding is masked out causally: it
     comes after every real query). With `segment_ids_BT`, within segments, and
@@ -253,7 +257,7 @@ def blockwise_causal(q_BTHD, k_BTKD, v_BTKD, block: int = 512, segment_ids_BT=No
     return out[:, :T]
 
 
-def cudnn_causal(q_BTHD, k_BTKD, v_BTKD):
+def cudnn_causal(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array) -> jax.Array:
     """cudnn's causal kernel refuses an odd length when it computes gradients; padding
     at the end is exact (the padding comes after every real query)."""
     T = q_BTHD.shape[1]
@@ -265,7 +269,7 @@ def cudnn_causal(q_BTHD, k_BTKD, v_BTKD):
     return out[:, :T]
 
 
-def cudnn_takes(dtype, head_dim: int) -> str | None:
+def cudnn_takes(dtype: jax.typing.DTypeLike, head_dim: int) -> str | None:
     """Why cudnn's fused kernel cannot run these inputs, or None when it can."""
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"it computes in bfloat16 or float16, not {jnp.dtype(dtype).name}"
@@ -274,8 +278,8 @@ def cudnn_takes(dtype, head_dim: int) -> str | None:
     return None
 
 
-def splash_causal(q_BTHD, k_BTKD, v_BTKD, block: int = 512, interpret: bool = False,
-                  segment_ids_BT=None):
+def splash_causal(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, block: int = 512,
+                  interpret: bool = False, segment_ids_BT: jax.Array | None = None) -> jax.Array:
     """TPU Pallas splash attention: per KV head one multi-query kernel call over its
     group of query heads (heads-major layout; splash expects pre-scaled queries).
     Segment ids go to the kernel as its `SegmentIds` (the same ids for queries and
@@ -319,8 +323,9 @@ def resolve(implementation: str, backend: str | None = None, packed: bool = Fals
     return {"tpu": "splash", "gpu": gpu}.get(backend, "blockwise")
 
 
-def causal_attention(q_BTHD, k_BTKD, v_BTKD, implementation: str = "auto",
-                     block: int = 512, interpret: bool = False, segment_ids_BT=None):
+def causal_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array,
+                     implementation: str = "auto", block: int = 512, interpret: bool = False,
+                     segment_ids_BT: jax.Array | None = None) -> jax.Array:
     """Causal self-attention by `implementation` (see the module docstring); with
     `segment_ids_BT` (int [B, T], 0 padding) within each packed sequence.
 
@@ -349,7 +354,7 @@ def causal_attention(q_BTHD, k_BTKD, v_BTKD, implementation: str = "auto",
         return cudnn_causal(q_BTHD, k_BTKD, v_BTKD)
     if impl == "splash":
         kernel = functools.partial(splash_causal, block=block, interpret=interpret)
-        args = (q_BTHD, k_BTKD, v_BTKD)
+        args: tuple[jax.Array, ...] = (q_BTHD, k_BTKD, v_BTKD)
         if packed:
             kernel = functools.partial(_splash_packed, kernel)
             args += (segment_ids_BT,)
@@ -359,7 +364,7 @@ def causal_attention(q_BTHD, k_BTKD, v_BTKD, implementation: str = "auto",
         mesh, rules = ctx
         q_spec = logical_to_spec(("batch", "length", "heads", "head_dim"), rules, mesh)
         kv_spec = logical_to_spec(("batch", "length", "kv_heads", "head_dim"), rules, mesh)
-        specs = (q_spec, kv_spec, kv_spec)
+        specs: tuple[PartitionSpec, ...] = (q_spec, kv_spec, kv_spec)
         if packed:
             specs += (logical_to_spec(("batch", "length"), rules, mesh),)
         return jax.shard_map(kernel, mesh=mesh, in_specs=specs,

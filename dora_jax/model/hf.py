@@ -29,16 +29,21 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
 
 from dora_jax.config import ModelConfig
 from dora_jax.model import hf_config, lora, safetensors_file, transformer
 from dora_jax.model.hf_config import CheckpointError  # noqa: F401 - callers catch hf.CheckpointError
-from dora_jax.model.sharding import param_shardings
+from dora_jax.model.sharding import Rules, param_shardings
+
+if TYPE_CHECKING:
+    from dora_jax.text.tokenizer import Tokenizer
 
 # Tensors some checkpoints carry that are recomputed, never loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -87,8 +92,8 @@ def _leaf(cfg: ModelConfig, names: tuple) -> _Leaf:
            ("final_norm", "scale"): ("model.norm.weight", False),
            ("lm_head",): ("lm_head.weight", True)}
     if names in top:
-        name, linear = top[names]
-        return _Leaf(lambda layer, expert: name, linear, None, False)
+        top_name, linear = top[names]
+        return _Leaf(lambda layer, expert: top_name, linear, None, False)
     if names[0] != "blocks":
         raise CheckpointError(f"no Hugging Face name for param {names}")
     block, inner = names[1], names[2:]
@@ -107,7 +112,7 @@ def _leaf(cfg: ModelConfig, names: tuple) -> _Leaf:
                               f"have none in the supported families)")
     fixed = None if cfg.scan_layers else block
 
-    def name(layer, expert):
+    def name(layer: int | None, expert: int | None) -> str:
         layer = fixed if layer is None else layer
         return f"model.layers.{layer}." + suffix.replace("{e}", str(expert))
 
@@ -130,7 +135,8 @@ def _hf_shape(unit_shape: tuple, linear: bool, leaf_names: tuple) -> tuple:
     return (int(np.prod(unit_shape[split:])), int(np.prod(unit_shape[:split])))
 
 
-def config_from_checkpoint(path: str, *, dtype: str | None = None, **overrides) -> ModelConfig:
+def config_from_checkpoint(path: str, *, dtype: str | None = None,
+                           **overrides: Any) -> ModelConfig:
     """The ModelConfig of a checkpoint directory; `dtype` sets param and compute
     dtype (default: the checkpoint's, float16 read as float32); `overrides` set
     the fields that say how to compute (attention, remat, scan_layers, moe.dispatch...)."""
@@ -138,14 +144,15 @@ def config_from_checkpoint(path: str, *, dtype: str | None = None, **overrides) 
     where = os.path.join(path, "config.json")
     fields = hf_config.model_fields(hf, where)
     if dtype is None:
-        dtype = {"bfloat16": "bfloat16"}.get(hf_config.stored_dtype(hf, where), "float32")
+        dtype = "bfloat16" if hf_config.stored_dtype(hf, where) == "bfloat16" else "float32"
     moe = {**fields.pop("moe"), **overrides.pop("moe", {})}
     return ModelConfig.from_dict({**fields, "dtype": dtype, "param_dtype": dtype,
                                   **overrides, "moe": moe})
 
 
-def load_pretrained(path: str, *, dtype: str | None = None, mesh=None, rules=None,
-                    cfg: ModelConfig | None = None):
+def load_pretrained(path: str, *, dtype: str | None = None, mesh: Mesh | None = None,
+                    rules: Rules | None = None,
+                    cfg: ModelConfig | None = None) -> tuple[ModelConfig, nnx.State]:
     """Reads a Hugging Face checkpoint directory: returns (ModelConfig, params).
 
     `cfg`: a ModelConfig of the same architecture to load into (how it computes:
@@ -157,7 +164,10 @@ def load_pretrained(path: str, *, dtype: str | None = None, mesh=None, rules=Non
     cfg = cfg or config_from_checkpoint(path, dtype=dtype)
     ckpt = safetensors_file.Checkpoint(path)
     _, abstract = transformer.abstract_params(cfg)
-    shardings = None if mesh is None else param_shardings(abstract, mesh, rules)
+    shardings = None
+    if mesh is not None:
+        assert rules is not None, "a mesh needs its rules"
+        shardings = param_shardings(abstract, mesh, rules)
     used = set()
 
     def unit(leaf: _Leaf, leaf_names, unit_shape, layer, expert, dtype):
@@ -237,8 +247,9 @@ def _hf_tensors(cfg: ModelConfig, params, dtype) -> list:
     return sorted(specs, key=order)
 
 
-def save_pretrained(cfg: ModelConfig, params, path: str, *, dtype: str | None = None,
-                    tokenizer=None, max_shard_bytes: int = _DEFAULT_SHARD_BYTES) -> list[str]:
+def save_pretrained(cfg: ModelConfig, params: nnx.State, path: str, *, dtype: str | None = None,
+                    tokenizer: Tokenizer | None = None,
+                    max_shard_bytes: int = _DEFAULT_SHARD_BYTES) -> list[str]:
     """Writes `params` (of `cfg`) as a Hugging Face checkpoint directory: config.json,
     generation_config.json, safetensors (sharded past `max_shard_bytes`, with the
     index) and, given a `data.tokenizer.Tokenizer`, its files. `dtype`: the stored

@@ -11,8 +11,12 @@ refused by name rather than loaded approximately.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from dora_jax import untrusted_files
+
+if TYPE_CHECKING:
+    from dora_jax.config import ModelConfig
 
 FAMILIES = ("qwen3", "qwen3_moe", "qwen2", "llama")
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -212,7 +216,7 @@ def model_fields(hf: dict, where: str = "config.json") -> dict:
     return out
 
 
-def family_of(model) -> str:
+def family_of(model: ModelConfig) -> str:
     """The family a model section is saved as."""
     if model.moe.enabled:
         if model.moe.num_shared_experts or not model.qk_norm or model.qkv_bias:
@@ -226,7 +230,7 @@ def family_of(model) -> str:
     return "qwen3" if model.qk_norm else "llama"
 
 
-def to_hf(model, *, dtype: str, eos_id: int | None = None, bos_id: int | None = None,
+def to_hf(model: ModelConfig, *, dtype: str, eos_id: int | None = None, bos_id: int | None = None,
           pad_id: int | None = None) -> dict:
     """A config.json for a model section, in the names every reader knows (those
     of hub checkpoints)."""

@@ -8,20 +8,26 @@ that crosses a layer boundary is constrained by logical names.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dora_jax.config import ModelConfig
 from dora_jax.model import lora
 from dora_jax.model.attention import attend, causal_attention
 from dora_jax.model.paged_attention import paged_attention
 from dora_jax.model.sharding import constrain
 
+if TYPE_CHECKING:
+    from dora_jax.rollout.pages import PageView
 
-def param(rngs: nnx.Rngs, shape, axes, dtype, std: float | None = None,
-          init: str = "normal") -> nnx.Param:
+
+def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: Sequence[str | None],
+          dtype: jax.typing.DTypeLike, std: float | None = None, init: str = "normal") -> nnx.Param:
     """A Param with logical axes; normal(0, std) init, std defaulting to 1/sqrt(fan_in)."""
     if init == "ones":
         value = jnp.ones(shape, dtype)
@@ -31,7 +37,7 @@ def param(rngs: nnx.Rngs, shape, axes, dtype, std: float | None = None,
     return nnx.Param(value, logical_axes=tuple(axes))
 
 
-def dense(x, w, contract: int = 1):
+def dense(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
     """x's last `contract` dims times w's first ones, as one 2-D matmul. XLA's CPU
     backend gives the backward of a batched einsum (`btd,df->btf`) transposing copies
     that took a fifth of a train step; on a TPU or GPU the reshapes are free."""
@@ -41,18 +47,19 @@ def dense(x, w, contract: int = 1):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, axis_name: str, eps: float, param_dtype, *, rngs: nnx.Rngs):
+    def __init__(self, dim: int, axis_name: str, eps: float, param_dtype: jax.typing.DTypeLike, *,
+                 rngs: nnx.Rngs):
         self.scale = param(rngs, (dim,), (axis_name,), param_dtype, init="ones")
         self.eps = eps
 
-    def __call__(self, x):
+    def __call__(self, x: jax.Array) -> jax.Array:
         # Normalise in f32 whatever the compute dtype: bf16 variance is too coarse.
         x32 = x.astype(jnp.float32)
         inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (x32 * inv * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_frequencies(cfg) -> np.ndarray:
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
     """Inverse frequencies [head_dim / 2] of the rotary embedding (f32), with the
     config's scaling. `llama3` (Llama 3.1): wavelengths above
     original_max_len / low_freq_factor are stretched by `rope_factor`, those below
@@ -69,7 +76,8 @@ def rope_frequencies(cfg) -> np.ndarray:
     return inv_freq.astype(np.float32)
 
 
-def rope(x_BTHD: jax.Array, positions_BT: jax.Array, inv_freq_F) -> jax.Array:
+def rope(x_BTHD: jax.Array, positions_BT: jax.Array,
+         inv_freq_F: jax.Array | np.ndarray) -> jax.Array:
     """Rotary embedding, half-split convention (Llama / Qwen), computed in f32."""
     half = x_BTHD.shape[-1] // 2
     angles_BTF = positions_BT[..., None].astype(jnp.float32) * jnp.asarray(inv_freq_F)
@@ -82,7 +90,7 @@ def rope(x_BTHD: jax.Array, positions_BT: jax.Array, inv_freq_F) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         pd = jnp.dtype(cfg.param_dtype)
         D, H, K, Dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.wq = param(rngs, (D, H, Dh), ("embed", "heads", "head_dim"), pd)
@@ -96,6 +104,8 @@ class Attention(nnx.Module):
             self.bv = param(rngs, (K, Dh), ("kv_heads", "head_dim"), pd, std=0.0)
         else:
             self.bq = self.bk = self.bv = None
+        self.q_norm: RMSNorm | None
+        self.k_norm: RMSNorm | None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(Dh, "head_dim", cfg.norm_eps, pd, rngs=rngs)
             self.k_norm = RMSNorm(Dh, "head_dim", cfg.norm_eps, pd, rngs=rngs)
@@ -123,7 +133,7 @@ class Attention(nnx.Module):
                        dense(x_BTD, self.wv[...].astype(dt)))
         if self.bq is not None:
             q, k, v = (y + b[...].astype(dt) for y, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # set together
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = np.asarray(self.inv_freq, np.float32)
         q = rope(q, positions_BT, inv_freq)
@@ -138,7 +148,9 @@ class Attention(nnx.Module):
                        dense(o_BTHD, self.wo[...].astype(self.dtype), contract=2))
         return constrain(y, ("batch", "length", "embed"))
 
-    def __call__(self, x_BTD, positions_BT, past=None, segment_ids_BT=None):
+    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, past: tuple | None = None,
+                 segment_ids_BT: jax.Array | None = None
+                 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """Causal self-attention over the sequence; also returns its (k, v).
 
         past: (k_BPKD, v_BPKD, length) of positions before this sequence, of which
@@ -161,7 +173,9 @@ class Attention(nnx.Module):
                    jnp.concatenate([past_v.astype(self.dtype), v], axis=1), mask_BTS)
         return self._out(o), (k, v)
 
-    def decode(self, x_B1D, positions_B, k_cache_LBSKD, v_cache_LBSKD, layer):
+    def decode(self, x_B1D: jax.Array, positions_B: jax.Array, k_cache_LBSKD: jax.Array,
+               v_cache_LBSKD: jax.Array,
+               layer: int | jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """One token per slot: writes its k/v into layer `layer` of the whole cache
         (static or traced index; in place when the cache is donated) at the slot's
         own position, then attends to every cached position up to and including it."""
@@ -177,7 +191,9 @@ class Attention(nnx.Module):
                    v_cache_LBSKD[layer].astype(self.dtype), mask_B1S)
         return self._out(o), (k_cache_LBSKD, v_cache_LBSKD)
 
-    def decode_paged(self, x_B1D, positions_B, k_pool, v_pool, layer, view, implementation):
+    def decode_paged(self, x_B1D: jax.Array, positions_B: jax.Array, k_pool: jax.Array,
+                     v_pool: jax.Array, layer: int | jax.Array, view: PageView,
+                     implementation: str) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """`decode` on a paged pool ([layers, kv_heads, pages, page_size, head_dim]):
         the new k/v go to the slot's page for its position (idle slots' to the null
         page 0); attention reads only the pages `view` maps (see paged_attention.py)."""
@@ -194,8 +210,8 @@ class Attention(nnx.Module):
 
 
 class SwiGLU(nnx.Module):
-    def __init__(self, d_model: int, hidden: int, param_dtype, dtype, *, rngs: nnx.Rngs,
-                 cfg=None):
+    def __init__(self, d_model: int, hidden: int, param_dtype: jax.typing.DTypeLike,
+                 dtype: jax.typing.DTypeLike, *, rngs: nnx.Rngs, cfg: ModelConfig | None = None):
         """cfg: the ModelConfig, whose `lora` may adapt gate / up / down."""
         self.w_gate = param(rngs, (d_model, hidden), ("embed", "mlp"), param_dtype)
         self.w_up = param(rngs, (d_model, hidden), ("embed", "mlp"), param_dtype)
@@ -207,7 +223,7 @@ class SwiGLU(nnx.Module):
         self.lora_up = lora.make(cfg, "up", lr, *d, *f)
         self.lora_down = lora.make(cfg, "down", lr, *f, *d)
 
-    def __call__(self, x_BTD):
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
         dt = self.dtype
         gate = lora.adapt(self.lora_gate, x_BTD,
                           dense(x_BTD, self.w_gate[...].astype(dt)))

@@ -27,10 +27,15 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+if TYPE_CHECKING:
+    from dora_jax.config import LoRAConfig, ModelConfig
 
 ADAPTER_KEYS = ("lora_a", "lora_b")
 # The weight each target adapts, in its module (attention or MLP / MoE).
@@ -43,7 +48,7 @@ _ROWS: contextvars.ContextVar = contextvars.ContextVar("lora_rows", default=None
 
 
 @contextlib.contextmanager
-def rows(place_B):
+def rows(place_B: jax.Array) -> Iterator[None]:
     """Within it, stacked adapters [V, ...] apply place_B[b] (int32 [B]) to row b."""
     token = _ROWS.set(place_B)
     try:
@@ -64,8 +69,10 @@ class LoRA(nnx.Module):
     """The adapter of one projection whose weight is [*lead, *in_shape, *out_shape]
     (lead: the experts of an MoE layer, or nothing)."""
 
-    def __init__(self, lora_cfg, in_shape, in_axes, out_shape, out_axes, *,
-                 rngs: nnx.Rngs, lead=(), lead_axes=()):
+    def __init__(self, lora_cfg: LoRAConfig, in_shape: tuple[int, ...],
+                 in_axes: tuple[str | None, ...], out_shape: tuple[int, ...],
+                 out_axes: tuple[str | None, ...], *, rngs: nnx.Rngs, lead: tuple[int, ...] = (),
+                 lead_axes: tuple[str | None, ...] = ()):
         dt, r = jnp.dtype(lora_cfg.dtype), lora_cfg.rank
         bound = math.prod(in_shape) ** -0.5
         a = jax.random.uniform(rngs.params(), (*lead, *in_shape, r), jnp.float32, -bound, bound)
@@ -76,7 +83,7 @@ class LoRA(nnx.Module):
         self.scale = float(lora_cfg.scale)
         self.num_in = len(in_shape)
 
-    def __call__(self, x):
+    def __call__(self, x: jax.Array) -> jax.Array:
         """scale * B (A x) for x [..., *in_shape]: [..., *out_shape], in x's dtype."""
         a = self.lora_a[...].astype(x.dtype)
         if a.ndim == self.num_in + 2:  # stacked places: each row its own (`rows`)
@@ -102,14 +109,14 @@ class LoRA(nnx.Module):
         y_MO = jnp.einsum("mvr,vro->mo", h_MVR * keep_MV[:, :, None], b_VRO.reshape(V, r, -1))
         return y_MO.reshape(*lead, *out_shape)
 
-    def experts(self, x_ECD):
+    def experts(self, x_ECD: jax.Array) -> jax.Array:
         """Per expert (capacity dispatch): x [E, C, in] -> [E, C, out]."""
         dt = x_ECD.dtype
         h_ECR = jnp.einsum("ecd,edr->ecr", x_ECD, self.lora_a[...].astype(dt))
         h_ECR = h_ECR * jnp.asarray(self.scale, dt)
         return jnp.einsum("ecr,erf->ecf", h_ECR, self.lora_b[...].astype(dt))
 
-    def ragged(self, x_MD, sizes_E):
+    def ragged(self, x_MD: jax.Array, sizes_E: jax.Array) -> jax.Array:
         """Per expert (dropless dispatch): rows of x [M, in] grouped by expert as
         `jax.lax.ragged_dot` groups them -> [M, out]."""
         dt = x_MD.dtype
@@ -118,15 +125,17 @@ class LoRA(nnx.Module):
         return jax.lax.ragged_dot(h_MR, self.lora_b[...].astype(dt), sizes_E)
 
 
-def make(cfg, target: str, rngs, in_shape, in_axes, out_shape, out_axes, **lead):
+def make(cfg: ModelConfig | None, target: str, rngs: nnx.Rngs | None,
+         in_shape: tuple[int, ...], in_axes: tuple[str | None, ...], out_shape: tuple[int, ...],
+         out_axes: tuple[str | None, ...], **lead: Any) -> LoRA | None:
     """The adapter of `target` when `cfg.lora` (ModelConfig) adapts it and `rngs` (an
     `adapter_rngs` stream, None: no adapters in this module) is given, else None."""
-    if rngs is None or not cfg.lora.enabled or target not in cfg.lora.targets:
+    if rngs is None or cfg is None or not cfg.lora.enabled or target not in cfg.lora.targets:
         return None
     return LoRA(cfg.lora, in_shape, in_axes, out_shape, out_axes, rngs=rngs, **lead)
 
 
-def adapt(adapter, x, y):
+def adapt(adapter: LoRA | None, x: jax.Array, y: jax.Array) -> jax.Array:
     """y plus the adapter's term on x (y itself without an adapter)."""
     return y if adapter is None else y + adapter(x)
 
@@ -142,28 +151,28 @@ def _is_adapter(path, _=None) -> bool:
     return bool(keys) and keys[-1] in ADAPTER_KEYS
 
 
-def split(params):
+def split(params: nnx.State) -> tuple[nnx.State, nnx.State]:
     """(base, adapters) of a params nnx.State; `merge` puts them back together."""
     adapters, base = nnx.split_state(params, _is_adapter, ...)
     return base, adapters
 
 
-def merge(base, adapters):
+def merge(base: nnx.State, adapters: nnx.State) -> nnx.State:
     return nnx.merge_state(base, adapters)
 
 
-def has_adapters(params) -> bool:
+def has_adapters(params: nnx.State) -> bool:
     return any(_is_adapter(p) for p, _ in jax.tree_util.tree_leaves_with_path(params))
 
 
-def zero_adapters(params):
+def zero_adapters(params: nnx.State) -> nnx.State:
     """`params` with every B at zero: the base model in the adapted model's tree (the
     KL reference of a LoRA run)."""
     return jax.tree_util.tree_map_with_path(
         lambda p, x: jnp.zeros_like(x) if _keys(p)[-1] == "lora_b" else x, params)
 
 
-def merged_weights(params, lora_cfg):
+def merged_weights(params: nnx.State, lora_cfg: LoRAConfig) -> nnx.State:
     """The params of the same model without adapters (`lora_cfg.rank` 0): each
     adapted W becomes W + scale * A B, summed in f32 and stored in W's dtype."""
     base, adapters = split(params)
@@ -186,7 +195,7 @@ def merged_weights(params, lora_cfg):
     return jax.tree_util.tree_map_with_path(fold, base)
 
 
-def base_config(model_cfg):
+def base_config(model_cfg: ModelConfig) -> ModelConfig:
     """`model_cfg` without adapters: the base model's architecture."""
     import dataclasses
 
@@ -195,7 +204,7 @@ def base_config(model_cfg):
     return dataclasses.replace(model_cfg, lora=LoRAConfig())
 
 
-def init_adapters(model_cfg, seed: int):
+def init_adapters(model_cfg: ModelConfig, seed: int) -> nnx.State:
     """The fresh adapters `transformer.create(model_cfg, seed)` makes, without
     materialising its base (compiled away): for a base read from a checkpoint."""
     from dora_jax.model import transformer
@@ -203,12 +212,12 @@ def init_adapters(model_cfg, seed: int):
     return jax.jit(lambda: split(transformer.create(model_cfg, seed)[1])[1])()
 
 
-def tree_bytes(tree) -> int:
+def tree_bytes(tree: object) -> int:
     """Bytes of the arrays of a pytree (concrete or abstract)."""
     return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def publish_bytes(model_cfg) -> dict:
+def publish_bytes(model_cfg: ModelConfig) -> dict:
     """What a new policy version would carry to a decode slice, from shapes alone:
     `full`, every weight of the model without adapters (a full fine-tuning publish:
     the base of the adapted model); `adapters`, the adapter tree of `model_cfg.lora`

@@ -33,6 +33,7 @@ sequences run apart only when nothing is dropped.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -42,8 +43,12 @@ from dora_jax.model import lora
 from dora_jax.model.layers import SwiGLU, param
 from dora_jax.model.sharding import constrain
 
+if TYPE_CHECKING:
+    from dora_jax.config import ModelConfig
 
-def route(router_logits_NE: jax.Array, top_k: int, normalize: bool, replay_NK=None):
+
+def route(router_logits_NE: jax.Array, top_k: int, normalize: bool,
+          replay_NK: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Top-k softmax routing: returns (expert ids [N,k], weights [N,k], probs [N,E]).
 
     With `replay_NK` (recorded expert ids; an id >= E marks a token not recorded) a
@@ -61,14 +66,15 @@ def route(router_logits_NE: jax.Array, top_k: int, normalize: bool, replay_NK=No
     return experts_NK, weights_NK, probs_NE
 
 
-def recorded_tokens(recorded_NK: jax.Array, num_experts: int, valid_N=None) -> jax.Array:
+def recorded_tokens(recorded_NK: jax.Array, num_experts: int,
+                    valid_N: jax.Array | None = None) -> jax.Array:
     """bool [N]: the valid tokens with a record."""
     counted_N = recorded_NK[:, 0] < num_experts
     return counted_N if valid_N is None else counted_N & valid_N
 
 
 def routing_agreement(own_NK: jax.Array, recorded_NK: jax.Array, num_experts: int,
-                      valid_N=None) -> tuple:
+                      valid_N: jax.Array | None = None) -> tuple:
     """(tokens whose own top-k set equals the recorded one, recorded tokens), over
     the valid tokens with a record."""
     counted_N = recorded_tokens(recorded_NK, num_experts, valid_N)
@@ -78,7 +84,8 @@ def routing_agreement(own_NK: jax.Array, recorded_NK: jax.Array, num_experts: in
             jnp.sum(counted_N).astype(jnp.float32))
 
 
-def expert_counts(experts_NK: jax.Array, num_experts: int, counted_N=None) -> jax.Array:
+def expert_counts(experts_NK: jax.Array, num_experts: int,
+                  counted_N: jax.Array | None = None) -> jax.Array:
     """Assignments per expert [E] of the counted tokens (ids >= E are not counted)."""
     ids = experts_NK.astype(jnp.int32)
     if counted_N is not None:
@@ -91,7 +98,8 @@ def _token_weights(n: int, valid_N) -> jax.Array:
     return jnp.ones(n, jnp.float32) if valid_N is None else valid_N.astype(jnp.float32)
 
 
-def load_balance_loss(experts_NK: jax.Array, probs_NE: jax.Array, valid_N=None) -> jax.Array:
+def load_balance_loss(experts_NK: jax.Array, probs_NE: jax.Array,
+                      valid_N: jax.Array | None = None) -> jax.Array:
     """E * sum_i f_i * P_i (see module docstring), over the valid tokens."""
     N, K = experts_NK.shape
     num_experts = probs_NE.shape[-1]
@@ -103,7 +111,7 @@ def load_balance_loss(experts_NK: jax.Array, probs_NE: jax.Array, valid_N=None) 
     return num_experts * jnp.sum(f_E * p_E)
 
 
-def router_z_loss(router_logits_NE: jax.Array, valid_N=None) -> jax.Array:
+def router_z_loss(router_logits_NE: jax.Array, valid_N: jax.Array | None = None) -> jax.Array:
     w_N = _token_weights(router_logits_NE.shape[0], valid_N)
     z_N = jax.nn.logsumexp(router_logits_NE.astype(jnp.float32), axis=-1) ** 2
     return jnp.sum(z_N * w_N) / jnp.maximum(jnp.sum(w_N), 1.0)
@@ -113,8 +121,8 @@ def capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: flo
     return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
 
 
-def capacity_dispatch(experts_NK: jax.Array, weights_NK: jax.Array, num_experts: int,
-                      cap: int, valid_N=None):
+def capacity_dispatch(experts_NK: jax.Array, weights_NK: jax.Array, num_experts: int, cap: int,
+                      valid_N: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Dispatch [N,E,C] and combine [N,E,C] tensors with priority-order dropping;
     invalid tokens take no slot. Also returns the fraction of valid assignments
     dropped."""
@@ -134,7 +142,7 @@ def capacity_dispatch(experts_NK: jax.Array, weights_NK: jax.Array, num_experts:
 
 
 class MoE(nnx.Module):
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         m = cfg.moe
         pd, dt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
         D, E, F = cfg.d_model, m.num_experts, m.expert_hidden
@@ -146,8 +154,8 @@ class MoE(nnx.Module):
                               rngs=rngs, cfg=cfg) if m.num_shared_experts else None)
         # Per expert (model.lora.experts): A [E, in, r], B [E, r, out].
         lr = lora.adapter_rngs(rngs) if cfg.lora.enabled and cfg.lora.experts else None
-        d, f, e = ((D,), ("embed",)), ((F,), ("expert_mlp",)), dict(lead=(E,),
-                                                                   lead_axes=("expert",))
+        d, f = ((D,), ("embed",)), ((F,), ("expert_mlp",))
+        e: dict[str, Any] = dict(lead=(E,), lead_axes=("expert",))
         self.lora_gate = lora.make(cfg, "gate", lr, *d, *f, **e)
         self.lora_up = lora.make(cfg, "up", lr, *d, *f, **e)
         self.lora_down = lora.make(cfg, "down", lr, *f, *d, **e)
@@ -195,8 +203,9 @@ class MoE(nnx.Module):
         y_NKD = y_MD.reshape(N, K, -1)
         return jnp.einsum("nkd,nk->nd", y_NKD, weights_NK.astype(dt))
 
-    def __call__(self, x_BTD, *, dropless: bool | None = None, valid_BT=None,
-                 routing_BTK=None, replay: bool = False):
+    def __call__(self, x_BTD: jax.Array, *, dropless: bool | None = None,
+                 valid_BT: jax.Array | None = None, routing_BTK: jax.Array | None = None,
+                 replay: bool = False) -> tuple[jax.Array, dict]:
         """Returns (y [B,T,D], aux) with aux = load_balance_loss, router_z_loss,
         dropped_fraction and `experts` (this router's top-k ids [B,T,k]).
         `dropless=None` follows `model.moe.dispatch`; `valid_BT` (bool) marks real

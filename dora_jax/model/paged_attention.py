@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,9 @@ import jax.numpy as jnp
 from dora_jax.config import PAGED_ATTENTION_IMPLS
 from dora_jax.model.attention import NEG_INF
 from dora_jax.model.sharding import active_rules, logical_to_spec
+
+if TYPE_CHECKING:
+    from dora_jax.rollout.pages import PageView
 
 POOL_AXES = ("layers", "kv_heads", "pages", "page", "head_dim")
 
@@ -37,8 +41,9 @@ def resolve(implementation: str, backend: str | None = None) -> str:
     return "pallas" if (backend or jax.default_backend()) == "tpu" else "ragged"
 
 
-def ragged_paged_attention(q_BHD, k_KPpD, v_KPpD, lengths_B, flat_pages_N, flat_slots_N,
-                           flat_starts_N):
+def ragged_paged_attention(q_BHD: jax.Array, k_KPpD: jax.Array, v_KPpD: jax.Array,
+                           lengths_B: jax.Array, flat_pages_N: jax.Array, flat_slots_N: jax.Array,
+                           flat_starts_N: jax.Array) -> jax.Array:
     """Attention of each slot's query over its first `lengths_B[b]` positions.
 
     flat_*: the mapped pages (see `pages.PageView`): page id, owning slot (B for
@@ -71,8 +76,9 @@ def ragged_paged_attention(q_BHD, k_KPpD, v_KPpD, lengths_B, flat_pages_N, flat_
     return out.reshape(B, H, D).astype(q_BHD.dtype)
 
 
-def pallas_paged_attention(q_BHD, k_KPpD, v_KPpD, lengths_B, table_BP,
-                           interpret: bool = False):
+def pallas_paged_attention(q_BHD: jax.Array, k_KPpD: jax.Array, v_KPpD: jax.Array,
+                           lengths_B: jax.Array, table_BP: jax.Array,
+                           interpret: bool = False) -> jax.Array:
     """The TPU kernel (it expects pre-scaled queries); `interpret` runs it in Pallas'
     TPU interpreter on any backend (tests)."""
     from jax.experimental.pallas import tpu as pltpu
@@ -87,8 +93,9 @@ def pallas_paged_attention(q_BHD, k_KPpD, v_KPpD, lengths_B, table_BP,
     return out.astype(q_BHD.dtype)
 
 
-def paged_attention(q_BHD, k_KPpD, v_KPpD, lengths_B, view, implementation: str = "auto",
-                    interpret: bool = False):
+def paged_attention(q_BHD: jax.Array, k_KPpD: jax.Array, v_KPpD: jax.Array, lengths_B: jax.Array,
+                    view: PageView, implementation: str = "auto",
+                    interpret: bool = False) -> jax.Array:
     """Decode attention by `implementation`; `view` is a `pages.PageView` of arrays."""
     impl = resolve(implementation)
     if impl == "ragged":

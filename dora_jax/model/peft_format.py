@@ -34,11 +34,17 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dora_jax import untrusted_files
 from dora_jax.model.hf_config import CheckpointError
+
+if TYPE_CHECKING:
+    from flax import nnx
+
+    from dora_jax.config import LoRAConfig, ModelConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -69,7 +75,7 @@ class PeftFormatError(CheckpointError):
 
 # ------------------------------------------------------------------ adapter_config.json
 
-def adapter_config(lora_cfg, base_model_name_or_path: str = "") -> dict:
+def adapter_config(lora_cfg: LoRAConfig, base_model_name_or_path: str = "") -> dict:
     """PEFT's LoraConfig fields for adapters of `lora_cfg` (model.lora)."""
     alpha = lora_cfg.alpha
     return {
@@ -132,7 +138,7 @@ def read_config(directory: str) -> dict:
     return dict(c, target_modules=tuple(t for t in HF_MODULE if t in targets))
 
 
-def check_config(peft_cfg: dict, lora_cfg, where: str) -> None:
+def check_config(peft_cfg: dict, lora_cfg: LoRAConfig, where: str) -> None:
     """Fails, naming the model.lora field, unless `peft_cfg` (read_config's) has the
     rank, alpha and targets of `lora_cfg`."""
     if peft_cfg["r"] != lora_cfg.rank:
@@ -199,8 +205,8 @@ def _to_ours(tensor: np.ndarray, unit_shape: tuple) -> np.ndarray:
 
 # ------------------------------------------------------------------ out
 
-def save_adapters(cfg, params, directory: str, *, base_model_name_or_path: str = "",
-                  dtype: str | None = None) -> list[str]:
+def save_adapters(cfg: ModelConfig, params: nnx.State, directory: str, *,
+                  base_model_name_or_path: str = "", dtype: str | None = None) -> list[str]:
     """Writes the adapters of `params` (of ModelConfig `cfg`, LoRA on) to `directory`
     as a PEFT adapter: adapter_config.json and adapter_model.safetensors (`dtype`:
     stored dtype, default model.lora.dtype). Returns the files written."""
@@ -240,7 +246,7 @@ def save_adapters(cfg, params, directory: str, *, base_model_name_or_path: str =
 
 # ------------------------------------------------------------------ in
 
-def load_adapters(directory: str, cfg):
+def load_adapters(directory: str, cfg: ModelConfig) -> nnx.State:
     """The adapters (the `lora.split(params)[1]` tree of ModelConfig `cfg`) held by the
     PEFT adapter `directory`, in model.lora.dtype on the default device. Rank, alpha
     and targets must be `cfg.lora`'s; every tensor must be one of ours, with its shape."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
 from dora_jax import untrusted_files
 from dora_jax.model.hf_config import CheckpointError
@@ -58,7 +58,7 @@ def _unique_object(path: str):
     return hook
 
 
-def read_header(path: str, f, file_size: int) -> tuple[int, dict]:
+def read_header(path: str, f: BinaryIO, file_size: int) -> tuple[int, dict]:
     """(header length, header object) of the open file `f`, checked to be a JSON
     object lying within the file."""
     raw = f.read(8)
@@ -88,7 +88,7 @@ def read_header(path: str, f, file_size: int) -> tuple[int, dict]:
     return n, header
 
 
-def check_metadata(path: str, metadata) -> dict:
+def check_metadata(path: str, metadata: object) -> dict:
     """`__metadata__`: absent, or a dict of str -> str."""
     if metadata is None:
         return {}
@@ -102,7 +102,7 @@ def check_metadata(path: str, metadata) -> dict:
     return metadata
 
 
-def check_entry(path: str, name: str, entry, itemsizes: dict) -> Entry:
+def check_entry(path: str, name: str, entry: object, itemsizes: dict) -> Entry:
     """One header entry, its fields typed and its byte length agreeing with its
     dtype and shape."""
     where = f"{path}: tensor {name!r}"
@@ -157,7 +157,7 @@ def check_layout(path: str, entries: list[Entry], data_size: int) -> None:
                                "belong to none")
 
 
-def parse(path: str, f, file_size: int, itemsizes: dict) -> tuple[int, dict, list[Entry]]:
+def parse(path: str, f: BinaryIO, file_size: int, itemsizes: dict) -> tuple[int, dict, list[Entry]]:
     """(header length, metadata, entries) of an open safetensors file, every rule of
     the format checked."""
     n, header = read_header(path, f, file_size)

@@ -55,7 +55,7 @@ class SafetensorsFile:
                 path, f, os.fstat(f.fileno()).st_size, _ITEMSIZES)
         self._info = {e.name: TensorInfo(np.dtype(_DTYPES[e.dtype]), e.shape,
                                          8 + n + e.begin, 8 + n + e.end) for e in entries}
-        self._map = None
+        self._map: np.memmap | None = None
 
     @property
     def names(self) -> list[str]:
@@ -158,7 +158,9 @@ def write_sharded(directory: str, tensors: list[TensorSpec], max_shard_bytes: in
                   metadata: dict | None = None) -> list[str]:
     """Writes `tensors` as model.safetensors, or, past `max_shard_bytes`, as
     model-0000i-of-0000n.safetensors shards with their index. Returns the files."""
-    shards, current, size = [], [], 0
+    shards: list[list[TensorSpec]] = []
+    current: list[TensorSpec] = []
+    size = 0
     for t in tensors:
         nbytes = np.dtype(t.dtype).itemsize * int(np.prod(t.shape))
         if current and size + nbytes > max_shard_bytes:

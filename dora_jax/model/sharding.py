@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,12 +45,12 @@ def logical_to_spec(names: Iterable[str | None], rules: Rules,
     return PartitionSpec(*spec)
 
 
-def is_variable(x) -> bool:
+def is_variable(x: object) -> bool:
     """A leaf test for trees of nnx Variables (params with their metadata)."""
     return isinstance(x, nnx.Variable)
 
 
-def param_specs(state: nnx.State, rules: Rules, mesh: Mesh | None = None):
+def param_specs(state: nnx.State, rules: Rules, mesh: Mesh | None = None) -> nnx.State:
     """PartitionSpec pytree (a prefix of `state`) from each Param's `logical_axes`."""
 
     def spec(v):
@@ -61,7 +62,7 @@ def param_specs(state: nnx.State, rules: Rules, mesh: Mesh | None = None):
     return jax.tree.map(spec, state, is_leaf=is_variable)
 
 
-def param_shardings(state: nnx.State, mesh: Mesh, rules: Rules):
+def param_shardings(state: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
     """NamedSharding pytree for `state` (params, abstract or concrete) on `mesh`."""
     return jax.tree.map(lambda s: NamedSharding(mesh, s),
                         param_specs(state, rules, mesh),
@@ -74,7 +75,7 @@ _local = threading.local()
 
 
 @contextlib.contextmanager
-def activation_rules(mesh: Mesh | None, rules: Rules | None):
+def activation_rules(mesh: Mesh | None, rules: Rules) -> Iterator[None]:
     """Within this context, `constrain` shards activations by `rules` on `mesh`.
 
     Enter it around the *tracing* of a jitted function (i.e. around its call).
@@ -101,7 +102,7 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     spec = logical_to_spec(names, rules, mesh)
     # An axis that does not divide the dimension cannot shard it; leave it replicated
     # rather than fail (e.g. a batch of one prompt at prefill on a data-parallel mesh).
-    fixed = []
+    fixed: list[str | tuple[str, ...] | None] = []
     for dim, axes in zip(x.shape, tuple(spec) + (None,) * (x.ndim - len(spec))):
         if axes is None:
             fixed.append(None)
@@ -113,7 +114,7 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 
 
 @jax.jit
-def copy_tree(tree):
+def copy_tree(tree: Any) -> Any:
     """A fresh copy of every array in `tree`, on the same devices and shardings: what
     must outlive a jitted step that donates the original (published params, a
     frozen reference, a throwaway state for compiling)."""

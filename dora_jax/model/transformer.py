@@ -16,7 +16,8 @@ then `apply(graphdef, params, ...)` inside jitted code.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,9 @@ from dora_jax.model.layers import Attention, RMSNorm, SwiGLU, param
 from dora_jax.model.moe import MoE
 from dora_jax.model.paged_attention import POOL_AXES
 from dora_jax.model.sharding import constrain, is_variable
+
+if TYPE_CHECKING:
+    from dora_jax.rollout.pages import PageView
 
 AUX_KEYS = ("load_balance_loss", "router_z_loss", "dropped_fraction")
 
@@ -42,7 +46,8 @@ class KVCache(NamedTuple):
         return self.k.shape[2]
 
 
-def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> KVCache:
+def init_cache(cfg: ModelConfig, batch: int, length: int,
+               dtype: jax.typing.DTypeLike | None = None) -> KVCache:
     shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
     dtype = jnp.dtype(dtype or cfg.dtype)
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
@@ -51,7 +56,8 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> KVCache
 CACHE_AXES = ("layers", "batch", "cache_length", "kv_heads", "head_dim")
 
 
-def init_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None) -> KVCache:
+def init_pool(cfg: ModelConfig, num_pages: int, page_size: int,
+              dtype: jax.typing.DTypeLike | None = None) -> KVCache:
     """A paged KV pool: [layers, kv_heads, num_pages, page_size, head_dim] each."""
     shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
     dtype = jnp.dtype(dtype or cfg.dtype)
@@ -85,25 +91,30 @@ class Block(nnx.Module):
                             replay=replay)
         return self.mlp(x), None
 
-    def __call__(self, x_BTD, positions_BT, dropless, past=None, valid_BT=None,
-                 segment_ids_BT=None, routing_BTK=None, replay=False):
+    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, dropless: bool,
+                 past: tuple | None = None, valid_BT: jax.Array | None = None,
+                 segment_ids_BT: jax.Array | None = None, routing_BTK: jax.Array | None = None,
+                 replay: bool = False
+                 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array], dict | None]:
         h, kv = self.attn(self.attn_norm(x_BTD), positions_BT, past, segment_ids_BT)
         x_BTD = x_BTD + h
         h, aux = self._mlp(self.mlp_norm(x_BTD), dropless, valid_BT, routing_BTK, replay)
         return x_BTD + h, kv, aux
 
-    def decode(self, x_B1D, positions_B, cache: KVCache, layer, pages=None, paged_impl="auto"):
+    def decode(self, x_B1D: jax.Array, positions_B: jax.Array, cache: KVCache,
+               layer: int | jax.Array, pages: PageView | None = None,
+               paged_impl: str = "auto") -> tuple[jax.Array, KVCache, jax.Array | None]:
         if pages is None:
-            h, cache = self.attn.decode(self.attn_norm(x_B1D), positions_B, *cache, layer)
+            h, kv = self.attn.decode(self.attn_norm(x_B1D), positions_B, *cache, layer)
         else:
-            h, cache = self.attn.decode_paged(self.attn_norm(x_B1D), positions_B, *cache,
-                                              layer, pages, paged_impl)
+            h, kv = self.attn.decode_paged(self.attn_norm(x_B1D), positions_B, *cache,
+                                           layer, pages, paged_impl)
         x_B1D = x_B1D + h
         h, aux = self._mlp(self.mlp_norm(x_B1D), True)  # decoding is always exact
-        return x_B1D + h, KVCache(*cache), None if aux is None else aux["experts"][:, 0]
+        return x_B1D + h, KVCache(*kv), None if aux is None else aux["experts"][:, 0]
 
 
-def stack_layers(blocks) -> Block:
+def stack_layers(blocks: Sequence[Block]) -> Block:
     """One Block whose every param gains a leading "layers" axis: `blocks` stacked."""
     graphdef = nnx.graphdef(blocks[0])
     states = [nnx.split(b)[1] for b in blocks]
@@ -158,7 +169,9 @@ class Transformer(nnx.Module):
         """Layers of one period in order: (x, [k per layer], [v ...], [MoE aux ...]).
         past: None or (k [period, B, P, K, D], v, length) for these layers; routing:
         None or the recorded experts of this period's MoE layers [m, B, T, k]."""
-        ks, vs, auxes = [], [], []
+        ks: list[jax.Array] = []
+        vs: list[jax.Array] = []
+        auxes: list[dict] = []
         for r, (graphdef, state) in enumerate(zip(graphdefs, states)):
             layer_past = None if past is None else (past[0][r], past[1][r], past[2])
             block = nnx.merge(graphdef, state)
@@ -173,10 +186,12 @@ class Transformer(nnx.Module):
                 auxes.append(aux)
         return x, ks, vs, auxes
 
-    def __call__(self, tokens_BT, positions_BT=None, *, dropless: bool | None = None,
-                 return_kv: bool = False, past: KVCache | None = None, past_length=None,
-                 valid_BT=None, segment_ids_BT=None, routing_BTLK=None, replay: bool = False,
-                 return_routing: bool = False):
+    def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None, *,
+                 dropless: bool | None = None, return_kv: bool = False, past: KVCache | None = None,
+                 past_length: jax.Array | int | None = None, valid_BT: jax.Array | None = None,
+                 segment_ids_BT: jax.Array | None = None, routing_BTLK: jax.Array | None = None,
+                 replay: bool = False,
+                 return_routing: bool = False) -> tuple[jax.Array, dict | None, KVCache | None]:
         """Full causal forward. Returns (logits_BTV f32, aux, kv or None).
 
         valid_BT: bool mask of real tokens (None: all); MoE layers route no padding
@@ -277,8 +292,9 @@ class Transformer(nnx.Module):
             aux["routing"] = jnp.moveaxis(own, 0, 2)  # [B, T, MoE layers, k]
         return logits, aux, (KVCache(k, v) if return_kv else None)
 
-    def decode(self, tokens_B, positions_B, cache: KVCache, pages=None,
-               paged_impl: str = "auto", return_routing: bool = False):
+    def decode(self, tokens_B: jax.Array, positions_B: jax.Array, cache: KVCache,
+               pages: PageView | None = None, paged_impl: str = "auto",
+               return_routing: bool = False) -> tuple:
         """One decode step for B slots. Returns (logits_BV f32, updated cache), and with
         `return_routing` the experts each MoE layer chose for these tokens
         [B, MoE layers, k] (None for a dense model).
@@ -320,19 +336,21 @@ class Transformer(nnx.Module):
         return logits, cache, None if experts is None else jnp.moveaxis(experts, 0, 1)
 
 
-def create(cfg: ModelConfig, seed: int = 0):
+def create(cfg: ModelConfig, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
     """Builds a model and splits it: returns (graphdef, params)."""
     model = Transformer(cfg, rngs=nnx.Rngs(params=seed))
     return nnx.split(model, nnx.Param)
 
 
-def abstract_params(cfg: ModelConfig):
+def abstract_params(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, params as ShapeDtypeStructs) without allocating any memory."""
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0)))
     return nnx.split(model, nnx.Param)
 
 
-def apply(graphdef, params, tokens_BT, positions_BT=None, **kwargs):
+def apply(graphdef: nnx.GraphDef, params: nnx.State, tokens_BT: jax.Array,
+          positions_BT: jax.Array | None = None,
+          **kwargs: Any) -> tuple[jax.Array, dict | None, KVCache | None]:
     """Functional full forward: `Transformer.__call__` on explicit params (packed
     rows: `segment_ids_BT=`)."""
     return nnx.merge(graphdef, params)(tokens_BT, positions_BT, **kwargs)
@@ -349,19 +367,21 @@ def segment_positions(segment_ids_BT: jax.Array) -> jax.Array:
     return t_T - run_start_BT
 
 
-def decode(graphdef, params, tokens_B, positions_B, cache: KVCache, pages=None,
-           paged_impl: str = "auto", return_routing: bool = False):
+def decode(graphdef: nnx.GraphDef, params: nnx.State, tokens_B: jax.Array, positions_B: jax.Array,
+           cache: KVCache, pages: PageView | None = None, paged_impl: str = "auto",
+           return_routing: bool = False) -> tuple:
     """Functional decode step: `Transformer.decode` on explicit params."""
     return nnx.merge(graphdef, params).decode(tokens_B, positions_B, cache, pages, paged_impl,
                                               return_routing)
 
 
-def count_params(params) -> int:
+def count_params(params: object) -> int:
     """Number of scalars in a params pytree (concrete or abstract)."""
     return sum(math.prod(x.shape) for x in jax.tree.leaves(params))
 
 
-def token_logprobs(logits_BTV: jax.Array, tokens_BT: jax.Array, temperature: float = 1.0):
+def token_logprobs(logits_BTV: jax.Array, tokens_BT: jax.Array,
+                   temperature: float = 1.0) -> jax.Array:
     """log p(tokens[:, t] | tokens[:, :t]) at every t >= 1, under softmax(logits / T).
 
     Aligned with `tokens_BT`: column 0 (no context) is 0. Logits at position t

@@ -51,6 +51,7 @@ does so under `if __name__ == "__main__"`, and keeps JAX out of its top-level im
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import importlib
 import math
 import multiprocessing
@@ -60,10 +61,13 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import pebble
 
-RewardFn = Callable[[dict, Sequence], float]
+# (record, response): the response as `_plain` hands it, a text or token ids; each
+# function takes the one its records produce.
+RewardFn = Callable[[dict, Any], float]
 
 # Audit events a reward has no business raising. `open` is blocked only for writing.
 _BLOCKED = frozenset({
@@ -148,7 +152,7 @@ class RewardPool:
                 for out, _, _ in chunk:
                     self._resolve(out, self._unscheduled(e))
                 continue
-            inner.add_done_callback(lambda f, chunk=chunk: self._settle_many(f, chunk))
+            inner.add_done_callback(functools.partial(self._settle_many, chunk=chunk))
         return outs
 
     def _schedule(self, out: concurrent.futures.Future, record: dict, response) -> None:
@@ -304,6 +308,7 @@ def _score(record: dict, response: str | list) -> tuple[float, str | None]:
     """Runs in a worker: (reward, error text or None)."""
     global _blocked
     _blocked = []
+    assert _fn is not None  # set by _init_worker in each worker
     try:
         value, error = float(_fn(record, response)), None
     except MemoryError:

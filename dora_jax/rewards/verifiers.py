@@ -20,6 +20,7 @@ import re
 from collections import Counter
 from collections.abc import Callable, Sequence
 from fractions import Fraction
+from typing import cast
 
 from dora_jax.rewards import reasoning_gym_scores
 
@@ -211,9 +212,10 @@ def _evaluate(node: ast.AST) -> Fraction:
     if isinstance(node, ast.Expression):
         return _evaluate(node.body)
     if isinstance(node, ast.Constant):
-        return Fraction(node.value)
+        return Fraction(cast(int, node.value))  # `_literals` accepts int constants only
     if isinstance(node, ast.UnaryOp):
         return -_evaluate(node.operand)
+    assert isinstance(node, ast.BinOp)  # the one node left that `_literals` accepts
     left, right = _evaluate(node.left), _evaluate(node.right)
     if isinstance(node.op, ast.Add):
         value = left + right

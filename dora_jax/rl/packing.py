@@ -152,7 +152,7 @@ def packed(batch: TrainBatch, num_minibatches: int, row_length: int,
                 loss_mask[at] = batch.loss_mask_BT[i, :n]
                 behaviour[at] = batch.behaviour_logp_BT[i, :n]
                 token_versions[at] = batch.token_versions_BT[i, :n]
-                if routed is not None:
+                if routed is not None and recorded is not None:  # None together
                     routed[at] = recorded[i, :n]
                 start += n
     rows = dict(tokens=tokens, positions=positions, segment_ids=segment_ids, sample=sample,

@@ -16,6 +16,7 @@ bucket). With LoRA only the adapters train and the KL reference is the base itse
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -281,7 +282,8 @@ class Trainer:
         num_micro = U
         if self._packed:
             num_micro = jnp.maximum(jnp.sum(jnp.any(micro["segment_ids"] > 0, axis=(1, 2))), 1)
-        loss_fn = functools.partial(objective.micro_loss, self.cfg, self._forward)
+        loss_fn: Callable[..., Any] = functools.partial(
+            objective.micro_loss, self.cfg, self._forward)
         trainable = params
         if self._lora:  # differentiated in the adapters alone; the base is a constant
             base, trainable = lora.split(params)

@@ -300,7 +300,8 @@ def demonstration_tokens(env_cls, record: dict, tokenizer, frame: tuple) -> dict
     """An environment's demonstration of `record` as a response: each model turn's
     text and the turn's end token, each observation framed by `frame` as the runner
     frames it; {"response_tokens", "episode"} with the turns."""
-    tokens, turns = [], []
+    tokens: list[int] = []
+    turns: list[list] = []
     for role, text in env_cls.demonstration(record):
         if role == "model":
             ids = tokenizer.encode(text) + [tokenizer.stop_ids[0]]

@@ -78,7 +78,7 @@ class PagePool:
         self.table = np.zeros((self.slots, self.pages_per_slot), np.int32)
         self.mapped = np.zeros(self.slots, np.int32)  # pages in each slot's table
         self.bound = np.zeros(self.slots, np.int64)  # positions each slot may occupy
-        self._flat_buckets = None
+        self._flat_buckets: tuple[int, ...] | None = None
 
     # ----------------------------------------------------------------- queries
 
@@ -146,7 +146,7 @@ class PagePool:
     def shortfall(self, n: int) -> int:
         """Pages the mapped slots lack for n more positions each."""
         want = self._ahead(n)
-        return sum(self.missing(s, want[s]) for s in np.flatnonzero(self.mapped))
+        return sum(self.missing(int(s), int(want[s])) for s in np.flatnonzero(self.mapped))
 
     def advance(self, n: int) -> None:
         """Gives every mapped slot pages for n more positions (a decode call of n
@@ -157,7 +157,7 @@ class PagePool:
                                  f"{self.num_free} free of {self.num_pages}")
         want = self._ahead(n)
         for s in np.flatnonzero(self.mapped):
-            k = self.missing(s, want[s])
+            k = self.missing(int(s), int(want[s]))
             if k:
                 m = int(self.mapped[s])
                 self.table[s, m:m + k] = self._take(k)
@@ -212,7 +212,7 @@ class PagePool:
 
     # ----------------------------------------------------------------- device view
 
-    def flat_buckets(self) -> tuple:
+    def flat_buckets(self) -> tuple[int, ...]:
         """Padded lengths of the flat page list (doubling, up to every slot full)."""
         if self._flat_buckets is None:
             top, b, out = self.slots * self.pages_per_slot, 8, []

@@ -346,17 +346,20 @@ class DecodeSlice:
     def _end_episode(self, seq: InFlight, why: str):
         """Ends an episode between turns. Its finish reason says how its last model
         turn ended (at a stop id: "eos"); `episode.end` says why the episode did."""
+        assert seq.episode is not None
         seq.episode.end = why
         del self._held[seq.request.request_id]
         self._done.append(seq.to_trajectory("eos", self.clock()))
         self.stats.finished += 1
 
-    def _free(self, seq: InFlight):
+    def _free(self, seq: InFlight) -> None:
+        assert seq.slot is not None  # it holds one until this frees it
         self.engine.free_resource(seq.slot)
         self.slots.free(seq.slot)
 
-    def _flush(self, seq: InFlight):
+    def _flush(self, seq: InFlight) -> None:
         """Copies the slot's new tokens into the seq, tagged with its version."""
+        assert seq.slot is not None
         tokens, logprobs = self.slots.new_tokens(seq.slot, len(seq.response_tokens))
         seq.response_tokens.extend(tokens)
         seq.behaviour_logprobs.extend(logprobs)
@@ -376,6 +379,7 @@ class DecodeSlice:
     def _finish(self, seq: InFlight):
         self._flush(seq)
         if seq.episode is not None and self.turns.turn_ended(seq):
+            assert seq.slot is not None  # it is freed below
             kept = self.engine.extract(self.calls.state, seq.slot,
                                        used=seq.length)
             self._free(seq)

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+from typing import Any, cast
 
 import jax
 import numpy as np
 
 from dora_jax import versions as versions_lib
-from dora_jax.rollout.episodes import EpisodeRunner
+from dora_jax.rollout.episodes import Episode, EpisodeRunner
 from dora_jax.rollout.trajectory import InFlight
 
 
@@ -50,15 +51,17 @@ class EpisodeTurns:
     def begin(self, seq: InFlight) -> None:
         """Makes a submitted request an episode if it carries a task record."""
         if seq.request.record is not None and self.runner is not None:
-            seq.episode = self.runner.begin(seq.request.record, seq.request.seed)
+            # The runtime seeds every sample with an int (`request_seed`).
+            seq.episode = self.runner.begin(seq.request.record, cast(int, seq.request.seed))
 
     def turn_ended(self, seq: InFlight) -> bool:
         """Records a model turn that ended (its tokens flushed); True if the episode
         now goes to its environment (`send`), False if it ends here (its token budget
         is spent)."""
-        seq.episode.turns.append(["model", seq.episode.next_start, len(seq.response_tokens)])
+        episode = _episode(seq)
+        episode.turns.append(["model", episode.next_start, len(seq.response_tokens)])
         if seq.response_tokens[-1] not in self._stop_ids:  # cut at the budget
-            seq.episode.end = "budget"
+            episode.end = "budget"
             return False
         return True
 
@@ -69,13 +72,20 @@ class EpisodeTurns:
         r = self._engine.rollout_cfg
         return r.samples_per_slice if self.runner is not None else r.slots_per_slice
 
-    def send(self, seq: InFlight, kept) -> None:
+    def send(self, seq: InFlight, kept: Any) -> None:
         """Sends the turn that just ended, its slot already freed with `kept` its KV."""
-        start = seq.episode.turns[-1][1]
-        call = self.runner.step(seq.episode, seq.response_tokens[start:])
+        episode = _episode(seq)
+        start = episode.turns[-1][1]
+        call = self._episode_runner.step(episode, seq.response_tokens[start:])
         if self._to_host:
             kept = self._move(kept, None)
         self._at_env[seq.request.request_id] = (seq, kept, call)
+
+    @property
+    def _episode_runner(self) -> EpisodeRunner:
+        """The runner, where there are episodes (a slice without one has none)."""
+        assert self.runner is not None
+        return self.runner
 
     def _move(self, kept, dst):
         """The kept KV copied to host memory (dst None) or back onto the slice's mesh;
@@ -100,7 +110,7 @@ class EpisodeTurns:
         for rid, (seq, kept, call) in list(self._at_env.items()):
             if call.future.done():
                 result, seconds, error = call.future.result()
-            elif call.timed_out(now, self.runner.timeout):
+            elif call.timed_out(now, self._episode_runner.timeout):
                 call.future.cancel()
                 result, seconds, error = None, now - call.started, "env_timeout"
             else:
@@ -110,7 +120,7 @@ class EpisodeTurns:
         return out
 
     def _answer(self, seq: InFlight, kept, result, seconds, error) -> str | None:
-        episode = seq.episode
+        episode = _episode(seq)
         episode.env_seconds += seconds
         if result is None or error is not None:
             episode.error = error
@@ -120,9 +130,9 @@ class EpisodeTurns:
                              if isinstance(v, (int, float))})
         if result.done:
             return "done"
-        if episode.model_turns >= self.runner.max_turns:
+        if episode.model_turns >= self._episode_runner.max_turns:
             return "max_turns"
-        obs = self.runner.observation_tokens(result.observation)
+        obs = self._episode_runner.observation_tokens(result.observation)
         limit = min(seq.request.max_new_tokens or self._max_decode_len, self._max_decode_len)
         if len(seq.response_tokens) + len(obs) + 1 > limit:  # no room for a model token
             return "budget"
@@ -141,12 +151,12 @@ class EpisodeTurns:
         concurrent.futures.wait([call.future for _, _, call in self._at_env.values()],
                                 timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
-    def take(self, request_id):
+    def take(self, request_id: tuple) -> tuple | None:
         """Removes an episode at its environment (migration): (InFlight, kept KV,
         EnvCall), or None if it is not there."""
         return self._at_env.pop(request_id, None)
 
-    def put(self, seq: InFlight, kept, env_call) -> None:
+    def put(self, seq: InFlight, kept: Any, env_call: Any) -> None:
         """Takes over an episode whose environment call (EnvCall) is pending,
         its kept KV (from another slice) placed where this slice keeps it."""
         if kept is not None:
@@ -161,3 +171,9 @@ class EpisodeTurns:
 
     def clear(self) -> None:
         self._at_env.clear()
+
+
+def _episode(seq: InFlight) -> Episode:
+    """The episode of a request the caller knows to be one."""
+    assert seq.episode is not None
+    return seq.episode

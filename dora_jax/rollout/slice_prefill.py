@@ -72,7 +72,8 @@ class Prefills:
         limit, up to `room` and as far as the pool's pages go (at least the head), as
         many as the largest power of two of those: the shapes warm-up compiles."""
         head = waiting[0]
-        key, pages, out = prompt_key(head.request), 0, []
+        key, pages = prompt_key(head.request), 0
+        out: list[InFlight] = []
         while (waiting and len(out) < room and self.fresh(waiting[0])
                and prompt_key(waiting[0].request) == key
                and waiting[0].version == head.version
@@ -156,7 +157,8 @@ class Prefills:
         """Takes from the head of `waiting` the episodes whose observations are in
         (their KV kept), of the head's version, up to `room` and as far as the pool's
         pages go: those `continue_episodes` prefills together."""
-        head, out, pages = waiting[0], [], 0
+        head, pages = waiting[0], 0
+        out: list[InFlight] = []
         while (waiting and len(out) < room and waiting[0].kept is not None
                and waiting[0].version == head.version
                and self._memory.room_for(waiting[0], also=pages)):
@@ -168,7 +170,8 @@ class Prefills:
         """Episodes' observations on their kept KV into `slots`, one prefill call for
         those whose kept KV and new tokens share their shapes; returns each one's
         ResultTokens."""
-        engine, rows = self._engine, {}
+        engine = self._engine
+        rows: dict[tuple, list] = {}
         for i, seq in enumerate(seqs):
             done = seq.response_tokens
             padded, t = engine.pad_tokens(done[len(done) - seq.unwritten:])

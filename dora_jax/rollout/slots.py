@@ -77,7 +77,7 @@ class SlotTable:
 
     def clear(self) -> None:
         for slot in np.flatnonzero(self.owned):
-            self.free(slot)
+            self.free(int(slot))
         for buf in (self.count_S, self.placed_S, self.prompt_len_S, self.order_S):
             buf[:] = 0
 

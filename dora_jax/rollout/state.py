@@ -5,7 +5,7 @@ JetStream's `engine_api.ResultTokens`."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, dataclass_transform
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +13,16 @@ import numpy as np
 from flax import struct
 
 from dora_jax.model import transformer
+
+if TYPE_CHECKING:
+    _T = TypeVar("_T")
+
+    # mypy does not read flax (pyproject.toml); this tells it what struct.dataclass
+    # makes: a frozen dataclass (and a pytree, which mypy need not know).
+    @dataclass_transform(frozen_default=True)
+    def _pytree_dataclass(cls: type[_T]) -> type[_T]: ...
+else:
+    _pytree_dataclass = struct.dataclass
 
 
 class EngineParams(NamedTuple):
@@ -65,7 +75,7 @@ class Prefix(NamedTuple):
 TOKEN, LOGPROB, POSITION, LENGTH, VALID, FINISHED = range(6)
 
 
-@struct.dataclass
+@_pytree_dataclass
 class SlotData:
     """One slot's rows of a ResultTokens (JetStream's SlotData): tokens and valid
     [samples_per_slot, 1], lengths [samples_per_slot], log_prob [samples_per_slot, 1]
@@ -77,7 +87,7 @@ class SlotData:
     log_prob: jax.Array | np.ndarray | None = None
 
 
-@struct.dataclass
+@_pytree_dataclass
 class ResultTokens:
     """Per-sample output of a prefill (B = samples) or generate call (B = S slots),
     JetStream's ResultTokens: everything in one int32 array `data` [B, 6], so a host
@@ -97,6 +107,10 @@ class ResultTokens:
     # ([B, MoE layers, k], or [n, S, ...] from generate_steps; `routing_dtype`,
     # `not_routed` where none).
     routing: jax.Array | np.ndarray | None = None
+
+    if TYPE_CHECKING:  # added by struct.dataclass
+
+        def replace(self, **changes: Any) -> ResultTokens: ...
 
     def copy_to_host_async(self) -> None:
         for a in (self.data, self.routing):

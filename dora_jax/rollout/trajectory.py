@@ -230,6 +230,7 @@ class InFlight:
 
     def to_trajectory(self, finish_reason: str, t_finish: float) -> Trajectory:
         r = self.request
+        assert self.t_start is not None  # set by its first prefill: only then can it finish
         return Trajectory(
             group_id=r.group_id, prompt_id=r.prompt_id, sample_index=r.sample_index,
             version=r.version if r.group_version is None else r.group_version,

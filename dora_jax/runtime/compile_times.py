@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Iterator
 
 from dora_jax import atomic_files
 
@@ -36,11 +37,11 @@ def announcement(phases: list[str], workdir: str) -> str:
 class Stopwatch:
     """Seconds per named phase: `with watch("train step"): ...`."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
 
     @contextlib.contextmanager
-    def __call__(self, phase: str):
+    def __call__(self, phase: str) -> Iterator[None]:
         start = time.perf_counter()
         try:
             yield

@@ -30,9 +30,11 @@ it runs.
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import queue
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -41,6 +43,12 @@ from dora_jax.rewards import pool as pool_lib
 from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.rollout.trajectory import Request
 from dora_jax.runtime.events import EvalGenerated, EvalScored
+
+if TYPE_CHECKING:
+    from flax import nnx
+
+    from dora_jax.rollout.trajectory import InFlight
+    from dora_jax.runtime.worker import SliceWorker
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -87,7 +95,7 @@ class EvalDecoder:
 
     Runs on the host slice's worker thread (worker.py); not thread-safe."""
 
-    def __init__(self, host: DecodeSlice, cfg: EvalConfig, run_seed: int, **engine_kwargs):
+    def __init__(self, host: DecodeSlice, cfg: EvalConfig, run_seed: int, **engine_kwargs: Any):
         e = host.engine
         kwargs = dict(rules=e.rules, stop_ids=e.stop_ids, tokenizer_path=e.tokenizer_path,
                       **engine_kwargs)
@@ -97,7 +105,7 @@ class EvalDecoder:
         self.sampled = DecodeSlice.create(host.slice_id, e.mesh, e.model_cfg, e.rollout_cfg,
                                           lookahead=False, **kwargs)
 
-    def warm(self, params) -> None:
+    def warm(self, params: nnx.State) -> None:
         """Compiles both slices' programs on `params` (placed on the host's mesh)."""
         from dora_jax.rollout.warmup import warm_engine
 
@@ -105,7 +113,8 @@ class EvalDecoder:
             warm_engine(sl.engine, params, reprefills=False)
             sl.reset_decode_state()
 
-    def generate(self, version: int, params, records: list[dict]):
+    def generate(self, version: int, params: nnx.State,
+                 records: list[dict]) -> tuple[list[InFlight], list[list[InFlight]]]:
         """(greedy trajectories, one per record; sampled ones, `cfg.samples` per
         record, as lists) of `version` with `params`; the params are dropped after."""
         try:
@@ -138,8 +147,8 @@ class Evaluation:
     slice, scoring its responses, and its metrics record. Called on the
     coordinator's thread only."""
 
-    def __init__(self, cfg: EvalConfig, records: list[dict], decoder: EvalDecoder,
-                 rewards, events: queue.Queue, clock: Callable[[], float]):
+    def __init__(self, cfg: EvalConfig, records: Sequence[dict], decoder: EvalDecoder,
+                 rewards: pool_lib.RewardPool, events: queue.Queue, clock: Callable[[], float]):
         self.cfg, self.records, self.decoder = cfg, list(records), decoder
         self._rewards, self._events, self._clock = rewards, events, clock
         self._pending: dict[int, EvalGenerated | None] = {}  # version -> generated
@@ -155,19 +164,21 @@ class Evaluation:
         """Version `version` is one to evaluate (every `eval.every` steps)."""
         return version % self.cfg.every == 0 and version not in self.evaluated
 
-    def start(self, worker, version: int, params) -> None:
+    def start(self, worker: SliceWorker, version: int,
+              params: nnx.State | concurrent.futures.Future) -> None:
         """Sends the evaluation of `version` (its `params`) to `worker`."""
         self.evaluated.add(version)
         self._pending[version] = None
         worker.evaluate(self.decoder, version, params, self.records)
 
-    def offer(self, worker, version: int, params, *, last: bool = False) -> None:
+    def offer(self, worker: SliceWorker, version: int,
+              params: nnx.State | concurrent.futures.Future, *, last: bool = False) -> None:
         """Starts `version`'s evaluation if one is due, or if `last` (the run's final
         version) and none ran."""
         if self.due(version) or (last and version not in self.evaluated):
             self.start(worker, version, params)
 
-    def finish(self, offer_last: Callable[[], int], take_event: Callable[[], None]) -> None:
+    def finish(self, offer_last: Callable[[], int], take_event: Callable[[], object]) -> None:
         """Evaluates the final version if none has (`offer_last` returns it), taking
         events until every evaluation sent is scored; once more if its slice failed
         before running it."""
@@ -208,6 +219,7 @@ class Evaluation:
     def scored(self, ev: EvalScored) -> dict:
         """The evaluation's metrics record."""
         gen = self._pending.pop(ev.version)
+        assert gen is not None  # its EvalGenerated came first
         greedy, sampled = self._scores.pop(ev.version)
 
         def pairs(fs, ts):

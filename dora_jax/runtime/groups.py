@@ -12,11 +12,15 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from dora_jax.rewards import pool, shaping
 from dora_jax.rollout.trajectory import Trajectory
 from dora_jax.scheduler import driver
 from dora_jax.scheduler.types import Admit
+
+if TYPE_CHECKING:
+    from dora_jax.config import Config
 
 
 @dataclasses.dataclass
@@ -30,10 +34,10 @@ class Group:
     _penalties: list | None = None
     _shaped: list | None = None
 
-    def shape(self, cfg) -> tuple[list, list]:
+    def shape(self, cfg: Config) -> tuple[list, list]:
         """(rewards the trainer sees, overlong penalties), in sample order; computed
         on the first call, which must come after every reward is in."""
-        if self._shaped is None:
+        if self._shaped is None or self._penalties is None:  # set together
             t = cfg.trainer
             self._shaped, self._penalties = shaping.shaped_rewards(
                 [self.rewards[k].result()[0] for k in sorted(self.trajectories)],
@@ -55,7 +59,8 @@ class GroupBook:
       clock: seconds since the run started.
     """
 
-    def __init__(self, cfg, rewards, write: Callable[..., None], clock: Callable[[], float]):
+    def __init__(self, cfg: Config, rewards: pool.RewardPool, write: Callable[..., None],
+                 clock: Callable[[], float]):
         self.cfg, self._rewards, self._write, self._clock = cfg, rewards, write, clock
         self.groups: dict[int, Group] = {}
 
@@ -165,6 +170,6 @@ class GroupBook:
 
 def _resolved(result) -> concurrent.futures.Future:
     """A future already holding `result`: a reward known without the pool."""
-    done = concurrent.futures.Future()
+    done: concurrent.futures.Future = concurrent.futures.Future()
     done.set_result(result)
     return done

@@ -14,9 +14,11 @@ restarts) up to `coordinator.max_slice_restarts` times.
 
 from __future__ import annotations
 
+import functools
 import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from dora_jax.data.prompts import PromptStream
 from dora_jax.rewards.pool import RewardPool
@@ -46,6 +48,15 @@ from dora_jax.scheduler.ledger import LedgerWriter
 from dora_jax.scheduler.types import Admit, Assign, Migrate, TrainStep
 from dora_jax.timeline import Timeline
 
+if TYPE_CHECKING:
+    from dora_jax.checkpointing import Checkpointer
+    from dora_jax.config import Config
+    from dora_jax.rl.trainer import Trainer
+    from dora_jax.rollout.slice import DecodeSlice
+    from dora_jax.runtime.evaluation import EvalDecoder
+    from dora_jax.runtime.recovery import Resumed
+    from dora_jax.scheduler.types import AddVersion, Evict, InterruptReload, LoadVersion
+
 
 class RunError(RuntimeError):
     """The run stopped: a slice, the trainer or the coordinator failed (the cause is
@@ -62,16 +73,18 @@ class Runtime(Driver):
     `faults` is where drills fail the run on purpose (faults.py; none by default).
     """
 
-    def __init__(self, cfg, scheduler: Scheduler, slices, trainer, prompts: PromptStream,
-                 rewards: RewardPool, ledger: LedgerWriter, reporter: StepReporter,
-                 timeline: Timeline, on_step: Callable[[dict], None] = lambda m: None,
-                 checkpointer=None, clock: Callable[[], float] = time.perf_counter,
-                 resumed=None, eval_decoder=None, eval_prompts=(),
-                 faults: Faults = NO_FAULTS):
+    def __init__(self, cfg: Config, scheduler: Scheduler, slices: list[DecodeSlice],
+                 trainer: Trainer, prompts: PromptStream, rewards: RewardPool, ledger: LedgerWriter,
+                 reporter: StepReporter, timeline: Timeline,
+                 on_step: Callable[[dict], None] = lambda m: None,
+                 checkpointer: Checkpointer | None = None,
+                 clock: Callable[[], float] = time.perf_counter, resumed: Resumed | None = None,
+                 eval_decoder: EvalDecoder | None = None,
+                 eval_prompts: Sequence[dict] = (), faults: Faults = NO_FAULTS) -> None:
         self.cfg, self.sched, self.slices, self.trainer = cfg, scheduler, slices, trainer
         self.prompts, self.ledger = prompts, ledger
         self.reporter, self.timeline, self.on_step = reporter, timeline, on_step
-        self._saved_version = None
+        self._saved_version: int | None = None
         self._t0 = clock()
         self.clock = lambda: clock() - self._t0
         self.book = GroupBook(cfg, rewards, ledger.write, self.clock)
@@ -172,13 +185,13 @@ class Runtime(Driver):
             self._saves.close()
 
     # ------------------------------------------------------------------ actions
-    def admit(self, a: Admit):
+    def admit(self, a: Admit) -> None:
         record = self._readmit.pop(a.group_id) if a.readmit else self.prompts.next()
         if record is None:
             raise RuntimeError(f"prompt source exhausted at group {a.group_id}")
         self.book.admit(a, record)
 
-    def assign(self, a: Assign):
+    def assign(self, a: Assign) -> None:
         g = self.book[a.group_id]
         self.workers[a.slice_id].submit(Request(
             group_id=a.group_id, prompt_id=g.record["prompt_id"], sample_index=a.sample,
@@ -186,21 +199,21 @@ class Runtime(Driver):
             seed=request_seed(self.cfg.seed, a.group_id, a.sample),
             record=g.record if self.cfg.data.source == "env" else None))
 
-    def migrate(self, a: Migrate):
+    def migrate(self, a: Migrate) -> None:
         self.workers[a.src_slice].migrate([(a.group_id, a.sample)], self.workers[a.dst_slice])
 
-    def load(self, a, *, interrupt: bool):
+    def load(self, a: LoadVersion | InterruptReload, *, interrupt: bool) -> None:
         in_training = self.sched.published + 1 if self.sched.trainer_busy else None
         self.workers[a.slice_id].load(a.version, self.weights.for_load(a.version, in_training),
                                       interrupt=interrupt)
 
-    def add_version(self, a):
+    def add_version(self, a: AddVersion) -> None:
         self.workers[a.slice_id].add(a.version, self.weights.for_load(a.version))
 
-    def evict(self, a):
+    def evict(self, a: Evict) -> None:
         self.workers[a.slice_id].evict(a.version)
 
-    def train(self, a: TrainStep):
+    def train(self, a: TrainStep) -> None:
         """The step's groups, scored, go into the trajectory stream."""
         trajectories = self.book.batch(a.group_ids)
         now = self.clock()
@@ -225,8 +238,10 @@ class Runtime(Driver):
             self._step_done(ev)
             return 1
         elif isinstance(ev, EvalGenerated):
+            assert self.evaluation is not None  # only a run that evaluates posts these
             self.evaluation.generated(ev)
         elif isinstance(ev, EvalScored):
+            assert self.evaluation is not None
             self.reporter.eval(self.evaluation.scored(ev))
         elif isinstance(ev, Failed):
             self._failed(ev)
@@ -245,7 +260,7 @@ class Runtime(Driver):
                 # rewards are all equal leaves, and the scheduler admits another.
                 gid = t.group_id
                 self._scoring.add(gid)
-                self.book.when_scored(gid, lambda gid=gid: self._events.put(GroupScored(gid)))
+                self.book.when_scored(gid, functools.partial(self._events.put, GroupScored(gid)))
         if ev.kv_free is not None:
             self.sched.kv_reported(ev.slice_id, ev.kv_free)
         self._finished_waiting()
@@ -257,7 +272,7 @@ class Runtime(Driver):
             self.faults.run_reached("finished_waiting")
 
     def _failed(self, ev: Failed):
-        if ev.source != TRAINER and (
+        if not isinstance(ev.source, str) and (  # a slice's id; the trainer's is TRAINER
                 len(self.slice_failures) < self.cfg.coordinator.max_slice_restarts):
             self._restart_slice(ev.source, ev.error)
             return

@@ -40,6 +40,7 @@ import json
 import logging
 import os
 import shutil
+from typing import TYPE_CHECKING
 
 from dora_jax import atomic_files, checkpointing
 from dora_jax.config import Config, ConfigError
@@ -48,6 +49,9 @@ from dora_jax.scheduler.core import Scheduler
 from dora_jax.scheduler.ledger import standing
 from dora_jax.scheduler.modes import POLICIES
 from dora_jax.scheduler.types import SchedulerConfig
+
+if TYPE_CHECKING:
+    from dora_jax.rl.trainer import Trainer
 
 _log = logging.getLogger(__name__)
 
@@ -62,7 +66,7 @@ MAY_DIFFER = ("coordinator.num_steps", "coordinator.kill_point", "coordinator.ki
 def _is_default(cfg: Config, dotted: str, value) -> bool:
     """Whether config field `dotted` (JSON form `value`) holds its declared default."""
     *sections, name = dotted.split(".")
-    node = cfg
+    node: object = cfg
     for part in sections:
         node = getattr(node, part, None)
     if not dataclasses.is_dataclass(node):
@@ -142,7 +146,8 @@ class Resumed:
     skipped_checkpoints: list = dataclasses.field(default_factory=list)
 
 
-def load(workdir: str, cfg: Config, checkpointer, trainer, records: list) -> Resumed | None:
+def load(workdir: str, cfg: Config, checkpointer: checkpointing.Checkpointer, trainer: Trainer,
+         records: list) -> Resumed | None:
     """The run to continue in `workdir`, or None if it holds none. Restores the
     trainer's state from the newest checkpoint that restores (a damaged newer one is
     moved aside, logged and listed in `skipped_checkpoints`). A ledger line that is
@@ -158,9 +163,11 @@ def load(workdir: str, cfg: Config, checkpointer, trainer, records: list) -> Res
     if not POLICIES[cfg.coordinator.mode].resumable:
         raise ConfigError(f"workdir {workdir} holds a {cfg.coordinator.mode} run, which does "
                           "not resume (its batches are fixed runs of group ids); pass --fresh")
-    extra, skipped = {}, []
+    extra: dict = {}
+    skipped: list = []
     if step is not None:
         restored = checkpointer.restore_newest_intact(trainer.abstract_state())
+        assert restored is not None  # there is a step: it restores, or this raised
         trainer.load_state(restored.state)
         extra, skipped = restored.extra, restored.skipped
     kept = {int(g): d for g, d in extra.get("finished_groups", {}).items()}

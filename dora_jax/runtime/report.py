@@ -27,8 +27,17 @@ import contextlib
 import queue
 import threading
 from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from dora_jax.rl.batch import TrainBatch
+    from dora_jax.rollout.slice import DecodeSlice
+    from dora_jax.rollout.trajectory import Trajectory
+    from dora_jax.scheduler.core import Scheduler
+    from dora_jax.timeline import Span, Timeline
 
 
 def _scalar(x):
@@ -44,7 +53,7 @@ def _transfer_seconds(slices) -> float:
     return sum(sl.stats.weight_transfer_seconds for sl in slices)
 
 
-def load_overlap_fraction(spans) -> float | None:
+def load_overlap_fraction(spans: Sequence[Span]) -> float | None:
     """Of the weight loads in `spans` (timeline.Span), the fraction during which
     another slice was decoding; None without loads."""
     loads = [s for s in spans if s.kind == "load"]
@@ -76,7 +85,7 @@ def _union(intervals) -> list[tuple[float, float]]:
     return [(a, b) for a, b in out]
 
 
-def rollout_only_share(spans, start: float, end: float) -> float | None:
+def rollout_only_share(spans: Sequence[Span], start: float, end: float) -> float | None:
     """Of the window [start, end], the fraction in which some slice was decoding and
     the trainer was not training (the paper's "rollout-only" time); None if empty."""
     if end <= start:
@@ -109,7 +118,8 @@ class WaitClock:
     the mode's batch rule), or short of finished groups ("starvation")."""
 
     def __init__(self, now: float = 0.0):
-        self._kind, self._since = None, now
+        self._kind: str | None = None
+        self._since = now
         self._split = dict.fromkeys(WAIT_KINDS, 0.0)
 
     def mark(self, now: float, kind: str | None) -> None:
@@ -192,14 +202,14 @@ class StepReporter:
         self._writer = _RecordWriter(writers)
         self.records: list[dict] = []
         self.evals: list[dict] = []  # evaluation records, apart from the steps'
-        self._last = {"migrations": 0, "transfer": 0.0, "busy": {}, "total": {},
+        self._last: dict[str, Any] = {"migrations": 0, "transfer": 0.0, "busy": {}, "total": {},
                       "prefill_tokens": {}, "reprefill_tokens": {}}
-        self.staleness = Counter()
+        self.staleness: Counter[int] = Counter()
         self._from_step = 0
         self._earlier: list[dict] = []  # the earlier segments' step records
         self._segments: list[dict] = []  # the earlier segments (`ledger.segments`)
 
-    def resume_from(self, step: int, records: list[dict], segments) -> None:
+    def resume_from(self, step: int, records: list[dict], segments: Iterable[dict]) -> None:
         """Makes the summary cover the whole run resumed at `step`: `records` are
         metrics.jsonl's records of the steps before it (evaluations among them),
         `segments` the earlier processes' (`ResumePlan.segments`)."""
@@ -231,9 +241,11 @@ class StepReporter:
             last[sl.slice_id] = n
         return out
 
-    def step(self, step, batch, metrics, *, wait, train_time, now, slices, scheduler,
-             wait_split=None, slice_failures=0, checkpoint_pause=0.0,
-             checkpoint_copy_wait=0.0, episodes=None, publish_bytes=None) -> dict:
+    def step(self, step: int, batch: TrainBatch, metrics: dict, *, wait: float, train_time: float,
+             now: float, slices: Sequence[DecodeSlice], scheduler: Scheduler,
+             wait_split: dict | None = None, slice_failures: int = 0, checkpoint_pause: float = 0.0,
+             checkpoint_copy_wait: float = 0.0, episodes: dict | None = None,
+             publish_bytes: int | None = None) -> dict:
         """Records step `step` (a TrainBatch and the trainer's host metrics); `wait`
         is the trainer's idle time before it, `wait_split` that time by cause,
         `slice_failures` the slices restarted since the previous step,
@@ -284,7 +296,7 @@ class StepReporter:
         self.evals.append(record)
         self._writer.put(record)
 
-    def summary(self, slices, timeline=None) -> dict:
+    def summary(self, slices: Sequence[DecodeSlice], timeline: Timeline | None = None) -> dict:
         """Run totals; see the module docstring for the steady-state window. With the
         run's timeline, also the fraction of weight loads that overlapped another
         slice's decoding (loads that did not stall the rest of the rollout)."""
@@ -349,7 +361,7 @@ class StepReporter:
                                                                r[-1]["time"])
         return out
 
-    def close(self):
+    def close(self) -> None:
         """Writes every queued record, then closes the files."""
         self._writer.close()
 
@@ -364,7 +376,7 @@ def _train_rollout_agreement(trainer_records: list) -> dict:
             for k in keys if trainer_records and all(k in m for m in trainer_records)}
 
 
-def episode_record(trajectories) -> dict | None:
+def episode_record(trajectories: Sequence[Trajectory]) -> dict | None:
     """A train step's multi-turn figures (None if no sample is an episode): episodes,
     model turns and environment seconds per episode, the environment's reward, the
     share of episodes that called a tool (`tool_use`) and that got a tool result equal
@@ -374,7 +386,8 @@ def episode_record(trajectories) -> dict | None:
     runs = [t for t in trajectories if getattr(t, "episode", None)]
     if not runs:
         return None
-    eps, n = [t.episode for t in runs], len(runs)
+    eps = [t.episode for t in runs if t.episode is not None]  # all of `runs`
+    n = len(runs)
     info = [e.get("info", {}) for e in eps]
     return {
         "episodes": n,

@@ -17,9 +17,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
+
+if TYPE_CHECKING:
+    from dora_jax.checkpointing import Checkpointer
+    from dora_jax.rl.trainer import TrainState
 
 _STOP = object()
 
@@ -44,7 +48,7 @@ class BackgroundSaves:
         drill "save": the files are being written then).
     """
 
-    def __init__(self, checkpointer, after_copy: Callable[[], None] = lambda: None):
+    def __init__(self, checkpointer: Checkpointer, after_copy: Callable[[], None] = lambda: None):
         self._checkpointer, self._after_copy = checkpointer, after_copy
         self._queue: queue.Queue = queue.Queue()
         self._copied = threading.Event()  # of the save handed over last
@@ -54,7 +58,7 @@ class BackgroundSaves:
                                         daemon=True)
         self._thread.start()
 
-    def submit(self, step: int, state, extra: dict) -> None:
+    def submit(self, step: int, state: TrainState, extra: dict) -> None:
         """Hands over the save of `state` (not donated until its copy is done: the
         trainer calls `wait_copied` first) as checkpoint `step`."""
         self._raise_if_failed()

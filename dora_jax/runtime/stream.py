@@ -45,7 +45,7 @@ class GroupQueue(grain.IterDataset):
     """A Grain IterDataset whose elements are `(step, [Trajectory, ...])` put by the
     runtime; iteration blocks until the next batch arrives and ends at `close()`."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self._queue: queue.Queue = queue.Queue()
 

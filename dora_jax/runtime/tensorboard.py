@@ -14,7 +14,7 @@ import glob
 import os
 import struct
 import time
-from numbers import Number
+from numbers import Real
 
 
 def flatten(record: dict, prefix: str = "") -> dict[str, float]:
@@ -24,7 +24,7 @@ def flatten(record: dict, prefix: str = "") -> dict[str, float]:
         tag = f"{prefix}{key}"
         if isinstance(value, bool):
             out[tag] = float(value)
-        elif isinstance(value, Number):
+        elif isinstance(value, Real):  # what JSON numbers load as (no complex)
             if tag != "step":
                 out[tag] = float(value)
         elif isinstance(value, dict):

@@ -9,9 +9,10 @@ trainer's own buffers), reads the step's metrics (its only host sync) and posts
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 
@@ -19,6 +20,12 @@ from dora_jax.runtime.events import TRAINER, Failed, StepDone
 from dora_jax.runtime.stream import GroupQueue, train_batches
 from dora_jax.runtime.weights import published_copy
 from dora_jax.timeline import Timeline
+
+if TYPE_CHECKING:
+    from dora_jax.config import Config
+    from dora_jax.rl.trainer import Trainer
+    from dora_jax.rollout.trajectory import Trajectory
+    from dora_jax.runtime.saves import BackgroundSaves
 
 
 class SentBatch(NamedTuple):
@@ -44,8 +51,9 @@ class TrainerWorker:
       drill: called at the `train` kill point (faults.KillPlan).
     """
 
-    def __init__(self, trainer, cfg, events, timeline: Timeline, clock: Callable[[], float],
-                 *, saves=None, drill: Callable[[str], None] = lambda point: None):
+    def __init__(self, trainer: Trainer, cfg: Config, events: queue.Queue, timeline: Timeline,
+                 clock: Callable[[], float], *, saves: BackgroundSaves | None = None,
+                 drill: Callable[[str], None] = lambda point: None):
         self.trainer, self.cfg, self._events = trainer, cfg, events
         self.timeline, self.clock, self._saves, self._drill = timeline, clock, saves, drill
         self._adapters_only = cfg.model.lora.enabled  # a LoRA publish: the adapters
@@ -56,7 +64,7 @@ class TrainerWorker:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, step: int, trajectories) -> None:
+    def submit(self, step: int, trajectories: list[Trajectory]) -> None:
         """Hands over step `step`'s trajectories (every group scored)."""
         self._stream.put(step, trajectories)
 

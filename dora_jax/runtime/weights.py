@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
 from dora_jax.model import lora
 from dora_jax.model.sharding import copy_tree
+
+if TYPE_CHECKING:
+    from flax import nnx
 
 
 def published_copy(params: Any, adapters_only: bool = False) -> Any:
@@ -77,7 +80,8 @@ class WeightBook:
     def _whole(self, published):
         return published if self._base is None else lora.merge(self._base, published)
 
-    def for_load(self, version: int, in_training: int | None = None):
+    def for_load(self, version: int,
+                 in_training: int | None = None) -> nnx.State | concurrent.futures.Future:
         """The params a slice loads for `version`: published ones, or a future of
         them if `version` is `in_training` (the step the trainer runs now)."""
         params = self._by_version.get(version)

@@ -40,12 +40,18 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.rollout.trajectory import Request
 from dora_jax.runtime.events import EvalGenerated, Failed, SamplesFinished, VersionLoaded
 from dora_jax.runtime.faults import NO_FAULTS, Faults
 from dora_jax.timeline import Timeline
+
+if TYPE_CHECKING:
+    from flax import nnx
+
+    from dora_jax.runtime.evaluation import EvalDecoder
 
 _STOP = object()
 
@@ -90,7 +96,8 @@ class SliceWorker:
     def submit(self, request: Request) -> None:
         self._commands.put(("submit", request))
 
-    def load(self, version: int, params, *, interrupt: bool = False) -> None:
+    def load(self, version: int, params: nnx.State | concurrent.futures.Future, *,
+             interrupt: bool = False) -> None:
         """Make `version` resident; with `interrupt`, keep and re-prefill in-flight
         requests under it (partial_rollout). `params`: the version's params on any
         devices (this loop places them), or a `concurrent.futures.Future` of them (the
@@ -98,7 +105,7 @@ class SliceWorker:
         nothing, until they are published."""
         self._commands.put(("reload" if interrupt else "load", (version, params)))
 
-    def add(self, version: int, params) -> None:
+    def add(self, version: int, params: nnx.State | concurrent.futures.Future) -> None:
         """Multi-version slice: load `version` (params as for `load`, published) into
         a free place; the other versions' requests decode on meanwhile."""
         self._commands.put(("add", (version, params)))
@@ -128,7 +135,8 @@ class SliceWorker:
             awaited += [(rid, dst.slice_id) for rid in request_ids]
         return awaited
 
-    def evaluate(self, decoder, version: int, params, records: list) -> None:
+    def evaluate(self, decoder: EvalDecoder, version: int,
+                 params: nnx.State | concurrent.futures.Future, records: list) -> None:
         """Between two generate calls, generate an evaluation of `version` (`params`
         as published) on `records` with `decoder` (runtime/evaluation.py), then post
         `EvalGenerated`. This slice's own requests wait meanwhile."""
@@ -164,8 +172,9 @@ class SliceWorker:
                            f"{sorted(slots) or [version]}")
                 self._faults.slice_reached("generate", self.slice_id)
                 finished = sl.step()
-                self._timeline.add(self._row, "decode", start, self._clock(),
-                                   max(slots, default=version), slots)
+                busiest = max(slots, default=version)
+                assert busiest is not None  # a slice that decodes holds a version
+                self._timeline.add(self._row, "decode", start, self._clock(), busiest, slots)
                 if finished:
                     self._awaiting_ack = True
                     self._events.put(SamplesFinished(self.slice_id, finished,
@@ -216,14 +225,16 @@ class SliceWorker:
             box.put(moving)
             self.unfilled.pop(id(box), None)
             if moving:
-                self._timeline.add(self._row, "migrate", start, self._clock(), sl.version)
+                self._timeline.add(self._row, "migrate", start, self._clock(),
+                                   _held_version(sl))
         elif kind == "import":
             moving = self._wait_for(arg)
             if moving:
                 self._faults.slice_reached("import", self.slice_id)
                 start = self._clock()
                 sl.import_requests(moving)
-                self._timeline.add(self._row, "migrate", start, self._clock(), sl.version)
+                self._timeline.add(self._row, "migrate", start, self._clock(),
+                                   _held_version(sl))
         elif kind == "eval":
             decoder, version, params, records = arg
             if sl.engine.versions == 1 and sl.version == version and sl.params is not None:
@@ -254,3 +265,9 @@ class SliceWorker:
             except queue.Empty:
                 continue
         return []
+
+
+def _held_version(sl: DecodeSlice) -> int:
+    """The version of a slice that holds requests (it always has one loaded)."""
+    assert sl.version is not None
+    return sl.version

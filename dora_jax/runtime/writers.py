@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import types
 from typing import Protocol
 
 from dora_jax.config.report import LoggingConfig
@@ -50,7 +51,7 @@ class JsonlWriter:
         self._file.close()
 
 
-def import_wandb():
+def import_wandb() -> types.ModuleType:
     """The `wandb` module; a ConfigError naming `logging.wandb_project` if it is not
     installed (the only field that turns it on)."""
     try:

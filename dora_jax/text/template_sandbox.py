@@ -113,7 +113,9 @@ def _check_ints(args, what: str) -> None:
 
 
 def _too_wide(digits: str | None) -> bool:
-    return bool(digits) and digits != "*" and (len(digits) > 7 or int(digits) > MAX_CHARS)
+    if not digits:
+        return False
+    return digits != "*" and (len(digits) > 7 or int(digits) > MAX_CHARS)
 
 
 def _check_format(fmt, what: str, args=(), kwargs=None, *, printf: bool) -> None:
@@ -148,8 +150,8 @@ def _check_format(fmt, what: str, args=(), kwargs=None, *, printf: bool) -> None
             if "{" in (spec or ""):
                 raise TemplateLimit(f"refused {what}: a nested format spec {spec!r} (its "
                                     "width would come from an argument)")
-            m = _SPEC.match(spec or "")
-            found = [m.group(1), m.group(2)] if m else _DIGITS.findall(spec)
+            spec_m = _SPEC.match(spec or "")
+            found = [spec_m.group(1), spec_m.group(2)] if spec_m else _DIGITS.findall(spec or "")
             for d in found:
                 if _too_wide(d):
                     raise TemplateLimit(f"refused {what}: a format width or precision of "

@@ -59,7 +59,7 @@ class ChatTemplateError(TokenizerError, jinja2.exceptions.TemplateError):
     template's own `raise_exception` always was."""
 
 
-def _one_line(text: str) -> str:
+def _one_line(text: object) -> str:
     return " ".join(str(text).split())
 
 
@@ -253,6 +253,7 @@ class Tokenizer:
                 raise TokenizerError(f"{path}: no eos_token in {_CONFIG_FILE} and no "
                                      f"eos_token_id in {' or '.join(_STOP_ID_FILES)}")
             eos_token = backend.id_to_token(stop_ids[0])
+            assert eos_token is not None  # the stop ids were checked against the vocabulary
         try:
             return cls(backend, eos_token=eos_token, pad_token=token["pad_token"],
                        bos_token=token["bos_token"],
@@ -329,7 +330,9 @@ class Tokenizer:
             if self._compiled is None or self._compiled[0] != self.chat_template:
                 self._compiled = (self.chat_template, _compile_template(self.chat_template))
             template = self._compiled[1]
-            text = template.environment.render(
+            env = template.environment
+            assert isinstance(env, template_sandbox.GuardedEnvironment)  # _compile_template's
+            text = env.render(
                 template, time_limit_s=self.template_time_limit_s,
                 max_chars=self.template_max_chars, messages=list(messages),
                 add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
