@@ -106,7 +106,7 @@ class Runtime(Driver):
         self.slice_failures: list = []  # (slice id, step) of each failure survived
         self._reported = 0  # of them, in metrics.jsonl so far
         self.trainer_worker = TrainerWorker(trainer, cfg, self._events, timeline, self.clock,
-                                            saves=self._saves, drill=faults.run_reached)
+                                            saves=self._saves, faults=faults)
         self._inflight_batches: dict[int, SentBatch] = {}
         self._to_ack: set = set()  # slices whose finished samples await an answer
         self._scoring: set = set()  # finished groups whose rewards are not all in

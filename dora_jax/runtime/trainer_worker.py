@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import jax
 
 from dora_jax.runtime.events import TRAINER, Failed, StepDone
+from dora_jax.runtime.faults import NO_FAULTS, Faults
 from dora_jax.runtime.stream import GroupQueue, train_batches
 from dora_jax.runtime.weights import published_copy
 from dora_jax.timeline import Timeline
@@ -48,14 +49,14 @@ class TrainerWorker:
       clock: seconds since the run started.
       saves: the run's BackgroundSaves or None; a step waits for the last save's copy
         of the train state before donating it.
-      drill: called at the `train` kill point (faults.KillPlan).
+      faults: where a drill fails the run on purpose at the `train` point (faults.py).
     """
 
     def __init__(self, trainer: Trainer, cfg: Config, events: queue.Queue, timeline: Timeline,
                  clock: Callable[[], float], *, saves: BackgroundSaves | None = None,
-                 drill: Callable[[str], None] = lambda point: None):
+                 faults: Faults = NO_FAULTS) -> None:
         self.trainer, self.cfg, self._events = trainer, cfg, events
-        self.timeline, self.clock, self._saves, self._drill = timeline, clock, saves, drill
+        self.timeline, self.clock, self._saves, self._faults = timeline, clock, saves, faults
         self._adapters_only = cfg.model.lora.enabled  # a LoRA publish: the adapters
         self._stream = GroupQueue()
         self.doing: tuple[str, float] = ("starting", 0.0)
@@ -91,7 +92,7 @@ class TrainerWorker:
                 copy_wait = 0.0 if self._saves is None else self._saves.wait_copied()
                 start = self.clock()
                 self.doing = (f"training step {step}", start)
-                self._drill("train")
+                self._faults.run_reached("train")
                 metrics = self.trainer.train_step(batch)
                 # A copy: the next step donates them.
                 params = published_copy(self.trainer.params, self._adapters_only)
