@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 from .types import PENDING, RUNNING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .core import Scheduler
+    from .state import SchedulerState
 
 
-def slice_failed(sched: Scheduler, slice_id: int) -> None:
+def slice_failed(sched: SchedulerState, slice_id: int) -> None:
     sl = sched.slices[slice_id]
     for gid, k in sorted(sl.running):
         sample_lost(sched, gid, k)
@@ -24,7 +24,7 @@ def slice_failed(sched: Scheduler, slice_id: int) -> None:
     sched.settled = False  # until decide() gives its versions a slice again
 
 
-def sample_lost(sched: Scheduler, group_id: int, sample: int) -> None:
+def sample_lost(sched: SchedulerState, group_id: int, sample: int) -> None:
     g = sched.groups[group_id]
     smp = g.samples[sample]
     if smp.status != RUNNING:
