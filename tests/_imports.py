@@ -42,17 +42,23 @@ def imports_of(path: pathlib.Path, root: pathlib.Path) -> set[str]:
 
 
 def import_graph(package: pathlib.Path) -> dict[str, set[str]]:
-    """module -> the modules of `package` it imports (every import, see above). An
-    import of a package's own parent package is left out when it names the top package
-    only (dora_jax/__init__.py imports nothing); a member importing its own package's
-    __init__ stays in: that __init__ may import the member back."""
+    """module -> the modules of `package` it imports (every import, see above), with
+    the packages each runs on the way (importing a.b.c runs a.b's __init__ first). The
+    top package (dora_jax/__init__.py imports nothing) and a module's own parent
+    packages (always imported before it) are left out; a member that names its own
+    package's __init__ in an import (`from dora_jax.envs import get`) imports that
+    __init__ itself, which may import the member back: that edge stays in."""
     root = package.parent
     top = package.name
     graph = {}
     for path in sorted(package.rglob("*.py")):
         name = module_name(path, root)
-        graph[name] = {m for m in imports_of(path, root)
-                       if m != name and m != top and (m == top or m.startswith(top + "."))}
+        named = {m for m in imports_of(path, root) if m.startswith(top + ".")}
+        # Importing a.b.c runs a/b/__init__.py first: an import of that package too.
+        parents = {".".join(m.split(".")[:i]) for m in named
+                   for i in range(2, m.count(".") + 1)}
+        graph[name] = ({m for m in named if m != name}
+                       | {p for p in parents if not name.startswith(p + ".")})
     return graph
 
 
@@ -125,3 +131,47 @@ def report(graph: dict[str, set[str]]) -> str:
     """The cycles, one per line with one circle through each, or '' when none."""
     return "\n".join(f"{len(c)} modules: {', '.join(c)}\n  e.g. {' -> '.join(cycle_path(graph, c))}"
                      for c in cycles(graph))
+
+
+def unit(module: str, names=()) -> str:
+    """The part of the package a module belongs to, the unit the layers are made of:
+    dora_jax.scheduler for dora_jax.scheduler.core, a top-level module for itself; but
+    a package's members are a unit of their own, apart from its __init__, where
+    `names` (the layers' units, without the top package) holds `package.*`."""
+    top, *rest = module.split(".")
+    if len(rest) > 1 and f"{rest[0]}.*" in names:
+        return f"{top}.{rest[0]}.*"
+    return ".".join([top, *rest[:1]])
+
+
+def layer_violations(graph: dict[str, set[str]], layers: list[tuple[str, tuple]],
+                     allowed: dict[tuple[str, str], str]) -> list[str]:
+    """Every import from a unit to one in a higher layer (`layers`, lowest first:
+    (layer name, unit names without the top package)), less the `allowed`
+    (importer, imported) module pairs; then every cycle among the units (the same
+    layer's units may import one another, one way only), the allowed pairs left out."""
+    rank = {name: i for i, (_, names) in enumerate(layers) for name in names}
+
+    def key(m: str) -> str:
+        return unit(m, rank).split(".", 1)[1]
+
+    found = [f"{u} is in no layer" for u in sorted({unit(m, rank) for m in graph if "." in m})
+             if u.split(".", 1)[1] not in rank]
+    if found:
+        return found
+    units: dict[str, set[str]] = {}
+    for m, imported in sorted(graph.items()):
+        if "." not in m:
+            continue
+        for n in sorted(imported):
+            if (m, n) in allowed or unit(m, rank) == unit(n, rank):
+                continue
+            units.setdefault(unit(m, rank), set()).add(unit(n, rank))
+            a, b = key(m), key(n)
+            if rank[a] < rank[b]:
+                found.append(f"{m} imports {n}: {layers[rank[a]][0]} -> "
+                             f"{layers[rank[b]][0]}, a layer above it")
+    found += [f"the packages {', '.join(c)} import one another"
+              for c in cycles({u: units.get(u, set())
+                               for u in {unit(m, rank) for m in graph if "." in m}})]
+    return found
