@@ -172,9 +172,10 @@ def workdir_to_read(path: str, flag: str = "--workdir") -> str:
 def _check_sandbox(d) -> None:
     """Fails closed: a tool that runs the model's code needs its sandbox's layers."""
     from dora_jax import config as config_lib
-    from dora_jax.envs import base, sandbox
+    from dora_jax import envs
+    from dora_jax.envs import sandbox
 
-    if base.get(d.env).sandbox_isolation is None:
+    if envs.get(d.env).sandbox_isolation is None:
         return
     try:
         sandbox.require(d.env_isolation)

@@ -43,7 +43,7 @@ def initial_params(cfg: Config, mesh=None):
     then init_checkpoint's params (an Orbax checkpoint, e.g. dora_jax.sft's) if set.
     With LoRA the base comes from either, the adapters from model.lora.checkpoint (a
     PEFT adapter directory, model/peft_format.py) or the checkpoint when it holds
-    them, else fresh from the seed (`lora.init_adapters`)."""
+    them, else fresh from the seed (`transformer.init_adapters`)."""
     if cfg.init_checkpoint and not os.path.isdir(cfg.init_checkpoint):
         raise FileNotFoundError(f"config.init_checkpoint: no checkpoint directory at "
                                 f"{cfg.init_checkpoint!r}")
@@ -61,7 +61,7 @@ def initial_params(cfg: Config, mesh=None):
                                        mesh=mesh, rules=cfg.mesh.trainer_rules)
         if use_lora:
             params = lora.merge(params, adapters if peft_adapters
-                                else lora.init_adapters(cfg.model, cfg.seed))
+                                else transformer.init_adapters(cfg.model, cfg.seed))
     else:
         graphdef, params = transformer.create(cfg.model, cfg.seed)
         if peft_adapters:

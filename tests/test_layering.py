@@ -1,8 +1,9 @@
 """The layering the package promises: the scheduling core and the config load without
 JAX (the scheduler's tests, its fake driver and the simulator need no accelerator
-stack); each layer imports only the layers below it (the directions below), the config
-package lowest of all, and no import cycle joins two packages; the mode registry
-matches the config's list of modes."""
+stack); each layer imports only its own and the layers below it (`LAYERS`, every
+import counted: in functions and under TYPE_CHECKING too), the config package lowest
+of the core; no import cycle joins two modules; the mode registry matches the config's
+list of modes."""
 
 import ast
 import os
@@ -10,6 +11,7 @@ import pathlib
 import subprocess
 import sys
 
+import _imports as _imports_lib
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -202,52 +204,6 @@ def _imports(path: pathlib.Path, root: pathlib.Path, module_level: bool) -> set:
     return {m for m in out if _is_module(m.split(".")[0], root)}
 
 
-def _import_graph(package: pathlib.Path, module_level: bool = True) -> dict:
-    """module -> the project modules it imports, less its own parent packages (always
-    imported first, so no cycle runs through them)."""
-    root = package.parent
-    graph = {}
-    for path in sorted(package.rglob("*.py")):
-        name = _module(path, root)
-        graph[name] = {m for m in _imports(path, root, module_level)
-                       if m != name and not name.startswith(m + ".")}
-    return graph
-
-
-def _package(module: str) -> str:
-    """The package a module belongs to: dora_jax.scheduler for dora_jax.scheduler.core,
-    a top-level module for itself."""
-    return ".".join(module.split(".")[:2])
-
-
-def _cycle_across_packages(graph: dict, min_packages: int = 2) -> list | None:
-    """An import cycle through modules of at least `min_packages` packages, as the
-    list of modules in import order (first repeated last), or None."""
-    state, stack = {}, []
-
-    def visit(m):
-        state[m] = "open"
-        stack.append(m)
-        for n in sorted(graph.get(m, ())):
-            if state.get(n) == "open":
-                cycle = stack[stack.index(n):] + [n]
-                if len({_package(c) for c in cycle}) >= min_packages:
-                    return cycle
-            elif n not in state:
-                found = visit(n)
-                if found:
-                    return found
-        stack.pop()
-        state[m] = "done"
-        return None
-
-    for m in sorted(graph):
-        found = m not in state and visit(m)
-        if found:
-            return found
-    return None
-
-
 def test_config_package_imports_nothing_above_it():
     """Every import in dora_jax/config, in functions too: its own modules only, and
     dora_jax.configs (the shipped configs' names, which imports nothing)."""
@@ -260,38 +216,122 @@ def test_config_package_imports_nothing_above_it():
     assert _imports(PACKAGE / "configs" / "__init__.py", REPO, module_level=False) == set()
 
 
-def test_no_import_cycle_joins_two_packages():
-    assert _cycle_across_packages(_import_graph(PACKAGE)) is None
+# Every import, in functions and under TYPE_CHECKING too (tests/_imports.py): no
+# cycle among the modules, and the layers below, each importing only its own and those
+# under it.
+
+LAYERS = [
+    # Imports nothing of the project but one another.
+    # configs: the shipped configs' names (configs/__init__.py); the configs themselves
+    # (configs.*) are entry points.
+    ("floor", ("versions", "turns", "buckets", "untrusted_files", "atomic_files",
+               "timeline", "configs")),
+    # The core, without JAX: the typed config, the scheduling core, the devices' plan.
+    ("core", ("config", "scheduler", "devices")),
+    # What a run reads and scores: tokenizers, rewards, environments, prompt readers,
+    # the tasks built on them.
+    ("inputs", ("text", "rewards", "envs", "data", "tasks")),
+    # The engine: the model, its checkpoints, decoding, training.
+    ("engine", ("model", "checkpointing", "rollout", "rl")),
+    # The run: the coordinator and the threads it drives, what the entry points share,
+    # the experiment they build.
+    ("run", ("runtime", "cli", "experiment")),
+    # The entry points and the shipped configs: nothing imports them.
+    ("entry points", ("main", "sft", "export", "serve", "audit", "bench", "sim", "launch",
+                      "configs.*")),
+]
+
+# The imports that reach a layer above, each named with its reason.
+UPWARD = {
+    ("dora_jax.tasks.env", "dora_jax.rollout.episodes"):
+        "the env task's demonstration frames observations as the episode runner does, "
+        "in a function (test_tasks_import_only_the_layers_below_them)",
+    ("dora_jax.tasks.env", "dora_jax.rollout"):
+        "the package rollout.episodes runs on the way",
+}
 
 
-def test_the_scheduler_modules_import_one_another_without_a_cycle():
-    """The modes share their feasibility rules from below (feasibility.py), so no
-    policy module imports another that imports it back."""
-    graph = _import_graph(PACKAGE)
-    scheduler = {m: graph[m] for m in graph if m.startswith("dora_jax.scheduler.")}
-    assert "dora_jax.scheduler.feasibility" in scheduler
-    assert _cycle_across_packages(scheduler, min_packages=1) is None
+def test_no_import_cycle_among_the_modules():
+    graph = _imports_lib.import_graph(PACKAGE)
+    assert len(graph) > 150 and "dora_jax.scheduler.feasibility" in graph
+    assert _imports_lib.report(graph) == ""
 
 
-def test_the_cycle_check_reports_a_cycle(tmp_path):
-    files = {"p/__init__.py": "", "p/a/__init__.py": "", "p/b/__init__.py": "",
-             "p/a/low.py": "from p.b import high\n",
-             "p/b/high.py": "import p.a.low\n\ndef f():\n    from p.a import low\n",
-             "p/b/side.py": "from . import high\n"}
+def test_each_layer_imports_only_its_own_and_those_below():
+    graph = _imports_lib.import_graph(PACKAGE)
+    assert _imports_lib.layer_violations(graph, LAYERS, UPWARD) == []
+    listed = {name for _, names in LAYERS for name in names} - {"configs.*"}
+    actual = {p.stem for p in PACKAGE.iterdir()
+              if p.name not in ("__init__.py", "__pycache__") and p.name != "assets"}
+    assert listed == actual
+
+
+def _plant(root: pathlib.Path, files: dict) -> pathlib.Path:
     for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
-    graph = _import_graph(tmp_path / "p")
-    assert graph["p.b.side"] == {"p.b.high"}
-    assert _cycle_across_packages(graph) == ["p.a.low", "p.b.high", "p.a.low"]
-    (tmp_path / "p/b/side.py").write_text("from . import high\n")
-    (tmp_path / "p/b/high.py").write_text("from . import side\n")
-    local = _import_graph(tmp_path / "p")
-    assert _cycle_across_packages(local) is None
-    assert _cycle_across_packages(local, min_packages=1) == ["p.b.high", "p.b.side", "p.b.high"]
-    (tmp_path / "p/b/high.py").write_text("def f():\n    import p.a.low\n")
-    assert _cycle_across_packages(_import_graph(tmp_path / "p")) is None
-    assert "p.a.low" in _import_graph(tmp_path / "p", module_level=False)["p.b.high"]
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root / "p"
+
+
+def test_the_checker_reports_a_circle_made_in_a_function(tmp_path):
+    """A circle closed by an import in a function body, one closed under
+    TYPE_CHECKING, and one through a relative import in a try block: each found,
+    the modules named."""
+    package = _plant(tmp_path, {
+        "p/__init__.py": "",
+        "p/a.py": "from p import b\n",
+        "p/b.py": "def f():\n    from . import a\n    return a\n",
+        "p/q/__init__.py": "",
+        "p/q/c.py": "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+                    "    from p.q.d import D\n",
+        "p/q/d.py": "try:\n    from .c import C\nexcept ImportError:\n    C = None\n",
+        "p/q/e.py": "from .. import a\n",
+        "p/alone.py": "import p.q.e\n",
+    })
+    graph = _imports_lib.import_graph(package)
+    assert graph["p.b"] == {"p.a"}
+    assert graph["p.q.c"] == {"p.q.d"}
+    assert graph["p.q.e"] == {"p.a"}
+    assert graph["p.alone"] == {"p.q.e", "p.q"}
+    assert _imports_lib.cycles(graph) == [["p.a", "p.b"], ["p.q.c", "p.q.d"]]
+    report = _imports_lib.report(graph)
+    assert "p.a -> p.b -> p.a" in report and "p.q.c -> p.q.d -> p.q.c" in report
+    # The circle broken: the function's import gone, only TYPE_CHECKING's left.
+    (package / "b.py").write_text("def f():\n    return 1\n")
+    assert _imports_lib.cycles(_imports_lib.import_graph(package)) == [["p.q.c", "p.q.d"]]
+
+
+def test_the_checker_reports_a_registry_that_imports_its_members(tmp_path):
+    """A package __init__ that imports a member which names the package back is a
+    circle; a member importing a sibling (its package run first) is not."""
+    package = _plant(tmp_path, {
+        "p/__init__.py": "",
+        "p/reg/__init__.py": "from p.reg import one\nfrom p.reg.base import get\n",
+        "p/reg/base.py": "def get(name):\n    return name\n",
+        "p/reg/one.py": "from p.reg import base\n",
+    })
+    assert _imports_lib.cycles(_imports_lib.import_graph(package)) == []
+    (package / "reg" / "one.py").write_text("def f():\n    from p.reg import get\n")
+    assert _imports_lib.cycles(_imports_lib.import_graph(package)) == [["p.reg", "p.reg.one"]]
+
+
+def test_the_checker_reports_an_import_up_the_layers(tmp_path):
+    package = _plant(tmp_path, {
+        "p/__init__.py": "", "p/low/__init__.py": "", "p/high/__init__.py": "",
+        "p/low/x.py": "def f():\n    import p.high.y\n",
+        "p/high/y.py": "from p.low import x\n",
+        "p/high/z.py": "from p.high import y\n",
+    })
+    graph = _imports_lib.import_graph(package)
+    layers = [("low", ("low",)), ("high", ("high",))]
+    assert _imports_lib.layer_violations(graph, layers, {}) == [
+        "p.low.x imports p.high: low -> high, a layer above it",
+        "p.low.x imports p.high.y: low -> high, a layer above it",
+        "the packages p.high, p.low import one another"]
+    allowed = {("p.low.x", "p.high.y"): "", ("p.low.x", "p.high"): ""}
+    assert _imports_lib.layer_violations(graph, layers, allowed) == []
+    assert _imports_lib.layer_violations(graph, [("low", ("low",))], {}) == [
+        "p.high is in no layer"]
 
 
 def test_text_is_a_floor_below_tasks_models_and_rollout():
@@ -303,7 +343,7 @@ def test_text_is_a_floor_below_tasks_models_and_rollout():
              if m not in ("dora_jax", "dora_jax.untrusted_files")
              and not m.startswith("dora_jax.text")}
     assert not above, sorted(above)
-    graph = _import_graph(PACKAGE, module_level=False)
+    graph = _imports_lib.import_graph(PACKAGE)
     assert "dora_jax.text.tokenizer" in graph["dora_jax.data.word_problems"]
 
 

@@ -2,16 +2,16 @@
 built from `base()`; `validate` turns it into the frozen dataclasses of this package,
 the schema written once: `base()` is generated from them, each field declares its
 constraint (`field`, schema.py), each section checks its own rules in `__post_init__`,
-`Config` runs every rule that spans sections (rules.py). Errors name the field
+`Config` runs every rule that spans sections (run.py). Errors name the field
 (`config.rollout.temperature: must be > 0, got 0.0`) before any compute.
 
-The package is the ground floor of dora_jax and imports nothing else of it: the
-schema (schema.py), the modes and what each can do (modes.py, which the scheduler's
-policies read), the sections (sections.py; model.py: model and mesh; data.py;
-report.py: eval and logging), the cross-section rules (rules.py), the whole config
-(run.py) and its loading (loading.py). No JAX; a Hugging Face checkpoint or tokenizer
-named by the config is read before validation, by model/hf_checks.py; `validate`
-itself reads no file."""
+The package is the ground floor of dora_jax and imports nothing else of it: the schema
+(schema.py), the modes and what each can do (modes.py, which the scheduler's policies
+read), the sections (sections.py; model.py: model and mesh; data.py; report.py: eval and
+logging), the schedule's shape rules on plain values (rules.py), the whole config and
+the rules that span its sections (run.py) and its loading (loading.py). No JAX; a
+Hugging Face checkpoint or tokenizer named by the config is read before validation, by
+model/hf_checks.py; `validate` itself reads no file."""
 
 from .data import (
     SHIPPED_TASKS,

@@ -2,7 +2,7 @@
 step (`trainer`) and the schedule (`coordinator`), with the allowed values of their
 fields; each checks its own rules (schema.py). The model, mesh, data and report
 sections are in model.py, data.py and report.py; the rules that span sections in
-rules.py."""
+run.py (on plain values: rules.py)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,10 @@ instance per episode; `step` may be a coroutine function (run to completion ther
 
 An environment class also gives the task's prompt records (`records`) and, for a
 supervised warm start, a demonstration of a good episode (`demonstration`).
-Registered by name with `@register("name")`; a run picks one with `data.env`.
+Registered by name with `@register("name")`; a run picks one with `data.env`. This
+module imports none of the environments: each registers itself on import, and the
+package (envs/__init__.py) imports the built-in ones, so any import of dora_jax.envs
+finds them registered.
 """
 
 from __future__ import annotations
@@ -84,20 +87,14 @@ def register(name: str) -> Callable[[type[_Env]], type[_Env]]:
 
 def names() -> tuple:
     """Every registered environment's name."""
-    _load_builtins()
     return tuple(sorted(_ENVIRONMENTS))
 
 
 def get(name: str) -> type[Environment]:
     """The environment class registered as `name` (ValueError naming the choices)."""
-    _load_builtins()
     if name not in _ENVIRONMENTS:
         raise ValueError(f"unknown environment {name!r}; registered: {sorted(_ENVIRONMENTS)}")
     return _ENVIRONMENTS[name]
-
-
-def _load_builtins() -> None:
-    from dora_jax.envs import arithmetic, guess  # noqa: F401 - they register themselves
 
 
 def record_rng(seed: int, task: str) -> np.random.Generator:

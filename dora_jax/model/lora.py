@@ -204,26 +204,6 @@ def base_config(model_cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(model_cfg, lora=LoRAConfig())
 
 
-def init_adapters(model_cfg: ModelConfig, seed: int) -> nnx.State:
-    """The fresh adapters `transformer.create(model_cfg, seed)` makes, without
-    materialising its base (compiled away): for a base read from a checkpoint."""
-    from dora_jax.model import transformer
-
-    return jax.jit(lambda: split(transformer.create(model_cfg, seed)[1])[1])()
-
-
 def tree_bytes(tree: object) -> int:
     """Bytes of the arrays of a pytree (concrete or abstract)."""
     return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
-
-
-def publish_bytes(model_cfg: ModelConfig) -> dict:
-    """What a new policy version would carry to a decode slice, from shapes alone:
-    `full`, every weight of the model without adapters (a full fine-tuning publish:
-    the base of the adapted model); `adapters`, the adapter tree of `model_cfg.lora`
-    (a LoRA publish, the base held by the slice once); `ratio` = adapters / full."""
-    from dora_jax.model import transformer
-
-    base, adapters = split(transformer.abstract_params(model_cfg)[1])
-    out = {"full": tree_bytes(base), "adapters": tree_bytes(adapters)}
-    return dict(out, ratio=out["adapters"] / out["full"])

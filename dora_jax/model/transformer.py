@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dora_jax.config import ModelConfig
+from dora_jax.model import lora
 from dora_jax.model.layers import Attention, RMSNorm, SwiGLU, param
 from dora_jax.model.moe import MoE
 from dora_jax.model.paged_attention import POOL_AXES
@@ -346,6 +347,22 @@ def abstract_params(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, params as ShapeDtypeStructs) without allocating any memory."""
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0)))
     return nnx.split(model, nnx.Param)
+
+
+def init_adapters(cfg: ModelConfig, seed: int) -> nnx.State:
+    """The fresh adapters `create(cfg, seed)` makes, without materialising its base
+    (compiled away): for a base read from a checkpoint."""
+    return jax.jit(lambda: lora.split(create(cfg, seed)[1])[1])()
+
+
+def publish_bytes(cfg: ModelConfig) -> dict:
+    """What a new policy version would carry to a decode slice, from shapes alone:
+    `full`, every weight of the model without adapters (a full fine-tuning publish:
+    the base of the adapted model); `adapters`, the adapter tree of `cfg.lora` (a
+    LoRA publish, the base held by the slice once); `ratio` = adapters / full."""
+    base, adapters = lora.split(abstract_params(cfg)[1])
+    out = {"full": lora.tree_bytes(base), "adapters": lora.tree_bytes(adapters)}
+    return dict(out, ratio=out["adapters"] / out["full"])
 
 
 def apply(graphdef: nnx.GraphDef, params: nnx.State, tokens_BT: jax.Array,

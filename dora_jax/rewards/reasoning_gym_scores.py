@@ -9,7 +9,7 @@ config/vetted_tasks.py, below the rewards): each one there was read and probed (
 code payload in many shapes through its `score_answer`, with an audit hook watching
 every `compile` and process start) for the version in
 `VETTED_VERSION`; countdown and puzzle24 are scored by our own arithmetic parser
-instead (`verifiers.safe_arithmetic`); the rest are refused, with their reason, when
+instead (`expressions.safe_arithmetic`); the rest are refused, with their reason, when
 the config is validated. Two more are refused for what their scoring does with any
 text: game_of_life_halting gives every non-empty answer full credit, and
 list_functions cannot re-create its entries from their seed, which scoring relies on.
@@ -35,6 +35,7 @@ from dora_jax.config.vetted_tasks import (  # noqa: F401 - the vetting table, re
     VETTED_VERSION,
     refusal,
 )
+from dora_jax.rewards.expressions import literals_used, safe_arithmetic
 
 
 def check_task(task: str) -> None:
@@ -114,8 +115,6 @@ def arithmetic_score(task: str, answer: str, metadata: dict) -> float:
     expression (integers, + - * /, parentheses) over the entry's numbers that reaches
     the target exactly (countdown: each number at most as often as given; puzzle24:
     all four numbers, each once, making 24); else 0.0."""
-    from dora_jax.rewards.verifiers import literals_used, safe_arithmetic
-
     numbers = [int(n) for n in metadata["numbers"]]
     value = safe_arithmetic(answer, numbers)
     if value is None:

@@ -41,7 +41,7 @@ import time
 
 import numpy as np
 
-from dora_jax.envs import base
+from dora_jax import envs
 from dora_jax.rewards.pool import one_line
 from dora_jax.turns import model_token_mask  # noqa: F401 - the rule, re-exported
 
@@ -55,7 +55,7 @@ class Episode:
     """One episode's host-side record, travelling with its request (migration
     included)."""
 
-    env: base.Environment
+    env: envs.Environment
     seed: int = 0  # the request's: draws the latency of each call
     # [["model", start, end] | ["env", start, end, seconds of the call], ...]
     turns: list = dataclasses.field(default_factory=list)
@@ -130,7 +130,7 @@ class EpisodeRunner:
     observations into tokens.
 
     Args:
-      env: the environment's registered name (`envs.base.get`).
+      env: the environment's registered name (`envs.get`).
       tokenizer: decodes turns and encodes observations (text/tokenizer.py).
       max_turns: model turns per episode; 0: the environment's own `max_turns`.
       timeout: seconds an environment call may take once started.
@@ -143,7 +143,7 @@ class EpisodeRunner:
     def __init__(self, env: str, tokenizer, *, max_turns: int = 0, timeout: float = 30.0,
                  workers: int = 4, frame: tuple | None = None,
                  isolation: str = "namespaces", latency: Latency | None = None):
-        self.env_cls = base.get(env)
+        self.env_cls = envs.get(env)
         self.isolation = isolation
         self.tokenizer = tokenizer
         self.max_turns = max_turns or self.env_cls.max_turns
@@ -184,7 +184,7 @@ class EpisodeRunner:
                 self._loop = loop
             return self._loop
 
-    async def _run(self, env: base.Environment, text: str, delay: float, call: EnvCall):
+    async def _run(self, env: envs.Environment, text: str, delay: float, call: EnvCall):
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.workers)
         async with self._slots:
@@ -196,7 +196,7 @@ class EpisodeRunner:
             call.future.set_result((result, time.perf_counter() - start, error))
 
     @staticmethod
-    async def _step(env: base.Environment, text: str):
+    async def _step(env: envs.Environment, text: str):
         """(StepResult, seconds, error or None) of `env.step(text)`, never raising."""
         start = time.perf_counter()
         try:
@@ -204,11 +204,11 @@ class EpisodeRunner:
                 result = await env.step(text)
             else:
                 result = await _on_thread(env, text, f"env {type(env).__name__}")
-            if not isinstance(result, base.StepResult):
+            if not isinstance(result, envs.StepResult):
                 raise TypeError(f"step returned {type(result).__name__}, not a StepResult")
             return result, time.perf_counter() - start, None
         except Exception as e:  # noqa: BLE001 - the episode ends with the reason
-            return base.StepResult("", 0.0, True), time.perf_counter() - start, one_line(e)
+            return envs.StepResult("", 0.0, True), time.perf_counter() - start, one_line(e)
 
 
     def observation_tokens(self, text: str) -> list:
@@ -242,7 +242,7 @@ async def _awaited(awaitable):
     return await awaitable
 
 
-async def _on_thread(env: base.Environment, text: str, name: str):
+async def _on_thread(env: envs.Environment, text: str, name: str):
     """A plain `step` on a daemon thread of its own: one that never returns (past
     `timeout` its episode has ended) cannot hold the process at exit, as a pool's
     thread would."""

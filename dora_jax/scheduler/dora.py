@@ -60,7 +60,7 @@ from .feasibility import (
 from .policies import Policy, assign_pending
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .core import Scheduler
+    from .state import SchedulerState
 
 
 def apportion(total: int, demand: dict, newest: int, cap: dict) -> dict:
@@ -95,7 +95,7 @@ class DoraPolicy(Policy):
 
     name = "dora"
 
-    def plan(self, sched: Scheduler) -> list:
+    def plan(self, sched: SchedulerState) -> list:
         if sched.multi:  # several versions per slice: dora_multi.py
             return dora_multi.plan(sched)
         acts = form_guarded_batch(sched)

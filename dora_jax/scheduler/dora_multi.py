@@ -43,11 +43,11 @@ from .feasibility import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .core import Scheduler
+    from .state import SchedulerState
     from .types import Admit
 
 
-def plan(sched: Scheduler) -> list:
+def plan(sched: SchedulerState) -> list:
     acts = form_guarded_batch(sched)
     acts += _residency(sched)
     acts += _admit(sched)
@@ -60,7 +60,7 @@ def _residency(sched) -> list:
     p, lo = sched.published, sched.published - cfg.max_staleness
     pending = sched.pending_by_version()
     holders = Counter(v for sl in sched.slices for v in sl.held | sl.adding)
-    acts = []
+    acts: list = []
 
     def make_room(sl) -> bool:
         """A free place on the slice, evicting one version if it must."""
@@ -68,7 +68,7 @@ def _residency(sched) -> list:
             return True
         for w in sorted(sl.held):
             if w != p and residency.evictable(sl, w) and (not pending[w] or holders[w] > 1):
-                acts.append(sched.do_evict(sl.slice_id, w))
+                acts.append(residency.evict(sched, sl.slice_id, w))
                 holders[w] -= 1
                 return True
         return False
@@ -78,17 +78,17 @@ def _residency(sched) -> list:
             continue  # a LoadVersion in flight (none is issued with V > 1)
         for w in sorted(sl.held):
             if w < lo:  # out of the window: nothing of it is left (C3)
-                acts.append(sched.do_evict(sl.slice_id, w))
+                acts.append(residency.evict(sched, sl.slice_id, w))
                 holders[w] -= 1
         if p not in sl.held and p not in sl.adding and make_room(sl):
-            acts.append(sched.do_add_version(sl.slice_id, p))
+            acts.append(residency.add_version(sched, sl.slice_id, p))
             holders[p] += 1
     for w in sorted(v for v, n in pending.items() if n > 0 and not holders[v]):
         order = sorted((sl for sl in sched.slices if sl.loading is None),
                        key=lambda sl: (-sched.free_slots(sl), sl.slice_id))
         for sl in order:
             if make_room(sl):
-                acts.append(sched.do_add_version(sl.slice_id, w))
+                acts.append(residency.add_version(sched, sl.slice_id, w))
                 holders[w] += 1
                 break
     return acts
@@ -132,7 +132,7 @@ def _admit(sched) -> list:
     return acts
 
 
-def check(sched: Scheduler, req) -> None:
+def check(sched: SchedulerState, req) -> None:
     """dora's version rules with several versions per slice: every held or added
     version is in the window [P - K, P] (one older just after a publish, before
     decide()), and a version with unfinished samples has a slice holding or adding

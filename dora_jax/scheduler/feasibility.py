@@ -17,7 +17,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .core import Scheduler
+    from .state import SchedulerState
 
 
 def admission_feasible(counts: Counter, w: int, t: int, k: int, tbs: int) -> bool:
@@ -36,7 +36,7 @@ def admission_reserve(k: int) -> int:
     return k - 1 if k >= 2 else k
 
 
-def in_flight_room(sched: Scheduler) -> int:
+def in_flight_room(sched: SchedulerState) -> int:
     """Groups the rollout batch has room for: RBS x G samples in flight (admitted,
     not finished), in whole groups, within `config.max_groups`."""
     cfg = sched.config
@@ -45,7 +45,7 @@ def in_flight_room(sched: Scheduler) -> int:
     return min(max(room, 0), sched.admission_room(10**9))
 
 
-def form_guarded_batch(sched: Scheduler) -> list:
+def form_guarded_batch(sched: SchedulerState) -> list:
     """Streaming batch formation with the staleness guard: a TrainStep on the TBS oldest
     finished groups, unless what would stay unconsumed could then miss a deadline
     (FEASIBILITY for step t+1), in which case the trainer waits."""
@@ -67,7 +67,7 @@ def form_guarded_batch(sched: Scheduler) -> list:
     return [sched.do_train([g.group_id for g in batch])]
 
 
-def check_feasible(sched: Scheduler, req) -> None:
+def check_feasible(sched: SchedulerState, req) -> None:
     """The FEASIBILITY invariant holds."""
     tbs, k, t = sched.config.train_batch_size, sched.config.max_staleness, sched.next_step
     counts, cum = sched.unconsumed_by_version(), 0

@@ -13,14 +13,15 @@ from . import residency
 from .types import FINISHED, PENDING, RUNNING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .core import Scheduler
+    from .policies import Policy
+    from .state import SchedulerState
 
 
 class InvariantError(AssertionError):
     """Raised by `Scheduler.check_invariants()` when the state breaks a rule."""
 
 
-def check(sched: Scheduler) -> None:
+def check(sched: SchedulerState, policy: Policy) -> None:
     """Raise InvariantError if the state breaks a rule of the core or the mode.
 
     Cheap enough (linear in in-flight samples) to call after every event."""
@@ -29,7 +30,7 @@ def check(sched: Scheduler) -> None:
             raise InvariantError(msg)
 
     cfg = sched.config
-    c1 = sched.policy.keeps_c1
+    c1 = policy.keeps_c1
     uncons: Counter[int] = Counter()
     unfin: Counter[int] = Counter()
     pend: Counter[int] = Counter()
@@ -78,7 +79,7 @@ def check(sched: Scheduler) -> None:
     residency.check(sched, req)  # versions held per slice (C1 with several versions)
     req(sched.next_step == sched.published + busy, "trainer step accounting")
     req(not busy or sched.trainer_step == sched.next_step - 1, "trainer step index")
-    sched.policy.check(sched, req)
+    policy.check(sched, req)
 
 
 def _nonzero(c: Counter) -> dict:

@@ -1,9 +1,9 @@
 """The batch-synchronous baselines (`sync`, `one_step_off`) as policies over the
-shared `Scheduler` state, plus the `Policy` base and the helpers the other modes
-reuse (dora.py, partial.py). modes.py maps mode names to policies.
+shared scheduler state (state.py), plus the `Policy` base and the helpers the other
+modes reuse (dora.py, partial.py). modes.py maps mode names to policies.
 
-A policy is stateless: everything it needs is in the Scheduler, so a snapshot needs
-no policy state. `plan()` is one decision pass; `Scheduler.decide()` repeats passes
+A policy is stateless: everything it needs is in the scheduler's state, so a snapshot
+needs no policy state. `plan()` is one decision pass; `Scheduler.decide()` repeats passes
 until one returns nothing. Each pass runs, in order: batch formation (consuming
 groups frees admission room), slice versions, admission, request assignment.
 """
@@ -20,7 +20,7 @@ from dora_jax.config.modes import CAPABILITIES
 from .types import SchedulerConfig, SliceState
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .core import Scheduler
+    from .state import SchedulerState
 
 
 class Policy:
@@ -51,16 +51,16 @@ class Policy:
         """The largest step - version this mode guarantees (None: not bounded)."""
         return CAPABILITIES[self.name].staleness_bound(config.max_staleness)
 
-    def plan(self, sched: Scheduler) -> list:
+    def plan(self, sched: SchedulerState) -> list:
         """Return the actions of one decision pass (already applied to `sched`)."""
         raise NotImplementedError
 
-    def admission_room(self, sched: Scheduler) -> int:
+    def admission_room(self, sched: SchedulerState) -> int:
         """Groups the mode's rollout batch leaves room for now (drivers report a slot
         idle for want of it as `rbs_full`): RBS unconsumed groups."""
         return sched.admission_room(sched.config.rollout_batch_size)
 
-    def check(self, sched: Scheduler, req: Callable[[bool, str], None]) -> None:
+    def check(self, sched: SchedulerState, req: Callable[[bool, str], None]) -> None:
         """Check mode-specific invariants; `req(cond, msg)` raises if cond is false."""
 
 
@@ -76,7 +76,7 @@ def fullest_fitting(free_sorted: list, need: int) -> int:
     return i
 
 
-def assign_pending(sched: Scheduler, slice_ok: Callable[[SliceState], bool] = lambda sl: True,
+def assign_pending(sched: SchedulerState, slice_ok: Callable[[SliceState], bool] = lambda sl: True,
                    match_version: bool = True) -> list:
     """Give pending samples (oldest version, then oldest group first) a free slot on a
     serving slice accepted by `slice_ok` and, if `match_version` (C1), holding the
@@ -120,7 +120,7 @@ def assign_pending(sched: Scheduler, slice_ok: Callable[[SliceState], bool] = la
     return acts
 
 
-def train_when_finished(sched: Scheduler, group_ids) -> list:
+def train_when_finished(sched: SchedulerState, group_ids) -> list:
     """A TrainStep on exactly these groups once every one is admitted and trainable
     and the trainer is idle (the batch-synchronous modes)."""
     group_ids = list(group_ids)
@@ -130,7 +130,7 @@ def train_when_finished(sched: Scheduler, group_ids) -> list:
     return []
 
 
-def converge_slices(sched: Scheduler, target: int) -> list:
+def converge_slices(sched: SchedulerState, target: int) -> list:
     """Uniform-version modes: every empty slice not holding (or loading) `target`
     loads it. Non-empty slices keep their version until they drain (C1)."""
     acts = []
@@ -140,7 +140,7 @@ def converge_slices(sched: Scheduler, target: int) -> list:
     return acts
 
 
-def check_uniform_slices(sched: Scheduler, req) -> None:
+def check_uniform_slices(sched: SchedulerState, req) -> None:
     """All slices hold (or are loading) one and the same version."""
     vs = {sl.effective_version for sl in sched.slices
           if sl.effective_version is not None}  # None: a failed slice

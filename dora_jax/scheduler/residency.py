@@ -14,7 +14,8 @@ empty:
   the slice (`in_use`: running requests per group version, migrations included,
   since the core moves a migrated request's slot at once).
 * A sample is assigned (or a request migrated) to a slice only if its group's
-  version is resident there (C1 is per trajectory, never per slice).
+  version is resident there (`SliceState.serves`; C1 is per trajectory, never per
+  slice).
 
 `SliceState.version` stays the newest resident version (None: nothing resident), for
 the timeline and the one-version code paths. With V = 1 nothing here is used:
@@ -30,17 +31,12 @@ from .policies import fullest_fitting
 from .types import AddVersion, Evict, SliceState
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .core import Scheduler
+    from .state import SchedulerState
 
 
-def places_free(sched: Scheduler, sl: SliceState) -> int:
+def places_free(sched: SchedulerState, sl: SliceState) -> int:
     """Versions the slice could still take without evicting one."""
     return sched.config.versions_per_slice - len(sl.held) - len(sl.adding)
-
-
-def serves(sl: SliceState, version: int) -> bool:
-    """True if the slice can take a new request of `version` now."""
-    return sl.loading is None and version in sl.held
 
 
 def evictable(sl: SliceState, version: int) -> bool:
@@ -48,7 +44,7 @@ def evictable(sl: SliceState, version: int) -> bool:
     return version in sl.held and not sl.in_use.get(version)
 
 
-def add_version(sched: Scheduler, slice_id: int, version: int) -> AddVersion:
+def add_version(sched: SchedulerState, slice_id: int, version: int) -> AddVersion:
     sl = sched.slices[slice_id]
     assert sched.multi and sl.loading is None, "AddVersion needs a multi-version slice"
     assert version not in sl.held and version not in sl.adding
@@ -58,7 +54,7 @@ def add_version(sched: Scheduler, slice_id: int, version: int) -> AddVersion:
     return AddVersion(slice_id, version)
 
 
-def evict(sched: Scheduler, slice_id: int, version: int) -> Evict:
+def evict(sched: SchedulerState, slice_id: int, version: int) -> Evict:
     sl = sched.slices[slice_id]
     assert evictable(sl, version), f"slice {slice_id} still uses v{version}"
     sl.held.discard(version)
@@ -66,14 +62,7 @@ def evict(sched: Scheduler, slice_id: int, version: int) -> Evict:
     return Evict(slice_id, version)
 
 
-def added(sl: SliceState, version: int) -> None:
-    """`version_loaded` for an AddVersion: the version is resident from now on."""
-    sl.adding.discard(version)
-    sl.held.add(version)
-    sl.version = max(sl.held)
-
-
-def assign_resident(sched: Scheduler,
+def assign_resident(sched: SchedulerState,
                     slice_ok: Callable[[SliceState], bool] = lambda sl: True) -> list:
     """`policies.assign_pending` for multi-version slices: pending samples, oldest
     version then oldest group first, each to a slice holding its group's version,
@@ -103,7 +92,7 @@ def assign_resident(sched: Scheduler,
     return acts
 
 
-def check(sched: Scheduler, req) -> None:
+def check(sched: SchedulerState, req) -> None:
     """The residency invariants: at most V versions held or being added per slice,
     none twice; `version` the newest held; `in_use` agrees with the running requests;
     every running request's group version resident on its slice (C1 modes); with
@@ -124,6 +113,6 @@ def check(sched: Scheduler, req) -> None:
             counts[v] = counts.get(v, 0) + 1
         req(counts == {v: n for v, n in sl.in_use.items() if n},
             f"slice {i}: in-use counts drifted")
-        if sched.multi and sched.policy.keeps_c1:
+        if sched.multi and sched.caps.keeps_c1:
             req(set(counts) <= sl.held and sl.loading is None,
                 f"C1: slice {i} holds {sorted(sl.held)} but runs versions {sorted(counts)}")

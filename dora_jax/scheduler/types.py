@@ -286,6 +286,17 @@ class SliceState:
         """True if the slice can take new requests of its resident version."""
         return self.loading is None and self.version is not None
 
+    def serves(self, version: int) -> bool:
+        """True if the slice can take a new request of `version` now (several
+        versions per slice: residency.py)."""
+        return self.loading is None and version in self.held
+
+    def add_resident(self, version: int) -> None:
+        """`version_loaded` for an AddVersion: the version is resident from now on."""
+        self.adding.discard(version)
+        self.held.add(version)
+        self.version = max(self.held)
+
     @property
     def effective_version(self) -> int | None:
         """The version the slice holds or is about to hold."""

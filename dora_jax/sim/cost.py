@@ -201,7 +201,7 @@ def lora_adapter_params(*, layers: int, d_model: int, q_dim: int, kv_dim: int, f
                         rank: int, targets=("q", "k", "v", "o", "gate", "up", "down")) -> int:
     """Parameters of one LoRA adapter set (model/lora.py: A rank x in, B out x rank on
     each targeted projection of each layer), from shapes alone, as
-    `lora.publish_bytes` counts them for a dense model."""
+    `transformer.publish_bytes` counts them for a dense model."""
     shapes = dict(q=(d_model, q_dim), k=(d_model, kv_dim), v=(d_model, kv_dim),
                   o=(q_dim, d_model), gate=(d_model, ffn), up=(d_model, ffn),
                   down=(ffn, d_model))

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from dora_jax import envs
 from dora_jax.data import prompts
 from dora_jax.data.text_records import chat_tokens
-from dora_jax.envs import base
 from dora_jax.tasks.base import Task, chat_tokenizer, register, tokenizer_for
 
 
 def environment(cfg) -> Any:
     """The class of the environment `data.env` names; DataError if none is."""
     try:
-        return base.get(cfg.data.env)
+        return envs.get(cfg.data.env)
     except ValueError as e:
         raise prompts.DataError(f"data.env: {e}") from None
 
@@ -54,6 +54,6 @@ class Environment(Task):
         # The runner's framing of observations, so a demonstration reads as an episode.
         from dora_jax.rollout.episodes import demonstration_tokens, observation_frame
 
-        env_cls, tokenizer = base.get(cfg.data.env), tokenizer or tokenizer_for(cfg)
+        env_cls, tokenizer = envs.get(cfg.data.env), tokenizer or tokenizer_for(cfg)
         frame = observation_frame(tokenizer)  # once, not per demonstration
         return lambda record: demonstration_tokens(env_cls, record, tokenizer, frame)

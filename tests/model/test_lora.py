@@ -334,12 +334,12 @@ def test_publish_bytes_of_adapters_are_a_small_fraction(load_config):
     """Rank 32 on every projection: Qwen3-8B (bf16 weights, f32 adapters) and
     Qwen3-30B-A3B (configs/moe.py, f32 weights) publish <= 3% of their weights' bytes."""
     moe30 = load_config("configs/moe.py").model
-    q8 = lora.publish_bytes(with_lora(QWEN3_8B, rank=32))
+    q8 = tf.publish_bytes(with_lora(QWEN3_8B, rank=32))
     assert q8["full"] == 2 * 8_190_735_360  # bf16 x 8.19B parameters
     # 36 layers x (q, k, v, o, gate, up, down) x 32 ranks x (in + out), 4 bytes each.
     assert q8["adapters"] == 36 * 32 * 4 * (
         (4096 + 4096) * 2 + (4096 + 1024) * 2 + (4096 + 12_288) * 3)
-    m30 = lora.publish_bytes(with_lora(moe30, rank=32))
+    m30 = tf.publish_bytes(with_lora(moe30, rank=32))
     assert m30["full"] == 4 * 30_532_122_624  # every MLP is MoE: attention adapters only
     assert m30["adapters"] == 48 * 32 * 4 * ((2048 + 4096) * 2 + (2048 + 512) * 2)
     assert q8["ratio"] <= 0.03 and m30["ratio"] <= 0.03
@@ -420,7 +420,7 @@ def test_a_lora_run_publishes_adapted_params_to_the_slices(small_config, tmp_pat
     _, report = audit_workdir(cfg, str(tmp_path))
     assert report.ok and summary["steps"] == cfg.coordinator.num_steps
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    sizes = lora.publish_bytes(cfg.model)
+    sizes = tf.publish_bytes(cfg.model)
     assert {r["publish_bytes"] for r in records} == {sizes["adapters"]}
     assert sizes["adapters"] < sizes["full"] / 10
     assert summary["publish_bytes"] == sizes["adapters"]

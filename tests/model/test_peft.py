@@ -39,7 +39,7 @@ def adapted(name, *, scan=True, seed=0, targets=None):
     cfg = dataclasses.replace(base_cfg, lora=LoRAConfig(rank=RANK, alpha=ALPHA,
                                                         targets=targets or FAMILIES[name]))
     _, base = hf.load_pretrained(str(FIXTURES / name), cfg=base_cfg)
-    adapters = lora.init_adapters(cfg, seed)
+    adapters = tf.init_adapters(cfg, seed)
     leaves, treedef = jax.tree_util.tree_flatten(adapters)
     keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
     leaves = [0.3 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]

@@ -50,13 +50,13 @@ def test_versions_that_do_not_fit_are_refused_naming_the_field():
 
 
 def test_lora_shape_arithmetic_matches_the_models_adapters():
-    lora = pytest.importorskip("dora_jax.model.lora")
+    transformer = pytest.importorskip("dora_jax.model.transformer")
     from dora_jax.config.model import LoRAConfig, ModelConfig
 
     cfg = ModelConfig(vocab_size=32, d_model=16, num_layers=2, num_heads=2, num_kv_heads=1,
                       head_dim=8, mlp_hidden=24, lora=LoRAConfig(rank=4, alpha=8.0))
     n = lora_adapter_params(layers=2, d_model=16, q_dim=16, kv_dim=8, ffn=24, rank=4)
-    assert lora.publish_bytes(cfg)["adapters"] == 4 * n  # float32 adapters
+    assert transformer.publish_bytes(cfg)["adapters"] == 4 * n  # float32 adapters
     assert lora_adapter_params(**QWEN25_32B_SHAPE, rank=1) == 64 * 131072
 
 
