@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -19,11 +18,8 @@ from flax import nnx
 from dora_jax.config import ModelConfig
 from dora_jax.model import lora
 from dora_jax.model.attention import attend, causal_attention
-from dora_jax.model.paged_attention import paged_attention
+from dora_jax.model.paged_attention import PageView, paged_attention
 from dora_jax.model.sharding import constrain
-
-if TYPE_CHECKING:
-    from dora_jax.rollout.pages import PageView
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: Sequence[str | None],

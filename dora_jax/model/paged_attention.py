@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -28,10 +28,24 @@ from dora_jax.config import PAGED_ATTENTION_IMPLS
 from dora_jax.model.attention import NEG_INF
 from dora_jax.model.sharding import active_rules, logical_to_spec
 
-if TYPE_CHECKING:
-    from dora_jax.rollout.pages import PageView
-
 POOL_AXES = ("layers", "kv_heads", "pages", "page", "head_dim")
+
+
+class PageView(Protocol):
+    """What paged decode attention reads of one decode call's page view: the fields
+    of `rollout.pages.PageView` (device arrays inside the jitted step), named here so
+    that the model imports nothing of the rollout layer above it."""
+
+    @property
+    def table(self) -> jax.Array: ...  # int32[S, pages_per_slot]
+    @property
+    def owned(self) -> jax.Array: ...  # bool[S]
+    @property
+    def flat_pages(self) -> jax.Array: ...  # int32[N]
+    @property
+    def flat_slots(self) -> jax.Array: ...  # int32[N]
+    @property
+    def flat_starts(self) -> jax.Array: ...  # int32[N]
 
 
 def resolve(implementation: str, backend: str | None = None) -> str:

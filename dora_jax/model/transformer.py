@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,11 +27,8 @@ from dora_jax.config import ModelConfig
 from dora_jax.model import lora
 from dora_jax.model.layers import Attention, RMSNorm, SwiGLU, param
 from dora_jax.model.moe import MoE
-from dora_jax.model.paged_attention import POOL_AXES
+from dora_jax.model.paged_attention import POOL_AXES, PageView
 from dora_jax.model.sharding import constrain, is_variable
-
-if TYPE_CHECKING:
-    from dora_jax.rollout.pages import PageView
 
 AUX_KEYS = ("load_balance_loss", "router_z_loss", "dropped_fraction")
 
