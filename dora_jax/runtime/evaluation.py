@@ -34,7 +34,7 @@ import concurrent.futures
 import math
 import queue
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -48,7 +48,6 @@ if TYPE_CHECKING:
     from flax import nnx
 
     from dora_jax.rollout.trajectory import InFlight
-    from dora_jax.runtime.worker import SliceWorker
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -142,6 +141,14 @@ class EvalDecoder:
         return out
 
 
+class EvalHost(Protocol):
+    """The slice an evaluation is sent to (worker.py's `SliceWorker`, which imports
+    this module): it runs `decoder` between two of its generate calls."""
+
+    def evaluate(self, decoder: EvalDecoder, version: int,
+                 params: nnx.State | concurrent.futures.Future, records: list) -> None: ...
+
+
 class Evaluation:
     """The coordinator's side of evaluation: when one is due, sending it to the
     slice, scoring its responses, and its metrics record. Called on the
@@ -164,14 +171,14 @@ class Evaluation:
         """Version `version` is one to evaluate (every `eval.every` steps)."""
         return version % self.cfg.every == 0 and version not in self.evaluated
 
-    def start(self, worker: SliceWorker, version: int,
+    def start(self, worker: EvalHost, version: int,
               params: nnx.State | concurrent.futures.Future) -> None:
         """Sends the evaluation of `version` (its `params`) to `worker`."""
         self.evaluated.add(version)
         self._pending[version] = None
         worker.evaluate(self.decoder, version, params, self.records)
 
-    def offer(self, worker: SliceWorker, version: int,
+    def offer(self, worker: EvalHost, version: int,
               params: nnx.State | concurrent.futures.Future, *, last: bool = False) -> None:
         """Starts `version`'s evaluation if one is due, or if `last` (the run's final
         version) and none ran."""
