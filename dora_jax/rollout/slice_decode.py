@@ -130,7 +130,9 @@ class DecodeCalls:
         self.stats.total_slot_steps += len(self.slots) * steps_run
         self.stats.busy_slot_steps += busy
         for s in finished:
-            self.on_finished(self.slots.owner(s))
+            seq = self.slots.owner(s)
+            assert seq is not None  # a finished row is a held slot's
+            self.on_finished(seq)
         if self.engine.pages is not None:
             # What the call still in flight (if any) may write comes on top.
             ahead = self._inflight[2] if self._inflight is not None else 0

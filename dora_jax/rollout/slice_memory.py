@@ -119,7 +119,9 @@ class SliceMemory:
                 raise RolloutError(f"slice {slice_id}: KV pool of "
                                    f"{self.engine.pages.num_pages} pages cannot hold one "
                                    f"request")
-            preempt(slots.owner(slots.latest_started()))
+            latest = slots.owner(slots.latest_started())
+            assert latest is not None  # latest_started is an owned slot
+            preempt(latest)
 
     def drop_prompt_pages(self) -> bool:
         """Lets go of the shared prompt pages (their samples keep their mappings);
