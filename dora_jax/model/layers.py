@@ -123,7 +123,8 @@ class Attention(nnx.Module):
         self.dtype = jnp.dtype(cfg.dtype)
         self.implementation, self.block = cfg.attention, cfg.attention_block
 
-    def _qkv(self, x_BTD, positions_BT):
+    def _qkv(self, x_BTD: jax.Array, positions_BT: jax.Array
+             ) -> tuple[jax.Array, jax.Array, jax.Array]:
         dt = self.dtype
         q = lora.adapt(self.lora_q, x_BTD,
                        dense(x_BTD, self.wq[...].astype(dt)))
@@ -143,7 +144,7 @@ class Attention(nnx.Module):
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
         return q, k, v
 
-    def _out(self, o_BTHD):
+    def _out(self, o_BTHD: jax.Array) -> jax.Array:
         y = lora.adapt(self.lora_o, o_BTHD,
                        dense(o_BTHD, self.wo[...].astype(self.dtype), contract=2))
         return constrain(y, ("batch", "length", "embed"))
