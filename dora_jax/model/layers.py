@@ -48,7 +48,7 @@ def dense(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
 
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, axis_name: str, eps: float, param_dtype: jax.typing.DTypeLike, *,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs) -> None:
         self.scale = param(rngs, (dim,), (axis_name,), param_dtype, init="ones")
         self.eps = eps
 
@@ -90,7 +90,7 @@ def rope(x_BTHD: jax.Array, positions_BT: jax.Array,
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs) -> None:
         pd = jnp.dtype(cfg.param_dtype)
         D, H, K, Dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.wq = param(rngs, (D, H, Dh), ("embed", "heads", "head_dim"), pd)
@@ -212,7 +212,8 @@ class Attention(nnx.Module):
 
 class SwiGLU(nnx.Module):
     def __init__(self, d_model: int, hidden: int, param_dtype: jax.typing.DTypeLike,
-                 dtype: jax.typing.DTypeLike, *, rngs: nnx.Rngs, cfg: ModelConfig | None = None):
+                 dtype: jax.typing.DTypeLike, *, rngs: nnx.Rngs,
+                 cfg: ModelConfig | None = None) -> None:
         """cfg: the ModelConfig, whose `lora` may adapt gate / up / down."""
         self.w_gate = param(rngs, (d_model, hidden), ("embed", "mlp"), param_dtype)
         self.w_up = param(rngs, (d_model, hidden), ("embed", "mlp"), param_dtype)

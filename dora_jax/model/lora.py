@@ -72,7 +72,7 @@ class LoRA(nnx.Module):
     def __init__(self, lora_cfg: LoRAConfig, in_shape: tuple[int, ...],
                  in_axes: tuple[str | None, ...], out_shape: tuple[int, ...],
                  out_axes: tuple[str | None, ...], *, rngs: nnx.Rngs, lead: tuple[int, ...] = (),
-                 lead_axes: tuple[str | None, ...] = ()):
+                 lead_axes: tuple[str | None, ...] = ()) -> None:
         dt, r = jnp.dtype(lora_cfg.dtype), lora_cfg.rank
         bound = math.prod(in_shape) ** -0.5
         a = jax.random.uniform(rngs.params(), (*lead, *in_shape, r), jnp.float32, -bound, bound)

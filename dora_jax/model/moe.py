@@ -142,7 +142,7 @@ def capacity_dispatch(experts_NK: jax.Array, weights_NK: jax.Array, num_experts:
 
 
 class MoE(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs) -> None:
         m = cfg.moe
         pd, dt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
         D, E, F = cfg.d_model, m.num_experts, m.expert_hidden

@@ -69,7 +69,7 @@ class PeftFormatError(CheckpointError):
     `field` names the config field it contradicts (model.lora.rank, ...) when that is
     what is wrong."""
 
-    def __init__(self, message: str, field: str | None = None):
+    def __init__(self, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.field = field
 

@@ -77,7 +77,7 @@ _Period = tuple[jax.Array, list[jax.Array], list[jax.Array], list[dict]]
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs) -> None:
         pd = jnp.dtype(cfg.param_dtype)
         self.attn_norm = RMSNorm(cfg.d_model, "embed", cfg.norm_eps, pd, rngs=rngs)
         self.attn = Attention(cfg, rngs=rngs)
@@ -138,7 +138,7 @@ class Transformer(nnx.Module):
     (p = `cfg.layer_period`, the dense/MoE interleave) and one period is compiled
     once and scanned over the depth; otherwise `blocks[i]` is layer i."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs) -> None:
         pd = jnp.dtype(cfg.param_dtype)
         self.cfg = cfg
         # A tied table is also the output projection: init it for unit-variance logits.

@@ -90,7 +90,7 @@ class SlotFrees:
     releases nothing.
     """
 
-    def __init__(self, slots: int):
+    def __init__(self, slots: int) -> None:
         self.lock = threading.RLock()
         self._unfreed = np.zeros(slots, np.int64)
 

@@ -60,7 +60,7 @@ class PagePool:
       max_tokens: positions a slot may hold (cache_length).
     """
 
-    def __init__(self, num_pages: int, page_size: int, slots: int, max_tokens: int):
+    def __init__(self, num_pages: int, page_size: int, slots: int, max_tokens: int) -> None:
         self.pages_per_slot = pages_for(max_tokens, page_size)
         if num_pages < self.pages_per_slot:
             raise ValueError(f"a pool of {num_pages} pages cannot hold one full-length "

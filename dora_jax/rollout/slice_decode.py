@@ -33,7 +33,7 @@ class DecodeCalls:
     _state: Any = None
 
     def __init__(self, slice_id: int, engine: Engine, slots: SlotTable, stats: SliceStats,
-                 on_finished: Callable[[InFlight], None], *, lookahead: bool):
+                 on_finished: Callable[[InFlight], None], *, lookahead: bool) -> None:
         self.slice_id, self.engine, self.slots, self.stats = slice_id, engine, slots, stats
         self.on_finished, self.lookahead = on_finished, lookahead
         self.reset()

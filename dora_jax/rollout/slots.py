@@ -25,7 +25,7 @@ class SlotTable:
     (when its request started here: the latest is the first preempted).
     """
 
-    def __init__(self, num_slots: int, max_decode_len: int):
+    def __init__(self, num_slots: int, max_decode_len: int) -> None:
         S, D = num_slots, max_decode_len
         self.seqs: list = [None] * S
         self.owned = np.zeros(S, bool)
