@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -70,33 +71,39 @@ def dense_causal(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array,
 # Internal layout: q as [n_q, B, K, G, bq, D] blocks, k/v as [n_k, B, K, bk, D],
 # segment ids as [n, B, b] blocks (the same array cut once for queries, once for keys).
 
-def _split_q(q_BTHD, K, bq):
+# A blockwise loop's carry: three arrays (output, max, sum; or dk, dv, dq).
+_Carry3 = tuple[jax.Array, jax.Array, jax.Array]
+
+
+def _split_q(q_BTHD: jax.Array, K: int, bq: int) -> jax.Array:
     B, T, H, D = q_BTHD.shape
     q = q_BTHD.reshape(B, T // bq, bq, K, H // K, D)
     return q.transpose(1, 0, 3, 4, 2, 5)
 
 
-def _merge_q(x, shape):
+def _merge_q(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     B, T, H, D = shape
     return x.transpose(1, 0, 4, 2, 3, 5).reshape(B, T, H, D)
 
 
-def _split_kv(k_BTKD, bk):
+def _split_kv(k_BTKD: jax.Array, bk: int) -> jax.Array:
     B, T, K, D = k_BTKD.shape
     return k_BTKD.reshape(B, T // bk, bk, K, D).transpose(1, 0, 3, 2, 4)
 
 
-def _merge_kv(x, shape):
+def _merge_kv(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     B, T, K, D = shape
     return x.transpose(1, 0, 3, 2, 4).reshape(B, T, K, D)
 
 
-def _split_segments(segment_ids_BT, b):
+def _split_segments(segment_ids_BT: jax.Array, b: int) -> jax.Array:
     B, T = segment_ids_BT.shape
     return segment_ids_BT.reshape(B, T // b, b).transpose(1, 0, 2)
 
 
-def _block_scores(q, k, i, j, bq, bk, scale, seg_q=None, seg_k=None):
+def _block_scores(q: jax.Array, k: jax.Array, i: jax.Array, j: jax.Array, bq: int, bk: int,
+                  scale: float, seg_q: jax.Array | None = None, seg_k: jax.Array | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
     """Scores of query block i against key block j, f32, causally masked; and the mask.
     With the blocks' segment ids (seg_q [B, bq], seg_k [B, bk]) the mask also keeps
     each query to its own segment."""
@@ -104,13 +111,13 @@ def _block_scores(q, k, i, j, bq, bk, scale, seg_q=None, seg_k=None):
     q_pos = i * bq + jnp.arange(bq)
     k_pos = j * bk + jnp.arange(bk)
     mask = k_pos[None, :] <= q_pos[:, None]
-    if seg_q is not None:
+    if seg_q is not None and seg_k is not None:
         same_BQC = seg_q[:, :, None] == seg_k[:, None, :]
         mask = (mask & same_BQC)[:, None, None]  # broadcast over kv heads and groups
     return jnp.where(mask, s, NEG_INF), mask
 
 
-def _blocks_meet(seg_q, seg_k):
+def _blocks_meet(seg_q: jax.Array, seg_k: jax.Array) -> jax.Array:
     """[n_q, n_k] bool: whether some row may have a query of block i and a key of
     block j in the same segment, i.e. their id ranges overlap. A pair that fails this
     in every row is fully masked and skipped (exact for any ids; tight when ids grow
@@ -122,19 +129,21 @@ def _blocks_meet(seg_q, seg_k):
     return jnp.any(overlap_QKB, axis=-1)
 
 
-def _forward(q_blocks, k_blocks, v_blocks, bq, bk, scale, seg_q=None, seg_k=None):
+def _forward(q_blocks: jax.Array, k_blocks: jax.Array, v_blocks: jax.Array, bq: int, bk: int,
+             scale: float, seg_q: jax.Array | None = None, seg_k: jax.Array | None = None
+             ) -> tuple[jax.Array, jax.Array]:
     """(out blocks, log-sum-exp blocks) by online softmax over key blocks. With
     segment-id blocks (seg_q [n_q, B, bq], seg_k [n_k, B, bk]) attention stays within
     segments and key blocks no query of the block can see are skipped."""
     if seg_q is not None:
         meet_QK = _blocks_meet(seg_q, seg_k)
 
-    def one_q_block(args):
+    def one_q_block(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         i, q = args
 
-        def update(j, carry):
+        def update(j: jax.Array, carry: _Carry3) -> _Carry3:
             o, m, denom = carry
-            segs = () if seg_q is None else (seg_q[i], seg_k[j])
+            segs = () if seg_q is None or seg_k is None else (seg_q[i], seg_k[j])
             s, mask = _block_scores(q, k_blocks[j], i, j, bq, bk, scale, *segs)
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
@@ -146,7 +155,7 @@ def _forward(q_blocks, k_blocks, v_blocks, bq, bk, scale, seg_q=None, seg_k=None
         if seg_q is None:
             step = update
         else:
-            def step(j, carry):
+            def step(j: jax.Array, carry: _Carry3) -> _Carry3:
                 # The diagonal block always meets (each query sees itself), so every
                 # query's sum `denom` is positive.
                 return jax.lax.cond(meet_QK[i, j], lambda c: update(j, c), lambda c: c,
@@ -162,7 +171,8 @@ def _forward(q_blocks, k_blocks, v_blocks, bq, bk, scale, seg_q=None, seg_k=None
     return jax.lax.map(one_q_block, (jnp.arange(q_blocks.shape[0]), q_blocks))
 
 
-def _split_segment_blocks(segment_ids_BT, bq, bk):
+def _split_segment_blocks(segment_ids_BT: jax.Array | None, bq: int, bk: int
+                          ) -> tuple[()] | tuple[jax.Array, jax.Array]:
     """(query blocks, key blocks) of the segment ids; () without them."""
     if segment_ids_BT is None:
         return ()
@@ -172,12 +182,15 @@ def _split_segment_blocks(segment_ids_BT, bq, bk):
 # segment_ids_BT is a primal (an array may not be a nondiff argument); it is integer,
 # so its cotangent is None.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _flash(q_BTHD, k_BTKD, v_BTKD, segment_ids_BT, bq, bk):
+def _flash(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array,
+           segment_ids_BT: jax.Array | None, bq: int, bk: int) -> jax.Array:
     out, _ = _flash_fwd(q_BTHD, k_BTKD, v_BTKD, segment_ids_BT, bq, bk)
     return out
 
 
-def _flash_fwd(q_BTHD, k_BTKD, v_BTKD, segment_ids_BT, bq, bk):
+def _flash_fwd(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array,
+               segment_ids_BT: jax.Array | None, bq: int, bk: int
+               ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     K, D = k_BTKD.shape[2], q_BTHD.shape[-1]
     q, k, v = _split_q(q_BTHD, K, bq), _split_kv(k_BTKD, bk), _split_kv(v_BTKD, bk)
     o, lse = _forward(q, k, v, bq, bk, D ** -0.5,
@@ -186,7 +199,8 @@ def _flash_fwd(q_BTHD, k_BTKD, v_BTKD, segment_ids_BT, bq, bk):
     return out, (q_BTHD, k_BTKD, v_BTKD, segment_ids_BT, out, lse)
 
 
-def _flash_bwd(bq, bk, residuals, d_out):
+def _flash_bwd(bq: int, bk: int, residuals: tuple[jax.Array, ...], d_out: jax.Array
+               ) -> tuple[jax.Array, jax.Array, jax.Array, None]:
     """Recomputes each block's probabilities from the saved log-sum-exp; one pass
     over key blocks, each visiting the query blocks that can see it (with segment
     ids, only those whose segments meet it)."""
@@ -202,10 +216,10 @@ def _flash_bwd(bq, bk, residuals, d_out):
     delta = jnp.sum(do * _split_q(out, K, bq).astype(jnp.float32), axis=-1)
     n_q, n_k = q.shape[0], k.shape[0]
 
-    def one_k_block(j, dq):
+    def one_k_block(j: jax.Array, dq: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         k_j, v_j = k[j].astype(jnp.float32), v[j].astype(jnp.float32)
 
-        def update(i, carry):
+        def update(i: jax.Array, carry: _Carry3) -> _Carry3:
             dk, dv, dq = carry
             segs = () if not seg_blocks else (seg_blocks[0][i], seg_blocks[1][j])
             s, mask = _block_scores(q[i], k[j], i, j, bq, bk, scale, *segs)
@@ -220,7 +234,7 @@ def _flash_bwd(bq, bk, residuals, d_out):
         if not seg_blocks:
             step = update
         else:
-            def step(i, carry):
+            def step(i: jax.Array, carry: _Carry3) -> _Carry3:
                 return jax.lax.cond(meet_QK[i, j], lambda c: update(i, c), lambda c: c,
                                     carry)
 
@@ -302,7 +316,8 @@ def splash_causal(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array, block
     if segment_ids_BT is None:
         out = jax.vmap(jax.vmap(kernel))(q_BKGTD, k_BKTD, v_BKTD)
     else:
-        def one_head(q_GTD, k_TD, v_TD, seg_T):
+        def one_head(q_GTD: jax.Array, k_TD: jax.Array, v_TD: jax.Array, seg_T: jax.Array
+                     ) -> jax.Array:
             return kernel(q_GTD, k_TD, v_TD, segment_ids=splash.SegmentIds(q=seg_T, kv=seg_T))
 
         # Over rows, then over kv heads (the row's ids shared by its heads).
@@ -373,6 +388,7 @@ def causal_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array,
                      f"known: {ATTENTION_IMPLS}")
 
 
-def _splash_packed(kernel, q_BTHD, k_BTKD, v_BTKD, segment_ids_BT):
+def _splash_packed(kernel: Callable[..., jax.Array], q_BTHD: jax.Array, k_BTKD: jax.Array,
+                   v_BTKD: jax.Array, segment_ids_BT: jax.Array) -> jax.Array:
     # Positional segment ids, so that shard_map can split them with the batch.
     return kernel(q_BTHD, k_BTKD, v_BTKD, segment_ids_BT=segment_ids_BT)

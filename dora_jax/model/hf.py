@@ -78,7 +78,7 @@ _BLOCK = {  # path inside a block -> (HF suffix after model.layers.i., linear)
 _MLP = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
 
 
-def _path_names(path) -> tuple:
+def _path_names(path: jax.tree_util.KeyPath) -> tuple:
     names = []
     for k in path:
         key = getattr(k, "key", getattr(k, "idx", getattr(k, "name", None)))
@@ -170,7 +170,8 @@ def load_pretrained(path: str, *, dtype: str | None = None, mesh: Mesh | None = 
         shardings = param_shardings(abstract, mesh, rules)
     used = set()
 
-    def unit(leaf: _Leaf, leaf_names, unit_shape, layer, expert, dtype):
+    def unit(leaf: _Leaf, leaf_names: tuple, unit_shape: tuple, layer: int | None,
+             expert: int | None, dtype: np.dtype) -> np.ndarray:
         name = leaf.name(layer, expert)
         if name not in ckpt:
             raise CheckpointError(f"{path}: missing tensor {name!r} (for param "
@@ -182,7 +183,8 @@ def load_pretrained(path: str, *, dtype: str | None = None, mesh: Mesh | None = 
         used.add(name)
         return _to_ours(ckpt.get(name), unit_shape, leaf.linear).astype(dtype)
 
-    def read(leaf: _Leaf, leaf_names, shape, dtype, index):
+    def read(leaf: _Leaf, leaf_names: tuple, shape: tuple, dtype: np.dtype,
+             index: tuple) -> np.ndarray:
         index = tuple(index) + (slice(None),) * (len(shape) - len(index))
         lead = (leaf.layers is not None) + leaf.experts
         unit_shape = shape[lead:]
@@ -196,7 +198,8 @@ def load_pretrained(path: str, *, dtype: str | None = None, mesh: Mesh | None = 
             rows.append(np.stack(units) if leaf.experts else units[0])
         return np.stack(rows) if leaf.layers is not None else rows[0]
 
-    def fill(path_keys, x, sharding=None):
+    def fill(path_keys: jax.tree_util.KeyPath, x: jax.ShapeDtypeStruct,
+             sharding: jax.sharding.Sharding | None = None) -> jax.Array:
         names = _path_names(path_keys)
         leaf = _leaf(cfg, names)
         shape, dtype = tuple(x.shape), np.dtype(x.dtype)
@@ -216,7 +219,8 @@ def load_pretrained(path: str, *, dtype: str | None = None, mesh: Mesh | None = 
     return cfg, params
 
 
-def _hf_tensors(cfg: ModelConfig, params, dtype) -> list:
+def _hf_tensors(cfg: ModelConfig, params: nnx.State, dtype: np.dtype
+                ) -> list[safetensors_file.TensorSpec]:
     """(name, shape, dtype, produce) of every HF tensor, in the checkpoint's order."""
     specs = []
     for path_keys, x in jax.tree_util.tree_leaves_with_path(params):
@@ -232,13 +236,15 @@ def _hf_tensors(cfg: ModelConfig, params, dtype) -> list:
                 index = tuple(i for i in (j if leaf.layers is not None else None, e)
                               if i is not None)
 
-                def produce(x=x, index=index, hf_shape=hf_shape, linear=leaf.linear):
+                def produce(x: jax.Array = x, index: tuple = index, hf_shape: tuple = hf_shape,
+                            linear: bool = leaf.linear) -> np.ndarray:
                     return _to_hf(np.asarray(x[index] if index else x), hf_shape, linear)
 
                 specs.append(safetensors_file.TensorSpec(leaf.name(layer, e), hf_shape,
                                                          dtype, produce))
 
-    def order(spec):  # embeddings, layers in order, then the head (as HF writes them)
+    # embeddings, layers in order, then the head (as HF writes them)
+    def order(spec: safetensors_file.TensorSpec) -> tuple[int, int, str]:
         parts = spec.name.split(".")
         if parts[1] == "layers":
             return (1, int(parts[2]), spec.name)

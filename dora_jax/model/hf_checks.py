@@ -86,7 +86,7 @@ def check_pretrained(config: ml_collections.ConfigDict) -> Pretrained:
     return Pretrained(checkpoint, architecture, path, tokenizer)
 
 
-def _check_adapter(lora_section) -> None:
+def _check_adapter(lora_section: ml_collections.ConfigDict | dict[str, Any]) -> None:
     """A PEFT adapter named by model.lora.checkpoint: its adapter_config.json read
     (never its tensors) and its r / lora_alpha / target_modules held against
     model.lora's rank / alpha / targets; a ConfigError names the field."""

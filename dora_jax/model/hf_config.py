@@ -11,7 +11,7 @@ refused by name rather than loaded approximately.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dora_jax import untrusted_files
 
@@ -66,11 +66,11 @@ def read(directory: str) -> dict:
 
 # ------------------------------------------------------------------ typed fields
 
-def _is_int(x) -> bool:
+def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _int(d: dict, name: str, where: str, hi: int, *, lo: int = 1, default=None,
+def _int(d: dict, name: str, where: str, hi: int, *, lo: int = 1, default: int | None = None,
          label: str | None = None) -> int:
     """An int field in [lo, hi]; absent or null gives `default` (None: required)."""
     label = label or name
@@ -86,7 +86,8 @@ def _int(d: dict, name: str, where: str, hi: int, *, lo: int = 1, default=None,
     return value
 
 
-def _number(d: dict, name: str, where: str, *, default=None, label: str | None = None,
+def _number(d: dict, name: str, where: str, *, default: float | None = None,
+            label: str | None = None,
             below: float = float("inf")) -> float:
     """A finite number field in (0, below)."""
     label = label or name
@@ -112,7 +113,7 @@ def _bool(d: dict, name: str, where: str, default: bool = False) -> bool:
     return value
 
 
-def _typed(d: dict, name: str, where: str, kind: type, label: str | None = None):
+def _typed(d: dict, name: str, where: str, kind: type, label: str | None = None) -> Any:
     """A field that is null or a `kind` (dict, list, str)."""
     value = d.get(name)
     if value is not None and not isinstance(value, kind):
@@ -161,7 +162,7 @@ def model_fields(hf: dict, where: str = "config.json") -> dict:
         raise CheckpointError(f"{where}: model_type {family!r} is not supported; "
                               f"supported: {FAMILIES}")
 
-    def refuse(condition, what):
+    def refuse(condition: object, what: str) -> None:
         if condition:
             raise CheckpointError(f"{where}: {what} is not supported")
 
@@ -202,7 +203,7 @@ def model_fields(hf: dict, where: str = "config.json") -> dict:
         kind = scaling.get("rope_type", scaling.get("type"))
         refuse(kind != "llama3", f"rope scaling {kind!r}")
 
-        def field(name):
+        def field(name: str) -> float:
             return _number(scaling, name, where, label=f"{scaling_name}.{name}")
 
         out.update(rope_scaling="llama3", rope_factor=field("factor"),

@@ -44,7 +44,7 @@ def dense(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
 
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, axis_name: str, eps: float, param_dtype: jax.typing.DTypeLike, *,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs) -> None:
         self.scale = param(rngs, (dim,), (axis_name,), param_dtype, init="ones")
         self.eps = eps
 
@@ -86,7 +86,7 @@ def rope(x_BTHD: jax.Array, positions_BT: jax.Array,
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs) -> None:
         pd = jnp.dtype(cfg.param_dtype)
         D, H, K, Dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.wq = param(rngs, (D, H, Dh), ("embed", "heads", "head_dim"), pd)
@@ -119,7 +119,8 @@ class Attention(nnx.Module):
         self.dtype = jnp.dtype(cfg.dtype)
         self.implementation, self.block = cfg.attention, cfg.attention_block
 
-    def _qkv(self, x_BTD, positions_BT):
+    def _qkv(self, x_BTD: jax.Array, positions_BT: jax.Array
+             ) -> tuple[jax.Array, jax.Array, jax.Array]:
         dt = self.dtype
         q = lora.adapt(self.lora_q, x_BTD,
                        dense(x_BTD, self.wq[...].astype(dt)))
@@ -139,7 +140,7 @@ class Attention(nnx.Module):
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
         return q, k, v
 
-    def _out(self, o_BTHD):
+    def _out(self, o_BTHD: jax.Array) -> jax.Array:
         y = lora.adapt(self.lora_o, o_BTHD,
                        dense(o_BTHD, self.wo[...].astype(self.dtype), contract=2))
         return constrain(y, ("batch", "length", "embed"))
@@ -207,7 +208,8 @@ class Attention(nnx.Module):
 
 class SwiGLU(nnx.Module):
     def __init__(self, d_model: int, hidden: int, param_dtype: jax.typing.DTypeLike,
-                 dtype: jax.typing.DTypeLike, *, rngs: nnx.Rngs, cfg: ModelConfig | None = None):
+                 dtype: jax.typing.DTypeLike, *, rngs: nnx.Rngs,
+                 cfg: ModelConfig | None = None) -> None:
         """cfg: the ModelConfig, whose `lora` may adapt gate / up / down."""
         self.w_gate = param(rngs, (d_model, hidden), ("embed", "mlp"), param_dtype)
         self.w_up = param(rngs, (d_model, hidden), ("embed", "mlp"), param_dtype)

@@ -72,7 +72,7 @@ class LoRA(nnx.Module):
     def __init__(self, lora_cfg: LoRAConfig, in_shape: tuple[int, ...],
                  in_axes: tuple[str | None, ...], out_shape: tuple[int, ...],
                  out_axes: tuple[str | None, ...], *, rngs: nnx.Rngs, lead: tuple[int, ...] = (),
-                 lead_axes: tuple[str | None, ...] = ()):
+                 lead_axes: tuple[str | None, ...] = ()) -> None:
         dt, r = jnp.dtype(lora_cfg.dtype), lora_cfg.rank
         bound = math.prod(in_shape) ** -0.5
         a = jax.random.uniform(rngs.params(), (*lead, *in_shape, r), jnp.float32, -bound, bound)
@@ -91,7 +91,7 @@ class LoRA(nnx.Module):
         h = jnp.tensordot(x, a, axes=self.num_in) * jnp.asarray(self.scale, x.dtype)
         return jnp.tensordot(h, self.lora_b[...].astype(x.dtype), axes=1)
 
-    def _per_row(self, x, a_VIR, b_VRO):
+    def _per_row(self, x: jax.Array, a_VIR: jax.Array, b_VRO: jax.Array) -> jax.Array:
         place_B = _ROWS.get()
         if place_B is None:
             raise ValueError("stacked adapters need each row's place: call the model "
@@ -140,13 +140,13 @@ def adapt(adapter: LoRA | None, x: jax.Array, y: jax.Array) -> jax.Array:
     return y if adapter is None else y + adapter(x)
 
 
-def _keys(path) -> tuple:
+def _keys(path: jax.tree_util.KeyPath) -> tuple[str, ...]:
     """A leaf path as plain keys, without the Variable's trailing `.value`."""
     keys = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
     return keys[:-1] if keys and keys[-1] == "value" else keys
 
 
-def _is_adapter(path, _=None) -> bool:
+def _is_adapter(path: jax.tree_util.KeyPath, _: object = None) -> bool:
     keys = _keys(path)
     return bool(keys) and keys[-1] in ADAPTER_KEYS
 
@@ -179,7 +179,7 @@ def merged_weights(params: nnx.State, lora_cfg: LoRAConfig) -> nnx.State:
     found = {_keys(p): x for p, x in jax.tree_util.tree_leaves_with_path(adapters)}
     target_of = {w: t for t, w in WEIGHT_OF.items()}
 
-    def fold(path, w):
+    def fold(path: jax.tree_util.KeyPath, w: jax.Array) -> jax.Array:
         *module, name = _keys(path)
         a = found.get((*module, f"lora_{target_of.get(name)}", "lora_a"))
         if a is None:

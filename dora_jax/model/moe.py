@@ -94,7 +94,7 @@ def expert_counts(experts_NK: jax.Array, num_experts: int,
         1.0, mode="drop")[:num_experts]
 
 
-def _token_weights(n: int, valid_N) -> jax.Array:
+def _token_weights(n: int, valid_N: jax.Array | None) -> jax.Array:
     return jnp.ones(n, jnp.float32) if valid_N is None else valid_N.astype(jnp.float32)
 
 
@@ -142,7 +142,7 @@ def capacity_dispatch(experts_NK: jax.Array, weights_NK: jax.Array, num_experts:
 
 
 class MoE(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs) -> None:
         m = cfg.moe
         pd, dt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
         D, E, F = cfg.d_model, m.num_experts, m.expert_hidden
@@ -165,10 +165,10 @@ class MoE(nnx.Module):
         self.capacity_dispatch = m.dispatch == "capacity"
         self.dtype = dt
 
-    def _experts(self, x_ECD):
+    def _experts(self, x_ECD: jax.Array) -> jax.Array:
         dt = self.dtype
 
-        def adapt(adapter, x, y):
+        def adapt(adapter: lora.LoRA | None, x: jax.Array, y: jax.Array) -> jax.Array:
             return y if adapter is None else y + adapter.experts(x)
 
         gate = adapt(self.lora_gate, x_ECD,
@@ -179,7 +179,8 @@ class MoE(nnx.Module):
         return adapt(self.lora_down, h,
                      jnp.einsum("ecf,efd->ecd", h, self.w_down[...].astype(dt)))
 
-    def _dropless(self, x_ND, experts_NK, weights_NK, valid_N=None):
+    def _dropless(self, x_ND: jax.Array, experts_NK: jax.Array, weights_NK: jax.Array,
+                  valid_N: jax.Array | None = None) -> jax.Array:
         dt = self.dtype
         N, K = experts_NK.shape
         flat_e = experts_NK.reshape(-1)
@@ -192,7 +193,7 @@ class MoE(nnx.Module):
         x_sorted_MD = x_ND[order // K]
         sizes_E = jnp.zeros(self.num_experts, jnp.int32).at[flat_e].add(1, mode="drop")
 
-        def grouped(w, adapter, x_MD):
+        def grouped(w: nnx.Param, adapter: lora.LoRA | None, x_MD: jax.Array) -> jax.Array:
             y = jax.lax.ragged_dot(x_MD, w[...].astype(dt), sizes_E)
             return y if adapter is None else y + adapter.ragged(x_MD, sizes_E)
 

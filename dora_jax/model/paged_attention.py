@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 from typing import Protocol
 
 import jax
@@ -77,7 +78,7 @@ def ragged_paged_attention(q_BHD: jax.Array, k_KPpD: jax.Array, v_KPpD: jax.Arra
     mask_Np = pos_Np < len_ext[flat_slots_N][:, None]
     s_NKGp = jnp.where(mask_Np[:, None, None], s_NKGp, NEG_INF)
 
-    def per_slot(op, x):
+    def per_slot(op: Callable[..., jax.Array], x: jax.Array) -> jax.Array:
         return op(x, flat_slots_N, num_segments=B + 1, indices_are_sorted=True)
 
     m_BKG = per_slot(jax.ops.segment_max, jnp.max(s_NKGp, axis=-1))

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from flax import nnx
 
     from dora_jax.config import LoRAConfig, ModelConfig
+    from dora_jax.model.safetensors_file import TensorSpec
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -68,7 +69,7 @@ class PeftFormatError(CheckpointError):
     `field` names the config field it contradicts (model.lora.rank, ...) when that is
     what is wrong."""
 
-    def __init__(self, message: str, field: str | None = None):
+    def __init__(self, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.field = field
 
@@ -91,7 +92,7 @@ def adapter_config(lora_cfg: LoRAConfig, base_model_name_or_path: str = "") -> d
     }
 
 
-def _empty(value) -> bool:
+def _empty(value: object) -> bool:
     return value is None or value == [] or value == {} or value == ""
 
 
@@ -154,7 +155,12 @@ def check_config(peft_cfg: dict, lora_cfg: LoRAConfig, where: str) -> None:
 
 # ------------------------------------------------------------------ tensor names and layouts
 
-def _units(cfg, abstract_adapters):
+# Per adapter leaf: (its path, its keys, the leaf, its units' PEFT names, stacked on a
+# layers axis, is A).
+_Unit = tuple[Any, tuple, Any, list[str], bool, bool]
+
+
+def _units(cfg: ModelConfig, abstract_adapters: nnx.State) -> list[_Unit]:
     """Per adapter leaf (path, A or B): its keys, the PEFT names of its layers' units
     (one per index along a scanned layer axis, else one) and whether it is A."""
     import jax
@@ -227,13 +233,14 @@ def save_adapters(cfg: ModelConfig, params: nnx.State, directory: str, *,
     for _, _, x, unit_names, stacked, is_a in _units(cfg, adapters):
         unit_shape = tuple(x.shape[1:] if stacked else x.shape)
         for j, name in enumerate(unit_names):
-            def produce(x=x, j=j, stacked=stacked, is_a=is_a):
+            def produce(x: Any = x, j: int = j, stacked: bool = stacked,
+                        is_a: bool = is_a) -> np.ndarray:
                 return _to_peft(np.asarray(x[j] if stacked else x), is_a)
 
             specs.append(safetensors_file.TensorSpec(name, _peft_shape(unit_shape, is_a),
                                                      np_dtype, produce))
 
-    def order(spec):  # layer by layer, as PEFT's own files read
+    def order(spec: TensorSpec) -> tuple[int, str]:  # layer by layer, as PEFT's files read
         return int(spec.name[len(_PREFIX):].split(".")[2]), spec.name
 
     specs.sort(key=order)
@@ -272,7 +279,7 @@ def load_adapters(directory: str, cfg: ModelConfig) -> nnx.State:
     want = np.dtype(jnp.dtype(cfg.lora.dtype))
     used = set()
 
-    def read(name, unit_shape, is_a):
+    def read(name: str, unit_shape: tuple, is_a: bool) -> np.ndarray:
         if name not in f.names:
             raise PeftFormatError(f"{path}: missing tensor {name!r}")
         info = f.info(name)

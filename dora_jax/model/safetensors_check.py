@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import BinaryIO, NamedTuple
+from collections.abc import Callable
+from typing import Any, BinaryIO, NamedTuple
 
 from dora_jax import untrusted_files
 from dora_jax.model.hf_config import CheckpointError
@@ -43,12 +44,12 @@ class Entry(NamedTuple):
     end: int
 
 
-def _is_int(x) -> bool:
+def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _unique_object(path: str):
-    def hook(pairs):
+def _unique_object(path: str) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         seen = set()
         for key, _ in pairs:
             if key in seen:

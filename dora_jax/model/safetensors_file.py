@@ -40,7 +40,7 @@ class TensorInfo(NamedTuple):
 class SafetensorsFile:
     """Lazy reader of one .safetensors file: `names`, `info(name)`, `get(name)`."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str) -> None:
         """Reads and checks the header (safetensors_check: every rule of the format);
         a bad file raises one SafetensorsError line naming it and the tensor."""
         self.path = path
@@ -114,7 +114,7 @@ class Checkpoint:
     """Every tensor of a Hugging Face checkpoint directory: one model.safetensors,
     or shards named by model.safetensors.index.json."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str) -> None:
         index = os.path.join(directory, "model.safetensors.index.json")
         single = os.path.join(directory, "model.safetensors")
         if os.path.exists(index):

@@ -53,7 +53,7 @@ def is_variable(x: object) -> bool:
 def param_specs(state: nnx.State, rules: Rules, mesh: Mesh | None = None) -> nnx.State:
     """PartitionSpec pytree (a prefix of `state`) from each Param's `logical_axes`."""
 
-    def spec(v):
+    def spec(v: nnx.Variable) -> PartitionSpec:
         axes = v.get_metadata().get("logical_axes")
         if axes is None:
             return PartitionSpec()

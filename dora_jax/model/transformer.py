@@ -16,7 +16,7 @@ then `apply(graphdef, params, ...)` inside jitted code.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -70,8 +70,12 @@ _CHECKPOINT_POLICIES = {
 }
 
 
+# One period of layers' (x, [k per layer], [v ...], [MoE aux ...]).
+_Period = tuple[jax.Array, list[jax.Array], list[jax.Array], list[dict]]
+
+
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs) -> None:
         pd = jnp.dtype(cfg.param_dtype)
         self.attn_norm = RMSNorm(cfg.d_model, "embed", cfg.norm_eps, pd, rngs=rngs)
         self.attn = Attention(cfg, rngs=rngs)
@@ -83,7 +87,9 @@ class Block(nnx.Module):
                               cfg=cfg)
         self.is_moe = cfg.is_moe_layer(layer)
 
-    def _mlp(self, x, dropless, valid_BT=None, routing_BTK=None, replay=False):
+    def _mlp(self, x: jax.Array, dropless: bool, valid_BT: jax.Array | None = None,
+             routing_BTK: jax.Array | None = None, replay: bool = False
+             ) -> tuple[jax.Array, dict | None]:
         if self.is_moe:
             return self.mlp(x, dropless=dropless, valid_BT=valid_BT, routing_BTK=routing_BTK,
                             replay=replay)
@@ -117,7 +123,7 @@ def stack_layers(blocks: Sequence[Block]) -> Block:
     graphdef = nnx.graphdef(blocks[0])
     states = [nnx.split(b)[1] for b in blocks]
 
-    def stack(*variables):
+    def stack(*variables: nnx.Variable) -> nnx.Variable:
         meta = dict(variables[0].get_metadata())
         meta["logical_axes"] = ("layers",) + tuple(meta.get("logical_axes") or ())
         return type(variables[0])(jnp.stack([v[...] for v in variables]), **meta)
@@ -130,7 +136,7 @@ class Transformer(nnx.Module):
     (p = `cfg.layer_period`, the dense/MoE interleave) and one period is compiled
     once and scanned over the depth; otherwise `blocks[i]` is layer i."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs) -> None:
         pd = jnp.dtype(cfg.param_dtype)
         self.cfg = cfg
         # A tied table is also the output projection: init it for unit-variance logits.
@@ -145,14 +151,14 @@ class Transformer(nnx.Module):
         self.lm_head = (None if cfg.tie_embeddings else
                         param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pd))
 
-    def _embed(self, tokens):
+    def _embed(self, tokens: jax.Array) -> jax.Array:
         # The table's d_model gathered first, as every FSDP weight is before use: a
         # lookup (and its scatter-add gradient) from a table sharded on d_model into
         # rows sharded on the batch would make XLA replicate the whole activation.
         table = constrain(self.embed[...], ("vocab", None))
         return jnp.take(table, tokens, axis=0).astype(jnp.dtype(self.cfg.dtype))
 
-    def _logits(self, x):
+    def _logits(self, x: jax.Array) -> jax.Array:
         x = self.final_norm(x)
         if self.lm_head is None:
             w = self.embed[...].T
@@ -161,9 +167,11 @@ class Transformer(nnx.Module):
         return jnp.einsum("btd,dv->btv", x, w.astype(x.dtype),
                           preferred_element_type=jnp.float32)
 
-    def _period(self, x, positions_BT, dropless, graphdefs, states, past=None,
-                valid_BT=None, segment_ids_BT=None, routing=None, replay=False,
-                return_routing=False):
+    def _period(self, x: jax.Array, positions_BT: jax.Array, dropless: bool | None,
+                graphdefs: Sequence[nnx.GraphDef], states: Sequence[nnx.State],
+                past: tuple | None = None, valid_BT: jax.Array | None = None,
+                segment_ids_BT: jax.Array | None = None, routing: jax.Array | None = None,
+                replay: bool = False, return_routing: bool = False) -> _Period:
         """Layers of one period in order: (x, [k per layer], [v ...], [MoE aux ...]).
         past: None or (k [period, B, P, K, D], v, length) for these layers; routing:
         None or the recorded experts of this period's MoE layers [m, B, T, k]."""
@@ -231,8 +239,10 @@ class Transformer(nnx.Module):
         # [B, T, MoE layers, k] -> [MoE layers, B, T, k]: sliced per layer below.
         routing = None if routing_BTLK is None else jnp.moveaxis(routing_BTLK, 2, 0)
 
-        def layers(graphdefs):  # the blocks of `graphdefs` in order, rematerialised
-            def run(x, states, past_kv=None, routing=None):
+        # the blocks of `graphdefs` in order, rematerialised
+        def layers(graphdefs: Sequence[nnx.GraphDef]) -> Callable[..., _Period]:
+            def run(x: jax.Array, states: Sequence[nnx.State], past_kv: tuple | None = None,
+                    routing: jax.Array | None = None) -> _Period:
                 layer_past = None if past_kv is None else (*past_kv, past_length)
                 return self._period(x, positions_BT, dropless, graphdefs, states, layer_past,
                                     valid_BT, segment_ids_BT, routing, replay,
@@ -244,7 +254,7 @@ class Transformer(nnx.Module):
         if self.cfg.scan_layers:
             period = layers([g for g, _ in split])
 
-            def body(x, xs):
+            def body(x: jax.Array, xs: tuple) -> tuple[jax.Array, tuple]:
                 x, ks, vs, auxes = period(x, *xs)
                 kv = (jnp.stack(ks), jnp.stack(vs)) if return_kv else None
                 return x, (kv, auxes)
@@ -304,7 +314,8 @@ class Transformer(nnx.Module):
         if self.cfg.scan_layers:
             split = [nnx.split(b) for b in self.blocks]
 
-            def body(carry, xs):
+            def body(carry: tuple[jax.Array, KVCache], xs: tuple[jax.Array, tuple]
+                     ) -> tuple[tuple[jax.Array, KVCache], list[jax.Array]]:
                 x, cache = carry
                 j, states = xs
                 experts = []

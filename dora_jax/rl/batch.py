@@ -45,7 +45,7 @@ _TRAJ_FIELDS = ("prompt_tokens", "response_tokens", "behaviour_logprobs", "rewar
 _MISSING = object()
 
 
-def _get(traj: Any, name: str, default=_MISSING):
+def _get(traj: Any, name: str, default: Any = _MISSING) -> Any:
     """Reads a trajectory field from a Mapping or an object with attributes."""
     if isinstance(traj, Mapping):
         if name in traj:
@@ -58,7 +58,7 @@ def _get(traj: Any, name: str, default=_MISSING):
                      f"needs {_TRAJ_FIELDS}")
 
 
-def _token_versions(runs, version: int, n: int) -> np.ndarray:
+def _token_versions(runs: Sequence[Sequence[int]] | None, version: int, n: int) -> np.ndarray:
     """Run-length encoded [[version, count], ...] -> one version per token."""
     if runs is None:
         return np.full(n, version, np.int32)
@@ -100,7 +100,7 @@ class TrainBatch:
     truncated_B: Any = None
     routing_BTLK: Any = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.token_versions_BT is None:
             object.__setattr__(self, "token_versions_BT", (
                 np.asarray(self.versions_B, np.int32)[:, None]
@@ -125,7 +125,7 @@ class TrainBatch:
     def num_response_tokens(self) -> int:
         return int(self.loss_mask_BT.sum())
 
-    def validate(self):
+    def validate(self) -> None:
         """Checks shapes, dtypes and values; raises BatchError naming the problem."""
         if self.tokens_BT.ndim != 2:
             raise BatchError(f"tokens_BT must be [B, T], got shape {self.tokens_BT.shape}")
@@ -239,6 +239,7 @@ class TrainBatch:
         for i, (prompt, response, logp, _, _, tv, _, model, recorded) in enumerate(rows):
             P, R = prompt.size, response.size
             if recorded is not None:
+                assert routing is not None  # shaped like the first record
                 if recorded.shape[0] != R or recorded.shape[1:] != routing.shape[2:]:
                     raise BatchError(f"trajectory {i}: routing of shape {recorded.shape} for "
                                      f"{R} response tokens, others {routing.shape[2:]}")
@@ -257,7 +258,7 @@ class TrainBatch:
                    truncated_B=np.array([r[6] for r in rows], bool), routing_BTLK=routing)
 
 
-def _routing(rows, T: int, i_first: int | None):
+def _routing(rows: Sequence[tuple[Any, ...]], T: int, i_first: int | None) -> np.ndarray | None:
     """An unrecorded [B, T, MoE layers, k] array shaped like the first record, or None
     if no trajectory has one."""
     if i_first is None:

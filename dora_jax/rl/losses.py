@@ -28,24 +28,25 @@ LOG_RATIO_CLAMP = 20.0
 KL_CLAMP = 10.0
 
 
-def clamped_log_ratio(num, den, valid):
+def clamped_log_ratio(num: jax.Array, den: jax.Array, valid: jax.Array) -> jax.Array:
     """Clamped num - den on valid positions, 0 elsewhere (padding may hold anything)."""
     return jnp.clip(jnp.where(valid, _float(num) - den, 0.0), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
-def _safe_div(num, den):
+def _safe_div(num: jax.Array, den: jax.Array) -> jax.Array:
     """num / den, or 0 where den == 0 (empty masks must not produce NaN)."""
     nonzero = den != 0
     # Divide by 1 in the dead branch so neither the value nor its gradient is NaN.
     return jnp.where(nonzero, num / jnp.where(nonzero, den, 1), 0)
 
 
-def _float(x):
+def _float(x: jax.Array) -> jax.Array:
     x = jnp.asarray(x)
     return x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.float32)
 
 
-def masked_mean(x, mask, axis=None):
+def masked_mean(x: jax.Array, mask: jax.Array, axis: int | tuple[int, ...] | None = None
+                ) -> jax.Array:
     """Mean of ``x`` over positions where ``mask`` is non-zero (weighted by ``mask``).
 
     ``mask`` broadcasts against ``x``. Where a reduction has no valid entries the
@@ -58,7 +59,7 @@ def masked_mean(x, mask, axis=None):
     return _safe_div(total, jnp.sum(w, axis=axis))
 
 
-def _grouped(rewards, group_size):
+def _grouped(rewards: jax.Array, group_size: int) -> jax.Array:
     """Validate and reshape flat rewards [N] into [G, K]."""
     rewards_N = _float(rewards)
     if rewards_N.ndim != 1:
@@ -72,7 +73,8 @@ def _grouped(rewards, group_size):
     return rewards_N.reshape(n // k, k)
 
 
-def group_advantages(rewards, group_size, *, normalize_std=True, eps=1e-6):
+def group_advantages(rewards: jax.Array, group_size: int, *, normalize_std: bool = True,
+                     eps: float = 1e-6) -> jax.Array:
     """GRPO group-relative advantages for flat ``rewards`` [N] (returns [N]).
 
     Consecutive runs of ``group_size`` entries form one group (the samples for
@@ -93,7 +95,7 @@ def group_advantages(rewards, group_size, *, normalize_std=True, eps=1e-6):
 
 
 @functools.partial(jax.jit, static_argnames="normalize_std")
-def _group_advantages(rewards_GK, eps, *, normalize_std):
+def _group_advantages(rewards_GK: jax.Array, eps: float, *, normalize_std: bool) -> jax.Array:
     g, k = rewards_GK.shape
     if k == 1:
         return jnp.zeros((g,), rewards_GK.dtype)
@@ -110,7 +112,7 @@ def _group_advantages(rewards_GK, eps, *, normalize_std):
     return jnp.where(constant_G1, 0.0, centred_GK).reshape(g * k)
 
 
-def rloo_advantages(rewards, group_size):
+def rloo_advantages(rewards: jax.Array, group_size: int) -> jax.Array:
     """REINFORCE leave-one-out advantages: ``r_i - mean_{j != i} r_j`` per group.
 
     ``rewards`` is flat [N] grouped as in :func:`group_advantages`. Groups of
@@ -126,15 +128,15 @@ def rloo_advantages(rewards, group_size):
 
 
 def ppo_clip_loss(
-    logp,
-    behaviour_logp,
-    advantages,
-    mask,
+    logp: jax.Array,
+    behaviour_logp: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
     *,
-    clip_low=0.2,
-    clip_high=0.2,
-    dual_clip=None,
-):
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Per-token PPO clipped surrogate loss (to be minimised).
 
     Args:
@@ -176,8 +178,9 @@ def ppo_clip_loss(
 # jit so an eager call (metrics, tests) compiles once instead of per primitive;
 # under an outer jit this simply inlines.
 @functools.partial(jax.jit, static_argnames="use_dual_clip")
-def _ppo_clip_loss(logp, behaviour_logp, advantages, mask, clip_low, clip_high, dual_clip, *,
-                   use_dual_clip):
+def _ppo_clip_loss(logp: jax.Array, behaviour_logp: jax.Array, advantages: jax.Array,
+                   mask: jax.Array, clip_low: float, clip_high: float, dual_clip: float, *,
+                   use_dual_clip: bool) -> tuple[jax.Array, dict[str, jax.Array]]:
     logp_BT = _float(logp)
     valid_BT = jnp.asarray(mask) != 0
     adv = _float(advantages)
@@ -216,9 +219,11 @@ def _ppo_clip_loss(logp, behaviour_logp, advantages, mask, clip_low, clip_high, 
     return loss_BT, metrics
 
 
-def decoupled_ppo_loss(logp, proximal_logp, behaviour_logp, advantages, mask, *,
-                       clip_low=0.2, clip_high=0.2, is_cap=None, dual_clip=None,
-                       is_mode="truncate"):
+def decoupled_ppo_loss(logp: jax.Array, proximal_logp: jax.Array, behaviour_logp: jax.Array,
+                       advantages: jax.Array, mask: jax.Array, *, clip_low: float = 0.2,
+                       clip_high: float = 0.2, is_cap: float | None = None,
+                       dual_clip: float | None = None, is_mode: str = "truncate"
+                       ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Per-token decoupled PPO loss (AReaL's decoupled objective; verl's TIS).
 
     The PPO ratio is taken against the proximal policy ``pi_prox`` (the trainer's
@@ -258,8 +263,10 @@ def decoupled_ppo_loss(logp, proximal_logp, behaviour_logp, advantages, mask, *,
 
 
 @functools.partial(jax.jit, static_argnames=("use_cap", "mask_mode"))
-def _importance_weighted(loss_BT, metrics, proximal_logp, behaviour_logp, mask, is_cap, *,
-                         use_cap, mask_mode):
+def _importance_weighted(loss_BT: jax.Array, metrics: dict[str, jax.Array],
+                         proximal_logp: jax.Array, behaviour_logp: jax.Array, mask: jax.Array,
+                         is_cap: float, *, use_cap: bool, mask_mode: bool
+                         ) -> tuple[jax.Array, dict[str, jax.Array]]:
     valid_BT = jnp.asarray(mask) != 0
     w_BT = jnp.exp(clamped_log_ratio(proximal_logp, behaviour_logp, valid_BT))
     capped_BT = (w_BT > is_cap) if use_cap else jnp.zeros_like(valid_BT)
@@ -275,8 +282,10 @@ def _importance_weighted(loss_BT, metrics, proximal_logp, behaviour_logp, mask, 
     return loss_BT * w_BT, metrics
 
 
-def aggregate_loss(loss, mask, mode, *, num_tokens=None, max_len=None, segments=None,
-                   num_segments=None):
+def aggregate_loss(loss: jax.Array, mask: jax.Array, mode: str, *,
+                   num_tokens: jax.Array | float | None = None, max_len: float | None = None,
+                   segments: jax.Array | None = None, num_segments: int | None = None
+                   ) -> jax.Array:
     """Reduce a per-token loss [B, T] to a scalar.
 
     A sequence is a row, or with ``segments`` (int [B, T]: the sequence each token
@@ -326,7 +335,7 @@ def aggregate_loss(loss, mask, mode, *, num_tokens=None, max_len=None, segments=
     )
 
 
-def per_sequence_sums(x_BT, segments_BT, num_segments: int):
+def per_sequence_sums(x_BT: jax.Array, segments_BT: jax.Array, num_segments: int) -> jax.Array:
     """Sums of `x_BT` per segment index ([num_segments]); tokens of segment -1 are
     dropped."""
     seg = jnp.where(segments_BT >= 0, segments_BT, num_segments).reshape(-1)
@@ -335,8 +344,10 @@ def per_sequence_sums(x_BT, segments_BT, num_segments: int):
 
 @functools.partial(jax.jit, static_argnames=("mode", "use_num_tokens", "use_max_len",
                                              "num_segments"))
-def _aggregate_loss(loss, mask, num_tokens, max_len, segments, *, mode, use_num_tokens,
-                    use_max_len, num_segments):
+def _aggregate_loss(loss: jax.Array, mask: jax.Array, num_tokens: jax.Array | float,
+                    max_len: float, segments: jax.Array | None, *, mode: str,
+                    use_num_tokens: bool, use_max_len: bool, num_segments: int | None
+                    ) -> jax.Array:
     loss_BT = _float(loss)
     w_BT = jnp.broadcast_to(jnp.asarray(mask), loss_BT.shape).astype(loss_BT.dtype)
     # where() first so inf/NaN in padding positions cannot leak through 0*inf.
@@ -350,6 +361,7 @@ def _aggregate_loss(loss, mask, num_tokens, max_len, segments, *, mode, use_num_
         count_B = jnp.sum(w_BT, axis=-1)
         sum_B = jnp.sum(weighted_BT, axis=-1)
     else:
+        assert num_segments is not None  # aggregate_loss requires it with segments
         count_B = per_sequence_sums(w_BT, segments, num_segments)
         sum_B = per_sequence_sums(weighted_BT, segments, num_segments)
     scale = max_len if use_max_len else loss_BT.shape[-1]
@@ -364,7 +376,7 @@ def _aggregate_loss(loss, mask, num_tokens, max_len, segments, *, mode, use_num_
     return masked_mean(per_seq_B, count_B != 0)
 
 
-def kl_divergence(logp, ref_logp, kind):
+def kl_divergence(logp: jax.Array, ref_logp: jax.Array, kind: str) -> jax.Array:
     """Per-token KL(policy || reference) estimator from sampled-token log-probs.
 
     ``k1 = logp - ref`` (unbiased, can be negative), ``k2 = (logp - ref)**2 / 2``,

@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from dora_jax.config import Config
 from dora_jax.model import transformer
@@ -48,7 +49,7 @@ SUM_KEYS = ("tokens", "mismatch_abs", "mismatch_tokens", "mismatch_abs_by_stalen
 STALENESS_BINS = 4  # 0, 1, 2, 3 or more
 
 
-def advantages(rewards_B, group_size: int, kind: str):
+def advantages(rewards_B: jax.Array, group_size: int, kind: str) -> jax.Array:
     """Per-group advantages of group-contiguous rewards [B], over the whole batch:
     grpo (r - mean)/(std + eps), drgrpo r - mean, rloo leave-one-out."""
     if kind == "rloo":
@@ -56,7 +57,7 @@ def advantages(rewards_B, group_size: int, kind: str):
     return losses.group_advantages(rewards_B, group_size, normalize_std=(kind == "grpo"))
 
 
-def sampled_logprobs(logits_BTV, tokens_BT, cfg: Config):
+def sampled_logprobs(logits_BTV: jax.Array, tokens_BT: jax.Array, cfg: Config) -> jax.Array:
     """log p(tokens[:, t] | tokens[:, :t]) under the engine's sampling distribution
     (column 0, without context, is 0): tempered, and truncated to top-k / top-p when
     the rollout truncates (a token outside the kept set has log-prob -inf)."""
@@ -70,7 +71,9 @@ def sampled_logprobs(logits_BTV, tokens_BT, cfg: Config):
     return jnp.pad(picked.reshape(B, T - 1), ((0, 0), (1, 0)))
 
 
-def policy_loss(cfg: Config, logp, proximal_logp, behaviour_logp, adv, mask):
+def policy_loss(cfg: Config, logp: jax.Array, proximal_logp: jax.Array,
+                behaviour_logp: jax.Array, adv: jax.Array, mask: jax.Array
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Per-token policy-gradient loss [B, T] and its metrics for `trainer.objective`."""
     t = cfg.trainer
     if t.objective == "behaviour_clip":
@@ -82,8 +85,12 @@ def policy_loss(cfg: Config, logp, proximal_logp, behaviour_logp, adv, mask):
         is_mode="truncate" if t.objective == "tis" else t.is_mode)
 
 
-def micro_loss(cfg: Config, forward: Callable, params, ref_params, micro, adv_B, start_logp_bT,
-               ntok, nseq, num_micro, version):
+def micro_loss(cfg: Config,
+               forward: Callable[..., tuple[jax.Array, dict[str, jax.Array] | None]],
+               params: nnx.State, ref_params: nnx.State | None, micro: dict[str, jax.Array],
+               adv_B: jax.Array, start_logp_bT: jax.Array | None, ntok: jax.Array,
+               nseq: jax.Array, num_micro: jax.Array, version: jax.Array
+               ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Loss of one micro-batch, normalised so that summing it over the minibatch's
     micro-batches gives the minibatch objective. Returns (loss, stats).
 
@@ -106,7 +113,7 @@ def micro_loss(cfg: Config, forward: Callable, params, ref_params, micro, adv_B,
     n = jnp.sum(mask)
     nseq_micro = jnp.sum(losses.per_sequence_sums(mask, sample, B) > 0)
 
-    def agg(x_BT):
+    def agg(x_BT: jax.Array) -> jax.Array:
         if t.loss_agg_mode == "token-mean":
             return losses.aggregate_loss(x_BT, mask, "token-mean", num_tokens=ntok)
         per_micro = losses.aggregate_loss(x_BT, mask, t.loss_agg_mode,
@@ -151,6 +158,7 @@ def micro_loss(cfg: Config, forward: Callable, params, ref_params, micro, adv_B,
         total = total + t.kl_coef * kl
         stats["kl_ref"] = kl
     if moe.enabled:
+        assert aux is not None  # an MoE forward reports its aux losses
         total = total + (moe.aux_loss_coef * aux["load_balance_loss"]
                          + moe.z_loss_coef * aux["router_z_loss"]) / num_micro
         stats.update({k: aux[k] / num_micro for k in transformer.AUX_KEYS})

@@ -7,10 +7,13 @@ train step with `num_minibatches = M` advances it by M.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dora_jax.config import TrainerConfig
 
@@ -38,7 +41,8 @@ def learning_rate_schedule(t: TrainerConfig) -> optax.Schedule:
     return lambda count: jnp.asarray(schedule(count), jnp.float32)
 
 
-def guarded_update(tx: optax.GradientTransformation, grads, opt_state, params, finite):
+def guarded_update(tx: optax.GradientTransformation, grads: nnx.State, opt_state: optax.OptState,
+                   params: nnx.State, finite: jax.Array) -> tuple[nnx.State, optax.OptState]:
     """One optimizer update applied only if `finite` (a scalar bool): otherwise params
     and optimizer state come back unchanged, so the schedule's count does not advance.
 
@@ -52,13 +56,13 @@ def guarded_update(tx: optax.GradientTransformation, grads, opt_state, params, f
     """
     updates, new_opt_state = tx.update(grads, opt_state, params)
 
-    def keep(new, old):
+    def keep(new: Any, old: Any) -> Any:
         return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
 
     return keep(optax.apply_updates(params, updates), params), keep(new_opt_state, opt_state)
 
 
-def _decay_mask(params):
+def _decay_mask(params: nnx.State) -> nnx.State:
     # Decay matrices only: norm scales (1-D) are not regularised towards 0.
     return jax.tree.map(lambda x: getattr(x, "ndim", 0) >= 2, params)
 
@@ -72,7 +76,8 @@ def make_optimizer(t: TrainerConfig) -> optax.GradientTransformation:
     return adamw
 
 
-def opt_state_shardings(tx: optax.GradientTransformation, params, param_shardings_full, mesh):
+def opt_state_shardings(tx: optax.GradientTransformation, params: nnx.State,
+                        param_shardings_full: nnx.State, mesh: Mesh) -> optax.OptState:
     """Shardings for `tx.init(params)`: moments follow their param, the rest replicate.
 
     `param_shardings_full` has exactly the structure of `params` (sharding leaves).

@@ -27,6 +27,7 @@ optimizer updates.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -41,6 +42,8 @@ TOKEN_ARRAYS = ("tokens", "positions", "segment_ids", "sample", "loss_mask",
                 "behaviour_logp", "token_versions")
 SAMPLE_ARRAYS = ("rewards", "versions", "truncated")
 LAYOUT_KEYS = TOKEN_ARRAYS + SAMPLE_ARRAYS
+# An MoE policy's routing records: (MoE layers, k, expert-id type).
+RoutingSpec = tuple[int, int, routing_lib.IdType]
 
 
 def _sample_arrays(batch: TrainBatch) -> dict:
@@ -49,7 +52,7 @@ def _sample_arrays(batch: TrainBatch) -> dict:
                 truncated=np.asarray(batch.truncated_B, bool))
 
 
-def _routing(batch: TrainBatch, routing) -> np.ndarray | None:
+def _routing(batch: TrainBatch, routing: RoutingSpec | None) -> np.ndarray | None:
     """The batch's recorded routing, or an unrecorded one of `routing`'s (MoE layers,
     k, dtype); None for a dense policy."""
     if routing is None:
@@ -65,7 +68,7 @@ def _routing(batch: TrainBatch, routing) -> np.ndarray | None:
 
 
 def padded(batch: TrainBatch, num_minibatches: int, micro_batches: int,
-           routing=None) -> dict:
+           routing: RoutingSpec | None = None) -> dict:
     """One sample per row: rows [(m U + u) b, (m U + u + 1) b) form micro-batch (m, u)."""
     M, U = num_minibatches, micro_batches
     B, T = batch.tokens_BT.shape
@@ -95,7 +98,7 @@ def micro_batches_needed(batch_size: int, num_minibatches: int, rows_per_micro: 
     return -(-per_minibatch // rows_per_micro)
 
 
-def first_fit_rows(lengths, row_length: int) -> list[list[int]]:
+def first_fit_rows(lengths: Sequence[int] | np.ndarray, row_length: int) -> list[list[int]]:
     """Indices of `lengths` packed into rows of `row_length`, first fit by decreasing
     length (ties in index order); each row lists its samples in index order."""
     rows: list[list[int]] = []
@@ -117,7 +120,7 @@ def first_fit_rows(lengths, row_length: int) -> list[list[int]]:
 
 
 def packed(batch: TrainBatch, num_minibatches: int, row_length: int,
-           rows_per_micro: int, routing=None) -> dict:
+           rows_per_micro: int, routing: RoutingSpec | None = None) -> dict:
     """Samples packed whole into rows of `row_length`, `rows_per_micro` rows per
     micro-batch, U = `micro_batches_needed` micro-batches per minibatch."""
     M, T, r = num_minibatches, row_length, rows_per_micro
@@ -166,7 +169,7 @@ def packed(batch: TrainBatch, num_minibatches: int, row_length: int,
 
 def for_trainer(batch: TrainBatch, t: TrainerConfig, num_minibatches: int,
                 trainer_version: int, batch_axes: tuple, n_shards: int,
-                routing=None) -> dict:
+                routing: RoutingSpec | None = None) -> dict:
     """Validates `batch` against the trainer's config and version, then lays it out:
     packed with `t.tokens_per_microbatch`, else padded rows [M, U, b, T]; `routing`
     (MoE layers, k, dtype) for an MoE policy."""

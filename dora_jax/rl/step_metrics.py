@@ -11,14 +11,14 @@ from dora_jax.rl import losses
 from dora_jax.rl.objective import MAX_KEYS, MIN_KEYS, STALENESS_BINS, SUM_KEYS, TOKEN_KEYS
 
 
-def load_imbalance(counts_LE) -> jax.Array:
+def load_imbalance(counts_LE: jax.Array) -> jax.Array:
     """Mean over MoE layers of max / mean assignments per expert (1: even; 0: none)."""
     mean_L = jnp.mean(counts_LE, axis=-1)
     return jnp.mean(jnp.where(mean_L > 0, jnp.max(counts_LE, axis=-1)
                               / jnp.maximum(mean_L, 1e-9), 0.0))
 
 
-def combine(stats: dict, over_updates: bool):
+def combine(stats: dict[str, jax.Array], over_updates: bool) -> dict[str, jax.Array]:
     """Reduces stacked per-micro-batch (or per-update) stats along axis 0."""
     out = {}
     for k, v in stats.items():
@@ -33,7 +33,9 @@ def combine(stats: dict, over_updates: bool):
     return out
 
 
-def report(stats_M: dict, micro_all: dict, batch: dict, adv_B, version, M: int, count) -> dict:
+def report(stats_M: dict[str, jax.Array], micro_all: dict[str, jax.Array],
+           batch: dict[str, jax.Array], adv_B: jax.Array, version: jax.Array, M: int,
+           count: jax.Array) -> dict[str, jax.Array]:
     """The step's metrics from its updates' stacked stats [M] (`version`: the policy
     the step started from; `count`: optimizer updates applied after it)."""
     metrics = combine({k: v for k, v in stats_M.items()

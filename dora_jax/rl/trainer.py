@@ -23,12 +23,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dora_jax.config import Config
 from dora_jax.devices import make_meshes
 from dora_jax.model import lora, transformer
-from dora_jax.model.sharding import activation_rules, copy_tree, logical_to_spec, param_shardings
+from dora_jax.model.sharding import (
+    Rules,
+    activation_rules,
+    copy_tree,
+    logical_to_spec,
+    param_shardings,
+)
 from dora_jax.rl import losses, objective, packing, step_metrics
 from dora_jax.rl.batch import TrainBatch
 from dora_jax.rl.objective import MIN_KEYS
@@ -41,6 +48,11 @@ from dora_jax.rl.optimizer import (
 from dora_jax.rl.packing import SAMPLE_ARRAYS, TOKEN_ARRAYS
 from dora_jax.rollout.routing import routing_dtype
 
+# A micro-batch's (or the layout's) arrays by name, and a step's stats by name.
+Arrays = dict[str, jax.Array]
+# (loss, stats), grads: what the value-and-grad of one micro-batch gives.
+LossGrads = tuple[tuple[jax.Array, Arrays], nnx.State]
+
 
 class TrainState(NamedTuple):
     """Everything the train step updates (and a checkpoint stores)."""
@@ -52,14 +64,15 @@ class TrainState(NamedTuple):
     opt_updates: jax.Array  # int32: optimizer updates applied (+num_minibatches per step)
 
 
-def full_param_shardings(params, mesh: Mesh, rules):
+def full_param_shardings(params: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
     """NamedShardings with exactly the tree structure of `params` (not a prefix)."""
     prefix = param_shardings(params, mesh, rules)
     leaves = jax.tree.leaves(prefix, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
     return jax.tree.unflatten(jax.tree.structure(params), leaves)
 
 
-def _scan_or_call(f, carry, xs):
+def _scan_or_call(f: Callable[[Any, Any], tuple[Any, Any]], carry: Any, xs: Any
+                  ) -> tuple[Any, Any]:
     """lax.scan, but a length-1 scan is a plain call (no loop in the program)."""
     if jax.tree.leaves(xs)[0].shape[0] == 1:
         carry, y = f(carry, jax.tree.map(lambda x: x[0], xs))
@@ -81,8 +94,9 @@ class Trainer:
         with kl_coef == 0 the KL is only reported.
     """
 
-    def __init__(self, cfg: Config, mesh: Mesh | None = None, *, params=None,
-                 graphdef=None, ref_params=None):
+    def __init__(self, cfg: Config, mesh: Mesh | None = None, *, params: nnx.State | None = None,
+                 graphdef: nnx.GraphDef | None = None, ref_params: nnx.State | None = None
+                 ) -> None:
         self.cfg = cfg
         self.mesh = mesh if mesh is not None else make_meshes(cfg.mesh)[0]
         self.rules = cfg.mesh.trainer_rules
@@ -139,7 +153,7 @@ class Trainer:
 
     # ----------------------------------------------------------------- public API
     @property
-    def params(self):
+    def params(self) -> nnx.State:
         """Current policy params on the trainer mesh (version `self.version`).
 
         Valid until the next `train_step` donates them: copy them out (e.g.
@@ -162,7 +176,7 @@ class Trainer:
         return self._state
 
     @property
-    def ref_params(self):
+    def ref_params(self) -> nnx.State | None:
         return self._ref
 
     def abstract_state(self) -> TrainState:
@@ -170,7 +184,7 @@ class Trainer:
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             self._state, self._state_sh)
 
-    def load_state(self, state: TrainState):
+    def load_state(self, state: TrainState) -> None:
         """Replaces the train state (e.g. restored from a checkpoint; resharded if needed)."""
         if jax.tree.structure(state) != jax.tree.structure(self._state):
             raise ValueError("train state structure does not match this trainer's "
@@ -226,7 +240,7 @@ class Trainer:
                 jax.block_until_ready(self._step_jit(copy_tree(self._state), arrays, self._ref,
                                                      group_size))
 
-    def loss_and_grads(self, batch: TrainBatch):
+    def loss_and_grads(self, batch: TrainBatch) -> tuple[jax.Array, nnx.State]:
         """(loss, grads) of the whole batch as ONE minibatch at the current params,
         accumulated over `micro_batches`; no update (grads of the adapters alone with
         LoRA). For tests and debugging."""
@@ -248,17 +262,17 @@ class Trainer:
         return TOKEN_ARRAYS + (("routing",) if self._routing is not None else ())
 
     # ---------------------------------------------------------------- objective
-    def _trainable(self, params):
+    def _trainable(self, params: nnx.State) -> nnx.State:
         """The params the optimizer updates: all, or with LoRA the adapters."""
         return lora.split(params)[1] if self._lora else params
 
-    def _with_trainable(self, params, trainable):
+    def _with_trainable(self, params: nnx.State, trainable: nnx.State) -> nnx.State:
         """`params` with `trainable` (as `_trainable` gives them) in place."""
         if not self._lora:
             return trainable
         return lora.merge(lora.split(params)[0], trainable)
 
-    def _forward(self, params, micro):
+    def _forward(self, params: nnx.State, micro: Arrays) -> tuple[jax.Array, Arrays | None]:
         """(logits, MoE aux) of a micro-batch's rows; packed rows attend within each
         sample only, with positions restarting at each."""
         # Right padding (unpacked): causal attention alone keeps it out of real tokens.
@@ -270,11 +284,13 @@ class Trainer:
                                            replay=self._replay, **packed)
         return logits, aux
 
-    def _logp(self, params, micro):
+    def _logp(self, params: nnx.State, micro: Arrays) -> jax.Array:
         return objective.sampled_logprobs(self._forward(params, micro)[0], micro["tokens"],
                                           self.cfg)
 
-    def _accumulate(self, params, ref_params, micro, adv_B, old_UbT, ntok, nseq, version):
+    def _accumulate(self, params: nnx.State, ref_params: nnx.State | None, micro: Arrays,
+                    adv_B: jax.Array, old_UbT: jax.Array | None, ntok: jax.Array,
+                    nseq: jax.Array, version: jax.Array) -> tuple[nnx.State, Arrays]:
         """Gradients of one minibatch ([U, b, ...] micro-batches), summed over U.
         Packed, a micro-batch without tokens is skipped (the layout's U is the most a
         minibatch can need) and MoE aux losses are averaged over the others."""
@@ -294,16 +310,18 @@ class Trainer:
                 ref_params = jax.lax.stop_gradient(lora.zero_adapters(params))
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-        def grads_of(mb, old_bT):
+        def grads_of(mb: Arrays, old_bT: jax.Array | None) -> LossGrads:
             return grad_fn(trainable, ref_params, mb, adv_B, old_bT, ntok, nseq, num_micro,
                            version)
 
-        def body(g_acc, xs):
+        def body(g_acc: nnx.State | None, xs: tuple[Arrays, jax.Array | None]
+                 ) -> tuple[nnx.State, Arrays]:
             mb, old_bT = xs
             if self._packed and U > 1:
                 shapes = jax.eval_shape(grads_of, mb, old_bT)
 
-                def skip(mb, old_bT):  # no tokens: nothing to add, nothing to report
+                def skip(mb: Arrays, old_bT: jax.Array | None  # no tokens: nothing to add,
+                         ) -> LossGrads:                        # nothing to report
                     out = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
                     (loss, stats), g = out
                     stats = dict(stats, **{k: jnp.full_like(stats[k], jnp.inf)
@@ -326,7 +344,8 @@ class Trainer:
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trainable)
         return grads, step_metrics.combine(stats_U, over_updates=False)
 
-    def _prepare(self, params, batch, group_size):
+    def _prepare(self, params: nnx.State, batch: Arrays, group_size: int
+                 ) -> tuple[Arrays, jax.Array, jax.Array, jax.Array, jax.Array | None]:
         """(per-token arrays [M, U, b, T] with the loss mask in effect, advantages [B],
         response tokens and non-empty sequences per minibatch, the starting policy's
         log-probs or None)."""
@@ -349,7 +368,7 @@ class Trainer:
         if M > 1:  # pi_prox: the step's starting params, for every minibatch
             flat = jax.tree.map(lambda x: x.reshape((M * U,) + x.shape[2:]), micro)
 
-            def logp(mb):
+            def logp(mb: Arrays) -> jax.Array:
                 if not self._packed:
                     return self._logp(params, mb)
                 return jax.lax.cond(jnp.any(mb["segment_ids"] > 0),
@@ -359,17 +378,21 @@ class Trainer:
             old = jax.lax.map(logp, flat).reshape(M, U, b, T)
         return micro, adv_B, ntok_M, nseq_M, old
 
-    def _loss_and_grads(self, params, batch, ref_params, group_size):
+    def _loss_and_grads(self, params: nnx.State, batch: Arrays, ref_params: nnx.State | None,
+                        group_size: int) -> tuple[jax.Array, nnx.State]:
         micro, adv_B, ntok, nseq, _ = self._prepare(params, batch, group_size)
         grads, stats = self._accumulate(params, ref_params, jax.tree.map(lambda x: x[0], micro),
                                         adv_B, None, ntok[0], nseq[0], jnp.zeros((), jnp.int32))
         return stats["loss"], grads
 
-    def _step(self, state: TrainState, batch, ref_params, group_size):
+    def _step(self, state: TrainState, batch: Arrays, ref_params: nnx.State | None,
+              group_size: int) -> tuple[TrainState, Arrays]:
         M = batch["tokens"].shape[0]
         micro_all, adv_B, ntok, nseq, old = self._prepare(state.params, batch, group_size)
 
-        def update(carry, xs):
+        def update(carry: tuple[nnx.State, optax.OptState, jax.Array],
+                   xs: tuple[Arrays, jax.Array | None, jax.Array, jax.Array]
+                   ) -> tuple[tuple[nnx.State, optax.OptState, jax.Array], Arrays]:
             params, opt_state, count = carry
             micro, old_UbT, ntok_m, nseq_m = xs
             grads, stats = self._accumulate(params, ref_params, micro, adv_B, old_UbT,

@@ -11,6 +11,9 @@ prefill call takes, each batch row naming its place (model/lora.py's `rows`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,8 +22,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from dora_jax.model import lora
 from dora_jax.rollout.state import EngineParams
 
+if TYPE_CHECKING:
+    from dora_jax.config import ModelConfig
+    from dora_jax.rollout.placement import ParamPlacement
 
-def check_versions(model_cfg, versions: int) -> None:
+
+def check_versions(model_cfg: ModelConfig, versions: int) -> None:
     """Several versions per engine need LoRA, and (for now) no per-expert adapters."""
     if versions < 1:
         raise ValueError(f"versions must be >= 1, got {versions}")
@@ -39,7 +46,7 @@ class AdapterPlaces:
     """Which leaves are adapters, their stacked shapes and shardings, and the
     programs that fill a place."""
 
-    def __init__(self, placement, versions: int, layer_axes: int):
+    def __init__(self, placement: ParamPlacement, versions: int, layer_axes: int) -> None:
         self.versions, self.axis = versions, layer_axes
         paths = jax.tree_util.tree_leaves_with_path(
             jax.tree.unflatten(placement.treedef, list(placement.shardings.leaves)))
@@ -79,16 +86,18 @@ class AdapterPlaces:
             leaves[i] = x
         return EngineParams(tuple(leaves))
 
-    def _write_fn(self, stacked, single, place):
+    def _write_fn(self, stacked: tuple[jax.Array, ...], single: tuple[jax.Array, ...],
+                  place: jax.Array) -> tuple[jax.Array, ...]:
         return tuple(jax.lax.dynamic_update_index_in_dim(s, x.astype(s.dtype), place, self.axis)
                      for s, x in zip(stacked, single))
 
-    def with_rows(self, stack: EngineParams, place_B) -> EngineParams:
+    def with_rows(self, stack: EngineParams, place_B: Sequence[int] | np.ndarray
+                  ) -> EngineParams:
         """The params of a call whose row b decodes under place place_B[b]."""
         return EngineParams(stack.leaves, jnp.asarray(np.asarray(place_B, np.int32)))
 
 
-def _stacked(shape, versions, axis):
+def _stacked(shape: tuple[int, ...], versions: int, axis: int) -> tuple[int, ...]:
     return (*shape[:axis], versions, *shape[axis:])
 
 

@@ -22,20 +22,22 @@ gives every slot cache_length positions; "paged" keeps a host-side pool of pages
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh
 
 from dora_jax.buckets import pick_bucket, prefill_buckets
 from dora_jax.config import DECODE_RULES, ModelConfig, RolloutConfig
 from dora_jax.model import transformer
+from dora_jax.model.sharding import Rules
 from dora_jax.rollout import jetstream_compat, prefill_args, sampling
 from dora_jax.rollout.adapters import AdapterPlaces, check_versions
-from dora_jax.rollout.pages import PagePool
+from dora_jax.rollout.pages import PagePool, PageView
 from dora_jax.rollout.placement import ParamPlacement
 from dora_jax.rollout.programs import Programs, jit_programs
-from dora_jax.rollout.sampling import SamplingParams
+from dora_jax.rollout.sampling import SamplingParams, Seed
 from dora_jax.rollout.state import DecodeState, EngineParams, Prefix, ResultTokens
 
 if TYPE_CHECKING:  # the tokenizer's libraries load only when a tokenizer is asked for
@@ -65,10 +67,10 @@ class Engine:
     """
 
     def __init__(self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, mesh: Mesh, *,
-                 rules=DECODE_RULES, sampling_params: SamplingParams | None = None,
+                 rules: Rules = DECODE_RULES, sampling_params: SamplingParams | None = None,
                  greedy: bool = False, tokenizer_path: str | None = None,
                  stop_ids: Sequence[int] | None = None, versions: int = 1,
-                 checkpoint: str | None = None):
+                 checkpoint: str | None = None) -> None:
         check_versions(model_cfg, versions)
         jetstream_compat.register_types((ResultTokens, "ResultTokens"), (Engine, "Engine"))
         self.checkpoint = checkpoint
@@ -124,7 +126,7 @@ class Engine:
         return 1
 
     @property
-    def colocated_cpus(self):
+    def colocated_cpus(self) -> None:
         """Host CPUs colocated with the slice's devices; none are assigned."""
         return None
 
@@ -154,7 +156,8 @@ class Engine:
         return ServingTokenizer(Tokenizer.from_parameters(metadata), metadata.stop_ids,
                                 self.pad_tokens, self.max_prefill_length)
 
-    def load_params(self, params=None) -> EngineParams:
+    def load_params(self, params: nnx.State | dict[str, Any] | EngineParams | None = None
+                    ) -> EngineParams:
         """Places `params` on this engine's mesh with the decode rules: the model's
         param nnx.State or its pure dict, on any devices (e.g. the trainer mesh), or
         EngineParams (returned as they are if already placed for this engine).
@@ -194,8 +197,9 @@ class Engine:
         return self._jit.prefix_sharding
 
     def prefill(self, *, params: EngineParams, existing_prefix: Prefix | None = None,
-                padded_tokens, true_length: int, sampler=None, request_id=None, rng=None,
-                num_generated: int = 0, max_new_tokens: int | None = None):
+                padded_tokens: np.ndarray, true_length: int, sampler: object = None,
+                request_id: object = None, rng: Seed | None = None, num_generated: int = 0,
+                max_new_tokens: int | None = None) -> tuple[Prefix, ResultTokens]:
         """Runs tokens through the model and samples the next one. Returns (Prefix,
         ResultTokens with one row).
 
@@ -224,16 +228,18 @@ class Engine:
             num_generated=num_generated, max_new_tokens=max_new_tokens)
 
     def prefill_multisampling(self, *, params: EngineParams,
-                              existing_prefix: Prefix | None = None, padded_tokens,
-                              true_length: int, sampler=None, rng=None, num_samples: int = 1,
-                              num_generated: int = 0, max_new_tokens: int | None = None):
+                              existing_prefix: Prefix | None = None, padded_tokens: np.ndarray,
+                              true_length: int, sampler: object = None,
+                              rng: Sequence[Seed | None] | None = None, num_samples: int = 1,
+                              num_generated: int = 0, max_new_tokens: int | None = None
+                              ) -> tuple[Prefix, ResultTokens]:
         """`prefill` drawing `num_samples` first tokens from one forward pass: a Prefix
         of the shared KV cache and one token per sample (for `bulk_insert`), and
         ResultTokens with one row per sample. `rng`: one per sample, each as
         prefill's, so that sample i decodes as the prompt prefilled alone with rng[i]
         does. Other arguments (and the extensions) as in `prefill`."""
         sampling.refuse_sampler(sampler)
-        rngs = [None] * num_samples if rng is None else list(rng)
+        rngs: list[sampling.Seed | None] = [None] * num_samples if rng is None else list(rng)
         if num_samples < 1 or len(rngs) != num_samples:
             raise ValueError(f"prefill: need one rng per sample ({num_samples}), got "
                              f"{len(rngs)}")
@@ -287,8 +293,9 @@ class Engine:
             prefill_args.extended_length(self, prefixes[0], rows[0][0]))
         return list(zip(prefixes_out[:n], results[:n]))
 
-    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, request_id=None,
-               *, length: int | None = None, shared_pages=()) -> DecodeState:
+    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int,
+               request_id: object = None, *, length: int | None = None,
+               shared_pages: Sequence[int] = ()) -> DecodeState:
         """Places a one-sample prefix in `slot` (donates `decode_state`). The prefix
         must be on this engine's mesh (`jax.device_put(prefix,
         get_prefix_destination_sharding())`). request_id: unused.
@@ -316,8 +323,9 @@ class Engine:
         return self._insert_rows(prefix, decode_state, list(slots), length, (),
                                  share_first=length is not None)
 
-    def _insert_rows(self, prefix, decode_state, slots, length, shared_pages,
-                     share_first: bool = False):
+    def _insert_rows(self, prefix: Prefix, decode_state: DecodeState, slots: list[int],
+                     length: int | None, shared_pages: Sequence[int],
+                     share_first: bool = False) -> DecodeState:
         """Sample i of `prefix` into slots[i] (row 0 of a one-sample prefix into
         slots[0]); paged: each slot maps `shared_pages`, or with `share_first` the
         first slot's whole prompt pages, and fresh pages for the rest."""
@@ -329,14 +337,13 @@ class Engine:
             raise ValueError(f"insert: prefix of length {prefix.cache.length} exceeds "
                              f"cache_length {self.cache_length}")
         write_Nn = None
-        if self.pages is not None:
-            length = prefix.cache.length if length is None else length
-            if not 0 < length <= prefix.cache.length:
-                raise ValueError(f"insert: length {length} outside the prefix's "
-                                 f"(1..{prefix.cache.length})")
+        written = prefix.cache.length if length is None else length
+        if self.pages is not None and not 0 < written <= prefix.cache.length:
+            raise ValueError(f"insert: length {written} outside the prefix's "
+                             f"(1..{prefix.cache.length})")
         with self._frees.lock:
             if self.pages is not None:
-                write_Nn = self.pages.assign_rows(slots, length, prefix.cache.length,
+                write_Nn = self.pages.assign_rows(slots, written, prefix.cache.length,
                                                   shared_pages, share_first)
             for slot in slots:
                 self._frees.inserted(slot)
@@ -346,7 +353,8 @@ class Engine:
                                 np.arange(len(slots), dtype=np.int32)[idx],
                                 None if write_Nn is None else write_Nn[idx])
 
-    def generate(self, params: EngineParams, decode_state: DecodeState, sampler=None):
+    def generate(self, params: EngineParams, decode_state: DecodeState, sampler: object = None
+                 ) -> tuple[DecodeState, ResultTokens]:
         """One decode step of every slot (donates `decode_state`). Returns (new
         DecodeState, ResultTokens [S, 6]; rows of inactive slots are not valid).
         Paged cache: first maps the pages the step writes (PagesExhausted if the
@@ -370,7 +378,7 @@ class Engine:
         return self.rollout_cfg.cache_length
 
     def generate_steps(self, params: EngineParams, decode_state: DecodeState,
-                       max_steps: int | None = None):
+                       max_steps: int | None = None) -> tuple[DecodeState, ResultTokens]:
         """Extension: up to `decode_steps` (or `max_steps`, if fewer) decode steps of
         every slot in one dispatch, ending after the first step in which a slot
         finishes (donates `decode_state`). Returns (new DecodeState, ResultTokens
@@ -379,7 +387,7 @@ class Engine:
         n = self.decode_steps if max_steps is None else min(max_steps, self.decode_steps)
         return self._jit.steps(params, decode_state, np.int32(n), self._page_view(n))
 
-    def _page_view(self, n: int):
+    def _page_view(self, n: int) -> PageView | None:
         if self.pages is None:
             return None
         with self._frees.lock:
@@ -401,7 +409,7 @@ class Engine:
                 pages = self.pages.table[slot, :self.pages.pages_for(length)].copy()
         return self._jit.extract(decode_state, np.int32(slot), pages, length)
 
-    def pad_tokens(self, tokens) -> tuple[np.ndarray, int]:
+    def pad_tokens(self, tokens: Sequence[int] | np.ndarray) -> tuple[np.ndarray, int]:
         """(tokens padded with pad_id to their bucket, true length)."""
         tokens = np.asarray(tokens, np.int32)
         padded = np.full(pick_bucket(len(tokens), self.buckets, "prefill buckets"),

@@ -38,12 +38,19 @@ import inspect
 import math
 import threading
 import time
+from collections.abc import Awaitable, Iterable
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
 from dora_jax import envs
 from dora_jax.rewards.pool import one_line
 from dora_jax.turns import model_token_mask  # noqa: F401 - the rule, re-exported
+
+if TYPE_CHECKING:
+    from dora_jax.text.tokenizer import Tokenizer
+
+_R = TypeVar("_R")
 
 # Why an episode ended: the environment said so, it raised, it took too long, the
 # turn limit, or the token budget (its last turn was cut).
@@ -82,14 +89,15 @@ class Episode:
                 "sandbox": self.env.sandbox_isolation}
 
 
-def observation_tokens(tokenizer, frame: tuple, text: str) -> list:
+def observation_tokens(tokenizer: Tokenizer, frame: tuple[list[int], list[int]], text: str
+                       ) -> list[int]:
     """Token ids of an observation's text between the ids of `frame`
     (`observation_frame`), the tokenizer's special-token markers in it broken up."""
     markers = sorted(getattr(tokenizer, "special_tokens", ()) or (), key=len, reverse=True)
     return frame[0] + tokenizer.encode(_break_markers(text, markers)) + frame[1]
 
 
-def _break_markers(text: str, markers) -> str:
+def _break_markers(text: str, markers: Iterable[str]) -> str:
     # A zero-width space inside each marker keeps the text readable and unable to
     # encode as the special token.
     for m in markers:
@@ -117,7 +125,7 @@ class EnvCall:
     """One environment call: its future ((StepResult, seconds, error or None), never
     raises) and when it started running (None while queued behind `workers` calls)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.future: concurrent.futures.Future = concurrent.futures.Future()
         self.started: float | None = None
 
@@ -140,9 +148,10 @@ class EpisodeRunner:
         chat template's framing of a tool message (`observation_frame`).
     """
 
-    def __init__(self, env: str, tokenizer, *, max_turns: int = 0, timeout: float = 30.0,
-                 workers: int = 4, frame: tuple | None = None,
-                 isolation: str = "namespaces", latency: Latency | None = None):
+    def __init__(self, env: str, tokenizer: Tokenizer, *, max_turns: int = 0,
+                 timeout: float = 30.0, workers: int = 4,
+                 frame: tuple[list[int], list[int]] | None = None,
+                 isolation: str = "namespaces", latency: Latency | None = None) -> None:
         self.env_cls = envs.get(env)
         self.isolation = isolation
         self.tokenizer = tokenizer
@@ -184,7 +193,8 @@ class EpisodeRunner:
                 self._loop = loop
             return self._loop
 
-    async def _run(self, env: envs.Environment, text: str, delay: float, call: EnvCall):
+    async def _run(self, env: envs.Environment, text: str, delay: float, call: EnvCall
+                   ) -> None:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.workers)
         async with self._slots:
@@ -196,7 +206,8 @@ class EpisodeRunner:
             call.future.set_result((result, time.perf_counter() - start, error))
 
     @staticmethod
-    async def _step(env: envs.Environment, text: str):
+    async def _step(env: envs.Environment, text: str
+                    ) -> tuple[envs.StepResult, float, str | None]:
         """(StepResult, seconds, error or None) of `env.step(text)`, never raising."""
         start = time.perf_counter()
         try:
@@ -238,18 +249,18 @@ def _serve(loop: asyncio.AbstractEventLoop) -> None:
         loop.close()
 
 
-async def _awaited(awaitable):
+async def _awaited(awaitable: Awaitable[_R]) -> _R:
     return await awaitable
 
 
-async def _on_thread(env: envs.Environment, text: str, name: str):
+async def _on_thread(env: envs.Environment, text: str, name: str) -> envs.StepResult:
     """A plain `step` on a daemon thread of its own: one that never returns (past
     `timeout` its episode has ended) cannot hold the process at exit, as a pool's
     thread would."""
     loop = asyncio.get_running_loop()
     done = loop.create_future()
 
-    def work():
+    def work() -> None:
         try:
             result, error = env.step(text), None
             if inspect.isawaitable(result):  # a coroutine from a plain function
@@ -265,7 +276,7 @@ async def _on_thread(env: envs.Environment, text: str, name: str):
     return await done
 
 
-def _settle(future: asyncio.Future, result, error) -> None:
+def _settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:
     if future.done():  # cancelled meanwhile
         return
     if error is not None:
@@ -274,7 +285,7 @@ def _settle(future: asyncio.Future, result, error) -> None:
         future.set_result(result)
 
 
-def observation_frame(tokenizer) -> tuple[list, list]:
+def observation_frame(tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
     """(ids before, ids after) an observation's text: what the chat template puts
     between an assistant turn's end token and a tool message's text, and between
     that text and the next assistant turn's first token."""
@@ -296,7 +307,8 @@ def observation_frame(tokenizer) -> tuple[list, list]:
     return tokenizer.encode(before), tokenizer.encode(after)
 
 
-def demonstration_tokens(env_cls, record: dict, tokenizer, frame: tuple) -> dict:
+def demonstration_tokens(env_cls: type[envs.Environment], record: dict, tokenizer: Tokenizer,
+                         frame: tuple[list[int], list[int]]) -> dict:
     """An environment's demonstration of `record` as a response: each model turn's
     text and the turn's end token, each observation framed by `frame` as the runner
     frames it; {"response_tokens", "episode"} with the turns."""

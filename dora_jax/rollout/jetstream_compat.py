@@ -26,13 +26,21 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from flax import nnx
+
+    from dora_jax.config import ModelConfig
+    from dora_jax.rollout.placement import ParamPlacement
 
 DEFAULT_STREAM = 0x80000000
 
 
-def register_types(*pairs) -> bool:
+def register_types(*pairs: tuple[type, str]) -> bool:
     """Registers each (our class, JetStream's class name in engine_api) pair as a
     virtual subclass, if JetStream's engine_api is loaded; True if it was."""
     api = sys.modules.get("jetstream.engine.engine_api")
@@ -48,7 +56,7 @@ def register_types(*pairs) -> bool:
 class DefaultKeys:
     """Key data for samples drawn without an rng (see the module docstring)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._next = 0
 
@@ -59,8 +67,8 @@ class DefaultKeys:
                 for i in range(n)]
 
 
-def rebucket(tokens_T: np.ndarray, true_length: int, buckets, pad_id: int,
-             pick) -> np.ndarray:
+def rebucket(tokens_T: np.ndarray, true_length: int, buckets: Sequence[int], pad_id: int,
+             pick: Callable[[int, Sequence[int], str], int]) -> np.ndarray:
     """`tokens_T` if its length is one of `buckets`, else its first `true_length`
     tokens padded with `pad_id` to the smallest bucket that holds them (`pick`)."""
     if tokens_T.ndim != 1 or tokens_T.shape[0] in buckets or true_length > tokens_T.shape[0]:
@@ -82,7 +90,7 @@ class SlotFrees:
     releases nothing.
     """
 
-    def __init__(self, slots: int):
+    def __init__(self, slots: int) -> None:
         self.lock = threading.RLock()
         self._unfreed = np.zeros(slots, np.int64)
 
@@ -101,7 +109,8 @@ class SlotFrees:
         return True
 
 
-def restore_params(directory: str, model_cfg, placement):
+def restore_params(directory: str, model_cfg: ModelConfig, placement: ParamPlacement
+                   ) -> nnx.State:
     """The params saved last in `directory` (`checkpointing.load_params`), restored
     straight onto the engine mesh with the decode shardings of `placement`."""
     import jax

@@ -18,6 +18,7 @@ attention reads each slot's own pages and its cost follows the real contexts.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -59,7 +60,7 @@ class PagePool:
       max_tokens: positions a slot may hold (cache_length).
     """
 
-    def __init__(self, num_pages: int, page_size: int, slots: int, max_tokens: int):
+    def __init__(self, num_pages: int, page_size: int, slots: int, max_tokens: int) -> None:
         self.pages_per_slot = pages_for(max_tokens, page_size)
         if num_pages < self.pages_per_slot:
             raise ValueError(f"a pool of {num_pages} pages cannot hold one full-length "
@@ -110,14 +111,14 @@ class PagePool:
         self._refs[pages] = 1
         return pages
 
-    def _drop(self, pages) -> None:
+    def _drop(self, pages: Iterable[int] | np.ndarray) -> None:
         for p in np.asarray(pages, np.int64).tolist():
             self._refs[p] -= 1
             assert self._refs[p] >= 0, f"page {p} released more often than taken"
             if self._refs[p] == 0:
                 self._free.append(p)
 
-    def assign(self, slot: int, tokens: int, shared=()) -> np.ndarray:
+    def assign(self, slot: int, tokens: int, shared: Iterable[int] = ()) -> np.ndarray:
         """Maps `slot` (released first, if it held pages) to hold `tokens` positions:
         its first pages are `shared` (one more reference each), the rest fresh.
         Raises PagesExhausted, changing nothing, if the pool is short. Returns the
@@ -164,12 +165,13 @@ class PagePool:
                 self.mapped[s] = m + k
             self.bound[s] = want[s]
 
-    def tighten(self, slots, tokens) -> None:
+    def tighten(self, slots: np.ndarray | Sequence[int], tokens: np.ndarray | int) -> None:
         """Lowers the bounds of `slots` to `tokens` (their positions known to be
         written, plus what calls still running may add); pages stay mapped."""
         self.bound[slots] = np.minimum(self.bound[slots], tokens)
 
-    def assign_rows(self, slots, tokens: int, prefix_tokens: int, shared=(),
+    def assign_rows(self, slots: Sequence[int], tokens: int, prefix_tokens: int,
+                    shared: Iterable[int] = (),
                     share_first: bool = False) -> np.ndarray:
         """`assign` of each slot (all or none: PagesExhausted leaves none mapped), with
         `shared`, or with `share_first` the first slot's whole pages; returns where
@@ -207,7 +209,7 @@ class PagePool:
         self._refs[pages] += 1
         return tuple(int(p) for p in pages)
 
-    def release_pages(self, pages) -> None:
+    def release_pages(self, pages: Iterable[int] | np.ndarray) -> None:
         self._drop(pages)
 
     # ----------------------------------------------------------------- device view

@@ -3,14 +3,18 @@ model's, and one `jax.device_put` of its leaves to the decode shardings."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
+from flax import nnx
+from jax.sharding import Mesh
 
 from dora_jax.model import lora
-from dora_jax.model.sharding import param_shardings
+from dora_jax.model.sharding import Rules, param_shardings
 from dora_jax.rollout.state import EngineParams
 
 
-def _leaf_paths(params) -> list:
+def _leaf_paths(params: nnx.State | dict[str, Any]) -> list[str]:
     """Leaf paths of an nnx.State or of its pure-dict form, alike."""
     return [jax.tree_util.keystr(p).removesuffix(".value")
             for p, _ in jax.tree_util.tree_leaves_with_path(params)]
@@ -22,7 +26,7 @@ class ParamPlacement:
     abstract: the model's param tree of shapes (transformer.abstract_params).
     """
 
-    def __init__(self, abstract, mesh, rules):
+    def __init__(self, abstract: nnx.State, mesh: Mesh, rules: Rules) -> None:
         leaves, treedef = jax.tree.flatten(abstract)
         self.treedef = treedef
         self._paths = _leaf_paths(abstract)
@@ -46,7 +50,7 @@ class ParamPlacement:
         """(shape, dtype) of each leaf, in the flattened order of EngineParams."""
         return list(self._leaf_shapes)
 
-    def place(self, params) -> EngineParams:
+    def place(self, params: nnx.State | dict[str, Any] | EngineParams) -> EngineParams:
         """`params` (an nnx.State, its pure dict, or EngineParams; on any devices) on
         the mesh. EngineParams already placed there come back as they are; otherwise
         the leaves go in one `jax.device_put`. Raises ValueError, naming a leaf, if

@@ -3,13 +3,21 @@ prefix (rollout/engine.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from dora_jax.buckets import pick_bucket
 from dora_jax.rollout import jetstream_compat
 
+if TYPE_CHECKING:
+    from dora_jax.rollout.engine import Engine
+    from dora_jax.rollout.state import Prefix
 
-def checked(engine, padded_tokens, true_length, num_generated, max_new_tokens,
+
+def checked(engine: Engine, padded_tokens: Sequence[int] | np.ndarray, true_length: int,
+            num_generated: int, max_new_tokens: int | None,
             continued: bool) -> tuple[np.ndarray, np.int32]:
     """(tokens, the response-length limit) of a prefill's arguments on `engine`,
     checked; `continued`: the tokens extend a prefix (no prompt-length bound)."""
@@ -36,7 +44,7 @@ def checked(engine, padded_tokens, true_length, num_generated, max_new_tokens,
     return tokens_T, limit
 
 
-def extended_length(engine, prefix, tokens_T) -> int:
+def extended_length(engine: Engine, prefix: Prefix, tokens_T: np.ndarray) -> int:
     """The bucket of a prefix extended by a chunk: room for both padded lengths."""
     room = prefix.cache.length + tokens_T.shape[0]
     return (engine.cache_length if room >= engine.cache_length

@@ -9,20 +9,33 @@ tokens, or on any of the engine's stop ids (a tokenizer may carry several).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dora_jax.model import lora, transformer
 from dora_jax.model.paged_attention import POOL_AXES
-from dora_jax.model.sharding import activation_rules, logical_to_spec
+from dora_jax.model.sharding import Rules, activation_rules, logical_to_spec
 from dora_jax.rollout import sampling
+from dora_jax.rollout.pages import PageView
 from dora_jax.rollout.routing import not_routed, routing_dtype
 from dora_jax.rollout.state import DecodeState, EngineParams, Prefix, ResultTokens
+
+if TYPE_CHECKING:
+    from dora_jax.config import ModelConfig, RolloutConfig
+
+# What prefill / extend / resample give: the prompt's prefix and its first tokens.
+Prefilled = tuple[Prefix, ResultTokens]
+
+
+# The decode loop's carry: the state, the steps run, the results so far, whether a
+# slot finished.
+_Carry = tuple[DecodeState, jax.Array, ResultTokens, jax.Array]
 
 
 class Programs:
@@ -33,8 +46,10 @@ class Programs:
       dense cache.
     """
 
-    def __init__(self, model_cfg, rollout_cfg, mesh, rules, sampling_params, graphdef,
-                 treedef, *, stop_ids, pool_pages: int | None):
+    def __init__(self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, mesh: Mesh,
+                 rules: Rules, sampling_params: sampling.SamplingParams,
+                 graphdef: nnx.GraphDef, treedef: jax.tree_util.PyTreeDef, *,
+                 stop_ids: Sequence[int], pool_pages: int | None) -> None:
         self.model_cfg, self.rollout_cfg, self.mesh, self.rules = (model_cfg, rollout_cfg,
                                                                    mesh, rules)
         self.sampling_params, self.graphdef, self.treedef = sampling_params, graphdef, treedef
@@ -45,11 +60,11 @@ class Programs:
             routing_dtype(m.num_experts), not_routed(m.num_experts),
             model_cfg.num_moe_layers, m.top_k)
 
-    def _params(self, params: EngineParams):
+    def _params(self, params: EngineParams) -> nnx.State:
         return jax.tree.unflatten(self.treedef, list(params.leaves))
 
     @contextlib.contextmanager
-    def _tracing(self, params: EngineParams):
+    def _tracing(self, params: EngineParams) -> Iterator[None]:
         """The model's call: activations sharded by the rules; with stacked adapters,
         each row under its place (model/lora.py's `rows`)."""
         with activation_rules(self.mesh, self.rules), contextlib.ExitStack() as stack:
@@ -57,13 +72,14 @@ class Programs:
                 stack.enter_context(lora.rows(params.rows))
             yield
 
-    def finished(self, tokens_B, steps_B, limits_B):
+    def finished(self, tokens_B: jax.Array, steps_B: jax.Array, limits_B: jax.Array
+                 ) -> jax.Array:
         """steps_B: the response index of each token just sampled."""
         stop_B = (jnp.isin(tokens_B, self.stop_ids) if self.stop_ids.size
                   else jnp.zeros(tokens_B.shape, bool))
         return stop_B | (steps_B + 1 >= limits_B)
 
-    def init(self):
+    def init(self) -> DecodeState:
         r, S = self.rollout_cfg, self.rollout_cfg.slots_per_slice
         if self.pool_pages is None:
             cache = transformer.init_cache(self.model_cfg, S, r.cache_length)
@@ -73,7 +89,8 @@ class Programs:
                            jnp.zeros(S, jnp.int32), jnp.zeros((S, 2), jnp.uint32),
                            jnp.zeros(S, bool), jnp.zeros(S, jnp.int32))
 
-    def prefill(self, params, tokens_T, true_length, keys_N2, num_generated, limit):
+    def prefill(self, params: EngineParams, tokens_T: jax.Array, true_length: jax.Array,
+                keys_N2: jax.Array, num_generated: jax.Array, limit: jax.Array) -> Prefilled:
         """A prompt (+ tokens so far) from position 0; N first tokens, one per key."""
         with self._tracing(params):
             logits_1TV, _, kv = transformer.apply(
@@ -84,8 +101,9 @@ class Programs:
         logits_1V = jax.lax.dynamic_slice_in_dim(logits_1TV[0], true_length - 1, 1, axis=0)
         return self._first_tokens(kv, logits_1V, true_length, keys_N2, num_generated, limit)
 
-    def extend(self, params, prefix: Prefix, chunk_C, count, keys_N2, num_generated, limit,
-               length: int):
+    def extend(self, params: EngineParams, prefix: Prefix, chunk_C: jax.Array, count: jax.Array,
+               keys_N2: jax.Array, num_generated: jax.Array, limit: jax.Array,
+               length: int) -> Prefilled:
         """Prefill of `count` tokens (chunk_C, padded) after the prefix's positions,
         attending to them; the result's KV has `length` positions."""
         held = prefix.position
@@ -95,7 +113,8 @@ class Programs:
                 return_kv=True, past=prefix.cache, past_length=held)
         C, T0 = chunk_C.shape[0], prefix.cache.length
 
-        def assemble(old, new):  # room for the whole chunk wherever it starts, then cut
+        # room for the whole chunk wherever it starts, then cut
+        def assemble(old: jax.Array, new: jax.Array) -> jax.Array:
             buf = jnp.zeros((*old.shape[:2], max(T0, length) + C, *old.shape[3:]), old.dtype)
             buf = jax.lax.dynamic_update_slice_in_dim(buf, old, 0, axis=2)
             buf = jax.lax.dynamic_update_slice_in_dim(buf, new.astype(old.dtype), held, axis=2)
@@ -105,8 +124,10 @@ class Programs:
         logits_1V = jax.lax.dynamic_slice_in_dim(logits_1CV[0], count - 1, 1, axis=0)
         return self._first_tokens(kv, logits_1V, held + count, keys_N2, num_generated, limit)
 
-    def extend_many(self, params, prefixes: tuple, chunks_BC, counts_B, keys_BN2,
-                    num_generated_B, limits_B, length: int):
+    def extend_many(self, params: EngineParams, prefixes: tuple[Prefix, ...],
+                    chunks_BC: jax.Array, counts_B: jax.Array, keys_BN2: jax.Array,
+                    num_generated_B: jax.Array, limits_B: jax.Array, length: int
+                    ) -> tuple[tuple[Prefix, ...], tuple[ResultTokens, ...]]:
         """`extend` of each row (prefix i, chunk i, ...) in one batched forward; returns
         (a Prefix per row, a ResultTokens per row). The prefixes share a cache length."""
         B, C = chunks_BC.shape
@@ -119,7 +140,8 @@ class Programs:
                 return_kv=True, past=past, past_length=held_B)
         T0 = past.length
 
-        def assemble(old_1, new_1, held):  # one row: room for the chunk, then cut
+        # one row: room for the chunk, then cut
+        def assemble(old_1: jax.Array, new_1: jax.Array, held: jax.Array) -> jax.Array:
             buf = jnp.zeros((old_1.shape[0], max(T0, length) + C, *old_1.shape[2:]),
                             old_1.dtype)
             buf = jax.lax.dynamic_update_slice_in_dim(buf, old_1, 0, axis=1)
@@ -137,14 +159,17 @@ class Programs:
                                           keys_BN2[i], num_generated_B[i], limits_B[i]))
         return tuple(o[0] for o in out), tuple(o[1] for o in out)
 
-    def resample(self, cache, logits_V, position, keys_N2, num_generated, limit):
+    def resample(self, cache: transformer.KVCache, logits_V: jax.Array, position: jax.Array,
+                 keys_N2: jax.Array, num_generated: jax.Array, limit: jax.Array) -> Prefilled:
         """N more samples of a prefix's text (its cache, logits and position, not its
         samples: a prefix of any number resamples with one program): first tokens from
         its logits."""
         return self._first_tokens(cache, logits_V[None], position, keys_N2, num_generated,
                                   limit)
 
-    def _first_tokens(self, kv, logits_1V, true_length, keys_N2, num_generated, limit):
+    def _first_tokens(self, kv: transformer.KVCache, logits_1V: jax.Array,
+                      true_length: jax.Array, keys_N2: jax.Array, num_generated: jax.Array,
+                      limit: jax.Array) -> Prefilled:
         N = keys_N2.shape[0]
         step_N = jnp.full(N, num_generated, jnp.int32)
         logits_NV = jnp.broadcast_to(logits_1V, (N, logits_1V.shape[-1]))
@@ -157,19 +182,21 @@ class Programs:
                                    jnp.ones(N, bool), finished_N)
         return prefix, result
 
-    def insert(self, prefix: Prefix, state: DecodeState, slots_N, samples_N, write_pages_Nn):
+    def insert(self, prefix: Prefix, state: DecodeState, slots_N: jax.Array,
+               samples_N: jax.Array, write_pages_Nn: jax.Array | None) -> DecodeState:
         """Sample samples_N[i] of the prefix into slot slots_N[i], for each i in one
         call (a row may repeat another: same slot, same sample); paged: the prefix's
         chunk j of row i goes to page write_pages_Nn[i, j] (0, the null page, for
         shared and unused chunks)."""
-        def put_dense(cache_LSCKD, new_L1TKD):
+        def put_dense(cache_LSCKD: jax.Array, new_L1TKD: jax.Array) -> jax.Array:
             new = new_L1TKD.astype(cache_LSCKD.dtype)
             for i in range(slots_N.shape[0]):
                 cache_LSCKD = jax.lax.dynamic_update_slice(cache_LSCKD, new,
                                                            (0, slots_N[i], 0, 0, 0))
             return cache_LSCKD
 
-        def put_paged(pool_LKPpD, new_L1TKD):
+        def put_paged(pool_LKPpD: jax.Array, new_L1TKD: jax.Array) -> jax.Array:
+            assert write_pages_Nn is not None  # chosen only with pages to write
             L, _, T, K, D = new_L1TKD.shape
             (N, n), ps = write_pages_Nn.shape, pool_LKPpD.shape[3]
             x = jnp.pad(new_L1TKD[:, 0], ((0, 0), (0, n * ps - T), (0, 0), (0, 0)))
@@ -187,11 +214,12 @@ class Programs:
                            state.active.at[slots_N].set(prefix.active[samples_N]),
                            state.limits.at[slots_N].set(prefix.limit))
 
-    def extract(self, state: DecodeState, slot, pages, length: int):
-        def take_dense(c):
+    def extract(self, state: DecodeState, slot: jax.Array, pages: jax.Array | None,
+                length: int) -> Prefix:
+        def take_dense(c: jax.Array) -> jax.Array:
             return jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=1)[:, :, :length]
 
-        def take_paged(pool_LKPpD):
+        def take_paged(pool_LKPpD: jax.Array) -> jax.Array:
             x_LKnpD = pool_LKPpD[:, :, pages]
             L, K, n, ps, D = x_LKnpD.shape
             return x_LKnpD.transpose(0, 2, 3, 1, 4).reshape(L, 1, n * ps, K, D)[:, :, :length]
@@ -201,7 +229,8 @@ class Programs:
                       state.steps[slot], state.keys[slot][None], state.active[slot][None],
                       state.limits[slot], jnp.zeros(self.model_cfg.vocab_size, jnp.float32))
 
-    def step(self, params: EngineParams, state: DecodeState, view=None):
+    def step(self, params: EngineParams, state: DecodeState, view: PageView | None = None
+             ) -> tuple[DecodeState, ResultTokens]:
         """One decode step of every slot. Paged cache: `view` maps pages for every
         position the step writes; slots without pages are idle."""
         with self._tracing(params):
@@ -227,16 +256,17 @@ class Programs:
                 active_S[:, None, None], experts[0].astype(dtype), jnp.asarray(none, dtype)))
         return new_state, result
 
-    def steps(self, params: EngineParams, state: DecodeState, max_steps, view):
+    def steps(self, params: EngineParams, state: DecodeState, max_steps: jax.Array,
+              view: PageView | None) -> tuple[DecodeState, ResultTokens]:
         """Up to `max_steps` (at most decode_steps) steps in a while_loop, ending after
         the first step in which a slot finishes; rows of steps not run stay zero."""
         n, S = self.rollout_cfg.decode_steps, self.rollout_cfg.slots_per_slice
 
-        def cond(carry):
+        def cond(carry: _Carry) -> jax.Array:
             state, i, _, any_finished = carry
             return (i < max_steps) & ~any_finished & jnp.any(state.active)
 
-        def body(carry):
+        def body(carry: _Carry) -> _Carry:
             state, i, out, _ = carry
             state, result = self.step(params, state, view)
             out = jax.tree.map(
@@ -270,12 +300,13 @@ class Jitted(NamedTuple):
     prefix_sharding: Prefix
 
 
-def jit_programs(fn: Programs, mesh: Mesh, rules, param_sh, *, paged: bool) -> Jitted:
+def jit_programs(fn: Programs, mesh: Mesh, rules: Rules, param_sh: EngineParams, *,
+                 paged: bool) -> Jitted:
     """`fn`'s programs jitted on `mesh`: params as placed (`param_sh`), the KV cache by
     `rules` (the paged pool's axes with `paged`), everything else replicated."""
     rep = NamedSharding(mesh, PartitionSpec())
 
-    def kv_sharding(axes):
+    def kv_sharding(axes: tuple[str | None, ...]) -> transformer.KVCache:
         sh = NamedSharding(mesh, logical_to_spec(axes, rules, mesh))
         return transformer.KVCache(sh, sh)
 
@@ -307,10 +338,13 @@ def jit_programs(fn: Programs, mesh: Mesh, rules, param_sh, *, paged: bool) -> J
         prefix_sharding=prefix_sh)
 
 
-def _rows_constrained(extend_many, row_sharding):
+def _rows_constrained(extend_many: Callable[..., tuple[tuple[Any, ...], tuple[Any, ...]]],
+                      row_sharding: tuple[Prefix, ResultTokens]
+                      ) -> Callable[..., tuple[tuple[Any, ...], tuple[Any, ...]]]:
     """`extend_many` with each row's outputs laid out as a single `extend`'s, which
     `insert` takes (the row count is only known when traced)."""
-    def constrained(params, prefixes, *rest):
+    def constrained(params: EngineParams, prefixes: tuple[Prefix, ...], *rest: Any
+                    ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         prefixes_out, results_out = extend_many(params, prefixes, *rest)
         return (tuple(jax.lax.with_sharding_constraint(p, row_sharding[0]) for p in prefixes_out),
                 tuple(jax.lax.with_sharding_constraint(r, row_sharding[1]) for r in results_out))

@@ -13,11 +13,15 @@ what has no record (rl/trainer.py, `trainer.moe_routing`).
 from __future__ import annotations
 
 import base64
+from typing import Any
 
 import numpy as np
 
+# An expert-id array's element type: a NumPy dtype, or the scalar type `routing_dtype` gives.
+IdType = np.dtype[Any] | type[np.unsignedinteger[Any]]
 
-def routing_dtype(num_experts: int):
+
+def routing_dtype(num_experts: int) -> type[np.unsignedinteger[Any]]:
     """The smallest unsigned type holding every expert id and, at its maximum,
     `not_routed`."""
     return np.uint8 if num_experts < 255 else np.uint16
@@ -28,7 +32,7 @@ def not_routed(num_experts: int) -> int:
     return int(np.iinfo(routing_dtype(num_experts)).max)
 
 
-def unrecorded(shape: tuple, dtype) -> np.ndarray:
+def unrecorded(shape: tuple[int, ...], dtype: IdType) -> np.ndarray:
     """An array of `shape` with no token recorded."""
     return np.full(shape, np.iinfo(dtype).max, dtype)
 

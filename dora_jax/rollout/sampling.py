@@ -14,6 +14,7 @@ slice or batch composition it ran in, nor on being migrated or re-prefilled.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +46,11 @@ class SamplingParams:
                    top_p=float(rollout.top_p), greedy=greedy)
 
 
-def key_data_from_seed(seed) -> np.ndarray:
+# A request's RNG: an int seed, or uint32[2] key data.
+Seed = int | np.integer | Sequence[int] | np.ndarray
+
+
+def key_data_from_seed(seed: Seed) -> np.ndarray:
     """uint32[2] threefry key data for an int seed in [0, 2**64), or passes key data
     through. Computed on the host (no device op), equal to
     `jax.random.key_data(jax.random.PRNGKey(seed))` for seeds below 2**32."""
@@ -90,7 +95,8 @@ def truncated_logprobs(logits_BV: jax.Array, sp: SamplingParams) -> jax.Array:
     return jax.nn.log_softmax(x_BV, axis=-1)
 
 
-def sample(logits_BV: jax.Array, keys_B: jax.Array, sp: SamplingParams):
+def sample(logits_BV: jax.Array, keys_B: jax.Array, sp: SamplingParams
+           ) -> tuple[jax.Array, jax.Array]:
     """Draws one token per row. Returns (tokens_B int32, logprobs_B f32).
 
     keys_B: typed keys, one per row (see `step_keys`).
@@ -106,7 +112,8 @@ def sample(logits_BV: jax.Array, keys_B: jax.Array, sp: SamplingParams):
     return tokens_B, logprobs_B
 
 
-def stop_ids(rollout_cfg, tokenizer_path, explicit) -> tuple:
+def stop_ids(rollout_cfg: RolloutConfig, tokenizer_path: str | None,
+             explicit: Iterable[int] | None) -> tuple[int, ...]:
     """The ids that end a sample: `explicit` ones; else none if `eos_id < 0`; else
     eos_id and, with a tokenizer, every stop id it carries (read from its directory)."""
     if explicit is not None:
@@ -121,7 +128,8 @@ def stop_ids(rollout_cfg, tokenizer_path, explicit) -> tuple:
     return tuple(dict.fromkeys(ids))
 
 
-def read_stop_ids(rollout_cfg, tokenizer) -> tuple | None:
+def read_stop_ids(rollout_cfg: RolloutConfig, tokenizer: object | None
+                  ) -> tuple[int, ...] | None:
     """`stop_ids`' explicit ids from a tokenizer already read (its `stop_ids` after
     eos_id), so no engine reads it again; None without one or with `eos_id < 0`."""
     if tokenizer is None or rollout_cfg.eos_id < 0:
@@ -129,7 +137,7 @@ def read_stop_ids(rollout_cfg, tokenizer) -> tuple | None:
     return (rollout_cfg.eos_id, *getattr(tokenizer, "stop_ids", ()))
 
 
-def refuse_sampler(sampler) -> None:
+def refuse_sampler(sampler: object) -> None:
     # Behaviour log-probs must be those of the distribution sampled from: the engine
     # samples with its own SamplingParams, fixed when it is built.
     if sampler is not None:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import jax
 
@@ -40,6 +41,13 @@ from dora_jax.rollout.trajectory import (
     VersionMismatchError,
 )
 
+if TYPE_CHECKING:
+    from flax import nnx
+    from jax.sharding import Mesh
+
+    from dora_jax.config import ModelConfig, RolloutConfig
+    from dora_jax.rollout.state import EngineParams
+
 
 class DecodeSlice:
     """S slots of continuous batching on one engine (see `create`), serving its
@@ -48,7 +56,7 @@ class DecodeSlice:
 
     def __init__(self, slice_id: int, engine: Engine, *, lookahead: bool = True,
                  clock: Callable[[], float] = time.time,
-                 episodes: EpisodeRunner | None = None):
+                 episodes: EpisodeRunner | None = None) -> None:
         self.slice_id, self.engine, self.clock = slice_id, engine, clock
         self.stats = SliceStats()
         self.turns = EpisodeTurns(episodes, engine, self.stats)
@@ -66,8 +74,9 @@ class DecodeSlice:
         self._done: list = []  # finished Trajectories not yet returned by step()
 
     @classmethod
-    def create(cls, slice_id, mesh, model_cfg, rollout_cfg, *, lookahead: bool = True,
-               episodes: EpisodeRunner | None = None, **engine_kwargs) -> DecodeSlice:
+    def create(cls, slice_id: int, mesh: Mesh, model_cfg: ModelConfig,
+               rollout_cfg: RolloutConfig, *, lookahead: bool = True,
+               episodes: EpisodeRunner | None = None, **engine_kwargs: Any) -> DecodeSlice:
         """A slice with its own Engine (engine kwargs: rules, sampling_params, greedy,
         tokenizer_path, stop_ids, versions)."""
         return cls(slice_id, Engine(model_cfg, rollout_cfg, mesh, **engine_kwargs),
@@ -81,7 +90,7 @@ class DecodeSlice:
         return self.versions.version
 
     @property
-    def params(self):
+    def params(self) -> EngineParams | None:
         return self.versions.params
 
     @property
@@ -122,12 +131,12 @@ class DecodeSlice:
         return not (self._held or self._done or self.calls.outstanding)
 
     @property
-    def kv_free_tokens(self):
+    def kv_free_tokens(self) -> int | None:
         """Paged cache: KV positions free beyond what the running requests' next call
         and the waiting requests' start need (may be negative); None if dense."""
         return self.memory.kv_free_tokens(self._waiting)
 
-    def holds(self, request_id) -> bool:
+    def holds(self, request_id: Iterable[Hashable]) -> bool:
         """The request is waiting or running here (not finished, not exported)."""
         return tuple(request_id) in self._held
 
@@ -215,11 +224,11 @@ class DecodeSlice:
 
     # ------------------------------------------------------------ versions (C1)
 
-    def load_version(self, version: int, params) -> float:
+    def load_version(self, version: int, params: nnx.State | EngineParams) -> float:
         """`versions.load_only`: refuses while holding requests of another version."""
         return self.versions.load_only(version, params)
 
-    def add_version(self, version: int, params) -> float:
+    def add_version(self, version: int, params: nnx.State | EngineParams) -> float:
         return self.versions.add(version, params)
 
     def evict_version(self, version: int) -> None:
@@ -230,7 +239,7 @@ class DecodeSlice:
         self.calls.sync()  # requests that finished in flight no longer count
         return collections.Counter(seq.version for seq in self._held.values())
 
-    def interrupt_and_reload(self, version: int, params) -> float:
+    def interrupt_and_reload(self, version: int, params: nnx.State | EngineParams) -> float:
         """partial_rollout: loads `version` with requests in flight, re-prefills each
         running one (prompt + tokens so far) under the new params and continues it;
         waiting ones will start under the new version. Returns the seconds waited."""
@@ -324,7 +333,7 @@ class DecodeSlice:
 
     # ------------------------------------------------------------ internals
 
-    def _check_accepts(self, ids, versions):
+    def _check_accepts(self, ids: list[tuple], versions: list[int]) -> None:
         resident = self.resident_versions
         if not resident:
             raise RolloutError(f"slice {self.slice_id} has no params loaded (load_version)")
@@ -343,7 +352,7 @@ class DecodeSlice:
                 f"slice {self.slice_id}: {len(ids)} request(s) but only "
                 f"{self.num_free_slots} free slot(s) of {self.num_slots}")
 
-    def _end_episode(self, seq: InFlight, why: str):
+    def _end_episode(self, seq: InFlight, why: str) -> None:
         """Ends an episode between turns. Its finish reason says how its last model
         turn ended (at a stop id: "eos"); `episode.end` says why the episode did."""
         assert seq.episode is not None
@@ -365,18 +374,18 @@ class DecodeSlice:
         seq.behaviour_logprobs.extend(logprobs)
         versions_lib.extend(seq.versions, seq.version, len(tokens))
 
-    def _reserve_pages(self, n: int):
+    def _reserve_pages(self, n: int) -> None:
         """Room in the pool for a call of n steps of every running slot (`memory.
         make_room`): a request preempted goes back to the head of the queue with its
         tokens (resumed under the same version: C1)."""
-        def preempt(victim):
+        def preempt(victim: InFlight) -> None:
             self._flush(victim)
             self._free(victim)
             self._waiting.appendleft(victim)
             self.stats.preempted += 1
         self.memory.make_room(n, self.slots, self.calls.sync, preempt, self.slice_id)
 
-    def _finish(self, seq: InFlight):
+    def _finish(self, seq: InFlight) -> None:
         self._flush(seq)
         if seq.episode is not None and self.turns.turn_ended(seq):
             assert seq.slot is not None  # it is freed below

@@ -18,7 +18,7 @@ import jax
 
 from dora_jax.rollout.engine import Engine
 from dora_jax.rollout.slots import SlotTable
-from dora_jax.rollout.state import DecodeState, Prefix
+from dora_jax.rollout.state import DecodeState, EngineParams, Prefix, ResultTokens
 from dora_jax.rollout.trajectory import InFlight, RolloutError, SliceStats
 
 T = TypeVar("T")
@@ -33,7 +33,7 @@ class DecodeCalls:
     _state: Any = None
 
     def __init__(self, slice_id: int, engine: Engine, slots: SlotTable, stats: SliceStats,
-                 on_finished: Callable[[InFlight], None], *, lookahead: bool):
+                 on_finished: Callable[[InFlight], None], *, lookahead: bool) -> None:
         self.slice_id, self.engine, self.slots, self.stats = slice_id, engine, slots, stats
         self.on_finished, self.lookahead = on_finished, lookahead
         self.reset()
@@ -53,11 +53,11 @@ class DecodeCalls:
         that donates it: `insert`, `bulk_insert` and `generate` do that."""
         return self._state
 
-    def insert(self, prefix: Prefix, slot: int, **kwargs) -> None:
+    def insert(self, prefix: Prefix, slot: int, **kwargs: Any) -> None:
         """`engine.insert` of `prefix` into `slot` (kwargs: length, shared_pages)."""
         self._run(lambda state: (self.engine.insert(prefix, state, slot, **kwargs), None))
 
-    def bulk_insert(self, prefix: Prefix, slots: list[int], **kwargs) -> None:
+    def bulk_insert(self, prefix: Prefix, slots: list[int], **kwargs: Any) -> None:
         """`engine.bulk_insert` of `prefix`'s samples into `slots` (kwargs: length)."""
         self._run(lambda state: (self.engine.bulk_insert(prefix, state, slots, **kwargs),
                                  None))
@@ -82,16 +82,17 @@ class DecodeCalls:
             raise RolloutError(f"slice {self.slice_id}: its engine's KV page pool was reset "
                                f"by another decode state; give each slice its own Engine")
 
-    def prefilled(self, seq: InFlight, result, row: int = 0) -> None:
+    def prefilled(self, seq: InFlight, result: ResultTokens, row: int = 0) -> None:
         """`seq`'s prefill was dispatched (its first token in `row` of `result`); the
         token is read with the next call."""
         self._prefills.append((seq, result, row))
 
-    def generate(self, params, n: int) -> None:
-        """Dispatches a call of `n` steps (none if 0) and reads the previous call, or
-        this one without lookahead."""
+    def generate(self, params: EngineParams | None, n: int) -> None:
+        """Dispatches a call of `n` steps (none if 0: `params` may be None) and reads
+        the previous call, or this one without lookahead."""
         result = None
         if n:
+            assert params is not None  # a call of n > 0 steps runs under params
             result = self._run(lambda state: self.engine.generate_steps(params, state, n))
             if self.engine.pages is not None:
                 self.stats.peak_pages = max(self.stats.peak_pages, self.engine.pages.num_used)
@@ -111,14 +112,16 @@ class DecodeCalls:
         prefills, self._prefills = self._prefills, []
         self._read(prefills, None)
 
-    def _read(self, prefills, result, n=0):
+    def _read(self, prefills: list[tuple[InFlight, ResultTokens, int]],
+              result: ResultTokens | None, n: int = 0) -> None:
         # Prefill results first: they precede any generate result of the same slot.
         if prefills:
             # A group's samples share one prefill's result: each is read once.
             results = {id(r): r for _, r, _ in prefills}
-            host = dict(zip(results, jax.device_get(list(results.values()))))
+            on_host = dict(zip(results, jax.device_get(list(results.values()))))
             for seq, r, row in prefills:
-                h = host[id(r)]
+                h = on_host[id(r)]
+                assert seq.slot is not None  # placed when its prefill was dispatched
                 self.slots.record(seq.slot, int(h.steps[row]), h.tokens[row], h.logprobs[row])
                 if h.finished[row]:
                     self.on_finished(seq)
@@ -130,7 +133,9 @@ class DecodeCalls:
         self.stats.total_slot_steps += len(self.slots) * steps_run
         self.stats.busy_slot_steps += busy
         for s in finished:
-            self.on_finished(self.slots.owner(s))
+            owner = self.slots.owner(s)
+            assert owner is not None  # a finished row is a held slot's
+            self.on_finished(owner)
         if self.engine.pages is not None:
             # What the call still in flight (if any) may write comes on top.
             ahead = self._inflight[2] if self._inflight is not None else 0

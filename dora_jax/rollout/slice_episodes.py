@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import numpy as np
@@ -26,6 +26,12 @@ import numpy as np
 from dora_jax import versions as versions_lib
 from dora_jax.rollout.episodes import Episode, EpisodeRunner
 from dora_jax.rollout.trajectory import InFlight
+
+if TYPE_CHECKING:
+    from dora_jax.envs.base import StepResult
+    from dora_jax.rollout.engine import Engine
+    from dora_jax.rollout.state import Prefix
+    from dora_jax.rollout.trajectory import SliceStats
 
 
 class EpisodeTurns:
@@ -37,7 +43,8 @@ class EpisodeTurns:
       stats: the slice's SliceStats (host copies of kept KV are counted there).
     """
 
-    def __init__(self, runner: EpisodeRunner | None, engine, stats):
+    def __init__(self, runner: EpisodeRunner | None, engine: Engine, stats: SliceStats
+                 ) -> None:
         self.runner, self._engine, self._stats = runner, engine, stats
         self._stop_ids, self._max_decode_len = engine.stop_ids, engine.max_decode_len
         self._to_host = engine.rollout_cfg.episode_kv == "host"
@@ -87,7 +94,7 @@ class EpisodeTurns:
         assert self.runner is not None
         return self.runner
 
-    def _move(self, kept, dst):
+    def _move(self, kept: Prefix, dst: Prefix | None) -> Prefix:
         """The kept KV copied to host memory (dst None) or back onto the slice's mesh;
         counted in the slice's stats."""
         t = time.perf_counter()
@@ -119,7 +126,8 @@ class EpisodeTurns:
             out.append((seq, self._answer(seq, kept, result, seconds, error)))
         return out
 
-    def _answer(self, seq: InFlight, kept, result, seconds, error) -> str | None:
+    def _answer(self, seq: InFlight, kept: Prefix | None, result: StepResult | None,
+                seconds: float, error: str | None) -> str | None:
         episode = _episode(seq)
         episode.env_seconds += seconds
         if result is None or error is not None:

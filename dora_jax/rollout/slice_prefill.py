@@ -14,17 +14,32 @@ Inserts go through `calls`, the decode state's one owner (slice_decode.py).
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from dora_jax.rollout.slice_memory import prompt_key
 from dora_jax.rollout.trajectory import InFlight
+
+if TYPE_CHECKING:
+    from dora_jax.rollout.engine import Engine
+    from dora_jax.rollout.slice_decode import DecodeCalls
+    from dora_jax.rollout.slice_memory import SliceMemory
+    from dora_jax.rollout.slice_versions import ResidentVersions
+    from dora_jax.rollout.slots import SlotTable
+    from dora_jax.rollout.state import EngineParams, ResultTokens
+    from dora_jax.rollout.trajectory import SliceStats
 
 
 class Prefills:
     """Prefills into the slots of one slice's decode state, sharing its prompt cache
     (`memory`), slot table, resident versions and calls, counting into its `stats`."""
 
-    def __init__(self, engine, memory, stats, slots, versions, calls, clock):
+    def __init__(self, engine: Engine, memory: SliceMemory, stats: SliceStats,
+                 slots: SlotTable, versions: ResidentVersions, calls: DecodeCalls,
+                 clock: Callable[[], float]) -> None:
         self._engine, self._memory, self._stats = engine, memory, stats
         self._slots, self._versions, self._calls, self._clock = slots, versions, calls, clock
 
@@ -37,7 +52,7 @@ class Prefills:
         self.place(seq, slot, seq.length)
         self._calls.prefilled(seq, result)
 
-    def start_group(self, waiting) -> None:
+    def start_group(self, waiting: collections.deque[InFlight]) -> None:
         """The fresh samples at the head of `waiting` that share its prompt (not cached
         yet), version and limit, into free slots as far as slots and pages go: one
         prefill draws each one's first token, one call inserts them all."""
@@ -67,7 +82,7 @@ class Prefills:
             self.place(seq, slot, P)
             self._calls.prefilled(seq, result, row)
 
-    def take_group(self, waiting, room: int) -> list:
+    def take_group(self, waiting: collections.deque[InFlight], room: int) -> list[InFlight]:
         """Takes from the head of `waiting` the fresh samples of its prompt, version and
         limit, up to `room` and as far as the pool's pages go (at least the head), as
         many as the largest power of two of those: the shapes warm-up compiles."""
@@ -90,7 +105,7 @@ class Prefills:
         return (seq.kept is None and not seq.response_tokens and seq.t_start is None
                 and prompt_key(seq.request) not in self._memory.prefixes)
 
-    def continue_waiting(self, waiting) -> None:
+    def continue_waiting(self, waiting: collections.deque[InFlight]) -> None:
         """The episodes at the head of `waiting` whose observations are in, into free
         slots, in one prefill (`take_continuations`)."""
         free = np.flatnonzero(~self._slots.owned)
@@ -110,7 +125,7 @@ class Prefills:
         if self._engine.pages is not None:
             self._stats.peak_pages = max(self._stats.peak_pages, self._engine.pages.num_used)
 
-    def into_slot(self, seq: InFlight, slot: int, params):
+    def into_slot(self, seq: InFlight, slot: int, params: EngineParams) -> ResultTokens:
         """Prefills `seq` (prompt + response so far) into `slot` under `params`;
         returns the prefill's ResultTokens, to be read."""
         if seq.kept is not None:
@@ -141,7 +156,8 @@ class Prefills:
         memory.remember(key, prefix if base is None else base, slot, P)
         return result
 
-    def _continue_episode(self, seq: InFlight, slot: int, params):
+    def _continue_episode(self, seq: InFlight, slot: int, params: EngineParams
+                          ) -> ResultTokens:
         r, engine, done = seq.request, self._engine, seq.response_tokens
         padded, t = engine.pad_tokens(done[len(done) - seq.unwritten:])
         prefix, result = engine.prefill(params=params, existing_prefix=seq.kept,
@@ -153,7 +169,8 @@ class Prefills:
         self._calls.insert(prefix, slot, length=seq.length)
         return result
 
-    def take_continuations(self, waiting, room: int) -> list:
+    def take_continuations(self, waiting: collections.deque[InFlight], room: int
+                           ) -> list[InFlight]:
         """Takes from the head of `waiting` the episodes whose observations are in
         (their KV kept), of the head's version, up to `room` and as far as the pool's
         pages go: those `continue_episodes` prefills together."""
@@ -166,7 +183,8 @@ class Prefills:
             out.append(waiting.popleft())
         return out
 
-    def continue_episodes(self, seqs: list, slots: list, params) -> list:
+    def continue_episodes(self, seqs: list[InFlight], slots: list[int], params: EngineParams
+                          ) -> list[ResultTokens]:
         """Episodes' observations on their kept KV into `slots`, one prefill call for
         those whose kept KV and new tokens share their shapes; returns each one's
         ResultTokens."""
@@ -175,6 +193,7 @@ class Prefills:
         for i, seq in enumerate(seqs):
             done = seq.response_tokens
             padded, t = engine.pad_tokens(done[len(done) - seq.unwritten:])
+            assert seq.kept is not None  # take_continuations takes kept episodes only
             rows.setdefault((seq.kept.cache.length, padded.shape[0]), []).append((i, padded, t))
         results: list = [None] * len(seqs)
         for group in rows.values():

@@ -18,11 +18,22 @@ read what was in flight).
 from __future__ import annotations
 
 import time
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
 from dora_jax.rollout.trajectory import RolloutError, VersionMismatchError
+
+if TYPE_CHECKING:
+    from flax import nnx
+
+    from dora_jax.rollout.adapters import AdapterPlaces
+    from dora_jax.rollout.engine import Engine
+    from dora_jax.rollout.state import EngineParams
+    from dora_jax.rollout.trajectory import SliceStats
 
 
 class ResidentVersions:
@@ -37,13 +48,15 @@ class ResidentVersions:
       stats: the slice's `SliceStats`, whose weight-load counters this updates.
     """
 
-    def __init__(self, slice_id: int, engine, held, forget_prefixes, stats):
+    def __init__(self, slice_id: int, engine: Engine, held: Callable[[], Counter[int]],
+                 forget_prefixes: Callable[[], object], stats: SliceStats) -> None:
         self.slice_id, self._engine, self._held = slice_id, engine, held
         self._forget_prefixes, self._stats = forget_prefixes, stats
         self.version: int | None = None  # the one resident (V > 1: the last loaded)
-        self.params = None  # EngineParams (V > 1: every place's adapters, no rows)
+        # V > 1: every place's adapters, no rows
+        self.params: EngineParams | None = None
         self.load_log: list = []  # (version, seconds) per weight load
-        self._place_versions: list = [None] * engine.versions
+        self._place_versions: list[int | None] = [None] * engine.versions
         self._slot_places = np.zeros(engine.max_concurrent_decodes, np.int32)
 
     @property
@@ -58,7 +71,8 @@ class ResidentVersions:
         """How many more versions `add` takes now."""
         return self._engine.versions - len(self.resident)
 
-    def load_only(self, version: int, params, *, check: bool = True) -> float:
+    def load_only(self, version: int, params: nnx.State | EngineParams, *, check: bool = True
+                  ) -> float:
         """Makes `(version, params)` the only resident version: params on any devices
         (an nnx.State or its pure dict, or EngineParams of this engine), placed by one
         transfer, waited for; returns the seconds waited. `check=False`: with
@@ -75,7 +89,7 @@ class ResidentVersions:
                 self.evict(v, check=False)
         return self._load(version, params)
 
-    def add(self, version: int, params) -> float:
+    def add(self, version: int, params: nnx.State | EngineParams) -> float:
         """Multi-version engine: loads `version` into a free place without touching the
         other versions' slots or recompiling (a LoRA version's base leaves, the arrays
         already placed, do not move); returns the seconds waited."""
@@ -108,27 +122,39 @@ class ResidentVersions:
         self.params = self.version = None
         self._place_versions = [None] * self._engine.versions
 
-    def set_slot(self, slot: int, version) -> None:
+    def set_slot(self, slot: int, version: int) -> None:
         """`slot` decodes under `version` from its next call."""
         if self._engine.versions > 1:
             self._slot_places[slot] = self._place_of(version)
 
-    def prefill_params(self, version):
+    def prefill_params(self, version: int) -> EngineParams:
         """What a prefill of a request of `version` takes."""
         if self._engine.versions == 1:
-            return self.params
-        return self._engine.places.with_rows(self.params, [self._place_of(version)])
+            return self._loaded
+        return self._places.with_rows(self._loaded, [self._place_of(version)])
 
-    def generate_params(self):
+    def generate_params(self) -> EngineParams:
         """What a generate call takes: each slot's row under its version's place."""
         if self._engine.versions == 1:
-            return self.params
-        return self._engine.places.with_rows(self.params, self._slot_places)
+            return self._loaded
+        return self._places.with_rows(self._loaded, self._slot_places)
 
-    def _place_of(self, version) -> int:
+    @property
+    def _loaded(self) -> EngineParams:
+        """The resident params: a slice runs requests of resident versions only."""
+        assert self.params is not None, f"slice {self.slice_id}: no version loaded"
+        return self.params
+
+    @property
+    def _places(self) -> AdapterPlaces:
+        """A multi-version engine's places (the paths only V > 1 takes)."""
+        assert self._engine.places is not None, "a one-version engine has no places"
+        return self._engine.places
+
+    def _place_of(self, version: int) -> int:
         return self._place_versions.index(version)
 
-    def _load(self, version, params) -> float:
+    def _load(self, version: int, params: nnx.State | EngineParams) -> float:
         t0 = time.perf_counter()
         eng = self._engine
         loaded = jax.block_until_ready(eng.load_params(params))
@@ -136,8 +162,8 @@ class ResidentVersions:
         if eng.versions > 1:
             place = self._place_versions.index(None)
             if self.params is None:  # zero adapters in every place, the base once
-                self.params = eng.places.empty(loaded)
-            self.params = jax.block_until_ready(eng.places.put(self.params, place, loaded))
+                self.params = self._places.empty(loaded)
+            self.params = jax.block_until_ready(self._places.put(self.params, place, loaded))
             self._place_versions[place] = version
         else:
             self.params = loaded

@@ -5,9 +5,15 @@ vectorised numpy assignment, not per token)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from dora_jax.rollout import routing
+
+if TYPE_CHECKING:
+    from dora_jax.rollout.state import ResultTokens
+    from dora_jax.rollout.trajectory import InFlight
 
 
 class SlotTable:
@@ -19,7 +25,7 @@ class SlotTable:
     (when its request started here: the latest is the first preempted).
     """
 
-    def __init__(self, num_slots: int, max_decode_len: int):
+    def __init__(self, num_slots: int, max_decode_len: int) -> None:
         S, D = num_slots, max_decode_len
         self.seqs: list = [None] * S
         self.owned = np.zeros(S, bool)
@@ -45,7 +51,7 @@ class SlotTable:
     def lowest_free(self) -> int:
         return int(np.argmin(self.owned))
 
-    def owner(self, slot: int):
+    def owner(self, slot: int) -> InFlight | None:
         return self.seqs[slot]
 
     def holders(self) -> list:
@@ -57,7 +63,7 @@ class SlotTable:
         owned = np.flatnonzero(self.owned)
         return int(owned[np.argmax(self.order_S[owned])])
 
-    def place(self, seq, slot: int, prompt_len: int, written: int) -> None:
+    def place(self, seq: InFlight, slot: int, prompt_len: int, written: int) -> None:
         """`seq` (with its tokens and log-probs so far) now holds `slot`, which has
         `written` positions of KV."""
         m = len(seq.response_tokens)
@@ -81,13 +87,14 @@ class SlotTable:
         for buf in (self.count_S, self.placed_S, self.prompt_len_S, self.order_S):
             buf[:] = 0
 
-    def record(self, slots, steps, tokens, logprobs) -> None:
+    def record(self, slots: np.ndarray | int, steps: np.ndarray | int,
+               tokens: np.ndarray | int, logprobs: np.ndarray | float) -> None:
         """Response token `steps[i]` of `slots[i]` (arrays, or one of each)."""
         self.tokens_SD[slots, steps] = tokens
         self.logprobs_SD[slots, steps] = logprobs
         np.maximum.at(self.count_S, np.atleast_1d(slots), np.atleast_1d(steps) + 1)
 
-    def record_call(self, host) -> tuple:
+    def record_call(self, host: ResultTokens) -> tuple:
         """One generate call's results (ResultTokens as numpy, [n, S]) for the slots
         held when it ran: (decode steps run, slot-steps that produced a token, the
         slots that finished)."""

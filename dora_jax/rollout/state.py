@@ -139,47 +139,48 @@ class ResultTokens:
                         log_prob=_as_f32(block[..., LOGPROB:LOGPROB + 1]))
 
     @property
-    def log_prob(self):
+    def log_prob(self) -> jax.Array:
         """JetStream's name: `logprobs` with a tokens axis, [B, 1]."""
         return self.logprobs[..., None]
 
     @property
-    def tokens(self):
+    def tokens(self) -> jax.Array:
         """Sampled token per row."""
         return self.data[..., TOKEN]
 
     @property
-    def logprobs(self):
+    def logprobs(self) -> jax.Array:
         """f32 log-prob of the token under the sampling distribution actually used."""
         return _as_f32(self.data[..., LOGPROB])
 
     @property
-    def positions(self):
+    def positions(self) -> jax.Array:
         """Position of the token in prompt + response."""
         return self.data[..., POSITION]
 
     @property
-    def lengths(self):
+    def lengths(self) -> jax.Array:
         """Response tokens so far, this one included."""
         return self.data[..., LENGTH]
 
     @property
-    def steps(self):
+    def steps(self) -> jax.Array:
         """Index of the token in the response (0 = first response token)."""
         return self.data[..., LENGTH] - 1
 
     @property
-    def valid(self):
+    def valid(self) -> jax.Array:
         """Row holds a real token (the slot was active); ignore other rows."""
         return self.data[..., VALID] != 0
 
     @property
-    def finished(self):
+    def finished(self) -> jax.Array:
         """The token ends its sequence (a stop id, or the length limit)."""
         return self.data[..., FINISHED] != 0
 
     @staticmethod
-    def pack(tokens_B, logprobs_B, positions_B, lengths_B, valid_B, finished_B) -> ResultTokens:
+    def pack(tokens_B: jax.Array, logprobs_B: jax.Array, positions_B: jax.Array,
+             lengths_B: jax.Array, valid_B: jax.Array, finished_B: jax.Array) -> ResultTokens:
         i32 = jnp.int32
         return ResultTokens(jnp.stack(
             [tokens_B.astype(i32), jax.lax.bitcast_convert_type(logprobs_B, i32),
@@ -187,7 +188,7 @@ class ResultTokens:
              finished_B.astype(i32)], axis=-1))
 
 
-def _as_f32(bits):
+def _as_f32(bits: jax.Array | np.ndarray) -> jax.Array | np.ndarray:
     if isinstance(bits, np.ndarray):
         return bits.view(np.float32)
     return jax.lax.bitcast_convert_type(bits, jnp.float32)

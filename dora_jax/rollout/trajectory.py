@@ -16,7 +16,7 @@ import numpy as np
 
 from dora_jax import versions as versions_lib
 from dora_jax.rollout import routing as routing_lib
-from dora_jax.rollout.sampling import key_data_from_seed
+from dora_jax.rollout.sampling import Seed, key_data_from_seed
 
 
 class RolloutError(RuntimeError):
@@ -51,13 +51,13 @@ class Request:
     prompt_id: int | str
     sample_index: int
     prompt_tokens: tuple
-    seed: object
+    seed: Seed
     version: int
     group_version: int | None = None
     max_new_tokens: int | None = None
     record: dict | None = dataclasses.field(default=None, compare=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_tokens", tuple(int(t) for t in self.prompt_tokens))
 
     @property

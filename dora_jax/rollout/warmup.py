@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from dora_jax.rollout.engine import Engine
+from dora_jax.rollout.state import EngineParams
 
 _FILL = 2  # any token id: contents do not matter here
 
@@ -18,15 +19,16 @@ def extension_shapes(engine: Engine) -> list:
     (the result's bucket follows from the two)."""
     lows = dict(zip(engine.buckets, (0,) + engine.buckets[:-1]))
 
-    def reachable(limit):  # the largest length <= limit in each bucket that has one
+    def reachable(limit: int) -> list[int]:  # the largest length <= limit in each bucket
+        # that has one
         return [min(b, limit) for b in engine.buckets if lows[b] < limit]
 
     return [(p, t) for p in reachable(engine.max_prefill_length)
             for t in reachable(engine.max_decode_len - 1)]
 
 
-def warm_engine(engine: Engine, params, *, reprefills: bool, generate_params=None,
-                group_size: int = 1) -> None:
+def warm_engine(engine: Engine, params: EngineParams, *, reprefills: bool,
+                generate_params: EngineParams | None = None, group_size: int = 1) -> None:
     """Runs every function `engine` compiles on a throwaway decode state (which
     resets a paged engine's pool: the slice then takes a fresh one). `reprefills`:
     the mode re-prefills prompt + tokens so far (partial_rollout). A multi-version

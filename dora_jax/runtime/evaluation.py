@@ -62,7 +62,7 @@ def summarise(cfg: EvalConfig, greedy: list[tuple[float, int]],
               sampled: list[list[tuple[float, int]]]) -> dict:
     """The figures of one evaluation from (reward, response length) pairs: one
     greedy response per prompt, `cfg.samples` sampled ones per prompt."""
-    def correct(r):
+    def correct(r: float) -> bool:
         return r >= cfg.pass_reward
 
     n_correct = [sum(correct(r) for r, _ in s) for s in sampled]
@@ -94,7 +94,8 @@ class EvalDecoder:
 
     Runs on the host slice's worker thread (worker.py); not thread-safe."""
 
-    def __init__(self, host: DecodeSlice, cfg: EvalConfig, run_seed: int, **engine_kwargs: Any):
+    def __init__(self, host: DecodeSlice, cfg: EvalConfig, run_seed: int,
+                 **engine_kwargs: Any) -> None:
         e = host.engine
         kwargs = dict(rules=e.rules, stop_ids=e.stop_ids, tokenizer_path=e.tokenizer_path,
                       **engine_kwargs)
@@ -125,7 +126,8 @@ class EvalDecoder:
                 sl.abandon()  # frees the params and the pages they used
         return [g[0] for g in greedy], sampled
 
-    def _run(self, sl: DecodeSlice, version, params, records, n) -> list[list]:
+    def _run(self, sl: DecodeSlice, version: int, params: nnx.State, records: list[dict],
+             n: int) -> list[list]:
         sl.load_version(version, params)
         todo = [Request(group_id=i, prompt_id=r["prompt_id"], sample_index=j,
                         prompt_tokens=r["tokens"], version=version,
@@ -155,7 +157,8 @@ class Evaluation:
     coordinator's thread only."""
 
     def __init__(self, cfg: EvalConfig, records: Sequence[dict], decoder: EvalDecoder,
-                 rewards: pool_lib.RewardPool, events: queue.Queue, clock: Callable[[], float]):
+                 rewards: pool_lib.RewardPool, events: queue.Queue,
+                 clock: Callable[[], float]) -> None:
         self.cfg, self.records, self.decoder = cfg, list(records), decoder
         self._rewards, self._events, self._clock = rewards, events, clock
         self._pending: dict[int, EvalGenerated | None] = {}  # version -> generated
@@ -229,7 +232,8 @@ class Evaluation:
         assert gen is not None  # its EvalGenerated came first
         greedy, sampled = self._scores.pop(ev.version)
 
-        def pairs(fs, ts):
+        def pairs(fs: Sequence[concurrent.futures.Future], ts: Sequence[InFlight]
+                  ) -> list[tuple[float, int]]:
             return [(f.result()[0], len(t.response_tokens)) for f, t in zip(fs, ts)]
 
         figures = summarise(self.cfg, pairs(greedy, gen.greedy),

@@ -16,9 +16,12 @@ import os
 import signal
 import sys
 import threading
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from dora_jax.config.sections import FAIL_ANY_SLICE, FAIL_NO_SLICE, KILL_NEVER
+
+if TYPE_CHECKING:
+    from dora_jax.config.sections import CoordinatorConfig
 
 # Where a drill can fail a slice (config.sections.FAIL_POINTS) or kill the run
 # (KILL_POINTS): typed, so a call site cannot name a point no drill knows.
@@ -49,7 +52,7 @@ class FaultPlan:
     """One injected failure, by count: the (`after` + 1)-th time slice `slice_id`
     (None: any slice, the first to get there) reaches `point` of its loop."""
 
-    def __init__(self, point: str, after: int = 0, slice_id: int | None = None):
+    def __init__(self, point: str, after: int = 0, slice_id: int | None = None) -> None:
         self.point, self.slice_id = point, slice_id
         self._left, self._fired = after, False
         self._lock = threading.Lock()
@@ -73,7 +76,7 @@ class KillPlan:
     trainer, which is busy), "at_environment" (samples finished while episodes wait
     for their environments)."""
 
-    def __init__(self, point: str, after: int = 0):
+    def __init__(self, point: str, after: int = 0) -> None:
         self.point, self._left = point, after
         self._lock = threading.Lock()
 
@@ -92,11 +95,11 @@ class KillPlan:
 class Drills(Faults):
     """The faults a run's config plans: a slice failure and/or a kill, each once."""
 
-    def __init__(self, fail: FaultPlan | None = None, kill: KillPlan | None = None):
+    def __init__(self, fail: FaultPlan | None = None, kill: KillPlan | None = None) -> None:
         self.fail, self.kill = fail, kill
 
     @classmethod
-    def from_config(cls, coordinator) -> Faults:
+    def from_config(cls, coordinator: CoordinatorConfig) -> Faults:
         """The drills `coordinator` (config.sections.Coordinator) asks for, or
         NO_FAULTS: the one reader of its fail_* / kill_* fields and their values
         for "no slice", "any slice" and "never"."""

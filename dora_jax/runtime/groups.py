@@ -60,7 +60,7 @@ class GroupBook:
     """
 
     def __init__(self, cfg: Config, rewards: pool.RewardPool, write: Callable[..., None],
-                 clock: Callable[[], float]):
+                 clock: Callable[[], float]) -> None:
         self.cfg, self._rewards, self._write, self._clock = cfg, rewards, write, clock
         self.groups: dict[int, Group] = {}
 
@@ -168,7 +168,7 @@ class GroupBook:
             self._write("unconsumed", group_id=gid, version=None)
 
 
-def _resolved(result) -> concurrent.futures.Future:
+def _resolved(result: tuple[float, str | None]) -> concurrent.futures.Future:
     """A future already holding `result`: a reward known without the pool."""
     done: concurrent.futures.Future = concurrent.futures.Future()
     done.set_result(result)

@@ -49,11 +49,14 @@ from dora_jax.scheduler.types import Admit, Assign, Migrate, TrainStep
 from dora_jax.timeline import Timeline
 
 if TYPE_CHECKING:
+    from flax import nnx
+
     from dora_jax.checkpointing import Checkpointer
     from dora_jax.config import Config
     from dora_jax.rl.trainer import Trainer
     from dora_jax.rollout.slice import DecodeSlice
     from dora_jax.runtime.evaluation import EvalDecoder
+    from dora_jax.runtime.events import Event
     from dora_jax.runtime.recovery import Resumed
     from dora_jax.scheduler.types import AddVersion, Evict, InterruptReload, LoadVersion
 
@@ -116,7 +119,7 @@ class Runtime(Driver):
         self._stalled = False  # a stalled part is not waited for at exit
 
     # ------------------------------------------------------------------ trainer
-    def _step_done(self, ev: StepDone):
+    def _step_done(self, ev: StepDone) -> None:
         step = ev.step
         self.sched.step_finished(step)
         # Keep the params of every version a slice holds or loads (dora may load an
@@ -146,13 +149,13 @@ class Runtime(Driver):
         self._reported = len(self.slice_failures)
         self.on_step(record)
 
-    def _evaluate(self, version: int, params, *, last: bool = False) -> int:
+    def _evaluate(self, version: int, params: nnx.State, *, last: bool = False) -> int:
         if self.evaluation is not None:
             self.evaluation.offer(self.workers[self.cfg.eval.slice], version, params,
                                   last=last)
         return version
 
-    def _restore(self, resumed):
+    def _restore(self, resumed: Resumed) -> None:
         """Takes over a resumed run's finished groups and lost prompts, and writes
         the ledger's `resume` line (scheduler/ledger.py says what it voids)."""
         self.book.restore(resumed.kept)
@@ -223,7 +226,7 @@ class Runtime(Driver):
         self.trainer_worker.submit(a.step, trajectories)
 
     # ------------------------------------------------------------------ events
-    def _handle(self, ev) -> int:
+    def _handle(self, ev: Event) -> int:
         """Feeds one event to the scheduler; returns the train steps it completed."""
         if isinstance(ev, SamplesFinished):
             self._samples_finished(ev)
@@ -249,7 +252,7 @@ class Runtime(Driver):
             raise TypeError(f"unknown event {ev!r}")
         return 0
 
-    def _samples_finished(self, ev: SamplesFinished):
+    def _samples_finished(self, ev: SamplesFinished) -> None:
         self._to_ack.add(ev.slice_id)
         self.book.finished(ev.trajectories)
         for t in ev.trajectories:
@@ -271,7 +274,7 @@ class Runtime(Driver):
         if self.sched.trainer_busy and self.sched.num_finished_groups:
             self.faults.run_reached("finished_waiting")
 
-    def _failed(self, ev: Failed):
+    def _failed(self, ev: Failed) -> None:
         if not isinstance(ev.source, str) and (  # a slice's id; the trainer's is TRAINER
                 len(self.slice_failures) < self.cfg.coordinator.max_slice_restarts):
             self._restart_slice(ev.source, ev.error)
@@ -282,7 +285,7 @@ class Runtime(Driver):
         raise RunError(f"{'the trainer' if trainer else f'slice {ev.source}'} failed at "
                        f"step {step}: {type(ev.error).__name__}: {ev.error}") from ev.error
 
-    def _restart_slice(self, i: int, error: BaseException):
+    def _restart_slice(self, i: int, error: BaseException) -> None:
         """A slice raised: its running samples, and migrations out of it that never
         left, are regenerated under their own versions (C1); a fresh loop starts on
         the emptied slice. The ledger and metrics.jsonl record it."""
@@ -315,7 +318,7 @@ class Runtime(Driver):
         full = self.sched.num_finished_groups >= self.cfg.coordinator.train_batch_size
         return "guard" if full else "starvation"
 
-    def _next_event(self):
+    def _next_event(self) -> Event:
         """The next event; a RunError naming what each part was doing if none comes
         within `coordinator.stall_timeout` (a lost event would hang the run)."""
         timeout = self.cfg.coordinator.stall_timeout or None
@@ -345,7 +348,7 @@ class Runtime(Driver):
                        for sl in self.sched.slices))
 
     # ------------------------------------------------------------------ loop
-    def _decide(self):
+    def _decide(self) -> None:
         """One decision pass: the actions carried out, the trainer's wait cause
         marked, and every slice with finished samples answered (its loop refills)."""
         self.execute(self.sched.decide())
@@ -406,7 +409,7 @@ class Runtime(Driver):
                                               / max(self.sched.next_group_id, 1), 3)
         return summary
 
-    def _finish(self):
+    def _finish(self) -> None:
         """The ledger's final lines, then the threads stopped even if writing them
         fails (a full disk): the caller still closes the checkpointer."""
         try:

@@ -63,7 +63,7 @@ OUTPUTS = ("ledger.jsonl", "metrics.jsonl", "summary.json", "timeline.json", "ti
 MAY_DIFFER = ("coordinator.num_steps", "coordinator.kill_point", "coordinator.kill_after")
 
 
-def _is_default(cfg: Config, dotted: str, value) -> bool:
+def _is_default(cfg: Config, dotted: str, value: object) -> bool:
     """Whether config field `dotted` (JSON form `value`) holds its declared default."""
     *sections, name = dotted.split(".")
     node: object = cfg
@@ -83,7 +83,7 @@ def _is_default(cfg: Config, dotted: str, value) -> bool:
     return False
 
 
-def _flat(tree, prefix="") -> dict:
+def _flat(tree: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in tree.items():
         if isinstance(v, dict):

@@ -40,16 +40,16 @@ if TYPE_CHECKING:
     from dora_jax.timeline import Span, Timeline
 
 
-def _scalar(x):
+def _scalar(x: Any) -> Any:
     x = np.asarray(x)
     return x.item() if x.size == 1 else x.tolist()
 
 
-def _migrations(slices) -> int:
+def _migrations(slices: Iterable[DecodeSlice]) -> int:
     return sum(sl.stats.migrated_out for sl in slices)
 
 
-def _transfer_seconds(slices) -> float:
+def _transfer_seconds(slices: Iterable[DecodeSlice]) -> float:
     return sum(sl.stats.weight_transfer_seconds for sl in slices)
 
 
@@ -65,7 +65,7 @@ def load_overlap_fraction(spans: Sequence[Span]) -> float | None:
             decoding.setdefault(s.row, []).append((s.start, s.end))
     decoding = {row: list(zip(*_union(iv))) for row, iv in decoding.items()}
 
-    def overlaps(ld, starts, ends) -> bool:
+    def overlaps(ld: Span, starts: Sequence[float], ends: Sequence[float]) -> bool:
         # The last interval starting before the load ends has the latest end.
         i = bisect.bisect_left(starts, ld.end) - 1
         return i >= 0 and ends[i] > ld.start
@@ -75,7 +75,7 @@ def load_overlap_fraction(spans: Sequence[Span]) -> float | None:
     return round(overlapped / len(loads), 4)
 
 
-def _union(intervals) -> list[tuple[float, float]]:
+def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     out: list[list[float]] = []
     for a, b in sorted(intervals):
         if out and a <= out[-1][1]:
@@ -91,7 +91,7 @@ def rollout_only_share(spans: Sequence[Span], start: float, end: float) -> float
     if end <= start:
         return None
 
-    def clip(iv):
+    def clip(iv: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
         return [(max(a, start), min(b, end)) for a, b in iv if b > start and a < end]
 
     decode = _union(clip((s.start, s.end) for s in spans if s.kind == "decode"))
@@ -117,7 +117,7 @@ class WaitClock:
     finished groups that the mode does not train yet ("guard": the staleness guard or
     the mode's batch rule), or short of finished groups ("starvation")."""
 
-    def __init__(self, now: float = 0.0):
+    def __init__(self, now: float = 0.0) -> None:
         self._kind: str | None = None
         self._since = now
         self._split = dict.fromkeys(WAIT_KINDS, 0.0)
@@ -140,7 +140,7 @@ class _RecordWriter:
     """Hands records to every writer (writers.py) on its own thread, so that a step's
     writes never hold the coordinator. `close` writes what is queued."""
 
-    def __init__(self, writers: list):
+    def __init__(self, writers: list) -> None:
         self._writers = list(writers)
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
@@ -153,7 +153,7 @@ class _RecordWriter:
             raise self._error
         self._queue.put(record)
 
-    def _loop(self):
+    def _loop(self) -> None:
         while (record := self._queue.get()) is not None:
             if self._error is not None:
                 continue
@@ -186,7 +186,7 @@ class StepReporter:
     records are written on a thread of their own."""
 
     def __init__(self, path: str | None = None, *, tensorboard: str | None = None,
-                 purge_step: int | None = None, writers: list | None = None):
+                 purge_step: int | None = None, writers: list | None = None) -> None:
         """`writers`: where records go (writers.py, e.g. `writers.make_writers`); without
         them, `path`: metrics.jsonl (appended) and `tensorboard`: a directory that gets
         the same records as TensorBoard scalars (runtime/tensorboard.py), with the
@@ -221,7 +221,7 @@ class StepReporter:
         for r in self._earlier:
             self.staleness.update({int(k): v for k, v in r.get("staleness", {}).items()})
 
-    def _utilisation_since_last(self, slices) -> dict:
+    def _utilisation_since_last(self, slices: Iterable[DecodeSlice]) -> dict:
         out = {}
         for sl in slices:
             busy, total = sl.stats.busy_slot_steps, sl.stats.total_slot_steps
@@ -231,7 +231,7 @@ class StepReporter:
             out[str(sl.slice_id)] = round(d_busy / d_total, 4) if d_total else 0.0
         return out
 
-    def _per_slice_since_last(self, slices, counter: str) -> dict:
+    def _per_slice_since_last(self, slices: Iterable[DecodeSlice], counter: str) -> dict:
         """Slice id -> the SliceStats `counter`'s increase since the previous step."""
         out, last = {}, self._last[counter]
         for sl in slices:

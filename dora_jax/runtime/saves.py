@@ -48,7 +48,8 @@ class BackgroundSaves:
         drill "save": the files are being written then).
     """
 
-    def __init__(self, checkpointer: Checkpointer, after_copy: Callable[[], None] = lambda: None):
+    def __init__(self, checkpointer: Checkpointer,
+                 after_copy: Callable[[], None] = lambda: None) -> None:
         self._checkpointer, self._after_copy = checkpointer, after_copy
         self._queue: queue.Queue = queue.Queue()
         self._copied = threading.Event()  # of the save handed over last

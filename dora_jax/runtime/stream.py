@@ -22,12 +22,12 @@ _END = object()
 
 
 class _QueueIterator(grain.DatasetIterator):
-    def __init__(self, q: queue.Queue):
+    def __init__(self, q: queue.Queue) -> None:
         super().__init__()
         self._queue = q
         self._delivered = 0
 
-    def __next__(self):
+    def __next__(self) -> tuple[int, list[Trajectory]]:
         item = self._queue.get()
         if item is _END:
             raise StopIteration
@@ -64,7 +64,7 @@ def train_batches(groups: GroupQueue, *, group_size: int, num_groups: int,
     """`(step, TrainBatch)` elements: each exactly `num_groups` groups, padded to the
     smallest length bucket that holds its longest trajectory."""
 
-    def to_batch(item):
+    def to_batch(item: tuple[int, list[Trajectory]]) -> tuple[int, TrainBatch]:
         step, trajectories = item
         batch = TrainBatch.from_trajectories(trajectories, group_size=group_size,
                                              length_buckets=length_buckets, pad_id=pad_id)

@@ -45,7 +45,8 @@ class TensorBoardWriter:
     Its synchronous `EventsWriter` writes the same file format (tests read it back).
     """
 
-    def __init__(self, logdir: str, purge_step: int | None = None, flush_secs: float = 10.0):
+    def __init__(self, logdir: str, purge_step: int | None = None,
+                 flush_secs: float = 10.0) -> None:
         from tensorboardX.event_file_writer import EventsWriter
         from tensorboardX.proto.event_pb2 import Event, SessionLog
 

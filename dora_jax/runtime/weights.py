@@ -51,7 +51,7 @@ def published_copy(params: Any, adapters_only: bool = False) -> Any:
 class WeightBook:
     """Params by version, from publication until no slice can want them."""
 
-    def __init__(self, version: int, params: Any, adapters_only: bool = False):
+    def __init__(self, version: int, params: Any, adapters_only: bool = False) -> None:
         """`params`: version `version`'s params, a copy the trainer will not donate.
         `adapters_only`: later publishes carry adapters (LoRA); the base is kept
         from these params."""
@@ -77,7 +77,7 @@ class WeightBook:
             if not box.done():  # cancelled: its slice failed and restarted since
                 box.set_result(self._whole(params))
 
-    def _whole(self, published):
+    def _whole(self, published: nnx.State) -> nnx.State:
         return published if self._base is None else lora.merge(self._base, published)
 
     def for_load(self, version: int,

@@ -40,7 +40,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.rollout.trajectory import Request
@@ -68,7 +68,7 @@ class SliceWorker:
 
     def __init__(self, slice_: DecodeSlice, events: queue.Queue, timeline: Timeline,
                  clock: Callable[[], float] = time.perf_counter,
-                 faults: Faults = NO_FAULTS):
+                 faults: Faults = NO_FAULTS) -> None:
         self.slice = slice_
         self._faults = faults
 
@@ -149,7 +149,7 @@ class SliceWorker:
 
     # ------------------------------------------------------------ the loop (own thread)
 
-    def _loop(self):
+    def _loop(self) -> None:
         sl = self.slice
         try:
             while True:
@@ -185,7 +185,7 @@ class SliceWorker:
     def _mark(self, what: str) -> None:
         self.doing = (what, self._clock())
 
-    def _apply(self, kind: str, arg):
+    def _apply(self, kind: str, arg: Any) -> None:  # arg: what the command `kind` takes
         sl = self.slice
         if kind != "ack":
             self._mark(f"applying {kind}")
@@ -247,7 +247,7 @@ class SliceWorker:
         else:  # pragma: no cover - only the methods above enqueue commands
             raise ValueError(f"unknown command {kind!r}")
 
-    def _wait_for_params(self, box: concurrent.futures.Future):
+    def _wait_for_params(self, box: concurrent.futures.Future) -> nnx.State | None:
         """The params the weight book puts in `box` on publication (None if this
         worker stops first)."""
         while not self._stopping.is_set():

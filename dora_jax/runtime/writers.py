@@ -40,7 +40,7 @@ class JsonlWriter:
     """Appends each record to a JSON-lines file, flushed per record so that a crash
     loses at most the line being written."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str) -> None:
         self._file = open(path, "a")
 
     def write(self, record: dict) -> None:
@@ -73,7 +73,7 @@ class WandbWriter:
 
     ID_FILE = "wandb_run_id"
 
-    def __init__(self, cfg: LoggingConfig, workdir: str, run_config: dict | None = None):
+    def __init__(self, cfg: LoggingConfig, workdir: str, run_config: dict | None = None) -> None:
         wandb = import_wandb()
         id_path = os.path.join(workdir, self.ID_FILE)
         if os.path.exists(id_path):

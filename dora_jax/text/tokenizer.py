@@ -29,6 +29,7 @@ import datetime
 import json
 import os
 from collections.abc import Iterable, Sequence
+from typing import Any, Literal, overload
 
 import jinja2
 import tokenizers
@@ -313,8 +314,21 @@ class Tokenizer:
         return self._backend.decode([int(i) for i in ids],
                                     skip_special_tokens=skip_special_tokens)
 
+    @overload
+    def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = ...,
+                            tokenize: Literal[True] = ..., **template_kwargs: Any
+                            ) -> list[int]: ...
+
+    @overload
+    def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = ...,
+                            tokenize: Literal[False], **template_kwargs: Any) -> str: ...
+
+    @overload
+    def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = ...,
+                            tokenize: bool, **template_kwargs: Any) -> list[int] | str: ...
+
     def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
-                            tokenize: bool = True, **template_kwargs) -> list[int] | str:
+                            tokenize: bool = True, **template_kwargs: Any) -> list[int] | str:
         """Renders `messages` ({"role", "content"} dicts) with the chat template.
         Extra keyword arguments are template variables (e.g. `enable_thinking`).
         Returns the token ids (the template writes the special tokens, none are
