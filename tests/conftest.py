@@ -5,15 +5,19 @@ repository, not the working directory)."""
 import os
 import pathlib
 import shutil
+import sys
 import tempfile
 import time
+import warnings
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Many tests build engines and trainers of the same shapes: a persistent compilation
-# cache compiles each program once. One directory per run, which its subprocesses
-# inherit: an entry half-written by a killed run was seen to crash the next run's
-# read. Directories of runs over six hours old are removed.
+# cache compiles each program once a run. One directory per run, shared by its xdist
+# workers and inherited by the subprocesses they start. An entry is a zlib stream with
+# a checksum: one torn by a killed or concurrent writer fails to decompress, and JAX
+# then warns and compiles again, so no torn bytes reach XLA. Directories of runs over
+# six hours old are removed.
 _CACHES = pathlib.Path(tempfile.gettempdir(), "dora_jax_test_compile_cache")
 
 
@@ -31,13 +35,10 @@ def _remove_old_caches(max_age_s: float = 6 * 3600) -> None:
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _remove_old_caches()
+    # xdist's workers inherit the controller's environment: the controller names the
+    # run's directory once.
     os.environ["JAX_COMPILATION_CACHE_DIR"] = str(
         _CACHES / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
-# And one per xdist worker within it: JAX writes an entry in place, so a worker could
-# read an entry another is still writing (seen to abort the reader).
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(
-        os.environ["JAX_COMPILATION_CACHE_DIR"], os.environ["PYTEST_XDIST_WORKER"])
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
@@ -49,28 +50,46 @@ from dora_jax.model import hf_checks
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = {"dense": "configs/tiny.py", "moe": "configs/moe.py:tiny"}
 
-# An xdist worker that dies (a native crash: a segfault or abort inside XLA, seen once
-# or twice a full run, reading or writing an executable of the persistent compilation
-# cache during an engine's warm-up) takes its test with it. That test runs again on a
-# fresh worker, up to twice, and counts only by its last run; a third crash fails it.
-# The session's summary names every test that crashed a worker, and how often.
-_CRASHED: dict = {}
-_RERUNS = 2
+# Every program JAX keeps loaded holds a few memory maps of its machine code. A worker
+# that runs hundreds of tests keeps thousands of programs in JAX's caches, and at the
+# kernel's vm.max_map_count (65530 by default) LLVM cannot map the next one and XLA
+# crashes the worker (seen in the compilation cache's serialize and deserialize, where a
+# program is mapped). After a test that leaves the worker past half the limit, the
+# worker drops JAX's caches: what the next tests need comes back from the persistent
+# cache.
+def _map_limit() -> int:
+    if "DORA_TEST_MAP_LIMIT" in os.environ:  # tests of this guard set a small one
+        return int(os.environ["DORA_TEST_MAP_LIMIT"])
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read()) // 2
+    except OSError:  # not Linux: no such limit to keep away from
+        return 0
 
 
-@pytest.hookimpl(optionalhook=True)
-def pytest_handlecrashitem(crashitem, report, sched):
-    _CRASHED[crashitem] = _CRASHED.get(crashitem, 0) + 1
-    if _CRASHED[crashitem] > _RERUNS:
+_MAP_LIMIT = _map_limit()
+
+
+def _memory_maps() -> int:
+    with open("/proc/self/maps", "rb") as f:
+        return sum(1 for _ in f)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    if not _MAP_LIMIT or "jax" not in sys.modules:
         return
-    sched.mark_test_pending(crashitem)
-    report.outcome = "rerun"
+    before = _memory_maps()
+    if before > _MAP_LIMIT:
+        import gc
 
+        import jax
 
-def pytest_terminal_summary(terminalreporter):
-    for nodeid, crashes in _CRASHED.items():
-        terminalreporter.write_line(f"a worker crashed {crashes}x running {nodeid} "
-                                    f"({min(crashes, _RERUNS)} rerun)", red=True)
+        jax.clear_caches()
+        gc.collect()
+        # A warning reaches the run's summary from any worker.
+        warnings.warn(f"this worker held {before} memory maps (limit {_MAP_LIMIT}): "
+                      f"JAX's caches dropped, {_memory_maps()} left", stacklevel=1)
 
 
 def reference(module: str):
