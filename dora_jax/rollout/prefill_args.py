@@ -4,7 +4,7 @@ prefix (rollout/engine.py)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -12,8 +12,23 @@ from dora_jax.buckets import pick_bucket
 from dora_jax.rollout import jetstream_compat
 
 if TYPE_CHECKING:
-    from dora_jax.rollout.engine import Engine
+    from dora_jax.config import RolloutConfig
     from dora_jax.rollout.state import Prefix
+
+
+class Engine(Protocol):
+    """What these checks read of an engine (rollout/engine.py), which calls them."""
+
+    @property
+    def buckets(self) -> tuple[int, ...]: ...
+    @property
+    def rollout_cfg(self) -> RolloutConfig: ...
+    @property
+    def max_decode_len(self) -> int: ...
+    @property
+    def max_prefill_length(self) -> int: ...
+    @property
+    def cache_length(self) -> int: ...
 
 
 def checked(engine: Engine, padded_tokens: Sequence[int] | np.ndarray, true_length: int,
