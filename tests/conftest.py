@@ -92,6 +92,14 @@ def pytest_runtest_teardown(item, nextitem):
                       f"JAX's caches dropped, {_memory_maps()} left", stacklevel=1)
 
 
+def pytest_collection_modifyitems(items):
+    """The slowest tests first (tests/slowest.txt), the rest in their order: with
+    xdist's work stealing, the short tests then fill in behind the long ones."""
+    listed = pathlib.Path(__file__).with_name("slowest.txt").read_text().splitlines()
+    rank = {nodeid: i for i, nodeid in enumerate(n for n in listed if not n.startswith("#"))}
+    items.sort(key=lambda item: rank.get(item.nodeid, len(rank)))
+
+
 def reference(module: str):
     """The reference implementation's `module` (torch, transformers) for a parity
     test: skipped where it is not installed, but a failure where CI promised it
