@@ -29,15 +29,17 @@ def define_config_flag(lock: bool = False):
 
 
 # --config as the user wrote it (a shipped config's name is passed on as its path):
-# messages name it as written.
+# messages name it as written. And its file, resolved once: a later resolve could find
+# a directory the run made since (`--config=moe --workdir=moe`).
 _config_spec = None
+_config_file = None
 
 
 def _resolve_config_names(argv):
     """argv with `--config=NAME[:variant]` (or `--config NAME`) of a shipped config
     made its file's path (config_flags loads files only); a spec that names nothing
     ends in one line."""
-    global _config_spec
+    global _config_spec, _config_file
     from dora_jax import configs
 
     argv = list(argv)
@@ -51,7 +53,7 @@ def _resolve_config_names(argv):
         why = configs.unknown(spec)
         if why:
             raise SystemExit(f"error: {why}")
-        _config_spec = spec
+        _config_spec, _config_file = spec, configs.resolve(spec).partition(":")[0]
         argv[at] = ("--config=" if at == i else "") + configs.resolve(spec)
     return argv
 
@@ -183,17 +185,15 @@ def _check_sandbox(d) -> None:
         config_lib.fail("data.env_isolation", str(e))
 
 
-def _cpu_variant(spec: str | None) -> str | None:
-    """`spec`'s CPU variant where its config declares one: `tiny_<variant>`, else
-    `tiny` (configs/moe.py:lora -> moe.py:tiny_lora, moe.py -> moe.py:tiny)."""
-    from dora_jax import configs
-
-    if not spec:
+def _cpu_variant(spec: str | None, file: str | None) -> str | None:
+    """`spec`'s CPU variant where its config (`file`) declares one: `tiny_<variant>`,
+    else `tiny` (configs/moe.py:lora -> moe.py:tiny_lora, moe.py -> moe.py:tiny)."""
+    if not spec or not file:
         return None
     path, _, variant = spec.partition(":")
     module_vars: dict[str, Any] = {}
     try:
-        with open(configs.resolve(path)) as f:  # its VARIANTS, without building it
+        with open(file) as f:  # its VARIANTS, without building it
             exec(f.read().split("\ndef get_config")[0], module_vars)
     except (OSError, SyntaxError, ImportError):
         return None
@@ -213,8 +213,9 @@ def _too_few_devices(cfg, available: int, backend: str) -> str:
     split = f"trainer {mesh.trainer_devices}" + (
         "" if mesh.colocated else f" + {mesh.num_slices} decode slices x {mesh.slice_devices}")
     instead = []
-    if _cpu_variant(_config_spec):
-        instead.append(f"run {_cpu_variant(_config_spec)} here")
+    cpu_variant = _cpu_variant(_config_spec, _config_file)
+    if cpu_variant:
+        instead.append(f"run {cpu_variant} here")
     if backend == "cpu" and needed <= devices.MAX_FAKE_CPU_DEVICES:
         instead.append(f"set XLA_FLAGS=--xla_force_host_platform_device_count={needed} to "
                        "fake them on a CPU")

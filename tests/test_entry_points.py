@@ -248,6 +248,17 @@ def test_a_workdir_that_is_a_regular_file_is_one_line(entry, extra, tmp_path):
     assert path.read_text() == "not a directory"
 
 
+def test_a_workdir_named_like_the_config_leaves_its_hint_alone(tmp_path):
+    """The workdir is made before the device check: a directory `moe` made in the
+    working directory must not become the `moe` the check's hint reads."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-m", "dora_jax.main", "--config=moe",
+                          "--workdir=moe"], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    assert out.returncode != 0 and (tmp_path / "moe").is_dir(), out.stderr[-3000:]
+    assert out.stderr.strip().endswith("run moe:tiny here"), out.stderr[-3000:]
+
+
 @pytest.mark.parametrize("entry, extra", WRITERS)
 def test_a_workdir_whose_creation_fails_is_one_line(entry, extra, tmp_path):
     """A regular file among its parents: the directory cannot be made, root or not."""
