@@ -22,13 +22,32 @@ def is_module(name: str, root: pathlib.Path) -> bool:
     return (p / "__init__.py").is_file() or p.with_suffix(".py").is_file()
 
 
-def imports_of(path: pathlib.Path, root: pathlib.Path) -> set[str]:
-    """The modules under `root` that `path` imports, wherever the statement stands.
-    `from a import b` names module a.b when b is one, else a; relative imports are
-    resolved against the file's package."""
+def _statements(tree: ast.Module, module_level: bool) -> list:
+    """Every import statement of `tree`, or (`module_level`) those that run when the
+    module is imported: not in function bodies or under `if TYPE_CHECKING:`."""
+    if not module_level:
+        return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    out, todo = [], list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.append(node)
+        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            type_checking = isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(
+                node.test)
+            todo += [c for c in ast.iter_child_nodes(node)
+                     if not (type_checking and c in node.body)]
+    return out
+
+
+def imports_of(path: pathlib.Path, root: pathlib.Path, *,
+               module_level: bool = False) -> set[str]:
+    """The modules under `root` that `path` imports, wherever the statement stands
+    (`module_level`: only where it runs at import). `from a import b` names module a.b
+    when b is one, else a; relative imports are resolved against the file's package."""
     name, out = module_name(path, root), set()
     package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    for node in _statements(ast.parse(path.read_text(), filename=str(path)), module_level):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):

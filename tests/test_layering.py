@@ -156,64 +156,16 @@ def test_sharding_imports_no_runtime():
 PACKAGE = REPO / "dora_jax"
 
 
-def _module(path: pathlib.Path, root: pathlib.Path) -> str:
-    parts = list(path.relative_to(root).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _is_module(name: str, root: pathlib.Path) -> bool:
-    p = root.joinpath(*name.split("."))
-    return (p / "__init__.py").is_file() or p.with_suffix(".py").is_file()
-
-
-def _type_checking(node) -> bool:
-    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-
-
-def _import_nodes(tree: ast.Module, module_level: bool) -> list:
-    """The import statements run when the module is imported (`module_level`: not
-    those in function bodies or `if TYPE_CHECKING:`), or every one in the file."""
-    if not module_level:
-        return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
-    out, todo = [], list(tree.body)
-    while todo:
-        node = todo.pop()
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            out.append(node)
-        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            todo += [c for c in ast.iter_child_nodes(node)
-                     if not (_type_checking(node) and c in node.body)]
-    return out
-
-
-def _imports(path: pathlib.Path, root: pathlib.Path, module_level: bool) -> set:
-    """The project modules `path` imports: `from a import b` names module a.b when b
-    is one, else a; relative imports resolved."""
-    name, out = _module(path, root), set()
-    for node in _import_nodes(ast.parse(path.read_text()), module_level):
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-            continue
-        base = node.module or ""
-        if node.level:
-            here = name.split(".")[:len(name.split(".")) - node.level
-                                     + (path.name == "__init__.py")]
-            base = ".".join(here + ([base] if base else []))
-        out |= {f"{base}.{a.name}" if _is_module(f"{base}.{a.name}", root) else base
-                for a in node.names}
-    return {m for m in out if _is_module(m.split(".")[0], root)}
-
-
 def test_config_package_imports_nothing_above_it():
     """Every import in dora_jax/config, in functions too: its own modules only, and
     dora_jax.configs (the shipped configs' names, which imports nothing)."""
     files = sorted((PACKAGE / "config").glob("*.py"))
     assert files
-    above = {f"{f.name}: {m}" for f in files for m in _imports(f, REPO, module_level=False)
+    above = {f"{f.name}: {m}" for f in files for m in _imports_lib.imports_of(f, REPO)
              if m != "dora_jax" and not m.startswith(("dora_jax.config.", "dora_jax.configs"))
              and m != "dora_jax.config"}
     assert not above, sorted(above)
-    assert _imports(PACKAGE / "configs" / "__init__.py", REPO, module_level=False) == set()
+    assert _imports_lib.imports_of(PACKAGE / "configs" / "__init__.py", REPO) == set()
 
 
 # Every import, in functions and under TYPE_CHECKING too (tests/_imports.py): no
@@ -339,7 +291,7 @@ def test_text_is_a_floor_below_tasks_models_and_rollout():
     nothing of the project but the bounded file reader, in functions too."""
     files = sorted((PACKAGE / "text").glob("*.py"))
     assert {f.name for f in files} >= {"tokenizer.py", "template_sandbox.py"}
-    above = {f"{f.name}: {m}" for f in files for m in _imports(f, REPO, module_level=False)
+    above = {f"{f.name}: {m}" for f in files for m in _imports_lib.imports_of(f, REPO)
              if m not in ("dora_jax", "dora_jax.untrusted_files")
              and not m.startswith("dora_jax.text")}
     assert not above, sorted(above)
@@ -370,11 +322,11 @@ def test_tasks_import_only_the_layers_below_them():
     observations as the episode runner does (rollout/episodes.py)."""
     files = sorted((PACKAGE / "tasks").glob("*.py"))
     assert {f.name for f in files} >= {"base.py", "residue.py", "env.py", "sources.py"}
-    outside = {f"{f.name}: {m}" for f in files for m in _imports(f, REPO, module_level=False)
+    outside = {f"{f.name}: {m}" for f in files for m in _imports_lib.imports_of(f, REPO)
                if m != "dora_jax" and (not m.startswith(TASKS_MAY_IMPORT)
                                        or m == "dora_jax.tasks.sources")}
     assert outside == {"env.py: dora_jax.rollout.episodes"}, sorted(outside)
-    assert not {m for f in files for m in _imports(f, REPO, module_level=True)
+    assert not {m for f in files for m in _imports_lib.imports_of(f, REPO, module_level=True)
                 if m.startswith("dora_jax.rollout")}
 
 
@@ -385,10 +337,10 @@ def test_nothing_below_the_tasks_imports_them():
     below = [p for name in ("data", "rewards", "envs", "text", "config")
              for p in sorted((PACKAGE / name).glob("*.py"))]
     found = {f"{p.relative_to(PACKAGE)}: {m}" for p in below
-             for m in _imports(p, REPO, module_level=False)
+             for m in _imports_lib.imports_of(p, REPO)
              if m.startswith("dora_jax.tasks")}
     assert not found, sorted(found)
     rewards = {f"{p.name}: {m}" for p in sorted((PACKAGE / "rewards").glob("*.py"))
-               for m in _imports(p, REPO, module_level=False)
+               for m in _imports_lib.imports_of(p, REPO)
                if m.startswith(("dora_jax.data", "dora_jax.tasks"))}
     assert not rewards, sorted(rewards)
