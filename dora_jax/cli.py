@@ -53,8 +53,9 @@ def _resolve_config_names(argv):
         why = configs.unknown(spec)
         if why:
             raise SystemExit(f"error: {why}")
-        _config_spec, _config_file = spec, configs.resolve(spec).partition(":")[0]
-        argv[at] = ("--config=" if at == i else "") + configs.resolve(spec)
+        resolved = configs.resolve(spec)
+        _config_spec, _config_file = spec, resolved.partition(":")[0]
+        argv[at] = ("--config=" if at == i else "") + resolved
     return argv
 
 
