@@ -10,7 +10,14 @@ import tempfile
 import time
 import warnings
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+# The tests' programs are tiny, and LLVM's optimisation of them was most of the suite's
+# compile time (a third of the time of a compile-bound test file). XLA's own
+# optimisations (fusion, layout, sharding) still run; only the machine code is less
+# tuned. Subprocesses inherit it with the rest of XLA_FLAGS.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+SUITE_XLA_FLAGS = f"{DEVICE_COUNT_FLAG}=8 {TEST_XLA_FLAGS}"
+os.environ.setdefault("XLA_FLAGS", SUITE_XLA_FLAGS)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Many tests build engines and trainers of the same shapes: a persistent compilation
 # cache compiles each program once a run. One directory per run, shared by its xdist
@@ -98,6 +105,15 @@ def pytest_collection_modifyitems(items):
     listed = pathlib.Path(__file__).with_name("slowest.txt").read_text().splitlines()
     rank = {nodeid: i for i, nodeid in enumerate(n for n in listed if not n.startswith("#"))}
     items.sort(key=lambda item: rank.get(item.nodeid, len(rank)))
+
+
+def env_without_device_count(*drop: str) -> dict:
+    """This environment as a CPU host that has not faked its devices: XLA_FLAGS
+    without the device count (the suite's other XLA flags kept), less `drop`."""
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
+    env["XLA_FLAGS"] = " ".join(flags)
+    return env
 
 
 def reference(module: str):

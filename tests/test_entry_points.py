@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, env_without_device_count
 
 TINY = ["--config=configs/tiny.py", "--config.model.num_layers=1"]
 MODES_STEPS = 3
@@ -228,7 +228,7 @@ READERS = [("dora_jax.export", ["--out=/tmp/never_written"])]
 def workdir_error(entry: str, extra: list, workdir) -> str:
     """The one line `entry` ends with for `workdir`, which it must give before any
     compute: nothing on stdout, where faking the CPU devices would put its note."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = env_without_device_count()
     out = subprocess.run([sys.executable, "-m", entry, *TINY, *extra, f"--workdir={workdir}"],
                          env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
     lines = [line for line in out.stderr.splitlines() if line.strip()]
@@ -251,7 +251,7 @@ def test_a_workdir_that_is_a_regular_file_is_one_line(entry, extra, tmp_path):
 def test_a_workdir_named_like_the_config_leaves_its_hint_alone(tmp_path):
     """The workdir is made before the device check: a directory `moe` made in the
     working directory must not become the `moe` the check's hint reads."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = env_without_device_count()
     out = subprocess.run([sys.executable, "-m", "dora_jax.main", "--config=moe",
                           "--workdir=moe"], env=env, capture_output=True, text=True,
                          timeout=300, cwd=tmp_path)

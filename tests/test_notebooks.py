@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, env_without_device_count
 
 NOTEBOOKS = ("quickstart.ipynb", "modes.ipynb", "multiturn.ipynb")
 
@@ -138,7 +138,7 @@ def _fresh_venv(tmp_path) -> str:
 
 
 def _outside_env(tmp_path, **extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
+    env = env_without_device_count("PYTHONPATH")
     return {**env, "MPLBACKEND": "Agg", **extra}
 
 

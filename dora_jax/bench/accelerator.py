@@ -113,10 +113,13 @@ def detect() -> dict:
 def child_env(platform: str, out: str) -> dict:
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = {"gpu": "cuda"}.get(platform, platform)
-    if platform == "cpu":  # the configs' meshes, faked
-        env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    else:
-        env.pop("XLA_FLAGS", None)
+    # The caller's XLA flags reach the parts, but not a device count of its own: on a
+    # CPU the parts fake the configs' 8 devices, elsewhere they use the real ones.
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    if platform == "cpu":
+        flags.append("--xla_force_host_platform_device_count=8")
+    env["XLA_FLAGS"] = " ".join(flags)
     env["DORA_ACCELERATOR_RECORDS"] = os.path.join(out, "tests_records.jsonl")
     # Its own cache, removed when a part is killed at its budget: the part may have
     # left an entry half-written, which no later program may read.

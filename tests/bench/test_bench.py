@@ -194,9 +194,9 @@ def test_trainer_bench_on_one_device_runs_the_one_device_mesh(tmp_path):
     import subprocess
     import sys
 
-    from conftest import REPO
+    from conftest import DEVICE_COUNT_FLAG, REPO, TEST_XLA_FLAGS
 
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = dict(os.environ, XLA_FLAGS=f"{DEVICE_COUNT_FLAG}=1 {TEST_XLA_FLAGS}")
     cmd = [sys.executable, "-m", "dora_jax.bench.trainer", "--mesh=single", "--groups=2",
            "--group_size=2", "--steps=1", "--rounds=1", "--config.model.num_layers=1",
            f"--json_out={tmp_path / 'trainer.json'}"]

@@ -186,3 +186,12 @@ def test_the_installer_script_parses_and_names_each_extra():
     text = script.read_text()
     assert 'pip install -q -e ".[$extra,test]"' in text and "dora_jax.bench.accelerator" in text
     assert os.access(script, os.X_OK)
+
+
+@pytest.mark.parametrize("platform, count", [("cpu", ["8"]), ("gpu", [])])
+def test_parts_keep_the_caller_s_xla_flags_but_not_its_device_count(platform, count,
+                                                                   monkeypatch, tmp_path):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=3 --xla_dump_to=d")
+    flags = accelerator.child_env(platform, str(tmp_path))["XLA_FLAGS"].split()
+    assert "--xla_dump_to=d" in flags
+    assert [f.split("=")[1] for f in flags if "device_count" in f] == count

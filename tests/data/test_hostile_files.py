@@ -15,7 +15,7 @@ import time
 import tracemalloc
 
 import pytest
-from conftest import REPO
+from conftest import REPO, SUITE_XLA_FLAGS
 
 from dora_jax import atomic_files, untrusted_files
 from dora_jax.data import prompts
@@ -326,6 +326,6 @@ def test_fifo_as_the_prompt_file_through_main_is_one_error_line(tmp_path):
         [sys.executable, "-m", "dora_jax.main", "--config=configs/qwen3_gsm8k.py:tiny",
          f"--workdir={tmp_path / 'run'}", f"--config.data.path={fifo}"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+        env={**os.environ, "XLA_FLAGS": SUITE_XLA_FLAGS})
     assert out.returncode != 0
     assert out.stderr.splitlines() == [f"error: {fifo}: a FIFO, not a regular file"], out.stderr

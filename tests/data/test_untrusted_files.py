@@ -14,7 +14,7 @@ import time
 
 import jinja2.sandbox
 import pytest
-from conftest import REPO, load_repo_config
+from conftest import REPO, SUITE_XLA_FLAGS, load_repo_config
 
 from dora_jax.data import prompts
 from dora_jax.model import hf_config, safetensors_file
@@ -517,7 +517,7 @@ def test_bad_prompt_file_through_main_is_one_error_line(tmp_path):
         [sys.executable, "-m", "dora_jax.main", "--config=configs/qwen3_gsm8k.py:tiny",
          f"--workdir={tmp_path / 'run'}", f"--config.data.path={bad}"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+        env={**os.environ, "XLA_FLAGS": SUITE_XLA_FLAGS})
     assert out.returncode != 0
     assert out.stderr.splitlines() == [f"error: {bad}:2: not valid UTF-8 (byte 0xe9 at "
                                        "column 18)"], out.stderr

@@ -125,9 +125,9 @@ def test_a_run_from_a_checkpoint_trains_audits_and_exports(load_config, tiny_hf_
     import subprocess
     import sys
 
-    from conftest import REPO
+    from conftest import REPO, env_without_device_count
 
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = env_without_device_count()
     cli_out = str(tmp_path / "hf_cli")
     done = subprocess.run(
         [sys.executable, "-m", "dora_jax.export", "--config=configs/qwen3_gsm8k.py:tiny",

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, audit_workdir
+from conftest import REPO, SUITE_XLA_FLAGS, audit_workdir, env_without_device_count
 
 from dora_jax import experiment
 from dora_jax.model import hf_checks
@@ -71,7 +71,7 @@ def test_countdown_task_end_to_end(tmp_path, load_config):
 @pytest.mark.slow
 def test_main_entry_point(tmp_path):
     """`python -m dora_jax.main` with command-line overrides, as a user runs it."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = dict(os.environ, XLA_FLAGS=SUITE_XLA_FLAGS)
     cmd = [sys.executable, "-m", "dora_jax.main", "--config=configs/moe.py:tiny",
            f"--workdir={tmp_path}", "--config.coordinator.num_steps=2",
            "--config.coordinator.mode=sync", "--config.model.num_layers=1",
@@ -87,7 +87,7 @@ def test_main_entry_point(tmp_path):
 
 
 def test_main_rejects_bad_override_before_compute(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = dict(os.environ, XLA_FLAGS=SUITE_XLA_FLAGS)
     cmd = [sys.executable, "-m", "dora_jax.main", "--config=configs/tiny.py",
            f"--workdir={tmp_path}", "--config.coordinator.rollout_batch_size=2"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
@@ -120,13 +120,15 @@ def test_main_refuses_a_workdir_of_another_config_with_one_line(tmp_path):
         [sys.executable, "-m", "dora_jax.main", "--config=configs/tiny.py",
          f"--workdir={tmp_path}", "--config.coordinator.mode=sync"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+        env={**os.environ, "XLA_FLAGS": SUITE_XLA_FLAGS})
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert "coordinator.mode: 'dora' -> 'sync'" in out.stderr and "--fresh" in out.stderr
 
 
-def _main(args, env_drop=("XLA_FLAGS",), timeout=300):
-    env = {k: v for k, v in os.environ.items() if k not in env_drop}
+def _main(args, faked_devices=False, timeout=300):
+    """main on a CPU host that has not faked its devices, or, with `faked_devices`,
+    with the suite's 8."""
+    env = dict(os.environ) if faked_devices else env_without_device_count()
     return subprocess.run([sys.executable, "-m", "dora_jax.main", *args], env=env,
                           capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
@@ -153,7 +155,7 @@ def test_a_mesh_beyond_the_faked_devices_names_xla_flags(tmp_path):
     """With XLA_FLAGS fixing 8 CPU devices, a 9-device config is one line: it needs 9,
     there are 8, and XLA_FLAGS can fake 9 (no smaller variant to name)."""
     out = _main(["--config=configs/tiny.py", "--config.mesh.num_slices=5",
-                 f"--workdir={tmp_path}"], env_drop=())
+                 f"--workdir={tmp_path}"], faked_devices=True)
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode != 0 and len(lines) == 1, out.stderr
     assert lines[0] == ("error: config.mesh: configs/tiny.py needs 9 devices (trainer 4 + 5 "
@@ -221,7 +223,7 @@ def test_bad_input_stops_with_one_line_and_no_traceback(args, says, tmp_path):
 def test_every_entry_point_reports_bad_input_in_one_line(entry, extra, args, says, tmp_path):
     """sft and export share main's command line (dora_jax/cli.py): the same bad input
     ends each of them with the same one line, before any compute."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = env_without_device_count()
     out = subprocess.run([sys.executable, "-m", entry, *args, *extra,
                           f"--workdir={tmp_path}"], env=env, capture_output=True, text=True,
                          timeout=300, cwd=REPO)

@@ -186,13 +186,9 @@ def test_a_kill_while_episodes_wait_on_slow_tools_resumes_whole(chatty_tokenizer
     flags = [f"--config.{k.replace('__', '.')}={v}" for k, v in over.items()]
     cmd = [sys.executable, "-m", "dora_jax.main", "--config=configs/multiturn.py:tiny",
            f"--workdir={workdir}", *flags]
-    # The killed run may be compiling when killed: a compilation cache of its own, so an
-    # entry cut short reaches no other test.
-    own_cache = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache")}
     killed = subprocess.run(cmd + ["--config.coordinator.kill_point=at_environment",
                                    "--config.coordinator.kill_after=2"],
-                            cwd=REPO, capture_output=True, text=True, timeout=900,
-                            env=own_cache)
+                            cwd=REPO, capture_output=True, text=True, timeout=900)
     assert killed.returncode == -9, killed.stderr[-3000:]
     assert "killing the run at at_environment" in killed.stderr
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
