@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
-from dora_jax import untrusted_files
+from dora_jax.base import untrusted_files
 from dora_jax.config.modes import CAPABILITIES
 from dora_jax.scheduler import ledger
 

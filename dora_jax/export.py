@@ -61,8 +61,8 @@ def export(cfg: Config, workdir: str, out: str, *, dtype: str | None = None,
 def newest_params(cfg: Config, workdir: str, trainer_mesh=None) -> tuple:
     """(step, params) of the newest checkpoint of the run in `workdir`, on the trainer
     mesh (built from `cfg.mesh` if not given). FileNotFoundError if it has none."""
-    from dora_jax import devices
-    from dora_jax.checkpointing import Checkpointer
+    from dora_jax.config import devices
+    from dora_jax.model.checkpointing import Checkpointer
     from dora_jax.rl.trainer import Trainer
 
     directory = os.path.join(workdir, "checkpoints")
@@ -83,7 +83,7 @@ def newest_params(cfg: Config, workdir: str, trainer_mesh=None) -> tuple:
 if __name__ == "__main__":
     from absl import app, flags, logging
 
-    from dora_jax import cli
+    from dora_jax.runtime import cli
 
     _CONFIG = cli.define_config_flag()
     _WORKDIR = flags.DEFINE_string("workdir", None, "the run's workdir", required=True)

@@ -29,7 +29,8 @@ Configs (--config=configs/NAME.py[:variant], or from any directory --config=NAME
 
 from absl import app, flags, logging
 
-from dora_jax import cli, configs
+from dora_jax import configs
+from dora_jax.runtime import cli
 
 # The list is read from the configs' directory (dora_jax/configs): it names every one.
 __doc__ += configs.listing() + "\n"
@@ -50,7 +51,7 @@ def main(argv):
     cli.start_devices(cfg)
     import tqdm
 
-    from dora_jax import experiment
+    from dora_jax.runtime import experiment
 
     bar = None
 

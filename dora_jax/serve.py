@@ -66,7 +66,7 @@ def served_params(cfg: Config, workdir: str | None, trainer_mesh):
 
         step, params = newest_params(cfg, workdir, trainer_mesh)
     else:
-        from dora_jax.experiment import initial_params
+        from dora_jax.runtime.experiment import initial_params
 
         step, params = None, initial_params(cfg, trainer_mesh)[1]
     if cfg.model.lora.enabled:
@@ -79,7 +79,7 @@ def build(cfg: Config, workdir: str | None, tokenizer, *, slots: int, max_tokens
     """(Engine, its placed params, step): the policy on decode slice 0's mesh, its
     stop ids the run's (`tokenizer`: the run's, or None); temperature 0 decodes
     greedily."""
-    from dora_jax import devices
+    from dora_jax.config import devices
     from dora_jax.rollout import Engine, SamplingParams
     from dora_jax.rollout.sampling import read_stop_ids
 
@@ -179,7 +179,7 @@ if __name__ == "__main__":
 
     from absl import app, flags, logging
 
-    from dora_jax import cli
+    from dora_jax.runtime import cli
     from dora_jax.tasks import sources
 
     _CONFIG = cli.define_config_flag()

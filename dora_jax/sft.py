@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dora_jax.checkpointing import Checkpointer
 from dora_jax.config import Config
 from dora_jax.model import lora, transformer
+from dora_jax.model.checkpointing import Checkpointer
 from dora_jax.rl import packing
 from dora_jax.rl.batch import TrainBatch
 from dora_jax.tasks import sources
@@ -105,7 +105,7 @@ def train(cfg: Config, workdir: str, *, steps: int, batch_size: int, learning_ra
     Prints a progress line every `progress_every` steps and after the last (None:
     max(1, steps // 10); 0: none); its steps/s is over the steps since the line
     before (the first's includes compilation)."""
-    from dora_jax.experiment import initial_params
+    from dora_jax.runtime.experiment import initial_params
 
     tokenizer = sources.tokenizer_for(cfg)
     demonstrate = sources.demonstration_for(cfg, tokenizer)  # fails before compute
@@ -154,7 +154,7 @@ def train(cfg: Config, workdir: str, *, steps: int, batch_size: int, learning_ra
 if __name__ == "__main__":
     from absl import app, flags, logging
 
-    from dora_jax import cli
+    from dora_jax.runtime import cli
 
     _CONFIG = cli.define_config_flag()
     _WORKDIR = flags.DEFINE_string("workdir", None, "checkpoints/ and sft_metrics.jsonl",

@@ -19,7 +19,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from dora_jax import versions
+from dora_jax.base import versions
 from dora_jax.scheduler.core import Scheduler
 from dora_jax.scheduler.driver import (
     Driver,

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from conftest import TINY, load_repo_config
 
-from dora_jax.devices import make_meshes
+from dora_jax.config.devices import make_meshes
 from dora_jax.model import transformer
 from dora_jax.rollout import DecodeSlice, Engine, SamplingParams
 

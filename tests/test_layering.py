@@ -19,9 +19,9 @@ HEAVY = ("jax", "jaxlib", "flax", "grain", "orbax", "optax")
 
 
 @pytest.mark.parametrize("module", ["dora_jax.config", "dora_jax.scheduler",
-                                    "dora_jax.scheduler.ledger", "dora_jax.timeline",
+                                    "dora_jax.scheduler.ledger", "dora_jax.base.timeline",
                                     "dora_jax.sim", "dora_jax.sim.__main__",
-                                    "dora_jax.devices", "dora_jax.versions"])
+                                    "dora_jax.config.devices", "dora_jax.base.versions"])
 def test_pure_modules_import_no_jax(module):
     code = (f"import sys, {module}\n"
             f"heavy = sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r}))\n"
@@ -51,17 +51,17 @@ def test_config_imports_only_its_own_modules_from_the_package():
 
 
 def test_versions_encoding_is_ground_floor_and_decode_needs_no_scheduler():
-    """One run-length encoding of per-token versions (dora_jax.versions) with no
+    """One run-length encoding of per-token versions (dora_jax.base.versions) with no
     dependency; the decode slices and the train batch use it without pulling in the
     scheduling core."""
-    code = ("import sys, dora_jax.versions\n"
+    code = ("import sys, dora_jax.base.versions\n"
             "a = sorted(m for m in sys.modules if m.startswith('dora_jax.'))\n"
             "import dora_jax.rollout.slice, dora_jax.rl.batch\n"
             "b = sorted(m for m in sys.modules if m.startswith('dora_jax.scheduler'))\n"
             "print(a, b)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
-    assert out == "['dora_jax.versions'] []"
+    assert out == "['dora_jax.base', 'dora_jax.base.versions'] []"
 
 
 def test_mode_registry_is_the_config_list():
@@ -143,7 +143,8 @@ def test_config_is_the_ground_floor_even_when_validating():
 
 
 def test_versions_imports_nothing_of_the_project():
-    assert _loaded("import dora_jax.versions") == ["dora_jax", "dora_jax.versions"]
+    assert _loaded("import dora_jax.base.versions") == ["dora_jax", "dora_jax.base",
+                                                         "dora_jax.base.versions"]
 
 
 def test_sharding_imports_no_runtime():
@@ -174,20 +175,21 @@ def test_config_package_imports_nothing_above_it():
 
 LAYERS = [
     # Imports nothing of the project but one another.
+    # base: versions, turns, buckets, untrusted_files, atomic_files, timeline.
     # configs: the shipped configs' names (configs/__init__.py); the configs themselves
     # (configs.*) are entry points.
-    ("floor", ("versions", "turns", "buckets", "untrusted_files", "atomic_files",
-               "timeline", "configs")),
-    # The core, without JAX: the typed config, the scheduling core, the devices' plan.
-    ("core", ("config", "scheduler", "devices")),
+    ("floor", ("base", "configs")),
+    # The core, without JAX: the typed config (with the devices' plan, config/devices.py),
+    # the scheduling core.
+    ("core", ("config", "scheduler")),
     # What a run reads and scores: tokenizers, rewards, environments, prompt readers,
     # the tasks built on them.
     ("inputs", ("text", "rewards", "envs", "data", "tasks")),
-    # The engine: the model, its checkpoints, decoding, training.
-    ("engine", ("model", "checkpointing", "rollout", "rl")),
-    # The run: the coordinator and the threads it drives, what the entry points share,
-    # the experiment they build.
-    ("run", ("runtime", "cli", "experiment")),
+    # The engine: the model, its checkpoints (model/checkpointing.py), decoding, training.
+    ("engine", ("model", "rollout", "rl")),
+    # The run: the coordinator and the threads it drives, what the entry points share
+    # (runtime/cli.py), the experiment they build (runtime/experiment.py).
+    ("run", ("runtime",)),
     # The entry points and the shipped configs: nothing imports them.
     ("entry points", ("main", "sft", "export", "serve", "audit", "bench", "sim", "launch",
                       "configs.*")),
@@ -292,7 +294,7 @@ def test_text_is_a_floor_below_tasks_models_and_rollout():
     files = sorted((PACKAGE / "text").glob("*.py"))
     assert {f.name for f in files} >= {"tokenizer.py", "template_sandbox.py"}
     above = {f"{f.name}: {m}" for f in files for m in _imports_lib.imports_of(f, REPO)
-             if m not in ("dora_jax", "dora_jax.untrusted_files")
+             if m not in ("dora_jax", "dora_jax.base.untrusted_files")
              and not m.startswith("dora_jax.text")}
     assert not above, sorted(above)
     graph = _imports_lib.import_graph(PACKAGE)

@@ -161,7 +161,7 @@ def bench_modes(base, root: str, specs: list[str], steps: int, reps: int) -> dic
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
-    from dora_jax import cli
+    from dora_jax.runtime import cli
 
     cli.workdir_to_write(_WORKDIR.value)
     import jax

@@ -163,8 +163,8 @@ if __name__ == "__main__":
     def main(argv):
         del argv
         logging.set_verbosity(logging.WARNING)  # Orbax logs each save at INFO
-        from dora_jax import cli
         from dora_jax.bench import runs
+        from dora_jax.runtime import cli
 
         name, steps, warmup = _WORKLOAD.value, _STEPS.value, _WARMUP.value
         if not 0 <= warmup < steps - 2:

@@ -44,7 +44,7 @@ def fit_layout(c, num_devices: int) -> str:
 
 def main(argv):
     del argv
-    from dora_jax import cli
+    from dora_jax.runtime import cli
 
     f = flags.FLAGS
     workdir = cli.workdir_to_write(f.workdir)

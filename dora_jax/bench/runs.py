@@ -99,8 +99,8 @@ def audited_run(c, workdir: str, on_step=lambda record: None) -> dict:
     metrics record); returns its summary with the audit."""
     import jax
 
-    from dora_jax import experiment
     from dora_jax.model import hf_checks
+    from dora_jax.runtime import experiment
     from dora_jax.scheduler import ledger
     from dora_jax.scheduler.types import SchedulerConfig
 

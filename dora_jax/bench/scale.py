@@ -102,7 +102,7 @@ def compile_seconds(cfg, T: int = 128) -> float:
 
 
 def _rollout(slots, kv_cache, max_prefill, max_decode, kv_pages=0, decode_steps=16):
-    from dora_jax.buckets import doubling_buckets
+    from dora_jax.base.buckets import doubling_buckets
     from dora_jax.config import RolloutConfig
 
     return RolloutConfig(slots_per_slice=slots, max_prefill_length=max_prefill,

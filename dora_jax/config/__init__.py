@@ -5,13 +5,15 @@ constraint (`field`, schema.py), each section checks its own rules in `__post_in
 `Config` runs every rule that spans sections (run.py). Errors name the field
 (`config.rollout.temperature: must be > 0, got 0.0`) before any compute.
 
-The package is the ground floor of dora_jax and imports nothing else of it: the schema
+The package is the lowest of the core and imports nothing else of dora_jax: the schema
 (schema.py), the modes and what each can do (modes.py, which the scheduler's policies
 read), the sections (sections.py; model.py: model and mesh; data.py; report.py: eval and
 logging), the schedule's shape rules on plain values (rules.py), the whole config and
 the rules that span its sections (run.py) and its loading (loading.py). No JAX; a
 Hugging Face checkpoint or tokenizer named by the config is read before validation, by
-model/hf_checks.py; `validate` itself reads no file."""
+model/hf_checks.py; `validate` itself reads no file. devices.py (fake CPU devices,
+Pathways, the meshes; JAX only inside its functions) is imported on its own, never
+by this package."""
 
 from .data import (
     SHIPPED_TASKS,

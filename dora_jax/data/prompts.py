@@ -14,7 +14,7 @@ from typing import Any
 
 import grain
 
-from dora_jax import untrusted_files
+from dora_jax.base import untrusted_files
 
 Record = dict[str, Any]
 # Token ids travel as int32 (no vocabulary comes near 2**31).

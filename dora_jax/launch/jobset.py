@@ -110,7 +110,7 @@ def render_config(config):
 
 def check_layout(mesh, chips_per_slice: int) -> None:
     """Fails (ValueError) when the config's meshes cannot be laid out on TPU slices
-    of `chips_per_slice` chips as dora_jax.devices lays them out (devices taken slice
+    of `chips_per_slice` chips as dora_jax.config.devices lays them out (devices taken slice
     by slice): a trainer over several slices crosses them on its `data` axis only,
     so that axis must be a multiple of the slices it spans, and each decode slice
     must lie in one TPU slice. The same rule as `devices.device_grid`, without JAX."""

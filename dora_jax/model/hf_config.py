@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from dora_jax import untrusted_files
+from dora_jax.base import untrusted_files
 
 if TYPE_CHECKING:
     from dora_jax.config import ModelConfig

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dora_jax import untrusted_files
+from dora_jax.base import untrusted_files
 from dora_jax.model.hf_config import CheckpointError
 
 if TYPE_CHECKING:

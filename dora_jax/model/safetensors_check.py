@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable
 from typing import Any, BinaryIO, NamedTuple
 
-from dora_jax import untrusted_files
+from dora_jax.base import untrusted_files
 from dora_jax.model.hf_config import CheckpointError
 
 MAX_HEADER = 100 * 2 ** 20  # the reference reader's limit

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import ml_dtypes
 import numpy as np
 
-from dora_jax import untrusted_files
+from dora_jax.base import untrusted_files
 from dora_jax.model import safetensors_check
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,

@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from dora_jax import versions
-from dora_jax.buckets import BucketError, pick_bucket
-from dora_jax.turns import model_token_mask
+from dora_jax.base import versions
+from dora_jax.base.buckets import BucketError, pick_bucket
+from dora_jax.base.turns import model_token_mask
 
 # Behaviour log-probs come from the decode engine in float32; allow rounding above 0.
 _LOGP_SLACK = 1e-4

@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dora_jax.config import Config
-from dora_jax.devices import make_meshes
+from dora_jax.config.devices import make_meshes
 from dora_jax.model import lora, transformer
 from dora_jax.model.sharding import (
     Rules,

@@ -1,7 +1,7 @@
 """Rollout: a JetStream-style decode Engine and DecodeSlice (continuous batching,
 resident policy version, migration, interrupt-and-reload)."""
 
-from dora_jax.buckets import prefill_buckets
+from dora_jax.base.buckets import prefill_buckets
 from dora_jax.rollout.engine import Engine
 from dora_jax.rollout.sampling import SamplingParams, key_data_from_seed
 from dora_jax.rollout.slice import DecodeSlice

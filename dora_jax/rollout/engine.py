@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from dora_jax.buckets import pick_bucket, prefill_buckets
+from dora_jax.base.buckets import pick_bucket, prefill_buckets
 from dora_jax.config import DECODE_RULES, ModelConfig, RolloutConfig
 from dora_jax.model import transformer
 from dora_jax.model.sharding import Rules

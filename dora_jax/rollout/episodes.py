@@ -44,8 +44,8 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 from dora_jax import envs
+from dora_jax.base.turns import model_token_mask  # noqa: F401 - the rule, re-exported
 from dora_jax.rewards.pool import one_line
-from dora_jax.turns import model_token_mask  # noqa: F401 - the rule, re-exported
 
 if TYPE_CHECKING:
     from dora_jax.text.tokenizer import Tokenizer

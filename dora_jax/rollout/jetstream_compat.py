@@ -115,8 +115,7 @@ def restore_params(directory: str, model_cfg: ModelConfig, placement: ParamPlace
     straight onto the engine mesh with the decode shardings of `placement`."""
     import jax
 
-    from dora_jax import checkpointing
-    from dora_jax.model import transformer
+    from dora_jax.model import checkpointing, transformer
 
     abstract = jax.tree.leaves(transformer.abstract_params(model_cfg)[1])
     like = jax.tree.unflatten(placement.treedef, [

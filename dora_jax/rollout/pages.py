@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dora_jax.buckets import pick_bucket
+from dora_jax.base.buckets import pick_bucket
 
 
 class PagesExhausted(RuntimeError):

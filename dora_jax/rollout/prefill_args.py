@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from dora_jax.buckets import pick_bucket
+from dora_jax.base.buckets import pick_bucket
 from dora_jax.rollout import jetstream_compat
 
 if TYPE_CHECKING:

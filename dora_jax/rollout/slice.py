@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from dora_jax import versions as versions_lib
+from dora_jax.base import versions as versions_lib
 from dora_jax.rollout.engine import Engine
 from dora_jax.rollout.episodes import EpisodeRunner
 from dora_jax.rollout.slice_decode import DecodeCalls

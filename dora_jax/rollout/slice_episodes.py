@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 import jax
 import numpy as np
 
-from dora_jax import versions as versions_lib
+from dora_jax.base import versions as versions_lib
 from dora_jax.rollout.episodes import Episode, EpisodeRunner
 from dora_jax.rollout.trajectory import InFlight
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from dora_jax import versions as versions_lib
+from dora_jax.base import versions as versions_lib
 from dora_jax.rollout import routing as routing_lib
 from dora_jax.rollout.sampling import Seed, key_data_from_seed
 

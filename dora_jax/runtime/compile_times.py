@@ -8,7 +8,7 @@ import os
 import time
 from collections.abc import Iterator
 
-from dora_jax import atomic_files
+from dora_jax.base import atomic_files
 
 FILE = "compile_seconds.json"
 

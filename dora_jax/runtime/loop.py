@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from dora_jax.base.timeline import Timeline
 from dora_jax.data.prompts import PromptStream
 from dora_jax.rewards.pool import RewardPool
 from dora_jax.rollout.sampling import request_seed
@@ -46,13 +47,12 @@ from dora_jax.scheduler.core import Scheduler
 from dora_jax.scheduler.driver import Driver
 from dora_jax.scheduler.ledger import LedgerWriter
 from dora_jax.scheduler.types import Admit, Assign, Migrate, TrainStep
-from dora_jax.timeline import Timeline
 
 if TYPE_CHECKING:
     from flax import nnx
 
-    from dora_jax.checkpointing import Checkpointer
     from dora_jax.config import Config
+    from dora_jax.model.checkpointing import Checkpointer
     from dora_jax.rl.trainer import Trainer
     from dora_jax.rollout.slice import DecodeSlice
     from dora_jax.runtime.evaluation import EvalDecoder

@@ -28,7 +28,7 @@ mode whose policy is not `resumable` (one_step_off: its batches are fixed runs o
 group ids with fixed versions) refuses such a workdir.
 
 What a crash or a bad disk leaves is repaired or refused in one line: config.json and
-metrics.jsonl are only ever replaced whole (atomic_files.py), a damaged config.json
+metrics.jsonl are only ever replaced whole (base/atomic_files.py), a damaged config.json
 or ledger line is named, stale temporary checkpoint directories are removed, and a
 newest checkpoint that does not restore gives way to the one before it.
 """
@@ -42,8 +42,9 @@ import os
 import shutil
 from typing import TYPE_CHECKING
 
-from dora_jax import atomic_files, checkpointing
+from dora_jax.base import atomic_files
 from dora_jax.config import Config, ConfigError
+from dora_jax.model import checkpointing
 from dora_jax.scheduler import ledger
 from dora_jax.scheduler.core import Scheduler
 from dora_jax.scheduler.ledger import standing

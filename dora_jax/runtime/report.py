@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
+    from dora_jax.base.timeline import Span, Timeline
     from dora_jax.rl.batch import TrainBatch
     from dora_jax.rollout.slice import DecodeSlice
     from dora_jax.rollout.trajectory import Trajectory
     from dora_jax.scheduler.core import Scheduler
-    from dora_jax.timeline import Span, Timeline
 
 
 def _scalar(x: Any) -> Any:

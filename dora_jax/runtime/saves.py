@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 if TYPE_CHECKING:
-    from dora_jax.checkpointing import Checkpointer
+    from dora_jax.model.checkpointing import Checkpointer
     from dora_jax.rl.trainer import TrainState
 
 _STOP = object()

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 
+from dora_jax.base.timeline import Timeline
 from dora_jax.runtime.events import TRAINER, Failed, StepDone
 from dora_jax.runtime.faults import NO_FAULTS, Faults
 from dora_jax.runtime.stream import GroupQueue, train_batches
 from dora_jax.runtime.weights import published_copy
-from dora_jax.timeline import Timeline
 
 if TYPE_CHECKING:
     from dora_jax.config import Config

@@ -42,11 +42,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from dora_jax.base.timeline import Timeline
 from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.rollout.trajectory import Request
 from dora_jax.runtime.events import EvalGenerated, Failed, SamplesFinished, VersionLoaded
 from dora_jax.runtime.faults import NO_FAULTS, Faults
-from dora_jax.timeline import Timeline
 
 if TYPE_CHECKING:
     from flax import nnx

@@ -6,7 +6,7 @@ One JSON object per line:
    "samples": [{"sample", "versions": [[v, n_tokens], ...], "slices": [...],
                 "response_len", "finish": "eos"|"length", "reward", ...}]}
    A multi-turn episode's sample adds "turns": [["model", start, end] |
-   ["env", start, end, seconds], ...] (response-token ranges, dora_jax/turns.py),
+   ["env", start, end, seconds], ...] (response-token ranges, dora_jax/base/turns.py),
    "env_s", "episode_end" and "env_info"; `finish` is how its last model turn ended.
   {"event": "filter", "group_id", "reason"}  (or "prompt_id" instead of "group_id":
                                              a prompt left out before admission)
@@ -19,7 +19,7 @@ A `resume` at step s voids every earlier `consume` of step s or later (that trai
 was lost with the crash) and every earlier `unconsumed`; a group admitted again after
 it has another `admit` with "readmit": true, and its latest admission is the one
 that counts (`standing`).
-`versions` is run-length encoded (`dora_jax.versions`). The runtime, the simulator
+`versions` is run-length encoded (`dora_jax.base.versions`). The runtime, the simulator
 (sim/cluster.py) and the tests' fake engine write the same format (their lines come
 from driver.py), so one auditor serves all three; `python -m dora_jax.audit WORKDIR`
 runs it on a workdir (dora_jax/audit.py), and `segments` splits a run at its resumes.
@@ -38,9 +38,9 @@ import os
 import threading
 from collections.abc import Iterable
 
-from dora_jax import untrusted_files
-from dora_jax.turns import check_turns
-from dora_jax.versions import num_tokens
+from dora_jax.base import untrusted_files
+from dora_jax.base.turns import check_turns
+from dora_jax.base.versions import num_tokens
 
 from .modes import policy_for
 from .types import SchedulerConfig

@@ -43,6 +43,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from dora_jax.base.timeline import Timeline
 from dora_jax.runtime.report import WaitClock
 from dora_jax.scheduler.core import Scheduler
 from dora_jax.scheduler.driver import Driver, admit_record
@@ -63,7 +64,6 @@ from dora_jax.sim.records import RunRecords
 from dora_jax.sim.release import BetweenTurns
 from dora_jax.sim.slice import Request, Slice
 from dora_jax.sim.slots import SLOT_REASONS, SlotTime
-from dora_jax.timeline import Timeline
 
 __all__ = ["SLOT_REASONS", "ClusterSim"]
 

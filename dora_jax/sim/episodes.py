@@ -49,7 +49,7 @@ class Episode(NamedTuple):
         return sum(self.model) + sum(self.observations)
 
     def turn_ranges(self) -> list:
-        """The ledger's `turns` (dora_jax/turns.py): response-token ranges, each
+        """The ledger's `turns` (dora_jax/base/turns.py): response-token ranges, each
         observation with its environment's latency."""
         out, at = [], 0
         for i, n in enumerate(self.model):

@@ -16,11 +16,11 @@ from dora_jax.sim.slice import Slice
 from dora_jax.sim.slots import idle_reason
 
 if TYPE_CHECKING:  # pragma: no cover
+    from dora_jax.base.timeline import Timeline
     from dora_jax.runtime.report import WaitClock
     from dora_jax.scheduler.core import Scheduler
     from dora_jax.scheduler.types import SchedulerConfig
     from dora_jax.sim.slots import SlotTime
-    from dora_jax.timeline import Timeline
 
 
 class RunRecords:

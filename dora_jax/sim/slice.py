@@ -24,7 +24,7 @@ from collections import Counter
 
 import numpy as np
 
-from dora_jax import versions
+from dora_jax.base import versions
 from dora_jax.sim.episodes import Episode, single_turn
 
 

@@ -35,7 +35,7 @@ import jinja2
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from dora_jax import untrusted_files
+from dora_jax.base import untrusted_files
 from dora_jax.text import template_sandbox
 
 DEFAULT_CHAT_TEMPLATE = (

@@ -178,7 +178,7 @@ def test_host_profile_counts_only_the_coordinators_busy_samples(tmp_path):
         f"thread (1): MainThread;{run};Queue.get (queue.py:10);Condition.wait (t.py:3) 500",
         f"thread (1): MainThread;{run};Runtime._handle (dora_jax/runtime/loop.py:215) 10",
         "thread (2): slice 0;SliceWorker._loop (dora_jax/runtime/worker.py:1) 400",
-        "thread (1): MainThread;warm_up (dora_jax/experiment.py:5) 900",
+        "thread (1): MainThread;warm_up (dora_jax/runtime/experiment.py:5) 900",
     ]
     path = tmp_path / "raw.txt"
     path.write_text("\n".join(lines) + "\n")

@@ -315,7 +315,7 @@ def test_batch_must_divide_over_the_trainer_batch_shards(load_config):
 
 
 def test_host_fakes_cpu_devices_only_when_it_should(monkeypatch):
-    from dora_jax import devices as host
+    from dora_jax.config import devices as host
 
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_something=1")

@@ -17,7 +17,7 @@ import tracemalloc
 import pytest
 from conftest import REPO, SUITE_XLA_FLAGS
 
-from dora_jax import atomic_files, untrusted_files
+from dora_jax.base import atomic_files, untrusted_files
 from dora_jax.data import prompts
 from dora_jax.model import hf_config, safetensors_check, safetensors_file
 from dora_jax.model.hf_config import CheckpointError
@@ -220,7 +220,7 @@ def test_nesting_brackets_inside_strings_do_not_count(tmp_path):
 
 
 def test_coordinator_state_of_a_checkpoint_is_checked_before_orbax(tmp_path):
-    from dora_jax.checkpointing import Checkpointer
+    from dora_jax.model.checkpointing import Checkpointer
 
     state = tmp_path / "ckpts" / "0" / "extra" / "metadata"
     state.parent.mkdir(parents=True)

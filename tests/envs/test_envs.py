@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 from conftest import load_repo_config
 
+from dora_jax.base.turns import check_turns, model_token_mask
 from dora_jax.config.schema import ConfigError
 from dora_jax.data import word_problems
 from dora_jax.envs import base
 from dora_jax.rollout.episodes import EpisodeRunner, demonstration_tokens, observation_frame
 from dora_jax.tasks import sources
 from dora_jax.text.tokenizer import Tokenizer
-from dora_jax.turns import check_turns, model_token_mask
 
 ENVS = ("calculator", "python", "guess", "no_tool")
 

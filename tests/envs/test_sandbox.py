@@ -286,8 +286,8 @@ def test_filters_level_reads_but_writes_nothing_and_starts_nothing():
 
 
 def test_the_run_refuses_to_start_naming_the_field(monkeypatch):
-    from dora_jax import cli
     from dora_jax import config as config_lib
+    from dora_jax.runtime import cli
 
     original = sandbox.require
     monkeypatch.setattr(sandbox, "require", lambda level: original(level, _missing=("user_ns",)))

@@ -17,10 +17,10 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from dora_jax import config as config_lib
-from dora_jax.checkpointing import Checkpointer
 from dora_jax.config import LoRAConfig, ModelConfig, MoEConfig
 from dora_jax.model import layers, lora, moe, sharding
 from dora_jax.model import transformer as tf
+from dora_jax.model.checkpointing import Checkpointer
 from dora_jax.rl.trainer import Trainer
 
 DENSE = ModelConfig(vocab_size=32, d_model=16, num_layers=2, num_heads=2, num_kv_heads=1,
@@ -350,8 +350,8 @@ def test_runs_start_from_checkpoint_bases_with_fresh_adapters(tiny_hf_checkpoint
     """A Hugging Face base, then an Orbax one (full fine-tuning's params): the base
     is read, the adapters are the seed's; saved adapters are read back; export
     folds them into the weights."""
-    from dora_jax.experiment import initial_params
     from dora_jax.model import hf
+    from dora_jax.runtime.experiment import initial_params
 
     cfg = load_config("configs/qwen3_gsm8k.py:tiny", model__checkpoint=tiny_hf_checkpoint,
                       model__lora__rank=4)
@@ -411,7 +411,7 @@ def test_a_lora_run_publishes_adapted_params_to_the_slices(small_config, tmp_pat
     adapters alone (metrics.jsonl's publish_bytes, the summary's)."""
     from conftest import audit_workdir
 
-    from dora_jax import experiment
+    from dora_jax.runtime import experiment
 
     c = small_config("sync", validate=False)
     c.model.lora.rank = 4

@@ -271,7 +271,7 @@ def moved(params):
 
 def test_a_run_warm_starts_from_a_peft_adapter(load_config, tiny_hf_checkpoint, tmp_path):
     from dora_jax import config as config_lib
-    from dora_jax.experiment import initial_params
+    from dora_jax.runtime.experiment import initial_params
 
     cfg = _run_config(load_config, tiny_hf_checkpoint)
     _, params = initial_params(cfg)
@@ -306,12 +306,13 @@ def test_a_run_warm_starts_from_a_peft_adapter(load_config, tiny_hf_checkpoint, 
 
 def test_export_writes_the_runs_adapters_in_peft_format(load_config, tiny_hf_checkpoint,
                                                          tmp_path):
-    from dora_jax import devices, export
-    from dora_jax.checkpointing import Checkpointer
+    from dora_jax import export
+    from dora_jax.config import devices
+    from dora_jax.model.checkpointing import Checkpointer
     from dora_jax.rl.trainer import Trainer
 
     cfg = _run_config(load_config, tiny_hf_checkpoint)
-    from dora_jax.experiment import initial_params
+    from dora_jax.runtime.experiment import initial_params
 
     graphdef, params = initial_params(cfg)
     trained = moved(params)

@@ -93,7 +93,8 @@ def test_text_prompts_and_verifier_of_the_gsm8k_config(load_config):
 @pytest.mark.slow
 def test_a_run_from_a_checkpoint_trains_audits_and_exports(load_config, tiny_hf_checkpoint,
                                                          tmp_path):
-    from dora_jax import experiment, export
+    from dora_jax import export
+    from dora_jax.runtime import experiment
 
     c = load_config("configs/qwen3_gsm8k.py:tiny", validate=False)
     c.model.checkpoint = tiny_hf_checkpoint

@@ -8,7 +8,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from dora_jax import config as config_lib
-from dora_jax import devices
+from dora_jax.config import devices
 from dora_jax.model import sharding
 from dora_jax.model import transformer as tf
 

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import Mesh
 
 from dora_jax import config as config_lib
-from dora_jax.checkpointing import Checkpointer
+from dora_jax.model.checkpointing import Checkpointer
 from dora_jax.model.sharding import param_specs
 from dora_jax.rl.trainer import Trainer, TrainState
 
@@ -118,8 +118,8 @@ def test_params_load_across_layer_layouts(tmp_path, load_config, saved_scanned):
     the saving model's logits; params of another shape are refused by name."""
     import dataclasses
 
-    from dora_jax.checkpointing import load_params
     from dora_jax.model import transformer as tf
+    from dora_jax.model.checkpointing import load_params
 
     base = load_config("configs/moe.py:tiny").model
     base = dataclasses.replace(base, num_layers=4,
@@ -155,7 +155,7 @@ def _damage_newest_data(directory, step):
 def test_a_damaged_newest_checkpoint_gives_way_to_the_one_before(tmp_path, caplog):
     import os
 
-    from dora_jax.checkpointing import remove_stale_tmp
+    from dora_jax.model.checkpointing import remove_stale_tmp
 
     tree = {"w": jnp.arange(4096.0), "n": jnp.int32(0)}
     root = tmp_path / "ckpt"

@@ -12,10 +12,11 @@ import pytest
 from _trainer_common import countdown_config
 from conftest import audit_workdir
 
-from dora_jax import experiment, sft
+from dora_jax import sft
 from dora_jax.model import hf_checks, transformer
 from dora_jax.rewards.tokens import EOS, countdown_target
 from dora_jax.rollout.slice import DecodeSlice
+from dora_jax.runtime import experiment
 from dora_jax.tasks import sources
 
 
@@ -46,7 +47,7 @@ def test_sft_learns_demonstrations_and_rl_starts_from_them(tmp_path, load_config
     assert float(progress[-1][1]) < float(progress[0][1])
 
     graphdef, init = transformer.create(cfg.model, cfg.seed)
-    from dora_jax.checkpointing import load_params
+    from dora_jax.model.checkpointing import load_params
 
     params = load_params(out["checkpoint"], init)
     records = sources.prompt_records(cfg)[0][:8]

@@ -190,7 +190,7 @@ def test_warm_up_covers_every_chunked_prefill_shape(config_name):
 
     from conftest import load_repo_config
 
-    from dora_jax.buckets import pick_bucket
+    from dora_jax.base.buckets import pick_bucket
     from dora_jax.rollout.warmup import extension_shapes
 
     r = load_repo_config(f"configs/{config_name}", num_devices=8).rollout

@@ -18,13 +18,13 @@ import jax
 import numpy as np
 import pytest
 
+from dora_jax.base.turns import check_turns, model_token_mask
 from dora_jax.envs import base
 from dora_jax.model import transformer
 from dora_jax.rollout import DecodeSlice, Engine, SamplingParams
 from dora_jax.rollout import routing as routing_lib
 from dora_jax.rollout.episodes import EpisodeRunner
 from dora_jax.rollout.trajectory import Request, SlotOverflowError
-from dora_jax.turns import check_turns, model_token_mask
 
 BUDGET = 24  # response tokens of an episode: model turns and observations
 MAX_TURNS = 3

@@ -146,9 +146,9 @@ def test_a_worker_adds_and_evicts_versions_while_its_slots_decode():
     frees the place for the next version."""
     import queue
 
+    from dora_jax.base.timeline import Timeline
     from dora_jax.runtime.events import SamplesFinished, VersionLoaded
     from dora_jax.runtime.worker import SliceWorker
-    from dora_jax.timeline import Timeline
 
     events, timeline = queue.Queue(), Timeline()
     sl = DecodeSlice(0, engine("greedy", "dense", 2, 0))

@@ -10,8 +10,8 @@ import sys
 import pytest
 from conftest import REPO, SUITE_XLA_FLAGS, audit_workdir, env_without_device_count
 
-from dora_jax import experiment
 from dora_jax.model import hf_checks
+from dora_jax.runtime import experiment
 from dora_jax.scheduler import ledger
 
 
@@ -221,7 +221,7 @@ def test_bad_input_stops_with_one_line_and_no_traceback(args, says, tmp_path):
      '--config.coordinator.modee: no such config field (did you mean "mode"?)'),
 ])
 def test_every_entry_point_reports_bad_input_in_one_line(entry, extra, args, says, tmp_path):
-    """sft and export share main's command line (dora_jax/cli.py): the same bad input
+    """sft and export share main's command line (dora_jax/runtime/cli.py): the same bad input
     ends each of them with the same one line, before any compute."""
     env = env_without_device_count()
     out = subprocess.run([sys.executable, "-m", entry, *args, *extra,

@@ -12,10 +12,10 @@ import types
 import pytest
 from conftest import audit_workdir
 
-from dora_jax import experiment
 from dora_jax.config.report import EvalConfig
 from dora_jax.data import prompts
 from dora_jax.model import hf_checks
+from dora_jax.runtime import experiment
 from dora_jax.runtime.evaluation import Evaluation, pass_at_k, summarise
 from dora_jax.runtime.events import EvalGenerated, EvalScored
 from dora_jax.tasks import sources

@@ -9,12 +9,12 @@ import time
 
 import pytest
 
+from dora_jax.base.timeline import Timeline
 from dora_jax.config.sections import FAIL_POINTS, KILL_POINTS, CoordinatorConfig
 from dora_jax.runtime import faults as faults_lib
 from dora_jax.runtime.events import Failed, VersionLoaded
 from dora_jax.runtime.faults import NO_FAULTS, Drills, Faults, InjectedFault
 from dora_jax.runtime.worker import SliceWorker
-from dora_jax.timeline import Timeline
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PLAN_FIELDS = {"fail_slice", "fail_point", "fail_after", "kill_point", "kill_after"}

@@ -12,10 +12,10 @@ import time
 import pytest
 from conftest import audit_workdir, load_repo_config
 
-from dora_jax import experiment
+from dora_jax.base.turns import check_turns
 from dora_jax.data import word_problems
 from dora_jax.envs import base
-from dora_jax.turns import check_turns
+from dora_jax.runtime import experiment
 
 MAX_TURNS = 3
 

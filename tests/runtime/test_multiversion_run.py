@@ -6,8 +6,8 @@ import json
 import pytest
 
 from dora_jax import config as config_lib
-from dora_jax import experiment
 from dora_jax.config import ConfigError
+from dora_jax.runtime import experiment
 
 pytestmark = pytest.mark.slow
 

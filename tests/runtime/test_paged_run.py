@@ -7,10 +7,10 @@ audits clean and every trajectory the trainer receives is the dense cache's run'
 import numpy as np
 from conftest import audit_workdir
 
-from dora_jax import experiment
 from dora_jax.rl.trainer import Trainer
 from dora_jax.rollout.pages import PagePool
 from dora_jax.rollout.slice import DecodeSlice
+from dora_jax.runtime import experiment
 from dora_jax.scheduler.core import Scheduler
 
 PAGE_SIZE = 2

@@ -14,7 +14,7 @@ from _fake_run import FakeRun, _Request, lengths_from_seed
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dora_jax import versions
+from dora_jax.base import versions
 from dora_jax.rollout.trajectory import Trajectory
 from dora_jax.runtime import recovery
 from dora_jax.runtime.groups import GroupBook

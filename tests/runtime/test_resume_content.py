@@ -12,10 +12,9 @@ import threading
 import pytest
 from conftest import audit_workdir
 
-from dora_jax import experiment
 from dora_jax.data import prompts as prompts_lib
 from dora_jax.rl.trainer import Trainer
-from dora_jax.runtime import loop
+from dora_jax.runtime import experiment, loop
 from dora_jax.runtime.loop import RunError
 from dora_jax.scheduler import ledger
 from dora_jax.tasks.sources import prompt_records
@@ -84,7 +83,7 @@ class _Runs:
 
 def _checkpoint_extra(workdir, step) -> dict:
     """What checkpoint `step` holds besides the train state, read back from disk."""
-    from dora_jax.checkpointing import Checkpointer
+    from dora_jax.model.checkpointing import Checkpointer
 
     with Checkpointer(os.path.join(workdir, "checkpoints")) as ckpt:
         return ckpt.read_extra(step)

@@ -10,6 +10,7 @@ import time
 import pytest
 from _fake_run import FakeRun
 
+from dora_jax.base.timeline import Timeline
 from dora_jax.runtime.events import Failed, VersionLoaded
 from dora_jax.runtime.worker import SliceWorker
 from dora_jax.scheduler import (
@@ -21,7 +22,6 @@ from dora_jax.scheduler import (
     SchedulerConfig,
     TrainStep,
 )
-from dora_jax.timeline import Timeline
 
 MODE = "partial_rollout_rounds"
 

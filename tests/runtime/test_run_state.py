@@ -13,7 +13,7 @@ import os
 import pytest
 from test_resume import _admit, _consume  # the same hand-made events
 
-from dora_jax import atomic_files
+from dora_jax.base import atomic_files
 from dora_jax.config import ConfigError
 from dora_jax.runtime import recovery
 from dora_jax.scheduler import ledger
@@ -210,7 +210,7 @@ def test_a_run_cut_mid_line_twice_resumes_twice_and_audits_clean(tmp_path, small
     lines say what was repaired and skipped."""
     from conftest import audit_workdir
 
-    from dora_jax import experiment
+    from dora_jax.runtime import experiment
     from dora_jax.runtime.loop import RunError
 
     cfg = small_config("dora", num_steps=6, checkpoint_every=2)
@@ -250,8 +250,8 @@ def test_a_full_disk_at_the_end_still_finishes_the_pending_save(tmp_path, small_
     """The ledger's final lines fail (no space), and so does its close, as a full disk
     does; the slices and the trainer still stop and the checkpointer still closes,
     so the save of the last step, still pending, reaches the disk."""
-    from dora_jax import checkpointing, experiment
-    from dora_jax.runtime import loop
+    from dora_jax.model import checkpointing
+    from dora_jax.runtime import experiment, loop
 
     class FullDisk(ledger.LedgerWriter):
         def write(self, event, **fields):
@@ -294,7 +294,7 @@ def test_checkpoints_go_to_the_checkpoint_dir_and_the_run_resumes_from_there(
     """`coordinator.checkpoint_dir` (the launcher points it at the bucket's gs://
     URL) holds the checkpoints instead of <workdir>/checkpoints; the same command
     then finds them: a finished run is not trained again."""
-    from dora_jax import experiment
+    from dora_jax.runtime import experiment
 
     elsewhere = tmp_path / "bucket" / "checkpoints"
     cfg = small_config("dora", num_steps=2, checkpoint_every=1, checkpoint_dir=str(elsewhere))

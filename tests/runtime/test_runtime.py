@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from conftest import audit_workdir
 
-from dora_jax import experiment
 from dora_jax.config import MODES
 from dora_jax.model import hf_checks
 from dora_jax.rl.trainer import Trainer
 from dora_jax.rollout.slice import DecodeSlice
+from dora_jax.runtime import experiment
 from dora_jax.runtime.loop import RunError
 
 
@@ -234,8 +234,8 @@ def test_trainer_wait_is_split_by_cause(tmp_path, small_config):
 
 
 def test_rollout_only_share_and_wait_clock_by_hand():
+    from dora_jax.base.timeline import Span
     from dora_jax.runtime.report import WaitClock, rollout_only_share
-    from dora_jax.timeline import Span
 
     spans = [Span("slice 0", "decode", 0.0, 4.0, 0), Span("slice 1", "decode", 3.0, 6.0, 0),
              Span("slice 0", "load", 6.0, 7.0, 1), Span("trainer", "train", 2.0, 5.0, 0),
@@ -601,7 +601,7 @@ def test_checkpoints_are_saved_off_the_coordinator_and_hold_each_versions_params
     the save's copy first), and metrics.jsonl says what each save cost the run."""
     import threading
 
-    from dora_jax.checkpointing import Checkpointer
+    from dora_jax.model.checkpointing import Checkpointer
 
     threads, save = [], Checkpointer.save
 

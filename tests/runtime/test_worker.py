@@ -5,10 +5,10 @@ import queue
 import threading
 import time
 
+from dora_jax.base.timeline import Timeline
 from dora_jax.rollout.trajectory import VersionMismatchError
 from dora_jax.runtime.events import Failed
 from dora_jax.runtime.worker import SliceWorker
-from dora_jax.timeline import Timeline
 
 
 class FakeSlice:

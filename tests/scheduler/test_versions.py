@@ -1,6 +1,6 @@
 """Per-token versions, run-length encoded, worked by hand."""
 
-from dora_jax import versions
+from dora_jax.base import versions
 
 
 def test_extend_merges_a_run_and_ignores_nothing_added():

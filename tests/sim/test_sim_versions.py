@@ -70,7 +70,7 @@ def test_only_dora_holds_several_versions_per_slice():
 def test_dora_with_k_plus_one_lora_versions_per_slice_audits_clean(tmp_path):
     """...and its timeline stripes a slice's decode calls by version: the saved spans
     give each version its busy slots, within the slots a slice has."""
-    from dora_jax import timeline
+    from dora_jax.base import timeline
 
     preset = dataclasses.replace(PRESETS["paper128_lora"], train_batch_size=64,
                                  rollout_batch_size=96, total_devices=96, trainer_devices=64)
@@ -91,7 +91,7 @@ def test_a_decode_call_of_several_versions_is_drawn_as_stripes_by_their_slots():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from dora_jax import timeline
+    from dora_jax.base import timeline
 
     tl = timeline.Timeline()
     tl.add("slice 0", "decode", 0.0, 1.0, 12, slots={11: 6, 12: 2})

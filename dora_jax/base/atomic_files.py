@@ -15,7 +15,7 @@ import json
 import os
 import uuid
 
-from dora_jax import untrusted_files
+from dora_jax.base import untrusted_files
 
 
 class DamagedFile(ValueError):

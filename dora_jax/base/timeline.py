@@ -15,7 +15,7 @@ import dataclasses
 import json
 import threading
 
-from dora_jax.atomic_files import write_json_atomic
+from dora_jax.base.atomic_files import write_json_atomic
 
 
 @dataclasses.dataclass(frozen=True)

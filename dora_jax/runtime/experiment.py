@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
-from dora_jax import atomic_files, devices
-from dora_jax.checkpointing import Checkpointer, load_params
-from dora_jax.config import Config
+from dora_jax.base import atomic_files
+from dora_jax.base.timeline import Timeline
+from dora_jax.config import Config, devices
 from dora_jax.data import prompts as prompts_lib
 from dora_jax.model import lora, transformer
+from dora_jax.model.checkpointing import Checkpointer, load_params
 from dora_jax.model.sharding import copy_tree
 from dora_jax.rewards.pool import RewardPool
 from dora_jax.rl.trainer import Trainer
@@ -34,10 +36,14 @@ from dora_jax.scheduler.ledger import LedgerWriter
 from dora_jax.scheduler.modes import POLICIES
 from dora_jax.scheduler.types import SchedulerConfig
 from dora_jax.tasks import sources
-from dora_jax.timeline import Timeline
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+    from dora_jax.text.tokenizer import Tokenizer
 
 
-def initial_params(cfg: Config, mesh=None):
+def initial_params(cfg: Config, mesh: Mesh | None = None) -> tuple[Any, Any]:
     """(graphdef, params) a run starts from: model.checkpoint's weights (placed shard
     by shard on `mesh` under the trainer's rules), else random ones from the seed;
     then init_checkpoint's params (an Orbax checkpoint, e.g. dora_jax.sft's) if set.
@@ -91,7 +97,8 @@ def _saves_adapters(directory: str) -> bool:
 TRAIN_PHASE, DECODE_PHASE = "train step", "prefill buckets and generate"
 
 
-def warm_up(slices, trainer, cfg: Config, watch=None) -> None:
+def warm_up(slices: Sequence[DecodeSlice], trainer: Trainer, cfg: Config,
+            watch: compile_times.Stopwatch | None = None) -> None:
     """Compiles every jitted function a run will use before its clock starts, so
     throughput and waits measure steady state. `watch`: a compile_times.Stopwatch
     that times the train step and the slices' programs apart."""
@@ -102,13 +109,14 @@ def warm_up(slices, trainer, cfg: Config, watch=None) -> None:
     reprefills = not POLICIES[cfg.coordinator.mode].keeps_c1
     with watch(DECODE_PHASE):
         for sl in slices:
+            assert sl.version is not None  # run() loads a version onto every slice first
             warm_engine(sl.engine, sl.versions.prefill_params(sl.version), reprefills=reprefills,
                         generate_params=sl.versions.generate_params(),
                        group_size=cfg.coordinator.group_size)
             sl.reset_decode_state()
 
 
-def episode_runner(cfg: Config, tokenizer) -> EpisodeRunner | None:
+def episode_runner(cfg: Config, tokenizer: Tokenizer) -> EpisodeRunner | None:
     """A slice's runner of multi-turn episodes (data.source "env"), else None."""
     d = cfg.data
     if d.source != "env":
@@ -122,7 +130,8 @@ def episode_runner(cfg: Config, tokenizer) -> EpisodeRunner | None:
 def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
         on_step: Callable[[dict], None] = lambda record: None,
         make_trainer: Callable[..., Trainer] = Trainer, fresh: bool = False,
-        tokenizer=None, progress: Callable[[str], None] = lambda line: None) -> dict:
+        tokenizer: Tokenizer | None = None,
+        progress: Callable[[str], None] = lambda line: None) -> dict:
     """Runs `cfg.coordinator.num_steps` train steps end to end; returns the summary.
 
     A workdir holding a run of this config continues it (runtime/recovery.py); one

@@ -13,13 +13,17 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from absl import flags
 from ml_collections import config_flags
 
+if TYPE_CHECKING:
+    from dora_jax.config import Config, DataConfig
 
-def define_config_flag(lock: bool = False):
+
+def define_config_flag(lock: bool = False) -> Any:
     """The --config flag (configs/x.py[:variant], or a shipped config's name), required."""
     holder = config_flags.DEFINE_config_file(
         "config", None, "configs/x.py[:variant], or a shipped config by name (tiny, "
@@ -35,7 +39,7 @@ _config_spec = None
 _config_file = None
 
 
-def _resolve_config_names(argv):
+def _resolve_config_names(argv: Sequence[str]) -> list[str]:
     """argv with `--config=NAME[:variant]` (or `--config NAME`) of a shipped config
     made its file's path (config_flags loads files only); a spec that names nothing
     ends in one line."""
@@ -59,11 +63,11 @@ def _resolve_config_names(argv):
     return argv
 
 
-def _last_line(error) -> str:
+def _last_line(error: object) -> str:
     return [line.strip() for line in str(error).splitlines() if line.strip()][-1]
 
 
-def parse_flags(argv):
+def parse_flags(argv: Sequence[str]) -> list[str]:
     """absl's parsing, with a bad flag or config file reported in one line (pass as
     `app.run(main, flags_parser=parse_flags)`)."""
     try:
@@ -93,16 +97,16 @@ class FlagError(ValueError):
 def user_errors() -> tuple:
     """The exception types that end a program with one line (module docstring)."""
     from dora_jax import config as config_lib
+    from dora_jax.base.untrusted_files import UntrustedFileError
     from dora_jax.data.prompts import DataError
     from dora_jax.model.hf_config import CheckpointError
-    from dora_jax.untrusted_files import UntrustedFileError
 
     return (config_lib.ConfigError, FlagError, DataError, CheckpointError,
             UntrustedFileError, FileNotFoundError)
 
 
 @contextlib.contextmanager
-def one_line_errors():
+def one_line_errors() -> Iterator[None]:
     """Turns a user's error (`user_errors`) into `SystemExit("error: ...")`."""
     try:
         yield
@@ -110,7 +114,7 @@ def one_line_errors():
         raise SystemExit(f"error: {e}") from None
 
 
-def validated_config(holder, *, with_pretrained: bool = False):
+def validated_config(holder: Any, *, with_pretrained: bool = False) -> Any:
     """The --config ConfigDict validated into a Config, before any compute: the
     Hugging Face checkpoint and tokenizer it names are read once
     (model/hf_checks.check_pretrained), then the config is validated (a pure check).
@@ -172,7 +176,7 @@ def workdir_to_read(path: str, flag: str = "--workdir") -> str:
     return path
 
 
-def _check_sandbox(d) -> None:
+def _check_sandbox(d: DataConfig) -> None:
     """Fails closed: a tool that runs the model's code needs its sandbox's layers."""
     from dora_jax import config as config_lib
     from dora_jax import envs
@@ -205,10 +209,10 @@ def _cpu_variant(spec: str | None, file: str | None) -> str | None:
     return f"{path}:{tiny}" if tiny in variants else None
 
 
-def _too_few_devices(cfg, available: int, backend: str) -> str:
+def _too_few_devices(cfg: Config, available: int, backend: str) -> str:
     """The one line for a config whose meshes need more devices than the host has:
     how many each side needs, and what to run here instead."""
-    from dora_jax import devices
+    from dora_jax.config import devices
 
     mesh, needed = cfg.mesh, cfg.mesh.total_devices
     split = f"trainer {mesh.trainer_devices}" + (
@@ -226,11 +230,11 @@ def _too_few_devices(cfg, available: int, backend: str) -> str:
             f"({split}), but this host has {available} ({backend}): " + ", or ".join(instead))
 
 
-def start_devices(cfg) -> None:
+def start_devices(cfg: Config) -> None:
     """On a host without an accelerator, fakes the config's devices on the CPU (before
     JAX starts; a note says so), starts Pathways when proxied, and checks the device
     count the config needs (one line saying what to run here when it is short)."""
-    from dora_jax import devices
+    from dora_jax.config import devices
 
     note = devices.fake_cpu_devices_if_needed(cfg.mesh.total_devices)
     if note:

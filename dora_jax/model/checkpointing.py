@@ -26,7 +26,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from dora_jax import untrusted_files
+from dora_jax.base import untrusted_files
 from dora_jax.model.hf_config import CheckpointError
 
 _log = logging.getLogger(__name__)
@@ -211,18 +211,18 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self._manager.all_steps())
 
-    def wait_until_finished(self):
+    def wait_until_finished(self) -> None:
         """Blocks until every pending async save is on disk."""
         self._manager.wait_until_finished()
 
-    def close(self):
+    def close(self) -> None:
         """Waits for pending saves and releases the manager."""
         self._manager.close()
 
-    def __enter__(self):
+    def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -267,7 +267,7 @@ def _relayout_blocks(raw: dict, like: Any) -> Any:
         raise ValueError("the saved blocks have this model's layout, yet do not match it")
     raw = dict(raw, blocks=blocks)
 
-    def pick(path, target):
+    def pick(path: tuple, target: Any) -> jax.Array:
         node = raw
         for key in path:
             node = node[str(getattr(key, "key", getattr(key, "name", key)))]
@@ -280,7 +280,7 @@ def _relayout_blocks(raw: dict, like: Any) -> Any:
     return jax.tree_util.tree_map_with_path(pick, like)
 
 
-def _abstract(x):
+def _abstract(x: Any) -> jax.ShapeDtypeStruct:
     if isinstance(x, jax.ShapeDtypeStruct):
         return x
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))

@@ -1,0 +1,1 @@
+"""The floor: small modules that import nothing of dora_jax but one another."""
