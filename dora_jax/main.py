@@ -5,6 +5,8 @@ metrics.jsonl (also as TensorBoard scalars in DIR/tensorboard), timeline.png,
 summary.json and checkpoints/ to DIR. The same command on a workdir that holds a run
 resumes it (after a crash too); --fresh starts over. On a host without an
 accelerator the config's devices are faked on the CPU (unless XLA_FLAGS is set).
+The same command runs as several processes (the trainer's lead and slice processes)
+under a launcher: python -m dora_jax.launch.local --processes=3 -- <these flags>.
 
 Every config field can be overridden; the main ones:
   --config.coordinator.mode=dora        sync | one_step_off | partial_rollout |
@@ -49,6 +51,14 @@ def main(argv):
     cfg, pretrained = cli.validated_config(_CONFIG, with_pretrained=True)
     cli.workdir_to_write(_WORKDIR.value)
     cli.start_devices(cfg)
+    role = cli.process_role(cfg)
+    if not role.lead:  # a slice process of a run of several (launch/local.py)
+        from dora_jax.runtime import slice_process
+
+        assert role.coordinator is not None  # roles.from_env sets it for several processes
+        slice_process.serve(cfg, role.process_id, role.coordinator,
+                            tokenizer=pretrained.tokenizer)
+        return
     import tqdm
 
     from dora_jax.runtime import experiment
@@ -68,7 +78,7 @@ def main(argv):
     try:
         with cli.one_line_errors():
             summary = experiment.run(cfg, _WORKDIR.value, on_step=on_step, fresh=_FRESH.value,
-                                     tokenizer=pretrained.tokenizer,
+                                     tokenizer=pretrained.tokenizer, role=role,
                                      progress=lambda line: print(line, flush=True))
     finally:
         if bar is not None:

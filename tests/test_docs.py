@@ -126,6 +126,9 @@ def check_command(module: str, args: list[str]) -> list[str]:
         found = None
     if found is None:
         return [f"no module {module}"]
+    if module == "dora_jax.launch.local" and "--" in args:  # the rest is main's
+        at = args.index("--")
+        return check_command(module, args[:at]) + check_command("dora_jax.main", args[at + 1:])
     known = module_flags(module)
     problems, config_spec, overrides = [], known["config"], []
     for arg in args:

@@ -2,13 +2,12 @@
 Pathways when the job runs under it, one controller, and the meshes built from
 the devices (the trainer's and each decode slice's).
 
-dora_jax is single-controller: one Python process sees every device and moves
-params between the trainer's mesh and each slice's (device_put across meshes). At
-pod scale that process runs under Pathways (`JAX_PLATFORMS=proxy`, set by the
-launchers in dora_jax/launch), which gives it every slice's devices. Multi-controller
-JAX (one process per host, `jax.distributed`) sees only its host's devices, so those
-transfers would need an explicit cross-process weight transfer; it is refused with
-a message saying so (`require_single_controller`).
+A run is one process that sees every device (under Pathways at pod scale,
+`JAX_PLATFORMS=proxy`, set by the launchers in dora_jax/launch), or several
+processes each with its own JAX runtime: the trainer's lead and slice processes
+(docs/processes.md). A JAX runtime of several controllers (`jax.distributed`, one
+world over several hosts) would split one role over hosts, which is not supported
+yet; it is refused with a message saying so (`require_single_controller`).
 
 Imports no JAX at module level: `fake_cpu_devices_if_needed` must run before JAX is
 imported.
@@ -72,10 +71,11 @@ def require_single_controller(process_count: int) -> None:
     """Refuses multi-controller JAX, naming what to do instead (see module docstring)."""
     if process_count > 1:
         raise RuntimeError(
-            f"this JAX runtime has {process_count} controller processes, but dora_jax is "
-            "single-controller: it moves params between the trainer's and the slices' "
-            "meshes from one process that sees every device. Run it under Pathways "
-            "(python -m dora_jax.launch.gke renders the job) rather than one process per host.")
+            f"this JAX runtime has {process_count} controller processes (jax.distributed), "
+            "but each part of a dora_jax run is one process with its own JAX runtime: run "
+            "the trainer and the decode slices as processes of their own (docs/processes.md, "
+            "python -m dora_jax.launch.local), or everything as one process under Pathways "
+            "(python -m dora_jax.launch.gke renders the job).")
 
 
 def tpu_slices(devices: Sequence) -> list[int] | None:
@@ -176,3 +176,20 @@ def make_meshes(mesh_cfg, devices: Sequence | None = None):
     trainer, slices = mesh_grids(mesh_cfg, list(jax.devices() if devices is None else devices))
     return (Mesh(trainer, TRAINER_MESH_AXES),
             [Mesh(grid, SLICE_MESH_AXES) for grid in slices])
+
+
+def make_trainer_mesh(mesh_cfg, devices: Sequence | None = None):
+    """The trainer's mesh alone, over the first of `devices` (default: this process's):
+    the lead of a run whose slices live in other processes (runtime/remote.py)."""
+    import jax
+    from jax.sharding import Mesh
+
+    from dora_jax.config import TRAINER_MESH_AXES
+
+    devices = order_by_slice(list(jax.local_devices() if devices is None else devices))
+    n = mesh_cfg.trainer_devices
+    if n > len(devices):
+        raise ValueError(f"the trainer mesh needs {n} devices, have {len(devices)}")
+    shape = tuple(mesh_cfg.trainer[a] for a in TRAINER_MESH_AXES)
+    return Mesh(device_grid(devices[:n], shape, TRAINER_MESH_AXES, "data",
+                            "the trainer mesh (mesh.trainer)"), TRAINER_MESH_AXES)

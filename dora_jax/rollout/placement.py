@@ -46,6 +46,11 @@ class ParamPlacement:
         self.last_bytes = 0  # moved by the latest `place`
 
     @property
+    def frozen(self) -> tuple:
+        """Per leaf: a LoRA base leaf, moved once (`place`), never again."""
+        return self._frozen
+
+    @property
     def leaf_shapes(self) -> list:
         """(shape, dtype) of each leaf, in the flattened order of EngineParams."""
         return list(self._leaf_shapes)

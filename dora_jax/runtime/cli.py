@@ -21,6 +21,7 @@ from ml_collections import config_flags
 
 if TYPE_CHECKING:
     from dora_jax.config import Config, DataConfig
+    from dora_jax.runtime.roles import Role
 
 
 def define_config_flag(lock: bool = False) -> Any:
@@ -236,11 +237,39 @@ def start_devices(cfg: Config) -> None:
     count the config needs (one line saying what to run here when it is short)."""
     from dora_jax.config import devices
 
-    note = devices.fake_cpu_devices_if_needed(cfg.mesh.total_devices)
+    needed = process_role(cfg).devices_needed(cfg.mesh)
+    note = devices.fake_cpu_devices_if_needed(needed)
     if note:
         print(note)
     devices.start_pathways_if_proxied()
     import jax
 
-    if cfg.mesh.total_devices > jax.device_count():
+    if needed > jax.device_count():
         raise SystemExit(_too_few_devices(cfg, jax.device_count(), jax.default_backend()))
+
+
+def process_role(cfg: Config) -> Role:
+    """This process's part of the run (runtime/roles.py), checked against the config:
+    one line naming what a run of several processes cannot do yet."""
+    from dora_jax import config as config_lib
+    from dora_jax.runtime import roles
+
+    try:
+        role = roles.from_env()
+        if role.multi:
+            role.slice_ids_by_process(cfg.mesh.num_slices)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    if role.multi:
+        with one_line_errors():
+            for field, on, why in [
+                    ("mesh.colocated", cfg.mesh.colocated, "the trainer and the slices "
+                     "take turns on the same devices, which one process owns"),
+                    ("eval.every", cfg.eval.every, "evaluations run on a slice of the "
+                     "trainer's process, and it has none"),
+                    ("data.source", cfg.data.source == "env", "multi-turn episodes do not "
+                     "move between processes yet")]:
+                if on:
+                    config_lib.fail(field, f"a run of {role.num_processes} processes "
+                                           f"cannot use it: {why}")
+    return role

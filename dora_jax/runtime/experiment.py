@@ -26,11 +26,13 @@ from dora_jax.rollout.episodes import EpisodeRunner, Latency
 from dora_jax.rollout.sampling import read_stop_ids
 from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.rollout.warmup import warm_engine
-from dora_jax.runtime import compile_times, recovery, writers
+from dora_jax.runtime import compile_times, recovery, remote, roles, writers
 from dora_jax.runtime.evaluation import EvalDecoder
 from dora_jax.runtime.faults import Drills
 from dora_jax.runtime.loop import Runtime
 from dora_jax.runtime.report import StepReporter
+from dora_jax.runtime.weights import published_copy
+from dora_jax.runtime.worker import SliceWorker
 from dora_jax.scheduler.core import Scheduler
 from dora_jax.scheduler.ledger import LedgerWriter
 from dora_jax.scheduler.modes import POLICIES
@@ -131,7 +133,8 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
         on_step: Callable[[dict], None] = lambda record: None,
         make_trainer: Callable[..., Trainer] = Trainer, fresh: bool = False,
         tokenizer: Tokenizer | None = None,
-        progress: Callable[[str], None] = lambda line: None) -> dict:
+        progress: Callable[[str], None] = lambda line: None,
+        role: roles.Role = roles.Role()) -> dict:
     """Runs `cfg.coordinator.num_steps` train steps end to end; returns the summary.
 
     A workdir holding a run of this config continues it (runtime/recovery.py); one
@@ -140,7 +143,9 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     instrument it). `tokenizer`: the one `model.hf_checks.check_pretrained` read
     for this config (None: read here). `progress` gets a line before the warm-up's
     compiles (with the time the last run in `workdir` took) and one after (the
-    seconds per phase, kept in the workdir for the next run). Raises
+    seconds per phase, kept in the workdir for the next run). `role`: this process's
+    part of a run of several (runtime/roles.py): the lead runs the slices through the
+    slice processes (remote.py). Raises
     `runtime.loop.RunError` if any part fails; the ledger then still accounts for
     every admitted group."""
     recovery.prepare(workdir, cfg, fresh)
@@ -165,7 +170,10 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     # Held-out prompts never reach the prompt stream: training cannot admit them.
     records, eval_prompts = sources.held_out_split(records, cfg)
     reward_fn = sources.reward_for(cfg, tokenizer)  # an unknown name fails before compute
-    trainer_mesh, slice_meshes = devices.make_meshes(cfg.mesh)
+    if role.multi:  # the slices live in the slice processes
+        trainer_mesh, slice_meshes = devices.make_trainer_mesh(cfg.mesh), []
+    else:
+        trainer_mesh, slice_meshes = devices.make_meshes(cfg.mesh)
     graphdef, params = initial_params(cfg, trainer_mesh)
     # Every stop id of the tokenizer read above ends a sequence (no engine reads it again).
     stop_ids = read_stop_ids(cfg.rollout, tokenizer)
@@ -173,7 +181,7 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     # so the scheduler never migrates or reloads around a request that has in fact
     # already finished on the device.
     runners = [episode_runner(cfg, tokenizer) for _ in slice_meshes]
-    slices = [DecodeSlice.create(i, mesh, cfg.model, cfg.rollout, rules=cfg.mesh.decode_rules,
+    slices: list = [DecodeSlice.create(i, mesh, cfg.model, cfg.rollout, rules=cfg.mesh.decode_rules,
                                  lookahead=False, tokenizer_path=cfg.data.tokenizer or None,
                                  stop_ids=stop_ids, episodes=runners[i],
                                  versions=cfg.rollout.versions_per_slice)
@@ -186,6 +194,12 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
         params = copy_tree(trainer.params)
         for sl in slices:
             sl.load_version(trainer.version, params)
+    procs = None
+    if role.multi:  # the slice processes start on the trainer's version
+        first = (trainer.version, published_copy(trainer.params))
+        procs = remote.start(cfg, role, trainer_mesh, lambda: first,
+                             timeout=cfg.coordinator.stall_timeout or 600.0)
+        slices = [procs.slices[i] for i in range(cfg.mesh.num_slices)]
     phases = (["eval"] * bool(cfg.eval.every) + [TRAIN_PHASE, DECODE_PHASE]
               + ["checkpoint save"] * bool(cfg.coordinator.checkpoint_every))
     progress(compile_times.announcement(phases, workdir))
@@ -196,7 +210,10 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
         eval_decoder = EvalDecoder(host, cfg.eval, cfg.seed)
         with watch("eval"):
             eval_decoder.warm(host.engine.load_params(params))
-    warm_up(slices, trainer, cfg, watch)
+    warm_up([sl for sl in slices if isinstance(sl, DecodeSlice)], trainer, cfg, watch)
+    if procs is not None:  # compiling in their own processes meanwhile
+        with watch(DECODE_PHASE):
+            procs.wait_ready(cfg.coordinator.stall_timeout or 600.0)
     if cfg.coordinator.checkpoint_every:  # periodic saves: none may stall the run
         with watch("checkpoint save"):
             Checkpointer.warm_up(trainer.state)
@@ -235,7 +252,10 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     runtime = Runtime(cfg, scheduler, slices, trainer, stream, rewards, ledger, reporter,
                       timeline, on_step=on_step, checkpointer=checkpointer, resumed=resumed,
                       eval_decoder=eval_decoder, eval_prompts=eval_prompts,
-                      faults=Drills.from_config(cfg.coordinator))
+                      faults=Drills.from_config(cfg.coordinator),
+                      make_worker=SliceWorker if procs is None else procs.worker)
+    if procs is not None:  # a replacement process starts from the newest version
+        procs.current = runtime.weights.newest
     try:
         try:
             summary = runtime.run(cfg.coordinator.num_steps - trainer.version)
@@ -248,12 +268,19 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
         # waits for a pending asynchronous save. ExitStack runs them bottom-up.
         with contextlib.ExitStack() as closing:
             closing.callback(checkpointer.close)
+            if procs is not None:
+                closing.callback(procs.close)
             closing.callback(reporter.close)
             closing.callback(ledger.close)
             closing.callback(rewards.close)
             for runner in filter(None, runners):  # their event loops' threads end
                 closing.callback(runner.close)
     summary["mode"] = cfg.coordinator.mode
+    if procs is not None:
+        summary["slice_processes"] = {str(i): procs.process_of(i)
+                                      for i in range(cfg.mesh.num_slices)}
+        summary["slice_process_replacements"] = [
+            dict(process=p, seconds_to_ready=round(t, 1)) for p, t in procs.replacements]
     if resumed is not None:
         summary["resumed_from_step"] = resumed.plan.step
     timeline.save_json(os.path.join(workdir, "timeline.json"))

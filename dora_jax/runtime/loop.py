@@ -18,7 +18,7 @@ import functools
 import queue
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dora_jax.base.timeline import Timeline
 from dora_jax.data.prompts import PromptStream
@@ -73,7 +73,9 @@ class Runtime(Driver):
     `checkpointer` (optional) saves every `coordinator.checkpoint_every` steps, off this
     thread (saves.py); `resumed` (`recovery.load`) is the run this one continues;
     `eval_decoder` evaluates `eval_prompts` every `eval.every` steps (evaluation.py);
-    `faults` is where drills fail the run on purpose (faults.py; none by default).
+    `faults` is where drills fail the run on purpose (faults.py; none by default);
+    `make_worker(slice, events, timeline, clock, faults)` runs a slice (a
+    `SliceWorker`, or a slice process's `remote.RemoteSliceWorker`).
     """
 
     def __init__(self, cfg: Config, scheduler: Scheduler, slices: list[DecodeSlice],
@@ -83,7 +85,8 @@ class Runtime(Driver):
                  checkpointer: Checkpointer | None = None,
                  clock: Callable[[], float] = time.perf_counter, resumed: Resumed | None = None,
                  eval_decoder: EvalDecoder | None = None,
-                 eval_prompts: Sequence[dict] = (), faults: Faults = NO_FAULTS) -> None:
+                 eval_prompts: Sequence[dict] = (), faults: Faults = NO_FAULTS,
+                 make_worker: Callable[..., Any] = SliceWorker) -> None:
         self.cfg, self.sched, self.slices, self.trainer = cfg, scheduler, slices, trainer
         self.prompts, self.ledger = prompts, ledger
         self.reporter, self.timeline, self.on_step = reporter, timeline, on_step
@@ -102,7 +105,9 @@ class Runtime(Driver):
         self.evaluation = None if eval_decoder is None else Evaluation(
             cfg.eval, eval_prompts, eval_decoder, rewards, self._events, self.clock)
         self.faults = faults
-        self.workers = [SliceWorker(sl, self._events, timeline, self.clock, faults)
+        # A slice in another process gets remote.RemoteSliceWorker.
+        self._make_worker = make_worker
+        self.workers = [make_worker(sl, self._events, timeline, self.clock, faults)
                         for sl in slices]
         self._saves = None if checkpointer is None else BackgroundSaves(
             checkpointer, after_copy=lambda: faults.run_reached("save"))
@@ -307,8 +312,8 @@ class Runtime(Driver):
                           time=self.clock(), error=f"{type(error).__name__}: {error}",
                           regenerated=lost, in_hand_over=in_hand_over)
         # Without the run's faults: a drill fails a slice once, not its restart.
-        self.workers[i] = SliceWorker(self.slices[i], self._events, self.timeline, self.clock,
-                                      NO_FAULTS)
+        self.workers[i] = self._make_worker(self.slices[i], self._events, self.timeline,
+                                            self.clock, NO_FAULTS)
         self.workers[i].start()
 
     def _wait_kind(self) -> str | None:

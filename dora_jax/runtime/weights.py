@@ -71,14 +71,21 @@ class WeightBook:
         """Adds `version` and forgets every version not in `keep`; fills the futures
         handed out for it."""
         keep = set(keep)
-        self._by_version = {v: p for v, p in self._by_version.items() if v in keep}
-        self._by_version[version] = params
+        by_version = {v: p for v, p in self._by_version.items() if v in keep}
+        by_version[version] = params
+        self._by_version = by_version
         for box in self._awaited.pop(version, []):
             if not box.done():  # cancelled: its slice failed and restarted since
                 box.set_result(self._whole(params))
 
     def _whole(self, published: nnx.State) -> nnx.State:
         return published if self._base is None else lora.merge(self._base, published)
+
+    def newest(self) -> tuple[int, nnx.State]:
+        """The newest published version and its params (any thread)."""
+        by_version = self._by_version  # replaced whole on publish, never edited
+        version = max(by_version)
+        return version, self._whole(by_version[version])
 
     def for_load(self, version: int,
                  in_training: int | None = None) -> nnx.State | concurrent.futures.Future:

@@ -126,6 +126,19 @@ class SliceWorker:
         self._commands.put(("export", (request_ids, box)))
         dst._commands.put(("import", box))
 
+    def export(self, request_ids: list) -> queue.Queue:
+        """Export these requests (those still held) into the returned box, for a
+        slice in another process (remote.py); nothing here waits for it."""
+        box: queue.Queue = queue.Queue(maxsize=1)
+        self._commands.put(("export", (request_ids, box)))
+        return box
+
+    def take(self, inflights: list) -> None:
+        """Import requests exported by a slice in another process, in command order."""
+        box: queue.Queue = queue.Queue(maxsize=1)
+        box.put(inflights)
+        self._commands.put(("import", box))
+
     def release_hand_overs(self) -> list:
         """After this worker failed: every destination waiting for one of its hand-overs
         gets nothing. Returns (request id, destination slice id) of what they awaited."""

@@ -464,3 +464,37 @@ def test_each_donating_call_consumes_the_state_and_the_old_one_is_deleted(monkey
     assert src.stats.reprefill_tokens and dst.stats.migrated_in == 1
     assert len(runs) > 10
     assert set(live) == {id(src.calls.state), id(dst.calls.state)}
+
+
+def test_a_migration_to_another_process_prefills_again_and_continues_identically():
+    """Between processes the KV cache stays behind (runtime/slice_process.without_kv)
+    and the records cross the wire: the destination prefills the tokens so far again
+    under the same version and samples on as the source would have."""
+    from dora_jax.runtime import slice_process, wire
+
+    src = DecodeSlice(1, rc.engine("dense", "sampled", 1, decode_steps=1))
+    src.load_version(0, rc.params("dense", 0))
+    reqs = requests(group0=80)
+    reference = {}
+    for r in reqs:
+        src.submit(r)
+        reference[r.request_id] = src.drain()[0]
+    moved = sorted(reqs, key=lambda r: -len(reference[r.request_id].response_tokens))[:2]
+    assert len(reference[moved[-1].request_id].response_tokens) > 4
+    for r in moved:
+        src.submit(r)
+    for _ in range(3):
+        assert src.step() == []
+    out = slice_process.without_kv(src.export_requests([r.request_id for r in moved]))
+    assert all(f.prefix is None and len(f.response_tokens) == 4 for f in out)
+    _, fields = wire.decode(wire.encode("exported", records=out))
+    dst = DecodeSlice(2, rc.engine("dense", "sampled", 2, decode_steps=1))
+    dst.load_version(0, rc.params("dense", 0))
+    dst.import_requests(fields["records"])
+    results = {t.request_id: t for t in dst.drain()}
+    for r in moved:
+        t, ref = results[r.request_id], reference[r.request_id]
+        assert t.response_tokens == ref.response_tokens and t.versions == ref.versions
+        np.testing.assert_allclose(t.behaviour_logprobs, ref.behaviour_logprobs, atol=1e-5)
+        assert t.slice_ids == [1, 2]
+    assert dst.stats.reprefill_tokens >= 8  # the 4 tokens of each, run again

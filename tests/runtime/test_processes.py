@@ -1,0 +1,112 @@
+"""A run as several processes (runtime/remote.py, runtime/slice_process.py,
+launch/local.py): the trainer's lead and two slice processes on this machine, the
+ledger audited clean; in sync mode the tokens of the one-process run; a slice process
+killed with -9 mid-run replaced while the run goes on, nothing lost."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO, audit_workdir, env_without_device_count, load_repo_config
+
+from dora_jax.scheduler import ledger
+
+FLAGS = ["--config=configs/tiny.py", "--config.model.num_layers=1"]
+
+
+def _launch(workdir, *extra, processes=3):
+    return subprocess.Popen(
+        [sys.executable, "-m", "dora_jax.launch.local", f"--processes={processes}", "--",
+         *FLAGS, f"--workdir={workdir}", *extra],
+        cwd=REPO, env=env_without_device_count(), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc, timeout=600):
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-2000:] + err[-4000:]
+    return out
+
+
+def _audited(workdir, **overrides):
+    cfg = load_repo_config("configs/tiny.py", model__num_layers=1, **overrides)
+    events, report = audit_workdir(cfg, str(workdir))
+    assert report.ok, report.summary()
+    return cfg, events
+
+
+def _step_metrics(workdir):
+    keep = ("step", "reward_mean", "trained_tokens", "loss")
+    with open(workdir / "metrics.jsonl") as f:
+        return [{k: r[k] for k in keep if k in r} for r in map(json.loads, f)
+                if "reward_mean" in r]
+
+
+@pytest.mark.slow
+def test_three_processes_run_audited_and_sync_mode_gives_the_one_process_tokens(tmp_path):
+    steps = ["--config.coordinator.num_steps=4", "--config.coordinator.mode=sync"]
+    many, one = tmp_path / "three", tmp_path / "one"
+    proc = _launch(many, *steps)
+    single = subprocess.run([sys.executable, "-m", "dora_jax.main", *FLAGS, f"--workdir={one}",
+                             *steps], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert single.returncode == 0, single.stderr[-3000:]
+    out = _finish(proc)
+    assert "slice process 1: slices [0, 1] ready" in out
+    assert "slice process 2: slices [2, 3] ready" in out
+    _audited(many, coordinator__num_steps=4, coordinator__mode="sync")
+    summary = json.loads((many / "summary.json").read_text())
+    assert summary["slice_processes"] == {"0": 1, "1": 1, "2": 2, "3": 2}
+    rows = {s["row"] for s in json.loads((many / "timeline.json").read_text())}
+    assert {"process 1 slice 0", "process 2 slice 3", "trainer"} <= rows, rows
+    # The same seed: the same samples, so the same rewards, tokens and losses.
+    assert _step_metrics(many) == _step_metrics(one) and len(_step_metrics(one)) == 4
+    consumed = {d: [e["group_id"] for e in ledger.read(str(d / "ledger.jsonl"))
+                    if e["event"] == "consume"] for d in (many, one)}
+    assert consumed[many] == consumed[one]
+
+
+def _slice_process_pid(launcher_pid, process_id):
+    """The pid of the launcher's child running slice process `process_id`."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if ppid == launcher_pid and f"DORA_PROCESS_ID={process_id}".encode() in env:
+            return int(pid)
+    return None
+
+
+@pytest.mark.slow
+def test_a_slice_process_killed_mid_run_is_replaced_and_nothing_is_lost(tmp_path):
+    workdir = tmp_path / "run"
+    proc = _launch(workdir, "--config.coordinator.num_steps=40")
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.monotonic() + 500
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    victim = _slice_process_pid(proc.pid, 2)
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    out = _finish(proc)
+    cfg, events = _audited(workdir, coordinator__num_steps=40)
+    failed = [e for e in events if e["event"] == "slice_failed"]
+    assert {e["slice"] for e in failed} == {2, 3}, failed
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["steps"] == 40 and summary["slice_failures"] == 2
+    [replaced] = summary["slice_process_replacements"]
+    assert replaced["process"] == 2 and replaced["seconds_to_ready"] > 0
+    print(f"replacement ready after {replaced['seconds_to_ready']} s; " + out.splitlines()[-2])
+    standing = ledger.standing(events)
+    consumed = [e["group_id"] for e in standing if e["event"] == "consume"]
+    assert len(consumed) == len(set(consumed)) == 40 * cfg.coordinator.train_batch_size

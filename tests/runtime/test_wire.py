@@ -1,0 +1,101 @@
+"""The wire between processes (runtime/wire.py): what crosses it comes back equal,
+nothing else crosses, and only a peer holding the run's key connects."""
+
+import multiprocessing.connection
+import threading
+
+import numpy as np
+import pytest
+
+from dora_jax.rollout.trajectory import InFlight, Request, SliceStats, Trajectory
+from dora_jax.runtime import roles, wire
+
+
+def _trajectory():
+    return Trajectory(group_id=3, prompt_id="p-7", sample_index=1, version=2,
+                      prompt_tokens=[5, 6], response_tokens=[7, 8, 9],
+                      behaviour_logprobs=[-0.5, -1.25, float("-inf")], versions=[[2, 3]],
+                      slice_ids=[0, 1], finish_reason="stop", t_submit=0.5, t_start=0.75,
+                      t_finish=1.5, episode={"turns": [["model", 0, 3, 0.0]]},
+                      routing=np.arange(12, dtype=np.int8).reshape(3, 2, 2))
+
+
+def test_records_cross_the_wire_unchanged():
+    request = Request(group_id=3, prompt_id=11, sample_index=1, prompt_tokens=(5, 6),
+                      seed=np.array([1, 2**32 - 1], np.uint32), version=2,
+                      record={"prompt": "2+2", "answer": 4})
+    stats = SliceStats(generate_calls=4, weight_transfer_seconds=0.25)
+    inflight = InFlight.submitted(request, 0, 0.5)
+    kind, got = wire.decode(wire.encode(
+        "finished", request=request, trajectories=[_trajectory()], stats=stats,
+        inflight=inflight, by_id={(3, 1): "a"}, ids=[(3, 1)]))
+    assert kind == "finished"
+    assert got["request"].prompt_tokens == (5, 6) and got["request"].record == request.record
+    np.testing.assert_array_equal(got["request"].seed, request.seed)
+    assert got["request"].seed.dtype == np.uint32
+    t = got["trajectories"][0]
+    assert t == _trajectory()  # routing is not compared by ==
+    np.testing.assert_array_equal(t.routing, _trajectory().routing)
+    assert t.routing.dtype == np.int8 and t.behaviour_logprobs[-1] == float("-inf")
+    assert got["stats"] == stats
+    assert got["inflight"].request.request_id == request.request_id
+    assert got["by_id"] == {(3, 1): "a"} and got["ids"] == [(3, 1)]
+
+
+def test_only_known_records_and_plain_arrays_cross():
+    class Other:
+        pass
+
+    with pytest.raises(TypeError, match="Other does not cross"):
+        wire.encode("x", value=Other())
+    with pytest.raises(wire.WireError, match="unknown record type 'Popen'"):
+        wire.decode(b'{"kind": "x", "fields": {"v": {"__dc__": "Popen", "f": {}}}}')
+    with pytest.raises(wire.WireError, match="object arrays"):
+        wire.decode(b'{"kind": "x", "fields": {"v": {"__nd__": ["|O", [1], "AAAAAAAAAAA="]}}}')
+    with pytest.raises(wire.WireError, match="no field"):
+        wire.decode(b'{"kind": "x", "fields": {"v": {"__dc__": "SliceStats", '
+                    b'"f": {"evil": 1}}}}')
+    with pytest.raises(wire.WireError, match="undecodable"):
+        wire.decode(b"\x80\x04not json")
+
+
+def test_a_link_needs_the_run_s_key(monkeypatch):
+    monkeypatch.setenv(wire.AUTHKEY_ENV, wire.new_authkey())
+    listener = wire.listen(("127.0.0.1", 0))
+    got = {}
+
+    def serve():
+        link = wire.accept(listener)
+        got["message"] = link.recv()
+        link.send("reply", n=got["message"][1]["n"] + 1)
+
+    t = threading.Thread(target=serve)
+    t.start()
+    link = wire.connect(listener.address)
+    link.send("ask", n=41)
+    assert link.recv() == ("reply", {"n": 42})
+    t.join()
+    # A peer without the key is refused in the handshake, before any message.
+    monkeypatch.setenv(wire.AUTHKEY_ENV, "another key")
+    t = threading.Thread(target=lambda: pytest.raises(Exception, wire.accept, listener))
+    t.start()
+    with pytest.raises(multiprocessing.connection.AuthenticationError):
+        wire.connect(listener.address)
+    t.join()
+    listener.close()
+
+
+def test_roles_come_from_the_launcher_s_variables():
+    assert roles.from_env({}) == roles.Role()
+    env = {roles.NUM_PROCESSES: "3", roles.PROCESS_ID: "2", roles.COORDINATOR: "10.0.0.1:5000"}
+    role = roles.from_env(env)
+    assert (role.process_id, role.num_processes, role.coordinator) == (2, 3, ("10.0.0.1", 5000))
+    assert role.slice_ids_by_process(4) == {1: [0, 1], 2: [2, 3]}
+    assert roles.Role(0, 4).slice_ids_by_process(4) == {1: [0], 2: [1, 2], 3: [3]}
+    for bad, says in [({roles.PROCESS_ID: "3"}, "DORA_PROCESS_ID=3 is outside 0..2"),
+                      ({roles.COORDINATOR: "nowhere"}, "DORA_COORDINATOR='nowhere'"),
+                      ({roles.NUM_PROCESSES: "x"}, "DORA_NUM_PROCESSES='x'")]:
+        with pytest.raises(ValueError, match=says):
+            roles.from_env({**env, **bad})
+    with pytest.raises(ValueError, match="more than the config's 1 decode slices"):
+        role.slice_ids_by_process(1)
