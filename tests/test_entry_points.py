@@ -105,6 +105,23 @@ def test_bench_modes(modes_run):
 
 
 @pytest.mark.slow
+def test_bench_processes():
+    """Publication in one process and across two (tiny shape), the cross-process fit,
+    and the coordinator driving 8 fake slices over the wire."""
+    out = run_module("dora_jax.bench.processes", "--shapes=tiny", "--reps=2", "--slices=8",
+                     "--seconds=2")
+    lines = out.stdout.splitlines()
+    parse(final_line(out), rf"coordinator decisions/s at 8 slices: {NUMBER}", 1, 1e6)
+    for what in ("full", "adapters"):
+        assert any(x.startswith(f"publish tiny {what}: ") for x in lines), out.stdout
+    assert any(x.startswith("simulator transfer cost (cross-process, this host): "
+                            "transfer_latency=") for x in lines), out.stdout
+    ratio = next(x for x in lines if x.startswith("cross-process/in-process"))
+    parse(ratio, rf"cross-process/in-process publish seconds \(tiny, full\): {NUMBER}",
+          0.01, 1e4)
+
+
+@pytest.mark.slow
 def test_bench_scale():
     out = run_module("dora_jax.bench.scale", "--parts=prefill", "--reps=1")
     m = parse(final_line(out), rf"prefills per group: {NUMBER}", 1, 4)

@@ -106,7 +106,17 @@ def test_a_slice_process_killed_mid_run_is_replaced_and_nothing_is_lost(tmp_path
     assert summary["steps"] == 40 and summary["slice_failures"] == 2
     [replaced] = summary["slice_process_replacements"]
     assert replaced["process"] == 2 and replaced["seconds_to_ready"] > 0
-    print(f"replacement ready after {replaced['seconds_to_ready']} s; " + out.splitlines()[-2])
+    # The run trains on with the other process's slices while the killed one is away.
+    lost_at = min(e["time"] for e in failed)
+    with open(metrics) as f:
+        step_ends = [r["time"] for r in map(json.loads, f) if "reward_mean" in r]
+    after = [t for t in step_ends if t > lost_at]
+    away = [t for t in after if t < lost_at + replaced["seconds_to_ready"]]
+    assert away, (lost_at, replaced, step_ends)
+    print(f"slice process 2 lost at {lost_at:.2f} s (run clock); next step "
+          f"{after[0] - lost_at:.2f} s later; {len(away)} steps trained before its "
+          f"replacement was ready ({replaced['seconds_to_ready']} s); "
+          + out.splitlines()[-2])
     standing = ledger.standing(events)
     consumed = [e["group_id"] for e in standing if e["event"] == "consume"]
     assert len(consumed) == len(set(consumed)) == 40 * cfg.coordinator.train_batch_size
