@@ -20,6 +20,10 @@ checkpoints go to the same place through its gs:// URL
 the JobSet (up to `--max_restarts`) with the same command, which resumes from the
 workdir's newest checkpoint.
 
+With --processes=N the run is N processes instead, one pod each, without Pathways:
+the trainer's lead and N-1 slice processes (launch/processes.py; it reads the run's
+key from the Secret NAME-authkey).
+
 The image is built from the repository's Dockerfile (docs/launchers.md says how); it holds
 this repository at its working directory (the command names `configs/...` relative
 to it) with dora_jax and pathwaysutils installed (dora_jax.main starts Pathways' JAX
@@ -38,7 +42,7 @@ from typing import NoReturn
 from absl import app, flags
 from ml_collections import config_flags
 
-from dora_jax.launch import jobset
+from dora_jax.launch import jobset, processes
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/x.py[:variant]",
                                           lock_config=True)
@@ -70,6 +74,9 @@ _SERVER_IMAGE = flags.DEFINE_string("server_image", jobset.SERVER_IMAGE,
                                     "Pathways server image (resource manager, workers)")
 _PROXY_IMAGE = flags.DEFINE_string("proxy_image", jobset.PROXY_IMAGE,
                                    "Pathways IFRT proxy image")
+_PROCESSES = flags.DEFINE_integer("processes", 0, "0: one process under Pathways; N: the "
+                                  "trainer's lead and N-1 slice processes, one pod each "
+                                  "(launch/processes.py, docs/processes.md)", lower_bound=0)
 flags.mark_flag_as_required("config")
 ANNOTATION_PREFIX = "dora-jax"
 
@@ -142,7 +149,8 @@ def jobset_annotations(job: dict, argv: list[str]) -> dict:
                                                     *argv[1:]]),
         f"{ANNOTATION_PREFIX}/devices": (
             f"{d['total']} chips: {t['num_slices']} x {t['type']} ({t['hosts_per_slice']} "
-            f"host(s) x {t['chips_per_host']} chips, topology {t['topology']}) under Pathways"),
+            f"host(s) x {t['chips_per_host']} chips, topology {t['topology']}) "
+            + (f"as {_PROCESSES.value} processes" if _PROCESSES.value else "under Pathways")),
     }
 
 
@@ -151,7 +159,13 @@ def render(job: dict, argv: list[str]) -> str:
     it written by the YAML emitter (no text of ours around it)."""
     import yaml
 
-    js = jobset.render_jobset(job)
+    if _PROCESSES.value:
+        try:
+            js = processes.render(job, _PROCESSES.value)
+        except ValueError as e:
+            error(e)
+    else:
+        js = jobset.render_jobset(job)
     js["metadata"]["annotations"] = jobset_annotations(job, argv)
     return yaml.safe_dump(js, sort_keys=False)
 

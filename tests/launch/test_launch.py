@@ -412,3 +412,53 @@ def test_documented_launch_examples_run_as_written():
         r = _run(*argv[1:])
         assert r.returncode == 0, f"{shlex.join(argv)}: {r.stderr[-1000:]}"
         assert yaml.safe_load(r.stdout), shlex.join(argv)
+
+
+def _container_env(container, secret="k3y"):
+    return {e["name"]: e.get("value", secret if "secretKeyRef" in e.get("valueFrom", {})
+                                else None) for e in container["env"]}
+
+
+def test_gke_renders_a_run_of_several_processes_one_pod_each():
+    """--processes=3: the lead pod (process 0, the bucket mounted, the trainer's chips)
+    and an indexed Job of two slice pods whose roles, read as each process reads them,
+    are processes 1 and 2 of three, all pointed at the lead's stable name."""
+    from dora_jax.runtime import roles
+
+    r = _run(*GKE, "--config=configs/tiny.py", "--tpu=v5e-8", "--processes=3", "--name=dora-3p")
+    assert r.returncode == 0, r.stderr
+    js = yaml.safe_load(r.stdout)
+    jobs = {j["name"]: j for j in js["spec"]["replicatedJobs"]}
+    assert set(jobs) == {"lead", "slices"}
+    [lead] = jobs["lead"]["template"]["spec"]["template"]["spec"]["containers"]
+    slices_spec = jobs["slices"]["template"]["spec"]
+    [sl] = slices_spec["template"]["spec"]["containers"]
+    assert slices_spec["completionMode"] == "Indexed" and slices_spec["parallelism"] == 2
+    assert lead["resources"]["limits"] == {"google.com/tpu": 4}  # the trainer's 2 x 2
+    assert sl["resources"]["limits"] == {"google.com/tpu": 2}  # two slices of one chip
+    lead_env, slice_env = _container_env(lead), _container_env(sl)
+    assert "JAX_PLATFORMS" not in lead_env and lead_env["DORA_AUTHKEY"] == "k3y"
+    assert roles.from_env(lead_env) == roles.Role(0, 3, ("dora-3p-lead-0-0.dora-3p", 8476))
+    assert lead["command"][:3] == ["python", "-m", "dora_jax.main"]
+    # The slice pod's shell gives process id = completion index + 1, then runs main.
+    shell, flag, script, *main = sl["command"]
+    assert (shell, flag) == ("bash", "-c") and main == lead["command"]
+    for index in (0, 1):
+        out = subprocess.run([shell, "-c", script, "env"], capture_output=True, text=True,
+                             env={**slice_env, "JOB_COMPLETION_INDEX": str(index),
+                                  "PATH": "/usr/bin:/bin"})
+        env = dict(line.split("=", 1) for line in out.stdout.splitlines() if "=" in line)
+        assert roles.from_env(env).process_id == index + 1
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--tpu=v5e-8", "--processes=4"],
+     "the 4 decode slices must split evenly over 3 slice processes"),
+    (["--tpu=v5e-4", "--processes=3", "--config.mesh.trainer.data=4"],
+     "the trainer needs 8 chips, more than a v5e-4 host's 4"),
+    (["--tpu=v5e-4", "--processes=3", "--config.mesh.colocated=True",
+      "--config.coordinator.mode=sync"], "mesh.colocated: a run of several processes"),
+])
+def test_gke_several_processes_that_do_not_fit_are_one_line(args, says):
+    r = _run(*GKE, "--config=configs/tiny.py", *args)
+    assert r.returncode == 1 and r.stdout == "" and says in r.stderr, r.stderr

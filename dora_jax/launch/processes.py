@@ -1,0 +1,100 @@
+"""One run as several processes on GKE (docs/processes.md), without Pathways: the
+JobSet of a `lead` pod (process 0: the trainer and the coordinator, the bucket
+mounted) and a `slices` Job of N-1 indexed pods (the slice processes), each pod one
+process on one host with its own chips.
+
+Each process reads its role from its environment (runtime/roles.py): the pods get
+DORA_NUM_PROCESSES, DORA_COORDINATOR (the lead pod's stable name) and DORA_AUTHKEY
+(from the Secret `<name>-authkey`, key `authkey`, which `kubectl create secret
+generic NAME-authkey --from-literal=authkey=$(openssl rand -hex 16)` makes); a slice
+pod's DORA_PROCESS_ID is its completion index + 1. A slice pod that fails restarts
+in place (its Job's backoff): the run goes on meanwhile and takes it back. The lead
+failing fails the JobSet, which restarts and resumes from the workdir.
+
+Plain data in, plain data out; no JAX, no Kubernetes client.
+"""
+
+from __future__ import annotations
+
+from dora_jax.launch import jobset
+
+LEAD, SLICES = "lead", "slices"
+PORT = 8476
+SLICE_RESTARTS = 8  # per slice pod, before its Job (and the JobSet) fails
+
+
+def chips(spec: dict, processes: int) -> tuple[int, int]:
+    """(chips of the lead, chips of each slice process) of `spec`'s devices; ValueError
+    when a process's part does not fit one host of the TPU type."""
+    d, per_host = spec["devices"], spec["tpu"]["chips_per_host"]
+    if d["colocated"]:
+        raise ValueError("mesh.colocated: a run of several processes gives the trainer "
+                         "and the slices devices of their own")
+    slice_processes = processes - 1
+    if slice_processes < 1 or d["decode_slices"] % slice_processes:
+        raise ValueError(f"--processes={processes}: the {d['decode_slices']} decode slices "
+                         f"must split evenly over {slice_processes} slice processes")
+    lead = d["trainer"]
+    each = d["decode_slices"] // slice_processes * d["devices_per_decode_slice"]
+    for what, n in (("the trainer", lead), ("each slice process", each)):
+        if n > per_host:
+            raise ValueError(f"{what} needs {n} chips, more than a {spec['tpu']['type']} "
+                             f"host's {per_host}: a process's devices lie on one host")
+    return lead, each
+
+
+def render(spec: dict, processes: int) -> dict:
+    """The JobSet for `spec` (jobset.job_spec) as `processes` processes."""
+    name, t, store, cluster = spec["name"], spec["tpu"], spec["storage"], spec["cluster"]
+    lead_chips, slice_chips = chips(spec, processes)
+    env = {k: v for k, v in spec["env"].items() if k not in ("JAX_PLATFORMS",
+                                                            "JAX_BACKEND_TARGET")}
+    env.update({"DORA_NUM_PROCESSES": str(processes),
+                "DORA_COORDINATOR": f"{name}-{LEAD}-0-0.{name}:{PORT}"})
+    secret = {"secretKeyRef": {"name": f"{name}-authkey", "key": "authkey"}}
+    selector = {jobset.ACCELERATOR_LABEL: t["accelerator"],
+                jobset.TOPOLOGY_LABEL: t["topology"]}
+
+    def container(role_env: dict, count: int, command: list, **extra) -> dict:
+        c = jobset._container("main", spec["image"], command=command,
+                              env={**env, **role_env},
+                              resources={"limits": {jobset.TPU_RESOURCE: count}}, **extra)
+        c["env"].append({"name": "DORA_AUTHKEY", "valueFrom": secret})
+        return c
+
+    lead_pod = {
+        "nodeSelector": selector,
+        "containers": [container(
+            {"DORA_PROCESS_ID": "0"}, lead_chips, list(spec["command"]),
+            ports=[{"containerPort": PORT}],
+            volumeMounts=[{"name": jobset.WORKDIR_VOLUME, "mountPath": store["mount_path"]}])],
+        "volumes": [{"name": jobset.WORKDIR_VOLUME, "csi": {
+            "driver": jobset.GCSFUSE_DRIVER,
+            "volumeAttributes": {"bucketName": store["bucket"],
+                                 "mountOptions": "implicit-dirs"}}}],
+    }
+    # The slice's index is the pod's completion index; the shell only does the sum.
+    index = 'export DORA_PROCESS_ID=$((JOB_COMPLETION_INDEX + 1)); exec "$0" "$@"'
+    slice_pod = {"nodeSelector": selector, "containers": [container(
+        {}, slice_chips, ["bash", "-c", index, *spec["command"]])]}
+    slices = jobset._job(1, processes - 1, slice_pod, backoff=SLICE_RESTARTS * (processes - 1),
+                         restart="OnFailure")
+    slices["template"]["spec"]["completionMode"] = "Indexed"
+    metadata: dict = {"name": name}
+    if cluster["queue"]:
+        metadata["labels"] = {jobset.KUEUE_LABEL: cluster["queue"]}
+    return {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": metadata,
+        "spec": {
+            "network": {"enableDNSHostnames": True, "subdomain": name},
+            "successPolicy": {"operator": "All", "targetReplicatedJobs": [LEAD]},
+            "failurePolicy": {"maxRestarts": cluster["max_restarts"]},
+            "replicatedJobs": [
+                {"name": LEAD, **jobset._job(1, 1, lead_pod, backoff=0, restart="Never",
+                                             pod_annotations=dict([jobset.GCSFUSE_ANNOTATION]))},
+                {"name": SLICES, **slices},
+            ],
+        },
+    }
