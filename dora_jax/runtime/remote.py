@@ -87,6 +87,10 @@ class SliceProcesses:
         self._closing = False
         self.replacements: list = []  # (process id, seconds from loss to ready)
         self._lost_at: dict[int, float] = {}
+        # Slices of a lost process whose loss no worker has reported yet (lost before
+        # the runtime made their workers): the next worker made reports it.
+        self._unreported: dict[int, BaseException] = {}
+        self._lock = threading.Lock()  # workers made against losses reported
         threading.Thread(target=self._accept, name="slice processes", daemon=True).start()
 
     # ----------------------------------------------------------- connections
@@ -182,10 +186,13 @@ class SliceProcesses:
             self._base_sent.discard(i)
             # A hand-over out of a lost process never arrives: its destination is told
             # through the source's release_hand_overs.
-            w = self._workers.get(i)
-            if w is not None:
-                w.events.put(Failed(i, SliceProcessLost(
-                    f"slice process {proc.process_id}: {error}")))
+            lost = SliceProcessLost(f"slice process {proc.process_id}: {error}")
+            with self._lock:
+                w = self._workers.get(i)
+                if w is not None:
+                    w.events.put(Failed(i, lost))
+                else:
+                    self._unreported[i] = lost
 
     # ----------------------------------------------------------- commands
     def _send(self, worker: RemoteSliceWorker, kind: str, **fields: Any) -> bool:
@@ -220,12 +227,16 @@ class SliceProcesses:
         """The runtime's worker for remote slice `sl` (`Runtime`'s make_worker); it
         replaces the slice's earlier one, whose unsent commands are dropped."""
         del faults  # drills run in one process
-        old = self._workers.get(sl.slice_id)
-        if old is not None:
-            old.retire()
-        w = RemoteSliceWorker(self, sl.slice_id, events, timeline, clock,
-                              self._proc_of[sl.slice_id].generation)
-        self._workers[sl.slice_id] = w
+        with self._lock:
+            old = self._workers.get(sl.slice_id)
+            if old is not None:
+                old.retire()
+            w = RemoteSliceWorker(self, sl.slice_id, events, timeline, clock,
+                                  self._proc_of[sl.slice_id].generation)
+            self._workers[sl.slice_id] = w
+            lost = self._unreported.pop(sl.slice_id, None)
+            if lost is not None:
+                events.put(Failed(sl.slice_id, lost))
         return w
 
     def process_of(self, slice_id: int) -> int:

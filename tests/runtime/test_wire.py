@@ -99,3 +99,55 @@ def test_roles_come_from_the_launcher_s_variables():
             roles.from_env({**env, **bad})
     with pytest.raises(ValueError, match="more than the config's 1 decode slices"):
         role.slice_ids_by_process(1)
+
+
+def _fake_slice_process(address, process_id, *, then):
+    """A slice process that connects, says ready, then does `then(link)`."""
+    link = wire.connect(address)
+    link.send("hello", process_id=process_id)
+    assert link.recv()[0] == "init"
+    link.send("ready")
+    then(link)
+
+
+@pytest.mark.parametrize("how", ["silent", "gone"])
+def test_a_slice_process_that_hangs_or_dies_fails_its_slices_in_bounded_time(how, monkeypatch):
+    """The coordinator's side (runtime/remote.py): a process that stops sending (no
+    heartbeat) or whose connection drops fails each of its slices, each once."""
+    import queue
+    import time
+
+    from dora_jax.base.timeline import Timeline
+    from dora_jax.launch.local import free_port
+    from dora_jax.runtime import remote
+    from dora_jax.runtime.events import Failed
+
+    class NoWeights:
+        address = ""
+
+        def offer(self, version, params, *, base_held):
+            return 0, []
+
+    monkeypatch.setenv(wire.AUTHKEY_ENV, wire.new_authkey())
+    address = ("127.0.0.1", free_port("127.0.0.1"))
+    procs = remote.SliceProcesses(address, {1: [0, 1]}, NoWeights(), lambda: (0, None),
+                                  heartbeat_timeout=1.0)
+    stop = threading.Event()
+    then = (lambda link: stop.wait(30)) if how == "silent" else (lambda link: link.close())
+    peer = threading.Thread(target=_fake_slice_process, args=(address, 1), kwargs=dict(then=then))
+    peer.start()
+    procs.wait_ready(30)
+    events: queue.Queue = queue.Queue()
+    for i in (0, 1):
+        procs.worker(procs.slices[i], events, Timeline(), time.perf_counter)
+    start = time.monotonic()
+    failed = [events.get(timeout=10), events.get(timeout=10)]
+    assert time.monotonic() - start < 5
+    assert all(isinstance(e, Failed) for e in failed) and {e.source for e in failed} == {0, 1}
+    assert all("slice process 1" in str(e.error) for e in failed)
+    if how == "silent":
+        assert all("sent nothing for 1 s" in str(e.error) for e in failed)
+    assert events.empty()
+    stop.set()
+    peer.join()
+    procs.close()
