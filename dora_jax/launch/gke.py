@@ -46,8 +46,11 @@ from dora_jax.launch import jobset, processes
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/x.py[:variant]",
                                           lock_config=True)
-_TPU = flags.DEFINE_string("tpu", None, "TPU slice type, e.g. v5p-128, v5e-16, v6e-8",
-                           required=True)
+_TPU = flags.DEFINE_string("tpu", None, "TPU slice type, e.g. v5p-128, v5e-16, v6e-8")
+_GPU = flags.DEFINE_string("gpu", None, "with --processes: GPU nodes of this GKE "
+                           "accelerator type (e.g. nvidia-h100-80gb) instead of TPU")
+_GPUS_PER_HOST = flags.DEFINE_integer("gpus_per_host", 8, "GPUs of one --gpu node",
+                                      lower_bound=1)
 _IMAGE = flags.DEFINE_string("image", None, "container image built from this repository's "
                              "Dockerfile, e.g. REGISTRY/dora-jax:0.1.0 (see docs/launchers.md)",
                              required=True)
@@ -114,12 +117,17 @@ def spec_from_flags(argv: list[str]) -> dict:
     the container does that when it starts), the TPU slices tile its devices, and
     the container's command parses back to the same config."""
     spec, overrides = config_spec(), collect_overrides(argv)
+    if _GPU.value is not None and not _PROCESSES.value:
+        error("--gpu runs a job of several processes: give --processes=N too (Pathways "
+              "runs on TPU only)")
     try:
         cfg = jobset.render_config(_CONFIG.value)
         name = _NAME.value or jobset.default_name(spec)
         mount = _MOUNT.value or f"/gcs/{_BUCKET.value}"
         job = jobset.job_spec(
             spec, overrides, cfg, _TPU.value, image=_IMAGE.value, bucket=_BUCKET.value,
+            gpu=None if _GPU.value is None else {"type": _GPU.value,
+                                                 "per_host": _GPUS_PER_HOST.value},
             workdir=_WORKDIR.value or f"{mount}/dora/{name}", mount_path=_MOUNT.value,
             name=name, gcs_scratch=_SCRATCH.value, server_image=_SERVER_IMAGE.value,
             proxy_image=_PROXY_IMAGE.value, cpu_nodepool=_NODEPOOL.value,
@@ -144,6 +152,11 @@ def jobset_annotations(job: dict, argv: list[str]) -> dict:
     argument holding a newline would end the comment and start YAML of its own
     (another document, e.g. a privileged Pod that `kubectl apply` creates)."""
     t, d = job["tpu"], job["devices"]
+    if t is None:  # GPU nodes, one pod a process
+        return {f"{ANNOTATION_PREFIX}/command": shlex.join(
+                    ["python", "-m", "dora_jax.launch.gke", *argv[1:]]),
+                f"{ANNOTATION_PREFIX}/devices": f"{d['total']} {job['gpu']['type']} GPUs "
+                                                f"as {_PROCESSES.value} processes"}
     return {
         f"{ANNOTATION_PREFIX}/command": shlex.join(["python", "-m", "dora_jax.launch.gke",
                                                     *argv[1:]]),

@@ -156,12 +156,12 @@ def same_run(a, b, store: dict | None = None) -> bool:
     return plain(a) == plain(b)
 
 
-def job_spec(cfg_spec: str, overrides: list[str], cfg, tpu: str | tpu_lib.TpuType, *,
+def job_spec(cfg_spec: str, overrides: list[str], cfg, tpu: str | tpu_lib.TpuType | None, *,
              image: str, bucket: str, workdir: str, name: str, gcs_scratch: str = "",
              mount_path: str = "", server_image: str = SERVER_IMAGE,
              proxy_image: str = PROXY_IMAGE, cpu_nodepool: str = CPU_NODEPOOL,
              max_restarts: int = MAX_RESTARTS, queue: str = "",
-             main_resources: dict | None = None) -> dict:
+             main_resources: dict | None = None, gpu: dict | None = None) -> dict:
     """The job as plain data, shared by the GKE and XManager launchers: the
     container (image, command, env, resources), the devices the validated `cfg` (a
     `dora_jax.config.Config`) needs and the TPU slices that hold them, the storage
@@ -169,12 +169,18 @@ def job_spec(cfg_spec: str, overrides: list[str], cfg, tpu: str | tpu_lib.TpuTyp
     images and scratch location (default gs://BUCKET/pathways). Unless the
     overrides name one, the command points `coordinator.checkpoint_dir` at the
     workdir's checkpoints as a gs:// URL. ValueError when the slices cannot give
-    exactly `cfg.mesh.total_devices` chips, or a name, path or bucket is malformed."""
-    t = tpu if isinstance(tpu, tpu_lib.TpuType) else tpu_lib.parse(tpu)
+    exactly `cfg.mesh.total_devices` chips, or a name, path or bucket is malformed.
+    With `gpu` ({"type": GKE accelerator name, "per_host": GPUs a node has}) instead of
+    `tpu`, the job is for GPU nodes, one process per pod (launch/processes.py)."""
+    if (tpu is None) == (gpu is None):
+        raise ValueError("name the accelerator: --tpu, or --gpu with --processes")
     mesh = cfg.mesh
     devices = mesh.total_devices
-    slices = tpu_lib.num_slices(devices, t)
-    check_layout(mesh, t.chips)
+    t = None
+    if tpu is not None:
+        t = tpu if isinstance(tpu, tpu_lib.TpuType) else tpu_lib.parse(tpu)
+        slices = tpu_lib.num_slices(devices, t)
+        check_layout(mesh, t.chips)
     if not _NAME.fullmatch(name):
         raise ValueError(f"--name {name!r} must be a DNS label of at most 40 characters: "
                          "lowercase letters, digits and '-', starting with a letter")
@@ -205,10 +211,12 @@ def job_spec(cfg_spec: str, overrides: list[str], cfg, tpu: str | tpu_lib.TpuTyp
                     "decode_slices": 0 if mesh.colocated else mesh.num_slices,
                     "devices_per_decode_slice": mesh.slice_devices,
                     "colocated": mesh.colocated, "total": devices},
-        "tpu": {"type": t.name, "generation": t.generation, "num_slices": slices,
-                "chips_per_slice": t.chips, "hosts_per_slice": t.hosts,
-                "chips_per_host": t.chips_per_host, "accelerator": t.accelerator,
-                "topology": t.topology, "pathways_instance_type": t.pathways_instance_type},
+        "tpu": None if t is None else {
+            "type": t.name, "generation": t.generation, "num_slices": slices,
+            "chips_per_slice": t.chips, "hosts_per_slice": t.hosts,
+            "chips_per_host": t.chips_per_host, "accelerator": t.accelerator,
+            "topology": t.topology, "pathways_instance_type": t.pathways_instance_type},
+        "gpu": gpu,
         "storage": store,
         "cluster": {"cpu_nodepool": cpu_nodepool, "max_restarts": max_restarts,
                     "queue": queue},

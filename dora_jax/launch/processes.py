@@ -1,7 +1,8 @@
 """One run as several processes on GKE (docs/processes.md), without Pathways: the
 JobSet of a `lead` pod (process 0: the trainer and the coordinator, the bucket
 mounted) and a `slices` Job of N-1 indexed pods (the slice processes), each pod one
-process on one host with its own chips.
+process on one host (a TPU host of `--tpu`'s type, or a GPU node of `--gpu`'s) with
+its own chips.
 
 Each process reads its role from its environment (runtime/roles.py): the pods get
 DORA_NUM_PROCESSES, DORA_COORDINATOR (the lead pod's stable name) and DORA_AUTHKEY
@@ -21,12 +22,15 @@ from dora_jax.launch import jobset
 LEAD, SLICES = "lead", "slices"
 PORT = 8476
 SLICE_RESTARTS = 8  # per slice pod, before its Job (and the JobSet) fails
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_LABEL = "cloud.google.com/gke-accelerator"
 
 
 def chips(spec: dict, processes: int) -> tuple[int, int]:
     """(chips of the lead, chips of each slice process) of `spec`'s devices; ValueError
     when a process's part does not fit one host of the TPU type."""
-    d, per_host = spec["devices"], spec["tpu"]["chips_per_host"]
+    d, host = spec["devices"], _host(spec)
+    per_host = host["per_host"]
     if d["colocated"]:
         raise ValueError("mesh.colocated: a run of several processes gives the trainer "
                          "and the slices devices of their own")
@@ -38,27 +42,38 @@ def chips(spec: dict, processes: int) -> tuple[int, int]:
     each = d["decode_slices"] // slice_processes * d["devices_per_decode_slice"]
     for what, n in (("the trainer", lead), ("each slice process", each)):
         if n > per_host:
-            raise ValueError(f"{what} needs {n} chips, more than a {spec['tpu']['type']} "
+            raise ValueError(f"{what} needs {n} chips, more than a {host['type']} "
                              f"host's {per_host}: a process's devices lie on one host")
     return lead, each
 
 
+def _host(spec: dict) -> dict:
+    """What one node gives a pod: its type, devices, resource and node selector."""
+    t, gpu = spec["tpu"], spec["gpu"]
+    if gpu is not None:
+        return dict(type=gpu["type"], per_host=gpu["per_host"], resource=GPU_RESOURCE,
+                    selector={GPU_LABEL: gpu["type"]})
+    return dict(type=t["type"], per_host=t["chips_per_host"], resource=jobset.TPU_RESOURCE,
+                selector={jobset.ACCELERATOR_LABEL: t["accelerator"],
+                          jobset.TOPOLOGY_LABEL: t["topology"]})
+
+
 def render(spec: dict, processes: int) -> dict:
     """The JobSet for `spec` (jobset.job_spec) as `processes` processes."""
-    name, t, store, cluster = spec["name"], spec["tpu"], spec["storage"], spec["cluster"]
+    name, store, cluster = spec["name"], spec["storage"], spec["cluster"]
+    host = _host(spec)
     lead_chips, slice_chips = chips(spec, processes)
     env = {k: v for k, v in spec["env"].items() if k not in ("JAX_PLATFORMS",
                                                             "JAX_BACKEND_TARGET")}
     env.update({"DORA_NUM_PROCESSES": str(processes),
                 "DORA_COORDINATOR": f"{name}-{LEAD}-0-0.{name}:{PORT}"})
     secret = {"secretKeyRef": {"name": f"{name}-authkey", "key": "authkey"}}
-    selector = {jobset.ACCELERATOR_LABEL: t["accelerator"],
-                jobset.TOPOLOGY_LABEL: t["topology"]}
+    selector = host["selector"]
 
     def container(role_env: dict, count: int, command: list, **extra) -> dict:
         c = jobset._container("main", spec["image"], command=command,
                               env={**env, **role_env},
-                              resources={"limits": {jobset.TPU_RESOURCE: count}}, **extra)
+                              resources={"limits": {host["resource"]: count}}, **extra)
         c["env"].append({"name": "DORA_AUTHKEY", "valueFrom": secret})
         return c
 

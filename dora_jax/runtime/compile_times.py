@@ -57,3 +57,25 @@ class Stopwatch:
     def save(self, workdir: str) -> None:
         atomic_files.write_json_atomic(os.path.join(workdir, FILE),
                                 {k: round(v, 3) for k, v in self.seconds.items()}, indent=1)
+
+
+CACHE_DIR = "compile_cache"
+
+
+def use_persistent_cache(workdir: str) -> str | None:
+    """Keeps the programs a run compiles in `workdir`/compile_cache, so that the same
+    command again (a resume) reads them instead of compiling (JAX's persistent
+    compilation cache; JAX_COMPILATION_CACHE_DIR, when set, names another directory).
+    Returns the directory. An entry cut short by a killed run is refused by its
+    decompressor (a zlib stream's checksum, a zstd frame's length) and compiled again,
+    never served (tests/runtime/test_compile_cache.py)."""
+    import jax
+
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    path = os.path.join(workdir, CACHE_DIR)
+    jax.config.update("jax_compilation_cache_dir", path)
+    # Every program: a resume compiles nothing it compiled before, the small ones too.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path

@@ -149,6 +149,7 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     `runtime.loop.RunError` if any part fails; the ledger then still accounts for
     every admitted group."""
     recovery.prepare(workdir, cfg, fresh)
+    compile_times.use_persistent_cache(workdir)
     if cfg.logging.wandb_project:  # a missing package fails here, before any compute
         writers.import_wandb()
     checkpointer = Checkpointer(cfg.coordinator.checkpoint_dir

@@ -462,3 +462,20 @@ def test_gke_renders_a_run_of_several_processes_one_pod_each():
 def test_gke_several_processes_that_do_not_fit_are_one_line(args, says):
     r = _run(*GKE, "--config=configs/tiny.py", *args)
     assert r.returncode == 1 and r.stdout == "" and says in r.stderr, r.stderr
+
+
+def test_gke_renders_several_processes_on_gpu_nodes():
+    r = _run(*GKE, "--config=configs/tiny.py", "--gpu=nvidia-h100-80gb", "--gpus_per_host=4",
+             "--processes=3")
+    assert r.returncode == 0, r.stderr
+    js = yaml.safe_load(r.stdout)
+    pods = {j["name"]: j["template"]["spec"]["template"]["spec"]
+            for j in js["spec"]["replicatedJobs"]}
+    for name, gpus in (("lead", 4), ("slices", 2)):
+        assert pods[name]["nodeSelector"] == {"cloud.google.com/gke-accelerator":
+                                              "nvidia-h100-80gb"}
+        assert pods[name]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": gpus}
+    assert "as 3 processes" in js["metadata"]["annotations"]["dora-jax/devices"]
+    # Pathways runs on TPU only: GPUs need --processes.
+    r = _run(*GKE, "--config=configs/tiny.py", "--gpu=nvidia-h100-80gb")
+    assert r.returncode == 1 and "give --processes=N too" in r.stderr
