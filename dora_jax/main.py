@@ -53,9 +53,11 @@ def main(argv):
     cli.start_devices(cfg)
     role = cli.process_role(cfg)
     if not role.lead:  # a slice process of a run of several (launch/local.py)
-        from dora_jax.runtime import slice_process
+        from dora_jax.runtime import compile_times, slice_process
 
         assert role.coordinator is not None  # roles.from_env sets it for several processes
+        # A replacement process reads what the one before it compiled.
+        compile_times.use_persistent_cache(_WORKDIR.value)
         slice_process.serve(cfg, role.process_id, role.coordinator,
                             tokenizer=pretrained.tokenizer)
         return
