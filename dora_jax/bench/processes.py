@@ -105,7 +105,12 @@ def publish(shape: str, lora: bool, reps: int) -> dict:
     if puller.stdout.readline().strip() != "ready":
         raise RuntimeError("the pulling process did not start")
     in_process, across = [], []
-    versions = [jax.tree.map(lambda x, k=k: x + k, params) for k in range(reps + 1)]
+    if lora:  # a run publishes new adapters over the one base (runtime/weights.py)
+        base, adapters = lora_lib.split(params)
+        versions = [lora_lib.merge(base, jax.tree.map(lambda x, k=k: x + k, adapters))
+                    for k in range(reps + 1)]
+    else:
+        versions = [jax.tree.map(lambda x, k=k: x + k, params) for k in range(reps + 1)]
     jax.block_until_ready(jax.tree.leaves(versions))
     for k, version in enumerate(versions):  # the first of each warms up (compiles, connects)
         start = time.perf_counter()
