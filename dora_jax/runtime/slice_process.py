@@ -165,8 +165,9 @@ class _Commands:
         if kind == "start":
             self.epoch = m["epoch"]
             old = self.workers.get(i)
-            if old is not None:
+            if old is not None:  # the slice failed and restarts: it starts empty
                 old.stop(timeout=5.0)
+                self.slices[i].abandon()
             w = SliceWorker(self.slices[i], self.events, _Forwarder(self.link, i),  # type: ignore[arg-type]
                             self.clock)
             self.workers[i] = w
