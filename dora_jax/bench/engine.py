@@ -10,7 +10,9 @@ seeds, hence the same tokens and lengths — the RNG is per request):
      runs batches of S requests, each as one jitted `lax.while_loop`;
   2. long-tailed lengths: EOS set to the token the model emits most often, so
      lengths are roughly geometric; the fixed batch waits for its longest request;
-  3. slice time per decode step as a function of busy slots 1..S.
+  3. slice time per decode step as a function of busy slots 1..S;
+and, for the dense and the paged KV cache, the bytes a compiled decode step accesses
+(XLA's cost analysis) next to the ideal: the weights read once plus the KV cache.
 First, a sweep of `rollout.decode_steps` (tokens per generate call) with all slots
 busy shows what the configs' default is chosen from.
 Both samplers use the engine's prefill/insert and its decode step (`generate_fn`),
@@ -224,6 +226,11 @@ def bench_model(name: str, slots: int, decode_len: int, per_slot: int, repeats: 
         engine = Engine(cfg.model, rollout, mesh)
         sl = DecodeSlice(0, engine)
         sl.load_version(0, params)
+        if eos < 0:  # what each KV layout's compiled step reads, against the ideal
+            figures["step_bytes"] = {kv: step_bytes(e, e.load_params(params)) for kv, e in (
+                ("dense", engine),
+                ("paged", Engine(cfg.model, dataclasses.replace(rollout, kv_cache="paged"),
+                                 mesh)))}
         fixed = make_fixed_batch(engine)
         reqs = make_requests(per_slot * S, max_prompt, cfg.model.vocab_size)
         run_slice(sl, reqs[:S])  # compile
@@ -252,6 +259,19 @@ def bench_model(name: str, slots: int, decode_len: int, per_slot: int, repeats: 
                 figures["step_seconds"][str(k)] = dt
                 print(f"   {k:10d} {dt * 1e3:20.3f} {k / dt:10.0f}")
     return figures
+
+
+def step_bytes(engine: Engine, params) -> dict:
+    """Bytes a compiled decode step accesses (XLA's cost analysis) against the ideal:
+    the weights read once plus the KV cache (`Engine.step_cost`)."""
+    cost = engine.step_cost(params)
+    cost["over_ideal"] = cost["bytes_accessed"] / cost["ideal_bytes"]
+    print(f"   decode step ({engine.rollout_cfg.kv_cache} KV): "
+          f"{cost['bytes_accessed'] / 1e6:.3f} MB accessed, ideal "
+          f"{cost['ideal_bytes'] / 1e6:.3f} MB (weights {cost['weight_bytes'] / 1e6:.3f} "
+          f"+ KV {cost['kv_bytes'] / 1e6:.3f}): "
+          f"{cost['over_ideal']:.2f}x the ideal")
+    return cost
 
 
 def profile_decode(name: str, S: int, decode_len: int, repeats: int) -> None:

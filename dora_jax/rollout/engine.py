@@ -21,9 +21,11 @@ gives every slot cache_length positions; "paged" keeps a host-side pool of pages
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -361,6 +363,22 @@ class Engine:
         pool is short). sampler: must be None."""
         sampling.refuse_sampler(sampler)
         return self._jit.step(params, decode_state, self._page_view(1))
+
+    def step_cost(self, params: EngineParams) -> dict:
+        """The compiled one-token decode step (`generate`) of `params` as XLA's cost
+        analysis counts it, next to its ideal: `bytes_accessed`, and `ideal_bytes` =
+        the weights read once plus the whole KV cache (a bound on the live KV; paged:
+        the pool). Compiles the step for the page view as it stands; changes nothing."""
+        state = jax.eval_shape(self._jit.init)
+        view = None if self.pages is None else self.pages.view()
+        compiled = self._jit.step.lower(params, state, view).compile()
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        weights = sum(x.nbytes for x in params.leaves)
+        kv = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
+                 for x in jax.tree.leaves(state.cache))
+        return dict(bytes_accessed=float(cost["bytes accessed"]), flops=float(cost["flops"]),
+                    weight_bytes=weights, kv_bytes=kv, ideal_bytes=weights + kv)
 
     # ----------------------------------------------------------- extensions
 

@@ -152,6 +152,10 @@ def test_the_cpu_form_runs_every_part_and_reports(tmp_path):
     assert all(c["max_abs_err"] <= c["tol"] for c in parts["tests"]["comparisons"] if "tol" in c)
     assert [r["model"] for r in parts["engine"]["runs"]] == ["tiny", "moe"]
     assert all(r["regimes"]["all_busy"]["slice_tokens_per_s"] > 0 for r in parts["engine"]["runs"])
+    for r in parts["engine"]["runs"]:  # bytes per compiled decode step, against the ideal
+        for cost in r["step_bytes"].values():
+            assert cost["weight_bytes"] <= cost["bytes_accessed"]
+            assert cost["over_ideal"] == cost["bytes_accessed"] / cost["ideal_bytes"]
     assert parts["trainer"]["tokens_per_s"]
     assert parts["quickstart"]["audit_ok"] is True and parts["quickstart"]["mode"] == "dora"
     assert set(parts["preset"]["provenance"]["predicted_step_minutes"]) == {"sync", "dora"}

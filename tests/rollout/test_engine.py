@@ -297,3 +297,25 @@ def test_continuations_prefilled_together_equal_each_alone(model):
         eng.prefill_continuations(params=params, prefixes=[short, long_],
                                   padded_tokens=padded[:2], true_lengths=[1, 1], rngs=[1, 2],
                                   num_generated=[1, 1], max_new_tokens=[None, None])
+
+
+@pytest.mark.parametrize("kv_cache", ["dense", "paged"])
+def test_a_decode_step_s_cost_counts_every_weight_and_the_cache(kv_cache):
+    """Engine.step_cost: the weights are the model's (counted from its shapes here),
+    the KV bytes the cache's, and the compiled step reads at least every weight."""
+    from dora_jax.model import transformer
+
+    eng = rc.engine("dense", "greedy", 1, kv_cache=kv_cache)
+    p = eng.load_params(rc.params("dense", 0))
+    cost = eng.step_cost(p)
+    abstract = transformer.abstract_params(rc.config("dense").model)[1]
+    assert cost["weight_bytes"] == sum(x.size * x.dtype.itemsize
+                                       for x in jax.tree.leaves(abstract))
+    cfg = rc.config("dense")
+    m = cfg.model
+    per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * np.dtype(m.dtype).itemsize
+    positions = (eng.max_concurrent_decodes * eng.cache_length if kv_cache == "dense"
+                 else (eng.pages.num_pages + 1) * eng.pages.page_size)
+    assert cost["kv_bytes"] == per_token * positions
+    assert cost["ideal_bytes"] == cost["weight_bytes"] + cost["kv_bytes"]
+    assert cost["weight_bytes"] <= cost["bytes_accessed"] and cost["flops"] > 0
