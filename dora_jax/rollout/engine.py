@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import numpy as np
@@ -371,7 +371,8 @@ class Engine:
         the pool). Compiles the step for the page view as it stands; changes nothing."""
         state = jax.eval_shape(self._jit.init)
         view = None if self.pages is None else self.pages.view()
-        compiled = self._jit.step.lower(params, state, view).compile()
+        step = cast("jax.stages.Wrapped", self._jit.step)  # a jax.jit (programs.py)
+        compiled = step.lower(params, state, view).compile()
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
         weights = sum(x.nbytes for x in params.leaves)
