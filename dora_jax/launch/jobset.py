@@ -306,12 +306,7 @@ def render_jobset(spec: dict) -> dict:
             "main", spec["image"], command=list(spec["command"]), env=dict(spec["env"]),
             resources=main_resources,
             volumeMounts=[{"name": WORKDIR_VOLUME, "mountPath": store["mount_path"]}])],
-        "volumes": [{"name": WORKDIR_VOLUME, "csi": {
-            "driver": GCSFUSE_DRIVER,
-            # implicit-dirs: directories written through gs:// (Orbax's) show up
-            # in the mount too.
-            "volumeAttributes": {"bucketName": store["bucket"],
-                                 "mountOptions": "implicit-dirs"}}}],
+        "volumes": [workdir_volume(store)],
     }
     worker_pod = {
         **_HOST_NETWORK,
@@ -331,32 +326,45 @@ def render_jobset(spec: dict) -> dict:
         "volumes": [{"name": "shared-tmp",
                      "hostPath": {"path": "/tmp", "type": "DirectoryOrCreate"}}],
     }
-    metadata = {"name": name}
+    return document(name, cluster, HEAD, in_order=True, replicated_jobs=[  # head first
+        # `main` failing fails the head's Job at once: the JobSet restarts.
+        {"name": HEAD, **_job(1, 1, head_pod, backoff=0, restart="Never",
+                              pod_annotations=dict([GCSFUSE_ANNOTATION]))},
+        # A worker that crashes restarts in place, up to a bound per host; one node
+        # pool per TPU slice, no two slices on one pool.
+        {"name": WORKER, **_job(
+            t["num_slices"], t["hosts_per_slice"], worker_pod,
+            backoff=WORKER_BACKOFF_PER_HOST * t["hosts_per_slice"],
+            restart="OnFailure", job_annotations=dict([EXCLUSIVE]))},
+    ])
+
+
+def workdir_volume(store: dict) -> dict:
+    """The bucket (`storage`) as the pod volume WORKDIR_VOLUME (GCS FUSE)."""
+    # implicit-dirs: directories written through gs:// (Orbax's) show up in the mount too.
+    return {"name": WORKDIR_VOLUME, "csi": {
+        "driver": GCSFUSE_DRIVER,
+        "volumeAttributes": {"bucketName": store["bucket"], "mountOptions": "implicit-dirs"}}}
+
+
+def document(name: str, cluster: dict, lead: str, replicated_jobs: list, *,
+             in_order: bool = False) -> dict:
+    """The JobSet around `replicated_jobs`: it succeeds when job `lead` does, restarts
+    up to the cluster's max_restarts, and goes to its Kueue queue if one is named;
+    `in_order` starts the jobs in their order."""
+    metadata: dict = {"name": name}
     if cluster["queue"]:
         metadata["labels"] = {KUEUE_LABEL: cluster["queue"]}
-    return {
-        "apiVersion": "jobset.x-k8s.io/v1alpha2",
-        "kind": "JobSet",
-        "metadata": metadata,
-        "spec": {
-            # Pods reach each other as <name>-<job>-<index>-<pod>.<name>.
-            "network": {"enableDNSHostnames": True, "subdomain": name},
-            "startupPolicy": {"startupPolicyOrder": "InOrder"},  # head first
-            "successPolicy": {"operator": "All", "targetReplicatedJobs": [HEAD]},
-            "failurePolicy": {"maxRestarts": cluster["max_restarts"]},
-            "replicatedJobs": [
-                # `main` failing fails the head's Job at once: the JobSet restarts.
-                {"name": HEAD, **_job(1, 1, head_pod, backoff=0, restart="Never",
-                                      pod_annotations=dict([GCSFUSE_ANNOTATION]))},
-                # A worker that crashes restarts in place, up to a bound per host;
-                # one node pool per TPU slice, no two slices on one pool.
-                {"name": WORKER, **_job(
-                    t["num_slices"], t["hosts_per_slice"], worker_pod,
-                    backoff=WORKER_BACKOFF_PER_HOST * t["hosts_per_slice"],
-                    restart="OnFailure", job_annotations=dict([EXCLUSIVE]))},
-            ],
-        },
-    }
+    spec: dict = {
+        # Pods reach each other as <name>-<job>-<index>-<pod>.<name>.
+        "network": {"enableDNSHostnames": True, "subdomain": name}}
+    if in_order:
+        spec["startupPolicy"] = {"startupPolicyOrder": "InOrder"}
+    spec.update({"successPolicy": {"operator": "All", "targetReplicatedJobs": [lead]},
+                 "failurePolicy": {"maxRestarts": cluster["max_restarts"]},
+                 "replicatedJobs": replicated_jobs})
+    return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+            "metadata": metadata, "spec": spec}
 
 
 def config_args(command: list[str]) -> list[str]:

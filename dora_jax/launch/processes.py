@@ -60,7 +60,7 @@ def _host(spec: dict) -> dict:
 
 def render(spec: dict, processes: int) -> dict:
     """The JobSet for `spec` (jobset.job_spec) as `processes` processes."""
-    name, store, cluster = spec["name"], spec["storage"], spec["cluster"]
+    name, store = spec["name"], spec["storage"]
     host = _host(spec)
     lead_chips, slice_chips = chips(spec, processes)
     env = {k: v for k, v in spec["env"].items() if k not in ("JAX_PLATFORMS",
@@ -83,10 +83,7 @@ def render(spec: dict, processes: int) -> dict:
             {"DORA_PROCESS_ID": "0"}, lead_chips, list(spec["command"]),
             ports=[{"containerPort": PORT}],
             volumeMounts=[{"name": jobset.WORKDIR_VOLUME, "mountPath": store["mount_path"]}])],
-        "volumes": [{"name": jobset.WORKDIR_VOLUME, "csi": {
-            "driver": jobset.GCSFUSE_DRIVER,
-            "volumeAttributes": {"bucketName": store["bucket"],
-                                 "mountOptions": "implicit-dirs"}}}],
+        "volumes": [jobset.workdir_volume(store)],
     }
     # The slice's index is the pod's completion index; the shell only does the sum.
     index = 'export DORA_PROCESS_ID=$((JOB_COMPLETION_INDEX + 1)); exec "$0" "$@"'
@@ -95,21 +92,8 @@ def render(spec: dict, processes: int) -> dict:
     slices = jobset._job(1, processes - 1, slice_pod, backoff=SLICE_RESTARTS * (processes - 1),
                          restart="OnFailure")
     slices["template"]["spec"]["completionMode"] = "Indexed"
-    metadata: dict = {"name": name}
-    if cluster["queue"]:
-        metadata["labels"] = {jobset.KUEUE_LABEL: cluster["queue"]}
-    return {
-        "apiVersion": "jobset.x-k8s.io/v1alpha2",
-        "kind": "JobSet",
-        "metadata": metadata,
-        "spec": {
-            "network": {"enableDNSHostnames": True, "subdomain": name},
-            "successPolicy": {"operator": "All", "targetReplicatedJobs": [LEAD]},
-            "failurePolicy": {"maxRestarts": cluster["max_restarts"]},
-            "replicatedJobs": [
-                {"name": LEAD, **jobset._job(1, 1, lead_pod, backoff=0, restart="Never",
-                                             pod_annotations=dict([jobset.GCSFUSE_ANNOTATION]))},
-                {"name": SLICES, **slices},
-            ],
-        },
-    }
+    return jobset.document(name, spec["cluster"], LEAD, replicated_jobs=[
+        {"name": LEAD, **jobset._job(1, 1, lead_pod, backoff=0, restart="Never",
+                                     pod_annotations=dict([jobset.GCSFUSE_ANNOTATION]))},
+        {"name": SLICES, **slices},
+    ])

@@ -108,14 +108,31 @@ def warm_up(slices: Sequence[DecodeSlice], trainer: Trainer, cfg: Config,
     batch_size = cfg.coordinator.train_batch_size * cfg.coordinator.group_size
     with watch(TRAIN_PHASE):
         trainer.warmup(batch_size, cfg.coordinator.group_size)
-    reprefills = not POLICIES[cfg.coordinator.mode].keeps_c1
     with watch(DECODE_PHASE):
-        for sl in slices:
-            assert sl.version is not None  # run() loads a version onto every slice first
-            warm_engine(sl.engine, sl.versions.prefill_params(sl.version), reprefills=reprefills,
-                        generate_params=sl.versions.generate_params(),
-                       group_size=cfg.coordinator.group_size)
-            sl.reset_decode_state()
+        warm_slices(slices, cfg)
+
+
+def warm_slices(slices: Sequence[DecodeSlice], cfg: Config) -> None:
+    """Compiles each slice's programs on the version it holds (run() and a slice
+    process load one first), then gives it a fresh decode state."""
+    reprefills = not POLICIES[cfg.coordinator.mode].keeps_c1
+    for sl in slices:
+        assert sl.version is not None
+        warm_engine(sl.engine, sl.versions.prefill_params(sl.version), reprefills=reprefills,
+                    generate_params=sl.versions.generate_params(),
+                    group_size=cfg.coordinator.group_size)
+        sl.reset_decode_state()
+
+
+def new_slice(slice_id: int, mesh: Mesh, cfg: Config, stop_ids: tuple[int, ...] | None,
+              episodes: EpisodeRunner | None = None) -> DecodeSlice:
+    """A decode slice of the run on `mesh`. Without lookahead a slice reports a
+    finished sample in the step that ends it, so the scheduler never migrates or
+    reloads around a request that has in fact already finished on the device."""
+    return DecodeSlice.create(slice_id, mesh, cfg.model, cfg.rollout,
+                              rules=cfg.mesh.decode_rules, lookahead=False,
+                              tokenizer_path=cfg.data.tokenizer or None, stop_ids=stop_ids,
+                              episodes=episodes, versions=cfg.rollout.versions_per_slice)
 
 
 def episode_runner(cfg: Config, tokenizer: Tokenizer) -> EpisodeRunner | None:
@@ -178,15 +195,9 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     graphdef, params = initial_params(cfg, trainer_mesh)
     # Every stop id of the tokenizer read above ends a sequence (no engine reads it again).
     stop_ids = read_stop_ids(cfg.rollout, tokenizer)
-    # Without lookahead a slice reports a finished sample in the step that ends it,
-    # so the scheduler never migrates or reloads around a request that has in fact
-    # already finished on the device.
     runners = [episode_runner(cfg, tokenizer) for _ in slice_meshes]
-    slices: list = [DecodeSlice.create(i, mesh, cfg.model, cfg.rollout, rules=cfg.mesh.decode_rules,
-                                 lookahead=False, tokenizer_path=cfg.data.tokenizer or None,
-                                 stop_ids=stop_ids, episodes=runners[i],
-                                 versions=cfg.rollout.versions_per_slice)
-              for i, mesh in enumerate(slice_meshes)]
+    slices: list = [new_slice(i, mesh, cfg, stop_ids, runners[i])
+                    for i, mesh in enumerate(slice_meshes)]
     for sl in slices:  # every slice starts on version 0, as the scheduler assumes
         sl.load_version(0, params)
     trainer = make_trainer(cfg, trainer_mesh, params=params, graphdef=graphdef)

@@ -56,7 +56,6 @@ class _Process:
         self.process_id, self.slice_ids = process_id, slice_ids
         self.link: wire.Link | None = None
         self.ready = threading.Event()
-        self.heard = time.monotonic()
         self.generation = 0  # replacements so far
 
 
@@ -106,7 +105,7 @@ class SliceProcesses:
                 link.send("refused", reason=f"no slot for process {hello.get('process_id')}")
                 link.close()
                 continue
-            proc.link, proc.heard = link, time.monotonic()
+            proc.link = link
             version, params = self.current()
             link.send("init", slice_ids=proc.slice_ids, weights=self.offers.address,
                       version=version, keep=proc.generation == 0,
@@ -129,7 +128,6 @@ class SliceProcesses:
                     raise SliceProcessLost(f"slice process {proc.process_id} sent nothing "
                                            f"for {self._heartbeat_timeout:g} s")
                 kind, m = link.recv()
-                proc.heard = time.monotonic()
                 self._on_message(proc, kind, m)
         except (wire.WireError, SliceProcessLost) as e:
             if not self._closing:

@@ -24,14 +24,12 @@ from jax.sharding import Mesh
 
 from dora_jax.config import SLICE_MESH_AXES, Config
 from dora_jax.rollout.sampling import read_stop_ids
-from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.rollout.trajectory import InFlight
-from dora_jax.rollout.warmup import warm_engine
 from dora_jax.runtime import wire
 from dora_jax.runtime.events import Failed, SamplesFinished, VersionLoaded
+from dora_jax.runtime.experiment import new_slice, warm_slices
 from dora_jax.runtime.weight_transfer import WeightPuller, start_server
 from dora_jax.runtime.worker import SliceWorker
-from dora_jax.scheduler.modes import POLICIES
 
 HEARTBEAT_S = 2.0
 
@@ -74,9 +72,7 @@ def serve(cfg: Config, process_id: int, coordinator: tuple[str, int], tokenizer:
     ids = list(init["slice_ids"])
     host = link.local_host()  # where the coordinator's host reaches this one
     stop_ids = read_stop_ids(cfg.rollout, tokenizer)
-    slices = {i: DecodeSlice.create(i, mesh, cfg.model, cfg.rollout, rules=cfg.mesh.decode_rules,
-                                    lookahead=False, tokenizer_path=cfg.data.tokenizer or None,
-                                    stop_ids=stop_ids, versions=cfg.rollout.versions_per_slice)
+    slices = {i: new_slice(i, mesh, cfg, stop_ids)
               for i, mesh in zip(ids, slice_meshes(cfg, len(ids)))}
     server = start_server(host)
     pullers = {i: WeightPuller(sl.engine.placement, server, init["weights"])
@@ -84,15 +80,12 @@ def serve(cfg: Config, process_id: int, coordinator: tuple[str, int], tokenizer:
     commands = _Commands(link, slices, pullers)
     threading.Thread(target=_heartbeat, args=(link, commands.stop, commands.workers),
                      daemon=True).start()
-    reprefills = not POLICIES[cfg.coordinator.mode].keeps_c1
     for i, sl in slices.items():
         number, leaves = init["offers"][i]
         sl.load_version(init["version"], pullers[i].pull(number, leaves))
-        warm_engine(sl.engine, sl.versions.prefill_params(init["version"]), reprefills=reprefills,
-                    generate_params=sl.versions.generate_params(),
-                    group_size=cfg.coordinator.group_size)
-        sl.reset_decode_state()
-        if not init["keep"]:  # a replacement: the coordinator says what to load
+    warm_slices(list(slices.values()), cfg)
+    if not init["keep"]:  # a replacement: the coordinator says what to load
+        for sl in slices.values():
             sl.abandon()
     log(f"slice process {process_id}: slices {ids} ready")
     link.send("ready")
