@@ -99,9 +99,24 @@ def pytest_runtest_teardown(item, nextitem):
                       f"JAX's caches dropped, {_memory_maps()} left", stacklevel=1)
 
 
-def pytest_collection_modifyitems(items):
+# The tests of the packages that need no JAX. test_layering runs them (not slow ones) in
+# a process where JAX cannot be imported; a session that runs that test as well
+# leaves them to it rather than running them twice.
+PURE_TEST_DIRS = ("tests/scheduler", "tests/sim")
+PURE_RUNNER = ("tests/test_layering.py::"
+               "test_the_pure_packages_tests_pass_with_the_accelerator_stack_unimportable")
+
+
+def pytest_collection_modifyitems(config, items):
     """The slowest tests first (tests/slowest.txt), the rest in their order: with
-    xdist's work stealing, the short tests then fill in behind the long ones."""
+    xdist's work stealing, the short tests then fill in behind the long ones. The pure
+    packages' quick tests go to PURE_RUNNER when it runs too."""
+    if any(item.nodeid == PURE_RUNNER for item in items):
+        pure = [item for item in items if item.nodeid.startswith(PURE_TEST_DIRS)
+                and item.get_closest_marker("slow") is None]
+        if pure:
+            config.hook.pytest_deselected(items=pure)
+            items[:] = [item for item in items if item not in set(pure)]
     listed = pathlib.Path(__file__).with_name("slowest.txt").read_text().splitlines()
     rank = {nodeid: i for i, nodeid in enumerate(n for n in listed if not n.startswith("#"))}
     items.sort(key=lambda item: rank.get(item.nodeid, len(rank)))
@@ -188,14 +203,14 @@ def audit_workdir(cfg, workdir):
                                     cfg.rollout.max_decode_len)
 
 
-def assert_resumed_whole(cfg, workdir) -> list:
-    """Asserts a run killed once and resumed: one `resume` line, the ledger audited
+def assert_resumed_whole(cfg, workdir, resumes: int = 1) -> list:
+    """Asserts a run killed and resumed `resumes` times: one `resume` line each, the ledger audited
     clean, every admitted group consumed once or left, every step trained. Returns
     the standing events."""
     from dora_jax.scheduler import ledger
 
     events, report = audit_workdir(cfg, str(workdir))
-    assert sum(e["event"] == "resume" for e in events) == 1
+    assert sum(e["event"] == "resume" for e in events) == resumes
     assert report.ok, report.summary()
     standing = ledger.standing(events)
     admitted = {e["group_id"] for e in standing if e["event"] == "admit"}

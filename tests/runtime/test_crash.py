@@ -27,39 +27,49 @@ def test_five_kills_lose_and_duplicate_nothing(tmp_path):
     assert not resumes.startswith("resumes: 0,"), out.stdout  # the kills hit a running job
 
 
+# Each kill in a run resumed from the one before: the later points are reached in a
+# resumed run (a save, groups waiting) as well as a fresh one.
+KILLS = (("train", 3), ("save", 1), ("finished_waiting", 5))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("point,after", [("train", 3), ("save", 1), ("finished_waiting", 5)])
-def test_a_kill_at_a_chosen_point_resumes_whole(point, after, tmp_path):
-    """SIGKILL at a chosen point of the run (coordinator.kill_point, by count): a train
+def test_kills_at_chosen_points_resume_whole(tmp_path):
+    """SIGKILL at chosen points of the run (coordinator.kill_point, by count): a train
     step begun, a checkpoint being written, finished groups waiting on a busy
-    trainer. The same command without the drill resumes it: one `resume` line,
-    nothing lost or trained twice, every step trained, the ledger audited clean."""
+    trainer, one after the other. The same command without the drill then finishes
+    it: one `resume` line per kill, nothing lost or trained twice, every step trained,
+    the ledger audited clean."""
     from conftest import assert_resumed_whole, load_repo_config
 
-    workdir = tmp_path / "run"
-    overrides = ["--config.model.num_layers=1", "--config.coordinator.num_steps=8",
+    workdir, steps = tmp_path / "run", 12
+    overrides = ["--config.model.num_layers=1", f"--config.coordinator.num_steps={steps}",
                  "--config.coordinator.checkpoint_every=2"]
     cmd = [sys.executable, "-m", "dora_jax.main", "--config=configs/tiny.py",
            f"--workdir={workdir}", *overrides]
-    killed = subprocess.run(cmd + [f"--config.coordinator.kill_point={point}",
-                                   f"--config.coordinator.kill_after={after}"],
-                            cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert killed.returncode == -9, killed.stderr[-3000:]
-    assert f"killing the run at {point}" in killed.stderr
+    for point, after in KILLS:
+        killed = subprocess.run(cmd + [f"--config.coordinator.kill_point={point}",
+                                       f"--config.coordinator.kill_after={after}"],
+                                cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert killed.returncode == -9, (point, killed.stderr[-3000:])
+        assert f"killing the run at {point}" in killed.stderr
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     cfg = load_repo_config("configs/tiny.py", model__num_layers=1,
-                           coordinator__num_steps=8, coordinator__checkpoint_every=2)
-    consumed = [e for e in assert_resumed_whole(cfg, workdir) if e["event"] == "consume"]
-    # The summary is the whole run's, both processes', not the resumed one's alone.
+                           coordinator__num_steps=steps, coordinator__checkpoint_every=2)
+    standing = assert_resumed_whole(cfg, workdir, resumes=len(KILLS))
+    consumed = [e for e in standing if e["event"] == "consume"]
+    # The summary is the whole run's, every process's, not the last one's alone.
     summary = json.loads((workdir / "summary.json").read_text())
-    assert summary["steps"] == 8 and summary["resumed_from_step"] < 8
+    assert summary["steps"] == steps and 0 < summary["resumed_from_step"] < steps
     assert summary["groups_consumed"] == len(consumed)
-    [first, last] = summary["segments"]
-    assert (first["from_step"], last["from_step"]) == (0, summary["resumed_from_step"])
-    assert first["steps"] + last["steps"] == 8 and first["wall_seconds"] > 0
+    segments = summary["segments"]
+    assert len(segments) == len(KILLS) + 1 and segments[0]["from_step"] == 0
+    assert segments[-1]["from_step"] == summary["resumed_from_step"]
+    starts = [seg["from_step"] for seg in segments]
+    assert starts == sorted(starts) and segments[0]["wall_seconds"] > 0
+    assert segments[-1]["from_step"] + segments[-1]["steps"] == steps
     # And the audit command agrees on this real workdir.
     audit = subprocess.run([sys.executable, "-m", "dora_jax.audit", str(workdir)], cwd=REPO,
                            capture_output=True, text=True, timeout=120)
     assert audit.returncode == 0, audit.stdout + audit.stderr
-    assert "steps: 8\n" in audit.stdout
+    assert f"steps: {steps}\n" in audit.stdout
