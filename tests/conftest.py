@@ -174,7 +174,7 @@ def tiny_cfg(request, load_config):
 @pytest.fixture(scope="session")
 def small_config(load_config):
     """`small_config(mode, **coordinator)`: configs/tiny.py shrunk so that a run
-    compiles and trains in seconds (1 layer, 4 slices x 4 slots, 8-token responses);
+    compiles and trains in seconds (1 layer, 2 slices x 4 slots, 8-token responses);
     `validate=False` gives the ConfigDict; `colocated=True` spreads the trainer and
     the slices over the same 8 devices (config.model.colocate)."""
     def make(mode: str, *, rollout=None, validate=True, colocated=False, **coordinator):
@@ -182,6 +182,8 @@ def small_config(load_config):
         if colocated:
             c.mesh.update(config_lib.colocate(c.mesh.to_dict()))
         c.model.num_layers = 1
+        if not colocated:  # two slices show every path of several; each compiles
+            c.mesh.num_slices = 2
         c.rollout.update(dict(slots_per_slice=4, max_prefill_length=8, max_decode_len=8,
                               prefill_buckets=(8,), decode_steps=4))
         c.rollout.update(rollout or {})

@@ -37,7 +37,8 @@ def test_mode_end_to_end_satisfies_constraints(mode, tmp_path, small_config):
     metrics = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
     assert [m["step"] for m in metrics] == list(range(cfg.coordinator.num_steps))
     for m in metrics:
-        assert m["trained_tokens"] > 0 and set(m["slot_utilisation"]) == {"0", "1", "2", "3"}
+        assert m["trained_tokens"] > 0
+        assert set(m["slot_utilisation"]) == {str(i) for i in range(cfg.mesh.num_slices)}
         assert m["trainer"]["version"] == m["step"] + 1
     assert summary["steps"] == cfg.coordinator.num_steps and summary["mode"] == mode
     assert 0 <= summary["trainer_wait_fraction"] <= 1
