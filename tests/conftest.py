@@ -116,7 +116,8 @@ def pytest_collection_modifyitems(config, items):
                 and item.get_closest_marker("slow") is None]
         if pure:
             config.hook.pytest_deselected(items=pure)
-            items[:] = [item for item in items if item not in set(pure)]
+            left = set(pure)
+            items[:] = [item for item in items if item not in left]
     listed = pathlib.Path(__file__).with_name("slowest.txt").read_text().splitlines()
     rank = {nodeid: i for i, nodeid in enumerate(n for n in listed if not n.startswith("#"))}
     items.sort(key=lambda item: rank.get(item.nodeid, len(rank)))

@@ -439,7 +439,9 @@ class Engine:
         return padded, len(tokens)
 
 
-@functools.lru_cache(maxsize=32)
+# A run's slices each have their own mesh, so their own entry. Kept small: every entry
+# holds its compiled programs (memory, and the maps of their machine code).
+@functools.lru_cache(maxsize=8)
 def _programs(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, mesh: Mesh, rules: Rules,
               sampling_params: SamplingParams, graphdef: nnx.GraphDef,
               treedef: jax.tree_util.PyTreeDef, stop_ids: tuple[int, ...],
