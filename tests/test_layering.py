@@ -45,7 +45,7 @@ def test_the_pure_packages_tests_pass_with_the_accelerator_stack_unimportable(tm
                           "-p", "no:cacheprovider", *PURE_TEST_DIRS],
                          cwd=REPO, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert re.search(r"\b\d+ passed", run.stdout) and " deselected" in run.stdout
+    assert re.search(r"\b\d+ passed", run.stdout)
 
 
 def test_config_imports_only_its_own_modules_from_the_package():

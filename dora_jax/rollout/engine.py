@@ -21,7 +21,6 @@ gives every slot cache_length positions; "paged" keeps a host-side pool of pages
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
@@ -39,7 +38,7 @@ from dora_jax.rollout import jetstream_compat, prefill_args, sampling
 from dora_jax.rollout.adapters import AdapterPlaces, check_versions
 from dora_jax.rollout.pages import PagePool, PageView
 from dora_jax.rollout.placement import ParamPlacement
-from dora_jax.rollout.programs import Jitted, Programs, jit_programs
+from dora_jax.rollout.programs import shared_programs
 from dora_jax.rollout.sampling import SamplingParams, Seed
 from dora_jax.rollout.state import DecodeState, EngineParams, Prefix, ResultTokens
 
@@ -101,7 +100,7 @@ class Engine:
                                rollout_cfg.slots_per_slice, rollout_cfg.cache_length)
                       if rollout_cfg.kv_cache == "paged" else None)
         param_sh = (self._placement if self.places is None else self.places).shardings
-        fn, self._jit = _programs(model_cfg, rollout_cfg, mesh, self.rules,
+        fn, self._jit = shared_programs(model_cfg, rollout_cfg, mesh, self.rules,
                                   self.sampling_params, self.graphdef, self._placement.treedef,
                                   tuple(self.stop_ids),
                                   None if self.pages is None else self.pages.num_pages,
@@ -438,17 +437,3 @@ class Engine:
         padded[:len(tokens)] = tokens
         return padded, len(tokens)
 
-
-# A run's slices each have their own mesh, so their own entry. Kept small: every entry
-# holds its compiled programs (memory, and the maps of their machine code).
-@functools.lru_cache(maxsize=8)
-def _programs(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, mesh: Mesh, rules: Rules,
-              sampling_params: SamplingParams, graphdef: nnx.GraphDef,
-              treedef: jax.tree_util.PyTreeDef, stop_ids: tuple[int, ...],
-              pool_pages: int | None, param_sh: EngineParams) -> tuple[Programs, Jitted]:
-    """The programs of an engine of this config on `mesh`, jitted once per process: an
-    engine made again with the same arguments (a slice restarted after a failure, the
-    next run of a notebook or a test) reuses their traces and executables."""
-    fn = Programs(model_cfg, rollout_cfg, mesh, rules, sampling_params, graphdef, treedef,
-                  stop_ids=stop_ids, pool_pages=pool_pages)
-    return fn, jit_programs(fn, mesh, rules, param_sh, paged=pool_pages is not None)

@@ -9,6 +9,7 @@ tokens, or on any of the engine's stop ids (a tokenizer may carry several).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -349,3 +350,19 @@ def _rows_constrained(extend_many: Callable[..., tuple[tuple[Any, ...], tuple[An
         return (tuple(jax.lax.with_sharding_constraint(p, row_sharding[0]) for p in prefixes_out),
                 tuple(jax.lax.with_sharding_constraint(r, row_sharding[1]) for r in results_out))
     return constrained
+
+
+# A run's slices each have their own mesh, so their own entry. Kept small: every entry
+# holds its compiled programs (memory, and the maps of their machine code).
+@functools.lru_cache(maxsize=8)
+def shared_programs(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, mesh: Mesh,
+                    rules: Rules, sampling_params: sampling.SamplingParams,
+                    graphdef: nnx.GraphDef, treedef: jax.tree_util.PyTreeDef,
+                    stop_ids: tuple[int, ...], pool_pages: int | None,
+                    param_sh: EngineParams) -> tuple[Programs, Jitted]:
+    """The programs of an engine of this config on `mesh`, jitted once per process: an
+    engine made again with the same arguments (a slice restarted after a failure, the
+    next run of a notebook or a test) reuses their traces and executables."""
+    fn = Programs(model_cfg, rollout_cfg, mesh, rules, sampling_params, graphdef, treedef,
+                  stop_ids=stop_ids, pool_pages=pool_pages)
+    return fn, jit_programs(fn, mesh, rules, param_sh, paged=pool_pages is not None)
