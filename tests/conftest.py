@@ -53,6 +53,14 @@ import pytest  # noqa: E402
 
 from dora_jax import config as config_lib  # noqa: E402  (imports no JAX)
 from dora_jax.model import hf_checks
+from dora_jax.runtime import compile_times
+
+try:
+    import jax  # noqa: F401
+except ImportError:  # test_layering's run of the pure packages' tests, without JAX
+    pass
+else:  # as a run's own processes do (compile_times.use_persistent_cache)
+    compile_times.share_entries_across_devices()
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = {"dense": "configs/tiny.py", "moe": "configs/moe.py:tiny"}

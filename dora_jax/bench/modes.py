@@ -161,7 +161,7 @@ def bench_modes(base, root: str, specs: list[str], steps: int, reps: int) -> dic
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
-    from dora_jax.runtime import cli
+    from dora_jax.runtime import cli, compile_times
 
     cli.workdir_to_write(_WORKDIR.value)
     import jax
@@ -170,6 +170,7 @@ def main(argv):
     if not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", os.path.join(_WORKDIR.value, ".jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    compile_times.share_entries_across_devices()
     base = _CONFIG.value
     root = _WORKDIR.value
     if _CURVES.value:

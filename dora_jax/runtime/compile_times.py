@@ -4,9 +4,11 @@ run there can say beforehand how long it will be silent."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from dora_jax.base import atomic_files
 
@@ -71,6 +73,7 @@ def use_persistent_cache(workdir: str) -> str | None:
     never served (tests/runtime/test_compile_cache.py)."""
     import jax
 
+    share_entries_across_devices()
     if os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
         return jax.config.jax_compilation_cache_dir
     path = os.path.join(workdir, CACHE_DIR)
@@ -79,3 +82,37 @@ def use_persistent_cache(workdir: str) -> str | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
+
+
+def share_entries_across_devices() -> bool:
+    """Keys this process's persistent-cache entries on CPU without the devices a
+    program runs on, as JAX already keys them on GPU. Decode slices are meshes of the
+    same shape on different devices: each compiled the same programs again (the tiny
+    default's 4 slices, 4 times). An entry is loaded with the caller's own device
+    assignment, so it runs where the caller's program runs. Programs that span
+    processes keep JAX's key: JAX shares those between processes by key in memory.
+    Returns whether the keys are now shared (False where this JAX has no such hook)."""
+    import numpy as np
+    from jax._src import cache_key, compilation_cache
+    from jax._src.lib import xla_client
+
+    get = cache_key.get
+    if getattr(get, "_devices_left_out", False):
+        return True
+    if getattr(compilation_cache, "cache_key", None) is not cache_key:
+        return False
+
+    def get_without_devices(module: Any, devices: Any, compile_options: Any, backend: Any,
+                            *args: Any, **kwargs: Any) -> str:
+        assignment = compile_options.device_assignment
+        if (backend.platform == "cpu" and assignment is not None
+                and len({d.process_index for d in devices.flat}) == 1):
+            compile_options = copy.deepcopy(compile_options)
+            shape = (assignment.replica_count(), assignment.computation_count())
+            compile_options.device_assignment = xla_client.DeviceAssignment.create(
+                np.arange(shape[0] * shape[1]).reshape(shape))
+        return get(module, devices, compile_options, backend, *args, **kwargs)
+
+    get_without_devices._devices_left_out = True  # type: ignore[attr-defined]
+    setattr(cache_key, "get", get_without_devices)  # noqa: B010  (a module's attribute)
+    return True
