@@ -9,13 +9,18 @@ import pytest
 from conftest import REPO
 
 
+# Two decode slices, not the tiny default's four: each process compiles half as many
+# slice programs, and two still hold two versions at once and share the work.
+SMALL = ("--config.mesh.num_slices=2",)
+
+
 @pytest.mark.slow
 def test_five_kills_lose_and_duplicate_nothing(tmp_path):
     """Also the entry-point smoke test of `python -m dora_jax.bench.crash`: exit 0 and
     its documented final line (kills, lost, duplicated, steps), here exactly."""
     cmd = [sys.executable, "-m", "dora_jax.bench.crash", "--config=configs/tiny.py",
            "--kills=5", "--max_delay=1", "--startup_kills=0.2", "--seed=1",
-           f"--workdir={tmp_path / 'run'}", "--config.model.num_layers=1",
+           f"--workdir={tmp_path / 'run'}", "--config.model.num_layers=1", *SMALL,
            "--config.coordinator.num_steps=60", "--config.coordinator.checkpoint_every=2"]
     # The kills may cut the suite's compilation-cache entries short: JAX then fails
     # their checksum and compiles again (tests/conftest.py).
@@ -42,7 +47,7 @@ def test_kills_at_chosen_points_resume_whole(tmp_path):
     from conftest import assert_resumed_whole, load_repo_config
 
     workdir, steps = tmp_path / "run", 12
-    overrides = ["--config.model.num_layers=1", f"--config.coordinator.num_steps={steps}",
+    overrides = ["--config.model.num_layers=1", *SMALL, f"--config.coordinator.num_steps={steps}",
                  "--config.coordinator.checkpoint_every=2"]
     cmd = [sys.executable, "-m", "dora_jax.main", "--config=configs/tiny.py",
            f"--workdir={workdir}", *overrides]
@@ -54,7 +59,7 @@ def test_kills_at_chosen_points_resume_whole(tmp_path):
         assert f"killing the run at {point}" in killed.stderr
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    cfg = load_repo_config("configs/tiny.py", model__num_layers=1,
+    cfg = load_repo_config("configs/tiny.py", model__num_layers=1, mesh__num_slices=2,
                            coordinator__num_steps=steps, coordinator__checkpoint_every=2)
     standing = assert_resumed_whole(cfg, workdir, resumes=len(KILLS))
     consumed = [e for e in standing if e["event"] == "consume"]

@@ -157,7 +157,7 @@ def test_every_mode_of_a_preset_audits_clean(mode, tmp_path):
 
 def test_command_line_prints_the_comparison(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "dora_jax.sim", "--preset=paper64", "--steps=3",
+        [sys.executable, "-m", "dora_jax.sim", "--preset=paper64", "--steps=2",
          "--modes=sync,partial_rollout,dora", "--jobs=1", "--explain",
          f"--workdir={tmp_path}"],
         capture_output=True, text=True, check=True, timeout=600).stdout

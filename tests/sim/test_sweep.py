@@ -49,7 +49,7 @@ def test_headline_by_hand():
 def test_command_line_prints_the_summary_lines():
     out = subprocess.run(
         [sys.executable, "-m", "dora_jax.sim.sweep", "--preset=paper64", "--trainer_devices=32",
-         "--rbs=1,2", "--seeds=0", "--steps=3", "--jobs=1"],
+         "--rbs=1,2", "--seeds=0", "--steps=2", "--jobs=1"],
         capture_output=True, text=True, check=True, timeout=600).stdout
     lines = out.strip().splitlines()
     names = [line.split(":")[0] for line in lines if ": " in line and line.startswith("dora")]
@@ -87,7 +87,7 @@ def test_plan_runs_dora_once_per_versions_per_slice_and_the_baselines_once():
 def test_command_line_sweeps_versions_per_slice():
     out = subprocess.run(
         [sys.executable, "-m", "dora_jax.sim.sweep", "--preset=paper128_lora",
-         "--trainer_devices=64", "--rbs=1", "--seeds=0", "--steps=3", "--jobs=1",
+         "--trainer_devices=64", "--rbs=1", "--seeds=0", "--steps=2", "--jobs=1",
          "--versions=1,K+1", "--modes=dora,partial_rollout"],
         capture_output=True, text=True, check=True, timeout=600).stdout
     assert "dora with 1 version per slice:" in out and "dora with 4 versions per slice:" in out
