@@ -74,13 +74,16 @@ def use_persistent_cache(workdir: str) -> str | None:
     import jax
 
     share_entries_across_devices()
+    # Every program, wherever the cache is: a resume compiles nothing it compiled
+    # before, the small ones too (unless the environment sets these limits itself).
+    for name, value in (("jax_persistent_cache_min_compile_time_secs", 0.0),
+                        ("jax_persistent_cache_min_entry_size_bytes", 0)):
+        if name.upper() not in os.environ:
+            jax.config.update(name, value)
     if os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
         return jax.config.jax_compilation_cache_dir
     path = os.path.join(workdir, CACHE_DIR)
     jax.config.update("jax_compilation_cache_dir", path)
-    # Every program: a resume compiles nothing it compiled before, the small ones too.
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
 
 

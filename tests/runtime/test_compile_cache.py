@@ -47,11 +47,14 @@ def test_a_run_keeps_its_programs_in_the_workdir_and_refuses_torn_entries(tmp_pa
 
 
 def test_jax_compilation_cache_dir_names_another_place(tmp_path):
-    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "elsewhere"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_PERSISTENT_CACHE_")}
+    env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path / "elsewhere")
     out = _run(tmp_path / "run", env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[0] == str(tmp_path / "elsewhere")
     assert not (tmp_path / "run" / "compile_cache").exists()
+    # kept there too, however quickly it compiled
+    assert any(p.name.startswith("jit__lambda") for p in (tmp_path / "elsewhere").iterdir())
 
 
 ACROSS_DEVICES = """

@@ -8,8 +8,7 @@ import sys
 import pytest
 from conftest import REPO
 
-
-# Two decode slices, not the tiny default's four: each process compiles half as many
+# Two decode slices, not the tiny default's four: each process traces half as many
 # slice programs, and two still hold two versions at once and share the work.
 SMALL = ("--config.mesh.num_slices=2",)
 
