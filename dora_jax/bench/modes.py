@@ -164,13 +164,9 @@ def main(argv):
     from dora_jax.runtime import cli, compile_times
 
     cli.workdir_to_write(_WORKDIR.value)
-    import jax
-
-    # Every run recompiles the same programs: a persistent cache makes that a load.
-    if not jax.config.jax_compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", os.path.join(_WORKDIR.value, ".jax_cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    compile_times.share_entries_across_devices()
+    # Every run recompiles the same programs: one persistent cache for all of them
+    # (the workdir's, not each run's) makes that a load.
+    compile_times.use_persistent_cache(_WORKDIR.value)
     base = _CONFIG.value
     root = _WORKDIR.value
     if _CURVES.value:

@@ -100,11 +100,10 @@ class Engine:
                                rollout_cfg.slots_per_slice, rollout_cfg.cache_length)
                       if rollout_cfg.kv_cache == "paged" else None)
         param_sh = (self._placement if self.places is None else self.places).shardings
-        fn, self._jit = shared_programs(model_cfg, rollout_cfg, mesh, self.rules,
-                                  self.sampling_params, self.graphdef, self._placement.treedef,
-                                  tuple(self.stop_ids),
-                                  None if self.pages is None else self.pages.num_pages,
-                                  param_sh)
+        fn, self._jit = shared_programs(
+            model_cfg, rollout_cfg, mesh, self.rules, self.sampling_params, self.graphdef,
+            self._placement.treedef, tuple(self.stop_ids),
+            None if self.pages is None else self.pages.num_pages, param_sh)
         self.generate_fn = fn.step
 
     # ------------------------------------------------------------ Engine API
