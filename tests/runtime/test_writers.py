@@ -153,3 +153,70 @@ def test_tensorboards_own_reader_sees_each_step_and_a_resumes_purge(tmp_path):
         (0, 0.0), (1, pytest.approx(0.1)), (2, 2.5), (3, 3.5), (4, 4.5)]
     assert [(e.step, e.value) for e in board.Scalars("trainer/loss")] == [
         (0, 1.0), (1, 0.875), (2, -2.0), (3, -3.0), (4, -4.0)]
+
+
+def test_event_records_carry_the_tfrecord_checksum():
+    """CRC-32C's published check value, then the masked CRCs TensorBoard verifies."""
+    from dora_jax.runtime import tensorboard
+
+    assert tensorboard.crc32c(b"123456789") == 0xE3069283
+    assert tensorboard.crc32c(b"") == 0
+
+
+def test_we_read_tensorboards_own_event_files(tmp_path):
+    """Files written by TensorBoard's writer and protocol buffers (not ours): scalars,
+    a negative step, and a later file's session start purging the steps after it."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+    from dora_jax.runtime.tensorboard import read_scalars
+
+    def scalar(step, **tags):
+        return event_pb2.Event(step=step, wall_time=1.0, summary=summary_pb2.Summary(value=[
+            summary_pb2.Summary.Value(tag=t, simple_value=v) for t, v in tags.items()]))
+
+    first = EventFileWriter(str(tmp_path), filename_suffix=".a")
+    for step in (-1, 0, 1, 2):
+        first.add_event(scalar(step, loss=step / 4, **{"eval/pass": 0.5}))
+    first.close()
+    second = EventFileWriter(str(tmp_path), filename_suffix=".b")
+    second.add_event(event_pb2.Event(step=1, session_log=event_pb2.SessionLog(
+        status=event_pb2.SessionLog.START)))
+    second.add_event(scalar(1, loss=7.0))
+    second.close()
+    assert read_scalars(str(tmp_path)) == {"loss": [(-1, -0.25), (0, 0.0), (1, 7.0)],
+                                          "eval/pass": [(-1, 0.5), (0, 0.5)]}
+
+
+def test_an_unfinished_last_record_waits_and_a_corrupt_one_is_refused(tmp_path):
+    from dora_jax.runtime.tensorboard import TensorBoardWriter, read_scalars
+
+    writer = TensorBoardWriter(str(tmp_path))
+    for step in range(3):
+        writer.write({"step": step, "loss": float(step), "huge": 1e39})
+    writer.close()
+    (path,) = tmp_path.glob("events.out.tfevents.*")
+    whole = path.read_bytes()
+    assert read_scalars(str(tmp_path))["huge"] == [(s, float("inf")) for s in range(3)]
+    path.write_bytes(whole[:-5])  # a kill mid-record: the last step is not there yet
+    assert read_scalars(str(tmp_path))["loss"] == [(0, 0.0), (1, 1.0)]
+    corrupt = bytearray(whole)
+    corrupt[-10] ^= 0x01  # a bit of the last step's payload
+    path.write_bytes(bytes(corrupt))
+    with pytest.raises(ValueError, match="corrupt record"):
+        read_scalars(str(tmp_path))
+
+
+def test_writing_events_imports_no_framework(tmp_path):
+    """The events are written without tensorboardX (which imports torch where it is
+    installed) or TensorFlow."""
+    import subprocess
+
+    code = ("import sys; from dora_jax.runtime.tensorboard import TensorBoardWriter\n"
+            f"w = TensorBoardWriter({str(tmp_path)!r}); w.write({{'step': 0, 'x': 1.0}})\n"
+            "w.close(); print(sorted(m for m in ('torch', 'tensorboardX', 'tensorflow',"
+            " 'google.protobuf') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "[]"
