@@ -9,7 +9,9 @@ tasks the answer in the format the prompt asks for, then EOS) and writes the par
 as an Orbax checkpoint in `<workdir>/checkpoints/`, which an RL run starts from with
 `--config.init_checkpoint=<workdir>/checkpoints`. Loss values go to
 `<workdir>/sft_metrics.jsonl`, and a progress line (`sft step 30/300: loss 0.4321,
-12.50 steps/s`) is printed every tenth of the run. One device; the policies this is
+12.50 steps/s`) is printed every tenth of the run, after a line before and after the
+train step compiles (`compiling: ...`, `compiled in N s: ...`; the same command again
+reads its programs from `<workdir>/compile_cache`). One device; the policies this is
 for are small. With LoRA (`model.lora.rank` > 0) only the adapters train, as in RL;
 the checkpoint holds base and adapters.
 """
@@ -104,7 +106,10 @@ def train(cfg: Config, workdir: str, *, steps: int, batch_size: int, learning_ra
     """Runs `steps` teacher-forced updates; returns {loss_first, loss_last, checkpoint}.
     Prints a progress line every `progress_every` steps and after the last (None:
     max(1, steps // 10); 0: none); its steps/s is over the steps since the line
-    before (the first's includes compilation)."""
+    before (the first's includes compilation). Before the first step it says that it
+    compiles, and after it how long that took (`compile_seconds.json`, which the next
+    run in `workdir` reads to say how long it will be)."""
+    from dora_jax.runtime import compile_times
     from dora_jax.runtime.experiment import initial_params
 
     tokenizer = sources.tokenizer_for(cfg)
@@ -124,12 +129,23 @@ def train(cfg: Config, workdir: str, *, steps: int, batch_size: int, learning_ra
     rng = np.random.default_rng(cfg.seed)
     losses = []
     every = max(1, steps // 10) if progress_every is None else progress_every
+    phase, watch = "train step (with the first update)", compile_times.Stopwatch()
+    if every > 0:
+        print(compile_times.announcement([phase], workdir), flush=True)
     shown, since = 0, time.perf_counter()
     with open(os.path.join(workdir, "sft_metrics.jsonl"), "w") as log:
         for i in range(steps):
             batch = demonstration_batch(cfg, records, demonstrate,
                                         rng.integers(len(records), size=batch_size))
-            params, opt_state, loss = step(base, params, opt_state, _layout(cfg, batch))
+            if i == 0:
+                with watch(phase):
+                    params, opt_state, loss = jax.block_until_ready(
+                        step(base, params, opt_state, _layout(cfg, batch)))
+                watch.save(workdir)
+                if every > 0:
+                    print(watch.summary(), flush=True)
+            else:
+                params, opt_state, loss = step(base, params, opt_state, _layout(cfg, batch))
             logged = i % log_every == 0 or i == steps - 1
             show = every > 0 and ((i + 1) % every == 0 or i == steps - 1)
             if not (logged or show):
@@ -154,7 +170,7 @@ def train(cfg: Config, workdir: str, *, steps: int, batch_size: int, learning_ra
 if __name__ == "__main__":
     from absl import app, flags, logging
 
-    from dora_jax.runtime import cli
+    from dora_jax.runtime import cli, compile_times
 
     _CONFIG = cli.define_config_flag()
     _WORKDIR = flags.DEFINE_string("workdir", None, "checkpoints/ and sft_metrics.jsonl",
@@ -169,6 +185,8 @@ if __name__ == "__main__":
         cfg = cli.validated_config(_CONFIG)
         cli.workdir_to_write(_WORKDIR.value)
         with cli.one_line_errors():
+            # As `main` does: the same command again compiles nothing it compiled.
+            compile_times.use_persistent_cache(_WORKDIR.value)
             out = train(cfg, _WORKDIR.value, steps=_STEPS.value, batch_size=_BATCH.value,
                         learning_rate=_LR.value)
         print(f"sft: loss {out['loss_first']:.4f} -> {out['loss_last']:.4f}; start RL with "

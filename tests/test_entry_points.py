@@ -216,7 +216,10 @@ def test_sft(tmp_path):
     m = parse(final_line(out), rf"sft: loss {NUMBER} -> {NUMBER}; start RL with "
               r"--config.init_checkpoint=(\S+)", 1e-3, 100)
     assert 0 < float(m.group(2)) < 100 and os.path.isdir(os.path.join(m.group(3), "3"))
-    # Progress while it trains: a line per step at 3 steps (every tenth of the run).
+    # Progress while it compiles, then while it trains: a line per step at 3 steps
+    # (every tenth of the run).
+    assert re.search(r"^compiling: train step .*\ncompiled in \d+ s: train step", out.stdout,
+                     flags=re.M), out.stdout
     progress = re.findall(rf"^sft step (\d)/3: loss {NUMBER}, {NUMBER} steps/s$", out.stdout,
                           flags=re.M)
     assert [n for n, _, _ in progress] == ["1", "2", "3"], out.stdout

@@ -87,13 +87,22 @@ def test_missing_init_checkpoint_fails_before_compute(tmp_path, load_config):
 
 
 def test_progress_every_sets_the_lines_and_0_silences_them(tmp_path, load_config, capsys):
+    """Before the first step a line says it compiles, after it how long that took, and
+    the next run in the workdir says beforehand how long it will be."""
     cfg = hf_checks.validated(countdown_config(load_config), num_devices=8)
-    sft.train(cfg, str(tmp_path / "a"), steps=3, batch_size=4, learning_rate=1e-3,
-              progress_every=2)
-    assert re.findall(r"^sft step (\d+)/3:", capsys.readouterr().out, flags=re.M) == ["2", "3"]
+    for steps, said, shown in ((3, "first run: timing unknown", ["2/3", "3/3"]),
+                               (4, "as the last run here took", ["2/4", "4/4"])):
+        sft.train(cfg, str(tmp_path / "a"), steps=steps, batch_size=4, learning_rate=1e-3,
+                  progress_every=2)
+        out = capsys.readouterr().out.splitlines()
+        assert out[0].startswith("compiling: train step (with the first update) (") and \
+            said in out[0], out
+        assert re.fullmatch(r"compiled in \d+ s: train step \(with the first update\) "
+                            r"\d+\.\d s", out[1]), out
+        assert [re.match(r"sft step (\d+/\d+):", line).group(1) for line in out[2:]] == shown
     sft.train(cfg, str(tmp_path / "b"), steps=3, batch_size=4, learning_rate=1e-3,
               progress_every=0)
-    assert "sft step" not in capsys.readouterr().out
+    assert capsys.readouterr().out == ""
 
 
 def test_task_without_demonstrations_is_refused(tmp_path, load_config):
