@@ -245,7 +245,9 @@ def summary_lines(report: dict) -> list:
         busy = run["regimes"]["all_busy"]
         lines.append(f"engine {run['model']} ({run['params']:,} params, S={run['slots']}): "
                      f"{busy['slice_tokens_per_s']:,.0f} tokens/s, slice/fixed-batch "
-                     f"{busy['ratio']:.2f}")
+                     f"{busy['ratio']:.2f}" + "".join(
+                         f", {kv} step {b['over_bound']:.2f}x its bound"
+                         for kv, b in (run.get("bound") or {}).items()))
     if fig("trainer"):
         rates = fig("trainer")["tokens_per_s"]
         lines.append("trainer: " + ", ".join(f"{k} {v:,.0f} tokens/s" for k, v in rates.items()))

@@ -12,7 +12,9 @@ seeds, hence the same tokens and lengths — the RNG is per request):
      lengths are roughly geometric; the fixed batch waits for its longest request;
   3. slice time per decode step as a function of busy slots 1..S;
 and, for the dense and the paged KV cache, the bytes a compiled decode step accesses
-(XLA's cost analysis) next to the ideal: the weights read once plus the KV cache.
+(XLA's cost analysis) next to the ideal: the weights read once plus the KV cache; and
+each layout's step time with every slot busy against its bound, the ideal bytes at the
+device's memory bandwidth (on a device with public figures: not a CPU).
 First, a sweep of `rollout.decode_steps` (tokens per generate call) with all slots
 busy shows what the configs' default is chosen from.
 Both samplers use the engine's prefill/insert and its decode step (`generate_fn`),
@@ -52,6 +54,7 @@ from dora_jax import config as config_lib
 from dora_jax.bench import CONFIGS, DEVICE_DENSE, DEVICE_MOE, kernels, model_shape, write_figures
 from dora_jax.model import hf_checks, transformer
 from dora_jax.rollout import DecodeSlice, Engine, Request
+from dora_jax.sim import device_fit
 
 _MODEL_CONFIGS = {
     "tiny": config_flags.DEFINE_config_file("config", str(CONFIGS / "tiny.py"),
@@ -227,10 +230,9 @@ def bench_model(name: str, slots: int, decode_len: int, per_slot: int, repeats: 
         sl = DecodeSlice(0, engine)
         sl.load_version(0, params)
         if eos < 0:  # what each KV layout's compiled step reads, against the ideal
-            figures["step_bytes"] = {kv: step_bytes(e, e.load_params(params)) for kv, e in (
-                ("dense", engine),
-                ("paged", Engine(cfg.model, dataclasses.replace(rollout, kv_cache="paged"),
-                                 mesh)))}
+            paged = Engine(cfg.model, dataclasses.replace(rollout, kv_cache="paged"), mesh)
+            figures["step_bytes"] = {kv: step_bytes(e, e.load_params(params))
+                                     for kv, e in (("dense", engine), ("paged", paged))}
         fixed = make_fixed_batch(engine)
         reqs = make_requests(per_slot * S, max_prompt, cfg.model.vocab_size)
         run_slice(sl, reqs[:S])  # compile
@@ -258,7 +260,35 @@ def bench_model(name: str, slots: int, decode_len: int, per_slot: int, repeats: 
                 dt = min(step_time(sl, reqs[:k]) for _ in range(repeats))
                 figures["step_seconds"][str(k)] = dt
                 print(f"   {k:10d} {dt * 1e3:20.3f} {k / dt:10.0f}")
+            paged_slice = DecodeSlice(0, paged)
+            paged_slice.load_version(0, params)
+            step_time(paged_slice, reqs[:S])  # compiles
+            figures["paged_step_seconds"] = {str(S): min(
+                step_time(paged_slice, reqs[:S]) for _ in range(repeats))}
+            figures["bound"] = bound(figures, jax.devices()[0].device_kind)
     return figures
+
+
+def bound(figures: dict, device_kind: str) -> dict | None:
+    """Each KV layout's decode step with every slot busy against its bound: the ideal
+    bytes (`step_bytes`) read at the device's memory bandwidth (public figures,
+    `sim.device_fit.PEAKS`); None for a device without one (a CPU)."""
+    peaks = device_fit.PEAKS.get(device_kind)
+    S = str(figures["slots"])
+    seconds = {"dense": figures["step_seconds"][S], "paged": figures["paged_step_seconds"][S]}
+    if peaks is None:
+        print(f"   bound: no public memory bandwidth for {device_kind!r}; decode step at "
+              f"{S} busy slots: dense {seconds['dense'] * 1e3:.3f} ms, "
+              f"paged {seconds['paged'] * 1e3:.3f} ms")
+        return None
+    out = {}
+    for kv, step in seconds.items():
+        ideal = figures["step_bytes"][kv]["ideal_bytes"] / peaks["hbm_bytes_per_s"]
+        out[kv] = dict(step_seconds=step, bound_seconds=ideal, over_bound=step / ideal)
+        print(f"   {kv} KV, {S} busy slots: {step * 1e3:.3f} ms a decode step, bound "
+              f"{ideal * 1e3:.3f} ms (ideal bytes at {peaks['hbm_bytes_per_s'] / 1e12:.2f} "
+              f"TB/s): {step / ideal:.2f}x the bound")
+    return out
 
 
 def step_bytes(engine: Engine, params) -> dict:

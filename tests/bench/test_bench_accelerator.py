@@ -152,6 +152,8 @@ def test_the_cpu_form_runs_every_part_and_reports(tmp_path):
     assert all(c["max_abs_err"] <= c["tol"] for c in parts["tests"]["comparisons"] if "tol" in c)
     assert [r["model"] for r in parts["engine"]["runs"]] == ["tiny", "moe"]
     assert all(r["regimes"]["all_busy"]["slice_tokens_per_s"] > 0 for r in parts["engine"]["runs"])
+    for r in parts["engine"]["runs"]:  # paged timed too; no bound without a bandwidth
+        assert r["paged_step_seconds"][str(r["slots"])] > 0 and r["bound"] is None
     for r in parts["engine"]["runs"]:  # bytes per compiled decode step, against the ideal
         for cost in r["step_bytes"].values():
             assert cost["weight_bytes"] <= cost["bytes_accessed"]

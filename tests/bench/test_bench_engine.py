@@ -41,3 +41,23 @@ def test_profile_runs_on_cpu(tmp_path):
     assert "S=4, kv_cache=paged, scan_layers=True" in lines[0]
     assert lines[-2] == "the profiler saw no device kernels (a CPU host)"
     assert float(lines[-1].removeprefix("seconds per decode step: ")) > 0
+
+
+def test_a_decode_step_is_set_against_the_ideal_bytes_at_the_device_bandwidth():
+    """Worked by hand: 4.8 GB at an H200's 4.8 TB/s is 1 ms, so a 2 ms step is 2x its
+    bound; a CPU has no public bandwidth and gets none."""
+    import pytest
+
+    from dora_jax.bench import engine
+
+    figures = dict(slots=64, step_seconds={"1": 1e-3, "64": 2e-3},
+                   paged_step_seconds={"64": 3e-3},
+                   step_bytes={"dense": {"ideal_bytes": 4.8e9}, "paged": {"ideal_bytes": 9.6e9}})
+    got = engine.bound(figures, "NVIDIA H200")
+    assert got["dense"]["bound_seconds"] == pytest.approx(1e-3)
+    assert got["dense"]["over_bound"] == pytest.approx(2.0)
+    assert got["paged"]["bound_seconds"] == pytest.approx(2e-3)
+    assert got["paged"]["over_bound"] == pytest.approx(1.5)
+    assert engine.bound(figures, "NVIDIA H100 80GB HBM3")["dense"]["over_bound"] == \
+        pytest.approx(2e-3 / (4.8e9 / 3.35e12))
+    assert engine.bound(figures, "cpu") is None
