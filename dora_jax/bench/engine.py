@@ -342,14 +342,20 @@ def main(argv):
     if _SWEEP.value:
         sweep_decode_steps(_MODELS.value[0], max(slots), _DECODE_LEN.value, _PER_SLOT.value,
                            _REPEATS.value)
-    runs = {(m, S): bench_model(m, S, _DECODE_LEN.value, _PER_SLOT.value, _REPEATS.value)
-            for S in slots for m in _MODELS.value}
+    device = jax.devices()[0]
+    runs = {}
+    for S in slots:  # the figures so far are kept after each run: a part stopped at its
+        for m in _MODELS.value:  # budget (bench.accelerator) still reports them
+            runs[(m, S)] = bench_model(m, S, _DECODE_LEN.value, _PER_SLOT.value,
+                                       _REPEATS.value)
+            write_figures(_JSON_OUT.value, dict(
+                platform=device.platform, device_kind=device.device_kind,
+                runs=list(runs.values()), ratio=None))
     ratios = {key: run["regimes"]["all_busy"]["ratio"] for key, run in runs.items()}
     print("\nall-slots-busy ratio (slice / fixed-batch tokens/s): " +
           ", ".join(f"{m} S={S}: {r:.2f}" for (m, S), r in ratios.items()))
     final = min(r for (m, S), r in ratios.items() if S == max(slots))
     print(f"slice/fixed-batch tokens/s ratio: {final:.2f}")
-    device = jax.devices()[0]
     write_figures(_JSON_OUT.value, dict(platform=device.platform, device_kind=device.device_kind,
                                         runs=list(runs.values()), ratio=final))
 
