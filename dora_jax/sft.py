@@ -9,11 +9,11 @@ tasks the answer in the format the prompt asks for, then EOS) and writes the par
 as an Orbax checkpoint in `<workdir>/checkpoints/`, which an RL run starts from with
 `--config.init_checkpoint=<workdir>/checkpoints`. Loss values go to
 `<workdir>/sft_metrics.jsonl`, and a progress line (`sft step 30/300: loss 0.4321,
-12.50 steps/s`) is printed every tenth of the run, after a line before and after the
-train step compiles (`compiling: ...`, `compiled in N s: ...`; the same command again
-reads its programs from `<workdir>/compile_cache`). One device; the policies this is
-for are small. With LoRA (`model.lora.rank` > 0) only the adapters train, as in RL;
-the checkpoint holds base and adapters.
+12.50 steps/s`) is printed every tenth of the run; before them, a line as the train
+step starts compiling and one when it is done (`compiling: ...`, `compiled in N s:
+...`; the same command again reads its programs from `<workdir>/compile_cache`). One
+device; the policies this is for are small. With LoRA (`model.lora.rank` > 0) only
+the adapters train, as in RL; the checkpoint holds base and adapters.
 """
 
 from __future__ import annotations
