@@ -54,3 +54,28 @@ def model_shape(model_cfg, params) -> dict:
                 * jnp.dtype(m.dtype).itemsize,
                 param_bytes=dtype_bytes, dtype=m.dtype, param_dtype=m.param_dtype,
                 remat=m.remat)
+
+
+def decode_bound(figures: dict, device_kind: str) -> dict | None:
+    """Each KV layout's decode step with every slot busy against its bound: the ideal
+    bytes (`step_bytes`) read at the device's memory bandwidth (public figures,
+    `sim.device_fit.PEAKS`); None for a device without one (a CPU). `figures` is a
+    `bench.engine` run's."""
+    from dora_jax.sim import device_fit
+
+    peaks = device_fit.PEAKS.get(device_kind)
+    S = str(figures["slots"])
+    seconds = {"dense": figures["step_seconds"][S], "paged": figures["paged_step_seconds"][S]}
+    if peaks is None:
+        print(f"   bound: no public memory bandwidth for {device_kind!r}; decode step at "
+              f"{S} busy slots: dense {seconds['dense'] * 1e3:.3f} ms, "
+              f"paged {seconds['paged'] * 1e3:.3f} ms")
+        return None
+    out = {}
+    for kv, step in seconds.items():
+        ideal = figures["step_bytes"][kv]["ideal_bytes"] / peaks["hbm_bytes_per_s"]
+        out[kv] = dict(step_seconds=step, bound_seconds=ideal, over_bound=step / ideal)
+        print(f"   {kv} KV, {S} busy slots: {step * 1e3:.3f} ms a decode step, bound "
+              f"{ideal * 1e3:.3f} ms (ideal bytes at {peaks['hbm_bytes_per_s'] / 1e12:.2f} "
+              f"TB/s): {step / ideal:.2f}x the bound")
+    return out

@@ -51,10 +51,17 @@ from jax.sharding import Mesh
 from ml_collections import config_flags
 
 from dora_jax import config as config_lib
-from dora_jax.bench import CONFIGS, DEVICE_DENSE, DEVICE_MOE, kernels, model_shape, write_figures
+from dora_jax.bench import (
+    CONFIGS,
+    DEVICE_DENSE,
+    DEVICE_MOE,
+    decode_bound,
+    kernels,
+    model_shape,
+    write_figures,
+)
 from dora_jax.model import hf_checks, transformer
 from dora_jax.rollout import DecodeSlice, Engine, Request
-from dora_jax.sim import device_fit
 
 _MODEL_CONFIGS = {
     "tiny": config_flags.DEFINE_config_file("config", str(CONFIGS / "tiny.py"),
@@ -265,30 +272,9 @@ def bench_model(name: str, slots: int, decode_len: int, per_slot: int, repeats: 
             step_time(paged_slice, reqs[:S])  # compiles
             figures["paged_step_seconds"] = {str(S): min(
                 step_time(paged_slice, reqs[:S]) for _ in range(repeats))}
-            figures["bound"] = bound(figures, jax.devices()[0].device_kind)
+            figures["bound"] = decode_bound(figures, jax.devices()[0].device_kind)
     return figures
 
-
-def bound(figures: dict, device_kind: str) -> dict | None:
-    """Each KV layout's decode step with every slot busy against its bound: the ideal
-    bytes (`step_bytes`) read at the device's memory bandwidth (public figures,
-    `sim.device_fit.PEAKS`); None for a device without one (a CPU)."""
-    peaks = device_fit.PEAKS.get(device_kind)
-    S = str(figures["slots"])
-    seconds = {"dense": figures["step_seconds"][S], "paged": figures["paged_step_seconds"][S]}
-    if peaks is None:
-        print(f"   bound: no public memory bandwidth for {device_kind!r}; decode step at "
-              f"{S} busy slots: dense {seconds['dense'] * 1e3:.3f} ms, "
-              f"paged {seconds['paged'] * 1e3:.3f} ms")
-        return None
-    out = {}
-    for kv, step in seconds.items():
-        ideal = figures["step_bytes"][kv]["ideal_bytes"] / peaks["hbm_bytes_per_s"]
-        out[kv] = dict(step_seconds=step, bound_seconds=ideal, over_bound=step / ideal)
-        print(f"   {kv} KV, {S} busy slots: {step * 1e3:.3f} ms a decode step, bound "
-              f"{ideal * 1e3:.3f} ms (ideal bytes at {peaks['hbm_bytes_per_s'] / 1e12:.2f} "
-              f"TB/s): {step / ideal:.2f}x the bound")
-    return out
 
 
 def step_bytes(engine: Engine, params) -> dict:

@@ -48,16 +48,16 @@ def test_a_decode_step_is_set_against_the_ideal_bytes_at_the_device_bandwidth():
     bound; a CPU has no public bandwidth and gets none."""
     import pytest
 
-    from dora_jax.bench import engine
+    from dora_jax.bench import decode_bound
 
     figures = dict(slots=64, step_seconds={"1": 1e-3, "64": 2e-3},
                    paged_step_seconds={"64": 3e-3},
                    step_bytes={"dense": {"ideal_bytes": 4.8e9}, "paged": {"ideal_bytes": 9.6e9}})
-    got = engine.bound(figures, "NVIDIA H200")
+    got = decode_bound(figures, "NVIDIA H200")
     assert got["dense"]["bound_seconds"] == pytest.approx(1e-3)
     assert got["dense"]["over_bound"] == pytest.approx(2.0)
     assert got["paged"]["bound_seconds"] == pytest.approx(2e-3)
     assert got["paged"]["over_bound"] == pytest.approx(1.5)
-    assert engine.bound(figures, "NVIDIA H100 80GB HBM3")["dense"]["over_bound"] == \
+    assert decode_bound(figures, "NVIDIA H100 80GB HBM3")["dense"]["over_bound"] == \
         pytest.approx(2e-3 / (4.8e9 / 3.35e12))
-    assert engine.bound(figures, "cpu") is None
+    assert decode_bound(figures, "cpu") is None
