@@ -276,7 +276,6 @@ def bench_model(name: str, slots: int, decode_len: int, per_slot: int, repeats: 
     return figures
 
 
-
 def step_bytes(engine: Engine, params) -> dict:
     """Bytes a compiled decode step accesses (XLA's cost analysis) against the ideal:
     the weights read once plus the KV cache (`Engine.step_cost`)."""

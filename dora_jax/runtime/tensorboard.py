@@ -118,8 +118,8 @@ class TensorBoardWriter:
         os.makedirs(logdir, exist_ok=True)
         # TensorBoard orders files by name: the nanoseconds order two files opened in
         # the same second (a quick resume) instead of the second overwriting the first.
-        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}" \
-               f".{time.time_ns()}"
+        ns = time.time_ns()
+        name = f"events.out.tfevents.{ns // 10**9:010d}.{socket.gethostname()}.{ns}"
         self._file = open(os.path.join(logdir, name), "wb")
         self._file.write(_record(_event(0, file_version="brain.Event:2")))
         if purge_step is not None:  # TensorBoard drops the earlier files' later steps
