@@ -52,7 +52,13 @@ def main(argv):
     cli.workdir_to_write(_WORKDIR.value)
     cli.start_devices(cfg)
     role = cli.process_role(cfg)
-    if not role.lead:  # a slice process of a run of several (launch/local.py)
+    if role.trains and not role.lead:  # its share of the trainer (launch/local.py)
+        from dora_jax.runtime import trainer_process
+
+        with cli.one_line_errors():
+            trainer_process.follow(cfg, _WORKDIR.value, role)
+        return
+    if not role.lead:  # a slice process of a run of several
         from dora_jax.runtime import compile_times, slice_process
 
         assert role.coordinator is not None  # roles.from_env sets it for several processes

@@ -4,10 +4,10 @@ the devices (the trainer's and each decode slice's).
 
 A run is one process that sees every device (under Pathways at pod scale,
 `JAX_PLATFORMS=proxy`, set by the launchers in dora_jax/launch), or several
-processes each with its own JAX runtime: the trainer's lead and slice processes
-(docs/processes.md). A JAX runtime of several controllers (`jax.distributed`, one
-world over several hosts) would split one role over hosts, which is not supported
-yet; it is refused with a message saying so (`require_single_controller`).
+processes (docs/processes.md): the trainer as one SPMD program over one
+`jax.distributed` world of trainer processes (one per host; `join_trainer_processes`),
+and slice processes each with a JAX runtime of its own. The decode slices of one
+process never span a `jax.distributed` world (`require_single_controller`).
 
 Imports no JAX at module level: `fake_cpu_devices_if_needed` must run before JAX is
 imported.
@@ -67,15 +67,32 @@ def start_pathways_if_proxied() -> None:
     pathwaysutils.initialize()
 
 
+def join_trainer_processes(address: tuple[str, int], num_processes: int,
+                           process_id: int, heartbeat_timeout: float) -> None:
+    """Joins this trainer process to the others' `jax.distributed` world (the lead,
+    process 0, serves it at `address`). A process silent for `heartbeat_timeout`
+    seconds (dead or hung) ends the world: JAX's coordination service then stops
+    every process in it. On the CPU backend the collectives between processes run
+    over gloo."""
+    import jax
+
+    if not accelerator_present():
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    seconds = max(1, round(heartbeat_timeout))
+    jax.distributed.initialize(f"{address[0]}:{address[1]}", num_processes=num_processes,
+                               process_id=process_id, heartbeat_timeout_seconds=seconds,
+                               shutdown_timeout_seconds=seconds)
+
+
 def require_single_controller(process_count: int) -> None:
-    """Refuses multi-controller JAX, naming what to do instead (see module docstring)."""
+    """Refuses decode slices in a multi-controller JAX world (see module docstring)."""
     if process_count > 1:
         raise RuntimeError(
             f"this JAX runtime has {process_count} controller processes (jax.distributed), "
-            "but each part of a dora_jax run is one process with its own JAX runtime: run "
-            "the trainer and the decode slices as processes of their own (docs/processes.md, "
-            "python -m dora_jax.launch.local), or everything as one process under Pathways "
-            "(python -m dora_jax.launch.gke renders the job).")
+            "but decode slices run in a process with a JAX runtime of its own: run the "
+            "slices as slice processes (docs/processes.md, python -m dora_jax.launch.local "
+            "--processes=N --trainer_processes=T), or everything as one process under "
+            "Pathways (python -m dora_jax.launch.gke renders the job).")
 
 
 def tpu_slices(devices: Sequence) -> list[int] | None:
@@ -179,14 +196,17 @@ def make_meshes(mesh_cfg, devices: Sequence | None = None):
 
 
 def make_trainer_mesh(mesh_cfg, devices: Sequence | None = None):
-    """The trainer's mesh alone, over the first of `devices` (default: this process's):
-    the lead of a run whose slices live in other processes (runtime/remote.py)."""
+    """The trainer's mesh alone, over the first of `devices` (default: this process's,
+    or every trainer process's in a `jax.distributed` world): the trainer of a run
+    whose slices live in other processes (runtime/remote.py)."""
     import jax
     from jax.sharding import Mesh
 
     from dora_jax.config import TRAINER_MESH_AXES
 
-    devices = order_by_slice(list(jax.local_devices() if devices is None else devices))
+    if devices is None:
+        devices = jax.devices() if jax.process_count() > 1 else jax.local_devices()
+    devices = order_by_slice(list(devices))
     n = mesh_cfg.trainer_devices
     if n > len(devices):
         raise ValueError(f"the trainer mesh needs {n} devices, have {len(devices)}")

@@ -80,6 +80,9 @@ _PROXY_IMAGE = flags.DEFINE_string("proxy_image", jobset.PROXY_IMAGE,
 _PROCESSES = flags.DEFINE_integer("processes", 0, "0: one process under Pathways; N: the "
                                   "trainer's lead and N-1 slice processes, one pod each "
                                   "(launch/processes.py, docs/processes.md)", lower_bound=0)
+_TRAINER_PROCESSES = flags.DEFINE_integer(
+    "trainer_processes", 1, "with --processes: of them, pods running the trainer's mesh "
+    "as one SPMD program (jax.distributed; the lead is one)", lower_bound=1)
 flags.mark_flag_as_required("config")
 ANNOTATION_PREFIX = "dora-jax"
 
@@ -174,7 +177,7 @@ def render(job: dict, argv: list[str]) -> str:
 
     if _PROCESSES.value:
         try:
-            js = processes.render(job, _PROCESSES.value)
+            js = processes.render(job, _PROCESSES.value, _TRAINER_PROCESSES.value)
         except ValueError as e:
             error(e)
     else:

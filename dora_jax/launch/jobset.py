@@ -2,9 +2,9 @@
 the Kubernetes JobSet that runs it on GKE (`render_jobset`), and the way back from
 the container's command to the config it trains (`parse_command`).
 
-dora_jax is single-controller: one Python process sees every device, builds the
-trainer's mesh and each decode slice's mesh on disjoint devices, and copies params
-between them. At pod scale that process runs under Pathways: the `pathways-head` pod
+Under Pathways one Python process sees every device, builds the trainer's mesh and
+each decode slice's mesh on disjoint devices, and copies params between them (the
+same run as several processes, without Pathways, is launch/processes.py's): the `pathways-head` pod
 holds the resource manager, the IFRT proxy and `main` (our process, with JAX talking
 to the proxy: JAX_PLATFORMS=proxy), and each TPU host runs a Pathways worker. So the
 devices may span several TPU slices: the job takes `mesh.total_devices` chips (one

@@ -74,16 +74,25 @@ class Checkpointer:
       max_to_keep: newest checkpoints kept; older ones are deleted. None keeps all.
       save_interval_steps: `save` only writes when step % interval == 0 (unless forced).
       async_save: write in the background (see module docstring).
+      this_process_only: in a `jax.distributed` world, this process saves and
+        restores alone, with arrays it holds whole (runtime/trainer_group.py).
     """
 
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3,
-                 save_interval_steps: int = 1, async_save: bool = True):
+                 save_interval_steps: int = 1, async_save: bool = True,
+                 this_process_only: bool = False):
         directory = os.fspath(directory)
         # A URL (gs://...) goes to Orbax as given: abspath would make it a local path.
         self.directory = directory if "://" in directory else os.path.abspath(directory)
+        alone = {}
+        if this_process_only and jax.process_count() > 1:
+            me = jax.process_index()
+            alone = dict(multiprocessing_options=ocp.options.MultiprocessingOptions(
+                primary_host=me, active_processes={me}, barrier_sync_key_prefix=f"p{me}"))
+            epath.Path(self.directory).mkdir(parents=True, exist_ok=True)  # Orbax won't
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, save_interval_steps=save_interval_steps,
-            enable_async_checkpointing=async_save, create=True)
+            enable_async_checkpointing=async_save, create=not alone, **alone)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def save(self, step: int, state: Any, extra_json: dict | None = None, *,

@@ -35,6 +35,7 @@ from dora_jax.model.sharding import (
     copy_tree,
     logical_to_spec,
     param_shardings,
+    published_copy,
 )
 from dora_jax.rl import losses, objective, packing, step_metrics
 from dora_jax.rl.batch import TrainBatch
@@ -144,6 +145,7 @@ class Trainer:
         ref_sh = None if self._ref is None else self._param_sh
         bsh = {k: self._batch_sh for k in self._token_arrays} | {
             k: scalar for k in SAMPLE_ARRAYS}
+        self._batch_shardings = bsh
         self._step_jit = jax.jit(self._step, static_argnums=3,
                                  in_shardings=(self._state_sh, bsh, ref_sh),
                                  out_shardings=(self._state_sh, scalar), donate_argnums=0)
@@ -160,6 +162,12 @@ class Trainer:
         `jax.device_put` to a slice's shardings) before calling it again.
         """
         return self._state.params
+
+    def published_params(self, adapters_only: bool = False) -> nnx.State:
+        """A copy of `params` that outlives the next step, as a slice loads it
+        (`sharding.published_copy`); with `adapters_only` (LoRA) the adapters alone."""
+        params = lora.split(self.params)[1] if adapters_only else self.params
+        return published_copy(params)
 
     @property
     def version(self) -> int:
@@ -254,8 +262,13 @@ class Trainer:
         axes = self._batch_axes
         axes = (axes,) if isinstance(axes, str) else (axes or ())
         n_shards = int(np.prod([self.mesh.shape[a] for a in axes]))
-        return packing.for_trainer(batch, self.cfg.trainer, M, self._version, axes, n_shards,
-                                   self._routing)
+        arrays = packing.for_trainer(batch, self.cfg.trainer, M, self._version, axes,
+                                     n_shards, self._routing)
+        if self.mesh.is_multi_process:  # every process holds the whole batch: its shards
+            arrays = {k: jax.make_array_from_callback(
+                np.shape(x), self._batch_shardings[k], lambda index, x=x: np.asarray(x)[index])
+                for k, x in arrays.items()}
+        return arrays
 
     @property
     def _token_arrays(self) -> tuple:

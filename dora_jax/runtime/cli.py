@@ -237,15 +237,25 @@ def start_devices(cfg: Config) -> None:
     count the config needs (one line saying what to run here when it is short)."""
     from dora_jax.config import devices
 
-    needed = process_role(cfg).devices_needed(cfg.mesh)
+    role = process_role(cfg)
+    try:
+        needed = role.devices_needed(cfg.mesh)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     note = devices.fake_cpu_devices_if_needed(needed)
     if note:
         print(note)
     devices.start_pathways_if_proxied()
+    if role.trains and role.trainer_processes > 1:
+        # As long as a slice process may be silent before its slices count as lost.
+        devices.join_trainer_processes(
+            role.trainer_service, role.trainer_processes, role.process_id,
+            heartbeat_timeout=max(30.0, (cfg.coordinator.stall_timeout or 600.0) / 10))
     import jax
 
-    if needed > jax.device_count():
-        raise SystemExit(_too_few_devices(cfg, jax.device_count(), jax.default_backend()))
+    have = jax.local_device_count() if role.multi else jax.device_count()
+    if needed > have:
+        raise SystemExit(_too_few_devices(cfg, have, jax.default_backend()))
 
 
 def process_role(cfg: Config) -> Role:

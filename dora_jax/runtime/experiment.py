@@ -9,6 +9,7 @@ checkpoints/.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -31,7 +32,7 @@ from dora_jax.runtime.evaluation import EvalDecoder
 from dora_jax.runtime.faults import Drills
 from dora_jax.runtime.loop import Runtime
 from dora_jax.runtime.report import StepReporter
-from dora_jax.runtime.weights import published_copy
+from dora_jax.runtime.trainer_group import LeadCheckpointer, LeadTrainer, TrainerGroup
 from dora_jax.runtime.worker import SliceWorker
 from dora_jax.scheduler.core import Scheduler
 from dora_jax.scheduler.ledger import LedgerWriter
@@ -162,15 +163,22 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     compiles (with the time the last run in `workdir` took) and one after (the
     seconds per phase, kept in the workdir for the next run). `role`: this process's
     part of a run of several (runtime/roles.py): the lead runs the slices through the
-    slice processes (remote.py). Raises
+    slice processes (remote.py), and a trainer over several processes through
+    trainer_group.py. Raises
     `runtime.loop.RunError` if any part fails; the ledger then still accounts for
     every admitted group."""
     recovery.prepare(workdir, cfg, fresh)
     compile_times.use_persistent_cache(workdir)
     if cfg.logging.wandb_project:  # a missing package fails here, before any compute
         writers.import_wandb()
-    checkpointer = Checkpointer(cfg.coordinator.checkpoint_dir
-                                or os.path.join(workdir, "checkpoints"))
+    checkpoints = cfg.coordinator.checkpoint_dir or os.path.join(workdir, "checkpoints")
+    if role.trainer_processes > 1:  # the trainer spans processes: each call reaches all
+        group = TrainerGroup(role.trainer_commands, role.trainer_processes,
+                             timeout=cfg.coordinator.stall_timeout or 600.0)
+        checkpointer: Checkpointer = LeadCheckpointer(checkpoints, group=group)
+        make_trainer = functools.partial(LeadTrainer, group=group)
+    else:
+        checkpointer = Checkpointer(checkpoints)
     trained = checkpointer.latest_step()
     if trained is not None and trained >= cfg.coordinator.num_steps:
         checkpointer.close()  # nothing left to train: the run is complete
@@ -202,13 +210,13 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
         sl.load_version(0, params)
     trainer = make_trainer(cfg, trainer_mesh, params=params, graphdef=graphdef)
     resumed = recovery.load(workdir, cfg, checkpointer, trainer, records)
-    if trainer.version:  # every slice holds the version resumed from
+    if trainer.version and slices:  # every slice holds the version resumed from
         params = copy_tree(trainer.params)
         for sl in slices:
             sl.load_version(trainer.version, params)
     procs = None
     if role.multi:  # the slice processes start on the trainer's version
-        first = (trainer.version, published_copy(trainer.params))
+        first = (trainer.version, trainer.published_params())
         procs = remote.start(cfg, role, trainer_mesh, lambda: first,
                              timeout=cfg.coordinator.stall_timeout or 600.0)
         slices = [procs.slices[i] for i in range(cfg.mesh.num_slices)]
@@ -226,7 +234,9 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     if procs is not None:  # compiling in their own processes meanwhile
         with watch(DECODE_PHASE):
             procs.wait_ready(cfg.coordinator.stall_timeout or 600.0)
-    if cfg.coordinator.checkpoint_every:  # periodic saves: none may stall the run
+    # Periodic saves: none may stall the run. (A trainer over several processes saves
+    # into one directory from all of them: its first save compiles in the run.)
+    if cfg.coordinator.checkpoint_every and role.trainer_processes == 1:
         with watch("checkpoint save"):
             Checkpointer.warm_up(trainer.state)
     watch.save(workdir)

@@ -41,7 +41,7 @@ from dora_jax.runtime.groups import GroupBook
 from dora_jax.runtime.report import StepReporter, WaitClock, episode_record
 from dora_jax.runtime.saves import BackgroundSaves
 from dora_jax.runtime.trainer_worker import SentBatch, TrainerWorker
-from dora_jax.runtime.weights import WeightBook, published_copy
+from dora_jax.runtime.weights import WeightBook
 from dora_jax.runtime.worker import SliceWorker
 from dora_jax.scheduler.core import Scheduler
 from dora_jax.scheduler.driver import Driver
@@ -96,7 +96,7 @@ class Runtime(Driver):
         self.book = GroupBook(cfg, rewards, ledger.write, self.clock)
         # A copy: the first step donates the trainer's own buffers. LoRA publishes
         # only the adapters.
-        self.weights = WeightBook(trainer.version, published_copy(trainer.params),
+        self.weights = WeightBook(trainer.version, trainer.published_params(),
                                   adapters_only=cfg.model.lora.enabled)
         self._readmit: dict = {}
         if resumed is not None:

@@ -343,13 +343,18 @@ def start(cfg: Any, role: Any, trainer_mesh: Any, current: Callable[[], tuple[in
     """Listens at the role's coordinator address for the slice processes and stages
     weights on the trainer's devices shaped as a slice (`cfg`: the run's Config; `role`:
     roles.Role of the lead). `wait_ready` then waits for them to compile."""
+    import jax
+
     from dora_jax.config import SLICE_MESH_AXES
     from dora_jax.model import transformer
     from dora_jax.rollout.placement import ParamPlacement
     from dora_jax.runtime.weight_transfer import staging_mesh
 
     shape = tuple(cfg.mesh.slice[a] for a in SLICE_MESH_AXES)
-    stage = staging_mesh(list(trainer_mesh.devices.flat), shape)
+    # This process's own devices: a trainer over several processes gathers each
+    # published version here (sharding.published_copy).
+    mine = [d for d in trainer_mesh.devices.flat if d.process_index == jax.process_index()]
+    stage = staging_mesh(mine, shape)
     placement = ParamPlacement(transformer.abstract_params(cfg.model)[1], stage,
                                cfg.mesh.decode_rules)
     host = role.coordinator[0]

@@ -32,8 +32,11 @@ def _copied_to_host(state: Any) -> Any:
     """On the CPU backend, `state` as host arrays (a plain copy; Orbax's own copy
     costs ~0.1 s of bookkeeping per save on the tiny config, longer than a step);
     elsewhere `state` itself: Orbax copies each shard to the host in `save`, so that
-    sharded states are never gathered on one host."""
-    if all(d.platform == "cpu" for x in jax.tree.leaves(state) for d in x.devices()):
+    sharded states are never gathered on one host (a trainer over several processes
+    gathers its state in `trainer_group.LeadCheckpointer.save`)."""
+    leaves = jax.tree.leaves(state)
+    if all(x.is_fully_addressable and all(d.platform == "cpu" for d in x.devices())
+           for x in leaves):
         return jax.device_get(state)
     return state
 

@@ -20,7 +20,6 @@ from dora_jax.base.timeline import Timeline
 from dora_jax.runtime.events import TRAINER, Failed, StepDone
 from dora_jax.runtime.faults import NO_FAULTS, Faults
 from dora_jax.runtime.stream import GroupQueue, train_batches
-from dora_jax.runtime.weights import published_copy
 
 if TYPE_CHECKING:
     from dora_jax.config import Config
@@ -95,7 +94,7 @@ class TrainerWorker:
                 self._faults.run_reached("train")
                 metrics = self.trainer.train_step(batch)
                 # A copy: the next step donates them.
-                params = published_copy(self.trainer.params, self._adapters_only)
+                params = self.trainer.published_params(self._adapters_only)
                 metrics = jax.device_get(metrics)  # the step's only host sync
                 end = self.clock()
                 self.timeline.add("trainer", "train", start, end, step)

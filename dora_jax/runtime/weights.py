@@ -1,7 +1,7 @@
 """Published weights: the one path from the trainer to a decode slice.
 
 After step t the trainer thread publishes a copy of its params as version t+1
-(`published_copy`: the next step donates the originals). The coordinator keeps
+(`Trainer.published_params`: the next step donates the originals). The coordinator keeps
 each version while the scheduler may still place it on a slice — the newest, and any
 older one a slice holds or loads, or that has samples to (re)generate — and hands a
 slice told to load version v the params of v as published, on the trainer's mesh.
@@ -24,28 +24,10 @@ import concurrent.futures
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-import jax
-
 from dora_jax.model import lora
-from dora_jax.model.sharding import copy_tree
 
 if TYPE_CHECKING:
     from flax import nnx
-
-
-def published_copy(params: Any, adapters_only: bool = False) -> Any:
-    """A copy of the trainer's params that outlives the next step (which donates
-    them), dispatched without waiting. On accelerators it stays on the trainer's
-    devices and each slice pulls its shards device to device. On the CPU backend every
-    "device" is host memory: one host copy lets each slice place it with a plain copy,
-    where resharding device to device runs a cross-device program per slice (about 4x
-    the weight-transfer time on the tiny default, contended by the decoding slices).
-    `adapters_only`: a LoRA publish, the adapter tree alone."""
-    if adapters_only:
-        params = lora.split(params)[1]
-    if all(d.platform == "cpu" for x in jax.tree.leaves(params) for d in x.devices()):
-        return jax.device_get(params)
-    return copy_tree(params)
 
 
 class WeightBook:

@@ -329,7 +329,7 @@ def test_host_fakes_cpu_devices_only_when_it_should(monkeypatch):
     assert host.fake_cpu_devices_if_needed(256) is None and "XLA_FLAGS" not in os.environ
     monkeypatch.setenv("JAX_PLATFORMS", "tpu")  # an accelerator: nothing to fake
     assert host.fake_cpu_devices_if_needed(8) is None and "XLA_FLAGS" not in os.environ
-    with pytest.raises(RuntimeError, match="processes of their own.*Pathways"):
+    with pytest.raises(RuntimeError, match="slice processes.*--trainer_processes.*Pathways"):
         host.require_single_controller(4)
     host.require_single_controller(1)
 

@@ -451,11 +451,58 @@ def test_gke_renders_a_run_of_several_processes_one_pod_each():
         assert roles.from_env(env).process_id == index + 1
 
 
+def _pod_process_ids(container, indices):
+    """The roles a pod's shell gives at each completion index, as main reads them."""
+    from dora_jax.runtime import roles
+
+    shell, flag, script, *main = container["command"]
+    assert (shell, flag) == ("bash", "-c") and main[:3] == ["python", "-m", "dora_jax.main"]
+    got = []
+    for index in indices:
+        out = subprocess.run([shell, "-c", script, "env"], capture_output=True, text=True,
+                             env={**_container_env(container),
+                                  "JOB_COMPLETION_INDEX": str(index), "PATH": "/usr/bin:/bin"})
+        env = dict(line.split("=", 1) for line in out.stdout.splitlines() if "=" in line)
+        got.append(roles.from_env(env))
+    return got
+
+
+@pytest.mark.parametrize("accelerator", [["--tpu=v5e-8"],
+                                         ["--gpu=nvidia-h100-80gb", "--gpus_per_host=4"]])
+def test_gke_renders_a_trainer_over_several_pods(accelerator):
+    """--processes=4 --trainer_processes=2: the lead and one more trainer pod (half the
+    trainer's chips each, the workdir mounted: they read its checkpoints), then two
+    slice pods; each pod's role, read as main reads it, is its own."""
+    r = _run(*GKE, "--config=configs/tiny.py", *accelerator, "--processes=4",
+             "--trainer_processes=2", "--name=dora-4p")
+    assert r.returncode == 0, r.stderr
+    js = yaml.safe_load(r.stdout)
+    pods = {j["name"]: j["template"]["spec"]["template"]["spec"]
+            for j in js["spec"]["replicatedJobs"]}
+    assert list(pods) == ["lead", "trainers", "slices"]
+    [lead], [trainer], [sl] = (pods[k]["containers"] for k in pods)
+    resource = "google.com/tpu" if "--tpu=v5e-8" in accelerator else "nvidia.com/gpu"
+    for c, chips in ((lead, 2), (trainer, 2), (sl, 2)):  # trainer 2 x 2 / 2; 4 slices / 2
+        assert c["resources"]["limits"] == {resource: chips}
+    assert trainer["volumeMounts"] == lead["volumeMounts"]
+    from dora_jax.runtime import roles
+
+    assert roles.from_env(_container_env(lead)) == roles.Role(
+        0, 4, ("dora-4p-lead-0-0.dora-4p", 8476), 2)
+    [one] = _pod_process_ids(trainer, [0])
+    assert one.process_id == 1 and one.trains and one.trainer_processes == 2
+    slices = _pod_process_ids(sl, [0, 1])
+    assert [s.process_id for s in slices] == [2, 3] and not any(s.trains for s in slices)
+    assert slices[0].slice_ids_by_process(4) == {2: [0, 1], 3: [2, 3]}
+
+
 @pytest.mark.parametrize("args, says", [
+    (["--tpu=v5e-8", "--processes=4", "--trainer_processes=3"],
+     "--trainer_processes=3 does not divide the trainer's 4 chips"),
     (["--tpu=v5e-8", "--processes=4"],
      "the 4 decode slices must split evenly over 3 slice processes"),
     (["--tpu=v5e-4", "--processes=3", "--config.mesh.trainer.data=4"],
-     "the trainer needs 8 chips, more than a v5e-4 host's 4"),
+     "each trainer process needs 8 chips, more than a v5e-4 host's 4"),
     (["--tpu=v5e-4", "--processes=3", "--config.mesh.colocated=True",
       "--config.coordinator.mode=sync"], "mesh.colocated: a run of several processes"),
 ])
@@ -479,3 +526,39 @@ def test_gke_renders_several_processes_on_gpu_nodes():
     # Pathways runs on TPU only: GPUs need --processes.
     r = _run(*GKE, "--config=configs/tiny.py", "--gpu=nvidia-h100-80gb")
     assert r.returncode == 1 and "give --processes=N too" in r.stderr
+
+
+def test_the_slurm_script_gives_each_task_its_role(tmp_path):
+    """launchers/slurm.sh under stand-ins for scontrol, srun and python: each of four
+    tasks starts main with the role its SLURM_PROCID gives, read as main reads it
+    (DORA_TRAINER_PROCESSES=2: tasks 0 and 1 the trainer's, 2 and 3 slice processes),
+    all pointed at the first node."""
+    from dora_jax.runtime import roles
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scripts = {
+        "scontrol": 'printf "node-a\\nnode-b\\n"',
+        # srun runs its command once per task, as Slurm would on each node.
+        "srun": 'shift; for i in $(seq 0 $((SLURM_NTASKS - 1))); do '
+                'SLURM_PROCID=$i "$@"; done',
+        "python": f'env > {tmp_path}/task$SLURM_PROCID.env; echo "$@" >> {tmp_path}/argv',
+    }
+    for name, body in scripts.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "node-[a-b]",
+           "SLURM_NTASKS": "4", "DORA_TRAINER_PROCESSES": "2", "DORA_AUTHKEY": "k3y"}
+    r = subprocess.run(["bash", str(REPO / "launchers/slurm.sh"), "--config=configs/tiny.py",
+                        "--workdir=/shared/run"], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    got = []
+    for task in range(4):
+        lines = (tmp_path / f"task{task}.env").read_text().splitlines()
+        task_env = dict(line.split("=", 1) for line in lines if "=" in line)
+        assert task_env["DORA_AUTHKEY"] == "k3y"
+        got.append(roles.from_env(task_env))
+    assert got == [roles.Role(p, 4, ("node-a", 8476), 2) for p in range(4)]
+    assert [r.trains for r in got] == [True, True, False, False]
+    assert (tmp_path / "argv").read_text().splitlines() == [
+        "-m dora_jax.main --config=configs/tiny.py --workdir=/shared/run"] * 4

@@ -1,7 +1,10 @@
 """A run as several processes (runtime/remote.py, runtime/slice_process.py,
-launch/local.py): the trainer's lead and two slice processes on this machine, the
-ledger audited clean; in sync mode the tokens of the one-process run; a slice process
-killed with -9 mid-run replaced while the run goes on, nothing lost."""
+runtime/trainer_group.py, launch/local.py): the trainer's lead and two slice
+processes on this machine, the ledger audited clean; in sync mode the tokens of the
+one-process run; a slice process killed with -9 mid-run replaced while the run goes
+on, nothing lost; the trainer over two processes (one jax.distributed world) training
+as one process does, resuming, and a run whose second trainer process is killed with
+-9 started again and resumed, nothing lost or trained twice."""
 
 import json
 import os
@@ -18,9 +21,10 @@ from dora_jax.scheduler import ledger
 FLAGS = ["--config=configs/tiny.py", "--config.model.num_layers=1"]
 
 
-def _launch(workdir, *extra, processes=3):
+def _launch(workdir, *extra, processes=3, trainer_processes=1):
     return subprocess.Popen(
-        [sys.executable, "-m", "dora_jax.launch.local", f"--processes={processes}", "--",
+        [sys.executable, "-m", "dora_jax.launch.local", f"--processes={processes}",
+         f"--trainer_processes={trainer_processes}", "--",
          *FLAGS, f"--workdir={workdir}", *extra],
         cwd=REPO, env=env_without_device_count(), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
@@ -46,15 +50,24 @@ def _step_metrics(workdir):
                 if "reward_mean" in r]
 
 
-@pytest.mark.slow
-def test_three_processes_run_audited_and_sync_mode_gives_the_one_process_tokens(tmp_path):
-    steps = ["--config.coordinator.num_steps=4", "--config.coordinator.mode=sync"]
-    many, one = tmp_path / "three", tmp_path / "one"
-    proc = _launch(many, *steps)
+SYNC = ["--config.coordinator.num_steps=4", "--config.coordinator.mode=sync"]
+
+
+@pytest.fixture(scope="module")
+def one_process_sync(tmp_path_factory):
+    """The workdir of the one-process sync run every several-process run matches."""
+    one = tmp_path_factory.mktemp("one")
     single = subprocess.run([sys.executable, "-m", "dora_jax.main", *FLAGS, f"--workdir={one}",
-                             *steps], cwd=REPO, capture_output=True, text=True, timeout=600)
+                             *SYNC], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert single.returncode == 0, single.stderr[-3000:]
-    out = _finish(proc)
+    return one
+
+
+@pytest.mark.slow
+def test_three_processes_run_audited_and_sync_mode_gives_the_one_process_tokens(
+        tmp_path, one_process_sync):
+    many, one = tmp_path / "three", one_process_sync
+    out = _finish(_launch(many, *SYNC))
     assert "slice process 1: slices [0, 1] ready" in out
     assert "slice process 2: slices [2, 3] ready" in out
     _audited(many, coordinator__num_steps=4, coordinator__mode="sync")
@@ -123,3 +136,77 @@ def test_a_slice_process_killed_mid_run_is_replaced_and_nothing_is_lost(tmp_path
     standing = ledger.standing(events)
     consumed = [e["group_id"] for e in standing if e["event"] == "consume"]
     assert len(consumed) == len(set(consumed)) == 40 * cfg.coordinator.train_batch_size
+
+
+def _trainer_metric(workdir, name):
+    with open(workdir / "metrics.jsonl") as f:
+        return [r["trainer"][name] for r in map(json.loads, f) if "trainer" in r]
+
+
+def _consumed(workdir):
+    return [e["group_id"] for e in ledger.standing(ledger.read(str(workdir / "ledger.jsonl")))
+            if e["event"] == "consume"]
+
+
+@pytest.mark.slow
+def test_a_trainer_over_two_processes_trains_as_one_process_and_resumes(tmp_path,
+                                                                        one_process_sync):
+    """Processes 0 and 1 hold the trainer's mesh (data=2 x fsdp=2) two devices each,
+    process 2 the four slices. Sync mode: the same groups, rewards and tokens as one
+    process; the losses equal to float32 rounding (the gradients' sums cross
+    processes). Then four more steps resume from the checkpoint both processes read."""
+    many, one = tmp_path / "two_trainers", one_process_sync
+    out = _finish(_launch(many, *SYNC, trainer_processes=2))
+    assert "slice process 2: slices [0, 1, 2, 3] ready" in out
+    _audited(many, coordinator__num_steps=4, coordinator__mode="sync")
+    assert _step_metrics(many) == _step_metrics(one) and len(_step_metrics(one)) == 4
+    for name in ("loss", "grad_norm"):
+        got, want = _trainer_metric(many, name), _trainer_metric(one, name)
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-6) and len(got) == 4, name
+    assert _consumed(many) == _consumed(one)
+    resumed = ["--config.coordinator.num_steps=8", "--config.coordinator.mode=sync"]
+    out = _finish(_launch(many, *resumed, trainer_processes=2))
+    assert "resumed from step 4" in out
+    _, events = _audited(many, coordinator__num_steps=8, coordinator__mode="sync")
+    assert len(_step_metrics(many)) == 8
+    consumed = _consumed(many)
+    assert len(consumed) == len(set(consumed)) == 8 * 4
+
+
+@pytest.mark.slow
+def test_a_trainer_process_killed_mid_run_restarts_the_run_which_resumes(tmp_path):
+    """kill -9 of trainer process 1 ends the trainer's jax.distributed world; the
+    launcher starts every process again and the run resumes from its last checkpoint:
+    every step trained, audit clean, no group consumed twice."""
+    workdir, steps = tmp_path / "run", 16
+    proc = _launch(workdir, f"--config.coordinator.num_steps={steps}",
+                   "--config.coordinator.checkpoint_every=2", trainer_processes=2)
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.monotonic() + 500
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    victim = _slice_process_pid(proc.pid, 1)
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    killed, training_again = time.monotonic(), None
+    while proc.poll() is None and training_again is None:  # a step consumed after resume
+        lines = (workdir / "ledger.jsonl").read_text().splitlines()
+        kinds = [json.loads(x).get("event") for x in lines if x.endswith("}")]
+        if "resume" in kinds and "consume" in kinds[kinds.index("resume"):]:
+            training_again = time.monotonic() - killed
+        time.sleep(0.2)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-2000:] + err[-4000:]
+    assert "trainer process 1 exited (-9): starting the run again" in out + err
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["resumed_from_step"] > 0
+    cfg, events = _audited(workdir, coordinator__num_steps=steps,
+                           coordinator__checkpoint_every=2)
+    assert any(e["event"] == "resume" for e in events)
+    consumed = _consumed(workdir)
+    assert len(consumed) == len(set(consumed)) == steps * cfg.coordinator.train_batch_size
+    assert training_again is not None
+    print(f"trainer process 1 killed; the run resumed from step "
+          f"{summary['resumed_from_step']} and trained again {training_again:.1f} s "
+          "after the kill")

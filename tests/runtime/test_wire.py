@@ -6,6 +6,7 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import load_repo_config
 
 from dora_jax.rollout.trajectory import InFlight, Request, SliceStats, Trajectory
 from dora_jax.runtime import roles, wire
@@ -99,6 +100,25 @@ def test_roles_come_from_the_launcher_s_variables():
             roles.from_env({**env, **bad})
     with pytest.raises(ValueError, match="more than the config's 1 decode slices"):
         role.slice_ids_by_process(1)
+    # Two trainer processes (0 and 1), then the slice processes.
+    two = roles.from_env({**env, roles.NUM_PROCESSES: "4", roles.TRAINER_PROCESSES: "2"})
+    assert two.trainer_processes == 2 and two.slice_ids_by_process(4) == {2: [0, 1],
+                                                                        3: [2, 3]}
+    assert not two.trains and two.trainer_service == ("10.0.0.1", 5001)
+    assert roles.Role(1, 4, ("h", 1), 2).trains
+    assert two.trainer_commands == ("10.0.0.1", 5002)
+    for bad in ("0", "3"):  # none, or no process left for the slices
+        with pytest.raises(ValueError, match=f"DORA_TRAINER_PROCESSES={bad} leaves no"):
+            roles.from_env({**env, roles.TRAINER_PROCESSES: bad})
+
+
+def test_each_trainer_process_takes_an_equal_share_of_the_trainer_mesh():
+    mesh = load_repo_config("configs/tiny.py").mesh  # trainer 4 devices, 4 slices of 1
+    assert [roles.Role(p, 5, ("h", 1), 2).devices_needed(mesh) for p in range(5)] == [
+        2, 2, 1, 2, 1]  # slice processes 2, 3, 4 hold slices [0], [1, 2], [3]
+    with pytest.raises(ValueError, match="DORA_TRAINER_PROCESSES=3 does not divide the "
+                                         "trainer mesh's 4 devices"):
+        roles.Role(0, 4, ("h", 1), 3).devices_needed(mesh)
 
 
 def _fake_slice_process(address, process_id, *, then):
