@@ -107,7 +107,8 @@ def test_bench_modes(modes_run):
 @pytest.mark.slow
 def test_bench_processes():
     """Publication in one process and across two (tiny shape), the cross-process fit,
-    and the coordinator driving 8 fake slices over the wire."""
+    the gather of a trainer over two processes, and the coordinator driving 8 fake
+    slices over the wire."""
     out = run_module("dora_jax.bench.processes", "--shapes=tiny", "--reps=2", "--slices=8",
                      "--seconds=2")
     lines = out.stdout.splitlines()
@@ -116,6 +117,12 @@ def test_bench_processes():
         assert any(x.startswith(f"publish tiny {what}: ") for x in lines), out.stdout
     assert any(x.startswith("simulator transfer cost (cross-process, this host): "
                             "transfer_latency=") for x in lines), out.stdout
+    for what in ("full", "adapters"):  # a trainer over two processes gathers a version
+        gathered = next((x for x in lines if x.startswith(f"trainer gather tiny {what}: ")),
+                        out.stdout)
+        parse(gathered, rf"trainer gather tiny {what}: {NUMBER} MB, in one process {NUMBER} "
+              rf"ms, gathered over 2 trainer processes {NUMBER} ms \({NUMBER} GB/s\)",
+              0.01, 1)
     ratio = next(x for x in lines if x.startswith("cross-process/in-process"))
     parse(ratio, rf"cross-process/in-process publish seconds \(tiny, full\): {NUMBER}",
           0.01, 1e4)

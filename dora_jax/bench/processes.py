@@ -9,6 +9,10 @@
   LoRA adapters, at the tiny config's shape and a larger one (8 layers of 1024). The
   cross-process seconds against bytes give the simulator's transfer cost
   (`transfer_latency`, `transfer_bandwidth`: sim/cost.py) for this host.
+- gather: a published version (or a checkpoint's state) of a trainer over two
+  processes gathered onto the lead (`sharding.gathered`: one program over the
+  trainer's `jax.distributed` world, gloo on a CPU) against the same program in one
+  process over the same mesh shape; repeated, median.
 - coordinator: the coordinator's decisions per second with 8, 32 and 128 slices, its
   real scheduler (dora) and wire (runtime/remote.py) driving fake slice processes
   that answer at once (every submit finished, every load done), so the coordinator
@@ -31,13 +35,15 @@ import time
 
 from absl import app, flags
 
-_PARTS = flags.DEFINE_list("parts", ["publish", "coordinator"], "publish, coordinator")
+_PARTS = flags.DEFINE_list("parts", ["publish", "gather", "coordinator"],
+                           "publish, gather, coordinator")
 _REPS = flags.DEFINE_integer("reps", 5, "repeats per publish measurement (median)")
 _SHAPES = flags.DEFINE_list("shapes", ["tiny", "larger"], "model shapes to publish")
 _SLICES = flags.DEFINE_list("slices", ["8", "32", "128"], "slice counts to drive")
 _SECONDS = flags.DEFINE_float("seconds", 5.0, "coordinator measurement per slice count")
 _PULLER = flags.DEFINE_string("puller", "", "internal: run as the pulling process")
 _FAKE = flags.DEFINE_string("fake_slices", "", "internal: run as a fake slice process")
+_GATHERER = flags.DEFINE_string("gatherer", "", "internal: run as a trainer process")
 
 LARGER = dict(d_model=1024, num_layers=8, num_heads=16, num_kv_heads=4, head_dim=64,
               mlp_hidden=2816, vocab_size=32000)
@@ -132,6 +138,79 @@ def publish(shape: str, lora: bool, reps: int) -> dict:
     return dict(shape=shape, what="adapters" if lora else "full", bytes=moved,
                 in_process_s=in_s, across_s=across_s, in_process_gb_s=moved / in_s / 1e9,
                 across_gb_s=moved / across_s / 1e9)
+
+
+def _placed_params(cfg, mesh):
+    """`cfg`'s params on the trainer `mesh` under the trainer's rules (LoRA: adapters)."""
+    import jax
+
+    from dora_jax.model import lora as lora_lib
+    from dora_jax.rl.trainer import full_param_shardings
+    from dora_jax.runtime import experiment
+
+    _, params = experiment.initial_params(cfg, mesh)
+    params = jax.device_put(params, full_param_shardings(params, mesh, cfg.mesh.trainer_rules))
+    return lora_lib.split(params)[1] if cfg.model.lora.enabled else params
+
+
+def _timed_copies(params, reps: int, before=lambda k: None) -> list[float]:
+    import jax
+
+    from dora_jax.model.sharding import gathered
+
+    seconds = []
+    for k in range(reps + 1):  # the first compiles
+        before(k)
+        start = time.perf_counter()
+        jax.block_until_ready(gathered(params))
+        if k:
+            seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def _gatherer(spec: str) -> None:
+    """Trainer process `pid` of two: gathers the params `reps` times with the other."""
+    shape, lora, pid, port, reps = json.loads(spec)
+    from dora_jax.config import devices
+
+    devices.join_trainer_processes(("127.0.0.1", port), 2, pid, heartbeat_timeout=60)
+    from jax.experimental import multihost_utils
+
+    cfg = _config(shape, lora)
+    params = _placed_params(cfg, devices.make_trainer_mesh(cfg.mesh))
+    seconds = _timed_copies(params, reps,
+                            lambda k: multihost_utils.sync_global_devices(f"gather {k}"))
+    if pid == 0:
+        print(json.dumps(seconds), flush=True)
+
+
+def gather(shape: str, lora: bool, reps: int) -> dict:
+    import jax
+
+    from dora_jax.config import devices
+    from dora_jax.launch.local import free_port
+
+    cfg = _config(shape, lora)
+    params = _placed_params(cfg, devices.make_meshes(cfg.mesh)[0])
+    one = _timed_copies(params, reps)
+    moved = sum(x.nbytes for x in jax.tree.leaves(params))
+    del params
+    half = cfg.mesh.trainer_devices // 2
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={half}")
+    port = free_port("127.0.0.1")
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "dora_jax.bench.processes",
+         f"--gatherer={json.dumps([shape, lora, pid, port, reps])}"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        for pid in (0, 1)]
+    out, _ = procs[0].communicate(timeout=600)
+    procs[1].wait(timeout=60)
+    if procs[0].returncode:
+        raise RuntimeError(f"the trainer processes failed ({procs[0].returncode})")
+    two = json.loads(out.strip().splitlines()[-1])
+    one_s, two_s = statistics.median(one), statistics.median(two)
+    return dict(shape=shape, what="adapters" if lora else "full", bytes=moved,
+                one_process_s=one_s, two_processes_s=two_s, two_gb_s=moved / two_s / 1e9)
 
 
 def transfer_fit(rows: list[dict]) -> tuple[float, float]:
@@ -283,6 +362,8 @@ def main(argv):
         return _puller(_PULLER.value)
     if _FAKE.value:
         return _fake_slices(_FAKE.value)
+    if _GATHERER.value:
+        return _gatherer(_GATHERER.value)
     if "publish" in _PARTS.value:
         rows = [publish(shape, lora, _REPS.value)
                 for shape in _SHAPES.value for lora in (False, True)]
@@ -293,6 +374,14 @@ def main(argv):
         latency, bandwidth = transfer_fit(rows)
         print(f"simulator transfer cost (cross-process, this host): transfer_latency="
               f"{latency:.4f} s, transfer_bandwidth={bandwidth / 1e9:.2f} GB/s")
+    if "gather" in _PARTS.value:
+        for shape in _SHAPES.value:
+            for lora in (False, True):
+                g = gather(shape, lora, _REPS.value)
+                print(f"trainer gather {g['shape']} {g['what']}: {g['bytes'] / 1e6:.2f} MB, "
+                      f"in one process {g['one_process_s'] * 1e3:.1f} ms, "
+                      f"gathered over 2 trainer processes {g['two_processes_s'] * 1e3:.1f} ms "
+                      f"({g['two_gb_s']:.2f} GB/s)")
     if "coordinator" in _PARTS.value:
         for n in map(int, _SLICES.value):
             r = coordinator(n, _SECONDS.value)

@@ -135,11 +135,17 @@ def published_copy(tree: Any) -> Any:
     trainer process must call this at the same point (runtime/trainer_group.py)."""
     on_cpu = all(d.platform == "cpu" for x in jax.tree.leaves(tree) for d in x.devices())
     if not all(x.is_fully_addressable for x in jax.tree.leaves(tree)):
-        mesh = jax.tree.leaves(tree)[0].sharding.mesh
-        gathered = _replicated_on(mesh)(tree)  # fresh buffers: no step donates them
-        tree = jax.tree.map(lambda x: x.addressable_shards[0].data, gathered)
+        tree = gathered(tree)  # fresh buffers: no step donates them
         return jax.device_get(tree) if on_cpu else tree
     return jax.device_get(tree) if on_cpu else copy_tree(tree)
+
+
+def gathered(tree: Any) -> Any:
+    """`tree` whole on this process's first device of its mesh: one program over the
+    mesh, which every process holding part of it must run."""
+    mesh = jax.tree.leaves(tree)[0].sharding.mesh
+    whole = _replicated_on(mesh)(tree)
+    return jax.tree.map(lambda x: x.addressable_shards[0].data, whole)
 
 
 @functools.lru_cache(maxsize=8)

@@ -149,12 +149,15 @@ def _consumed(workdir):
 
 
 @pytest.mark.slow
-def test_a_trainer_over_two_processes_trains_as_one_process_and_resumes(tmp_path,
-                                                                        one_process_sync):
+def test_a_trainer_over_two_processes_trains_as_one_resumes_and_survives_a_kill(
+        tmp_path, one_process_sync):
     """Processes 0 and 1 hold the trainer's mesh (data=2 x fsdp=2) two devices each,
     process 2 the four slices. Sync mode: the same groups, rewards and tokens as one
     process; the losses equal to float32 rounding (the gradients' sums cross
-    processes). Then four more steps resume from the checkpoint both processes read."""
+    processes). Then the same command to 12 steps resumes from step 4, and kill -9 of
+    trainer process 1 mid-way ends the trainer's jax.distributed world: the launcher
+    starts every process again and the run resumes from its last checkpoint; every
+    step trained, audit clean, no group consumed twice."""
     many, one = tmp_path / "two_trainers", one_process_sync
     out = _finish(_launch(many, *SYNC, trainer_processes=2))
     assert "slice process 2: slices [0, 1, 2, 3] ready" in out
@@ -164,26 +167,13 @@ def test_a_trainer_over_two_processes_trains_as_one_process_and_resumes(tmp_path
         got, want = _trainer_metric(many, name), _trainer_metric(one, name)
         assert got == pytest.approx(want, rel=1e-4, abs=1e-6) and len(got) == 4, name
     assert _consumed(many) == _consumed(one)
-    resumed = ["--config.coordinator.num_steps=8", "--config.coordinator.mode=sync"]
-    out = _finish(_launch(many, *resumed, trainer_processes=2))
-    assert "resumed from step 4" in out
-    _, events = _audited(many, coordinator__num_steps=8, coordinator__mode="sync")
-    assert len(_step_metrics(many)) == 8
-    consumed = _consumed(many)
-    assert len(consumed) == len(set(consumed)) == 8 * 4
 
-
-@pytest.mark.slow
-def test_a_trainer_process_killed_mid_run_restarts_the_run_which_resumes(tmp_path):
-    """kill -9 of trainer process 1 ends the trainer's jax.distributed world; the
-    launcher starts every process again and the run resumes from its last checkpoint:
-    every step trained, audit clean, no group consumed twice."""
-    workdir, steps = tmp_path / "run", 16
-    proc = _launch(workdir, f"--config.coordinator.num_steps={steps}",
-                   "--config.coordinator.checkpoint_every=2", trainer_processes=2)
-    metrics = workdir / "metrics.jsonl"
+    steps = 12
+    proc = _launch(many, f"--config.coordinator.num_steps={steps}",
+                   "--config.coordinator.mode=sync", trainer_processes=2)
+    metrics, ledger_path = many / "metrics.jsonl", many / "ledger.jsonl"
     deadline = time.monotonic() + 500
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
+    while len(metrics.read_text().splitlines()) < 7:  # past the checkpoint at step 5
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.2)
     victim = _slice_process_pid(proc.pid, 1)
@@ -191,20 +181,22 @@ def test_a_trainer_process_killed_mid_run_restarts_the_run_which_resumes(tmp_pat
     os.kill(victim, signal.SIGKILL)
     killed, training_again = time.monotonic(), None
     while proc.poll() is None and training_again is None:  # a step consumed after resume
-        lines = (workdir / "ledger.jsonl").read_text().splitlines()
-        kinds = [json.loads(x).get("event") for x in lines if x.endswith("}")]
-        if "resume" in kinds and "consume" in kinds[kinds.index("resume"):]:
+        kinds = [json.loads(x).get("event") for x in ledger_path.read_text().splitlines()
+                 if x.endswith("}")]
+        resumes = [k for k, kind in enumerate(kinds) if kind == "resume"]
+        if len(resumes) == 2 and "consume" in kinds[resumes[1]:]:
             training_again = time.monotonic() - killed
         time.sleep(0.2)
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-2000:] + err[-4000:]
+    assert "resumed from step 4" not in out  # the summary names the last resume
     assert "trainer process 1 exited (-9): starting the run again" in out + err
-    summary = json.loads((workdir / "summary.json").read_text())
-    assert summary["steps"] == steps and summary["resumed_from_step"] > 0
-    cfg, events = _audited(workdir, coordinator__num_steps=steps,
-                           coordinator__checkpoint_every=2)
-    assert any(e["event"] == "resume" for e in events)
-    consumed = _consumed(workdir)
+    summary = json.loads((many / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["resumed_from_step"] >= 5, summary
+    cfg, events = _audited(many, coordinator__num_steps=steps, coordinator__mode="sync")
+    assert [e["step"] for e in events if e["event"] == "resume"] == [
+        4, summary["resumed_from_step"]]
+    consumed = _consumed(many)
     assert len(consumed) == len(set(consumed)) == steps * cfg.coordinator.train_batch_size
     assert training_again is not None
     print(f"trainer process 1 killed; the run resumed from step "
