@@ -248,7 +248,9 @@ def summary_lines(report: dict) -> list:
                      f"{busy['slice_tokens_per_s']:,.0f} tokens/s, slice/fixed-batch "
                      f"{busy['ratio']:.2f}" + "".join(
                          f", {kv} step {b['over_bound']:.2f}x its bound"
-                         for kv, b in (run.get("bound") or {}).items()))
+                         for kv, b in (run.get("bound") or {}).items()) + "".join(
+                         f", {kv} {c['kernels']} kernels per token"
+                         for kv, c in (run.get("step_bytes") or {}).items() if "kernels" in c))
     if fig("trainer"):
         rates = fig("trainer")["tokens_per_s"]
         lines.append("trainer: " + ", ".join(f"{k} {v:,.0f} tokens/s" for k, v in rates.items()))

@@ -285,7 +285,8 @@ def step_bytes(engine: Engine, params) -> dict:
           f"{cost['bytes_accessed'] / 1e6:.3f} MB accessed, ideal "
           f"{cost['ideal_bytes'] / 1e6:.3f} MB (weights {cost['weight_bytes'] / 1e6:.3f} "
           f"+ KV {cost['kv_bytes'] / 1e6:.3f}): "
-          f"{cost['over_ideal']:.2f}x the ideal")
+          f"{cost['over_ideal']:.2f}x the ideal; {cost['kernels']} kernels (XLA thunks) "
+          "per token")
     return cost
 
 

@@ -34,7 +34,7 @@ from dora_jax.base.buckets import pick_bucket, prefill_buckets
 from dora_jax.config import DECODE_RULES, ModelConfig, RolloutConfig
 from dora_jax.model import transformer
 from dora_jax.model.sharding import Rules
-from dora_jax.rollout import jetstream_compat, prefill_args, sampling
+from dora_jax.rollout import hlo_kernels, jetstream_compat, prefill_args, sampling
 from dora_jax.rollout.adapters import AdapterPlaces, check_versions
 from dora_jax.rollout.pages import PagePool, PageView
 from dora_jax.rollout.placement import ParamPlacement
@@ -368,7 +368,8 @@ class Engine:
         """The compiled one-token decode step (`generate`) of `params` as XLA's cost
         analysis counts it, next to its ideal: `bytes_accessed`, and `ideal_bytes` =
         the weights read once plus the whole KV cache (a bound on the live KV; paged:
-        the pool). Compiles the step for the page view as it stands; changes nothing."""
+        the pool); and the `kernels` one step launches, i.e. per token
+        (hlo_kernels.py). Compiles the step for the page view as it stands; changes nothing."""
         state = jax.eval_shape(self._jit.init)
         view = None if self.pages is None else self.pages.view()
         step = cast("jax.stages.Wrapped", self._jit.step)  # a jax.jit (programs.py)
@@ -379,7 +380,8 @@ class Engine:
         kv = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
                  for x in jax.tree.leaves(state.cache))
         return dict(bytes_accessed=float(cost["bytes accessed"]), flops=float(cost["flops"]),
-                    weight_bytes=weights, kv_bytes=kv, ideal_bytes=weights + kv)
+                    weight_bytes=weights, kv_bytes=kv, ideal_bytes=weights + kv,
+                    kernels=hlo_kernels.count_kernels(compiled.as_text()))
 
     # ----------------------------------------------------------- extensions
 
