@@ -234,8 +234,8 @@ def run(cfg: Config, workdir: str, *, records: list[dict] | None = None,
     if procs is not None:  # compiling in their own processes meanwhile
         with watch(DECODE_PHASE):
             procs.wait_ready(cfg.coordinator.stall_timeout or 600.0)
-    # Periodic saves: none may stall the run. (A trainer over several processes saves
-    # into one directory from all of them: its first save compiles in the run.)
+    # Periodic saves: none may stall the run. (A trainer over several processes
+    # gathers its state for the lead's save: that program compiles in the run.)
     if cfg.coordinator.checkpoint_every and role.trainer_processes == 1:
         with watch("checkpoint save"):
             Checkpointer.warm_up(trainer.state)

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 
 class TrainerProcessLost(RuntimeError):
-    """A trainer process did not connect, failed a command or went away."""
+    """A trainer process did not connect or went away."""
 
 
 class TrainerGroup:
@@ -78,22 +78,8 @@ class TrainerGroup:
                 except wire.WireError as e:
                     raise TrainerProcessLost(f"trainer process {pid}: {e}") from None
 
-    def replies(self, kind: str) -> dict[int, dict]:
-        """Each process's answer to the command sent last."""
-        out = {}
-        for pid, link in sorted(self._links.items()):
-            try:
-                got, m = link.recv()
-            except wire.WireError as e:
-                raise TrainerProcessLost(f"trainer process {pid}: {e}") from None
-            if got != kind:
-                raise TrainerProcessLost(f"trainer process {pid} answered {got!r} "
-                                         f"({m.get('error', m)}), not {kind!r}")
-            out[pid] = m
-        return out
-
     def close(self) -> None:
-        """Tells the other trainer processes to stop (they close their checkpointers)."""
+        """Tells the other trainer processes to stop."""
         if self._closed:
             return
         self._closed = True

@@ -52,15 +52,11 @@ def follow(cfg: Config, workdir: str, role: Role) -> None:
     del params
     checkpoints = cfg.coordinator.checkpoint_dir or os.path.join(workdir, "checkpoints")
     link = connect(role.trainer_commands, role.process_id, timeout)
-    while True:
+    while True:  # a failure ends this process: the lead's next program then fails
         kind, m = link.recv()
         if kind == "stop":
             return
-        try:
-            _obey(trainer, checkpoints, kind, m)
-        except Exception as e:
-            link.send("failed", error=f"{type(e).__name__}: {e}")
-            raise
+        _obey(trainer, checkpoints, kind, m)
 
 
 def _obey(trainer: Trainer, checkpoints: str, kind: str, m: dict) -> None:

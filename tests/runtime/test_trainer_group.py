@@ -1,7 +1,7 @@
 """The lead's side of a trainer over several processes (runtime/trainer_group.py),
 against stand-in trainer processes on the wire: every command reaches every process
-in the lead's order, a process that never connects or answers wrongly is one clear
-error, and a process that refuses a command says why."""
+in the lead's order, a process that never connects is one clear error, and a process
+id outside the trainer is refused."""
 
 import socket
 import threading
@@ -18,7 +18,7 @@ def _free_address():
         return "127.0.0.1", s.getsockname()[1]
 
 
-def _stand_in(address, process_id, got, answer=None):
+def _stand_in(address, process_id, got):
     """A trainer process that records each command until `stop`."""
     def run():
         link = trainer_process.connect(address, process_id, timeout=10)
@@ -27,9 +27,6 @@ def _stand_in(address, process_id, got, answer=None):
             got.append((kind, m))
             if kind == "stop":
                 return
-            if answer is not None:
-                reply, fields = answer(kind, m)
-                link.send(reply, **fields)
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread
@@ -77,23 +74,3 @@ def test_a_process_id_outside_the_trainer_is_refused():
     group.close()
     t.join(10)
     assert [k for k, _ in logs] == ["published_params", "stop"]
-
-
-def test_a_refusal_or_a_lost_process_is_one_clear_error():
-    address = _free_address()
-    group = TrainerGroup(address, 2, timeout=10)
-    _stand_in(address, 1, [], answer=lambda kind, m: ("failed", {"error": "ValueError: no"}))
-    group.send("gather_state")
-    with pytest.raises(TrainerProcessLost, match="trainer process 1 answered 'failed' "
-                                                 r"\(ValueError: no\), not 'restored'"):
-        group.replies("restored")
-    group.close()
-
-    address = _free_address()
-    group = TrainerGroup(address, 2, timeout=10)
-    link = trainer_process.connect(address, 1, timeout=10)
-    group.send("gather_state")
-    link.close()  # the process dies
-    with pytest.raises(TrainerProcessLost, match="trainer process 1: the peer went away"):
-        group.replies("restored")
-    group.close()
