@@ -67,7 +67,6 @@ def _puller(spec: str) -> None:
     """Pulls each offer named on stdin; prints the seconds each took."""
     import jax
 
-    from dora_jax.model import transformer
     from dora_jax.rollout.placement import ParamPlacement
     from dora_jax.runtime import slice_process
     from dora_jax.runtime.weight_transfer import WeightPuller, start_server
@@ -75,8 +74,7 @@ def _puller(spec: str) -> None:
     shape, lora, address = json.loads(spec)
     cfg = _config(shape, lora)
     [mesh] = slice_process.slice_meshes(cfg, 1)
-    placement = ParamPlacement(transformer.abstract_params(cfg.model)[1], mesh,
-                               cfg.mesh.decode_rules)
+    placement = ParamPlacement(cfg.model, mesh, cfg.mesh.decode_rules)
     puller = WeightPuller(placement, start_server("127.0.0.1"), address)
     print("ready", flush=True)
     for line in sys.stdin:
@@ -91,7 +89,6 @@ def publish(shape: str, lora: bool, reps: int) -> dict:
 
     from dora_jax.config import devices
     from dora_jax.model import lora as lora_lib
-    from dora_jax.model import transformer
     from dora_jax.rollout.placement import ParamPlacement
     from dora_jax.runtime import experiment
     from dora_jax.runtime.weight_transfer import WeightOffers, staging_mesh
@@ -99,10 +96,9 @@ def publish(shape: str, lora: bool, reps: int) -> dict:
     cfg = _config(shape, lora)
     trainer_mesh, [slice_mesh, _] = devices.make_meshes(cfg.mesh)
     _, params = experiment.initial_params(cfg, trainer_mesh)
-    abstract = transformer.abstract_params(cfg.model)[1]
-    local = ParamPlacement(abstract, slice_mesh, cfg.mesh.decode_rules)
+    local = ParamPlacement(cfg.model, slice_mesh, cfg.mesh.decode_rules)
     stage = staging_mesh(list(trainer_mesh.devices.flat), slice_mesh.devices.shape)
-    offers = WeightOffers(ParamPlacement(abstract, stage, cfg.mesh.decode_rules), "127.0.0.1")
+    offers = WeightOffers(ParamPlacement(cfg.model, stage, cfg.mesh.decode_rules), "127.0.0.1")
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
     puller = subprocess.Popen([sys.executable, "-m", "dora_jax.bench.processes",
                                f"--puller={json.dumps([shape, lora, offers.address])}"],

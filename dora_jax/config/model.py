@@ -169,12 +169,15 @@ class ModelConfig(Section):
     attention: str = field("auto", choices=ATTENTION_IMPLS)
     attention_block: int = field(512, min=1)
     remat: str = field("none", choices=REMAT_POLICIES)
-    scan_layers: bool = True  # one compiled layer period, scanned over the depth
-    # Full forwards (training, prefill) unroll the layer scan over the stacked params:
+    # The trainer's layout (and its checkpoints'): one compiled layer period, scanned
+    # over the depth. Decode slices always hold every layer's params apart
+    # (model/layer_layout.py) and run their layers unrolled, prefill included.
+    scan_layers: bool = True
+    # Full forwards of the trainer unroll the layer scan over the stacked params:
     # no per-layer residual is stacked (XLA's CPU backend zero-fills such stacks, then
     # writes them layer by layer), at a compile time that grows with depth. On a CPU,
     # unrolled, a train step of 8 layers at d_model 256 took ~9% less time and
-    # configs/tiny.py's more. Decode always scans.
+    # configs/tiny.py's more.
     unroll_forward: bool = False
     moe: MoEConfig = MoEConfig()
     lora: LoRAConfig = LoRAConfig()

@@ -43,7 +43,7 @@ _log = logging.getLogger(__name__)
 
 def attend(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
            mask_BTS: jax.Array) -> jax.Array:
-    """Dense grouped-query attention under an explicit mask (also the decode path)."""
+    """Dense grouped-query attention under an explicit mask."""
     B, T, H, D = q_BTHD.shape
     K = k_BSKD.shape[2]
     q_BTKGD = q_BTHD.reshape(B, T, K, H // K, D)
@@ -53,6 +53,22 @@ def attend(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKD.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BSKD)
     return out.reshape(B, T, H, D)
+
+
+def attend_cache(q_BHD: jax.Array, k_BKSD: jax.Array, v_BKSD: jax.Array,
+                 lengths_B: jax.Array) -> jax.Array:
+    """One query per row against its first `lengths_B` cached positions (decode). The
+    cache is head-major, [B, kv_heads, S, head_dim], so that both products read it
+    as it lies, with no transpose of the whole cache per step."""
+    B, H, D = q_BHD.shape
+    K, S = k_BKSD.shape[1:3]
+    q_BKGD = q_BHD.reshape(B, K, H // K, D)
+    scores = jnp.einsum("bkgd,bksd->bkgs", q_BKGD, k_BKSD,
+                        preferred_element_type=jnp.float32) * (D ** -0.5)
+    mask_BS = jnp.arange(S)[None, :] < lengths_B[:, None]
+    scores = jnp.where(mask_BS[:, None, None], scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BKSD.dtype)
+    return jnp.einsum("bkgs,bksd->bkgd", probs, v_BKSD).reshape(B, H, D)
 
 
 def dense_causal(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array,

@@ -17,7 +17,7 @@ from flax import nnx
 
 from dora_jax.config import ModelConfig
 from dora_jax.model import lora
-from dora_jax.model.attention import attend, causal_attention
+from dora_jax.model.attention import attend, attend_cache, causal_attention
 from dora_jax.model.paged_attention import PageView, paged_attention
 from dora_jax.model.sharding import constrain
 
@@ -170,40 +170,39 @@ class Attention(nnx.Module):
                    jnp.concatenate([past_v.astype(self.dtype), v], axis=1), mask_BTS)
         return self._out(o), (k, v)
 
-    def decode(self, x_B1D: jax.Array, positions_B: jax.Array, k_cache_LBSKD: jax.Array,
-               v_cache_LBSKD: jax.Array,
-               layer: int | jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        """One token per slot: writes its k/v into layer `layer` of the whole cache
-        (static or traced index; in place when the cache is donated) at the slot's
-        own position, then attends to every cached position up to and including it."""
+    def decode(self, x_B1D: jax.Array, positions_B: jax.Array, k_cache_BKSD: jax.Array,
+               v_cache_BKSD: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """One token per slot: writes its k/v into this layer's cache ([B, kv_heads,
+        S, head_dim]) at the slot's own position (in place when the cache is
+        donated), then attends to every cached position up to and including it."""
         q, k, v = self._qkv(x_B1D, positions_B[:, None])
         rows = jnp.arange(x_B1D.shape[0])
-        k_cache_LBSKD = k_cache_LBSKD.at[layer, rows, positions_B].set(
-            k[:, 0].astype(k_cache_LBSKD.dtype))
-        v_cache_LBSKD = v_cache_LBSKD.at[layer, rows, positions_B].set(
-            v[:, 0].astype(v_cache_LBSKD.dtype))
-        S = k_cache_LBSKD.shape[2]
-        mask_B1S = (jnp.arange(S)[None, :] <= positions_B[:, None])[:, None, :]
-        o = attend(q, k_cache_LBSKD[layer].astype(self.dtype),
-                   v_cache_LBSKD[layer].astype(self.dtype), mask_B1S)
-        return self._out(o), (k_cache_LBSKD, v_cache_LBSKD)
+        k_cache_BKSD = k_cache_BKSD.at[rows, :, positions_B].set(
+            k[:, 0].astype(k_cache_BKSD.dtype))
+        v_cache_BKSD = v_cache_BKSD.at[rows, :, positions_B].set(
+            v[:, 0].astype(v_cache_BKSD.dtype))
+        o = attend_cache(q[:, 0], k_cache_BKSD.astype(self.dtype),
+                         v_cache_BKSD.astype(self.dtype), positions_B + 1)
+        return self._out(o[:, None]), (k_cache_BKSD, v_cache_BKSD)
 
-    def decode_paged(self, x_B1D: jax.Array, positions_B: jax.Array, k_pool: jax.Array,
-                     v_pool: jax.Array, layer: int | jax.Array, view: PageView,
-                     implementation: str) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        """`decode` on a paged pool ([layers, kv_heads, pages, page_size, head_dim]):
+    def decode_paged(self, x_B1D: jax.Array, positions_B: jax.Array, k_pool_KPpD: jax.Array,
+                     v_pool_KPpD: jax.Array, view: PageView, implementation: str
+                     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """`decode` on this layer's paged pool ([kv_heads, pages, page_size, head_dim]):
         the new k/v go to the slot's page for its position (idle slots' to the null
         page 0); attention reads only the pages `view` maps (see paged_attention.py)."""
         q, k, v = self._qkv(x_B1D, positions_B[:, None])
-        page_size = k_pool.shape[3]
+        page_size = k_pool_KPpD.shape[2]
         rows = jnp.arange(x_B1D.shape[0])
         page_B = jnp.where(view.owned, view.table[rows, positions_B // page_size], 0)
         offset_B = positions_B % page_size
-        k_pool = k_pool.at[layer, :, page_B, offset_B].set(k[:, 0].astype(k_pool.dtype))
-        v_pool = v_pool.at[layer, :, page_B, offset_B].set(v[:, 0].astype(v_pool.dtype))
-        o = paged_attention(q[:, 0], k_pool[layer], v_pool[layer], positions_B + 1, view,
+        # [kv_heads, B, head_dim]: one entry per slot, at its page and offset
+        k_KBD, v_KBD = (x[:, 0].swapaxes(0, 1).astype(k_pool_KPpD.dtype) for x in (k, v))
+        k_pool_KPpD = k_pool_KPpD.at[:, page_B, offset_B].set(k_KBD)
+        v_pool_KPpD = v_pool_KPpD.at[:, page_B, offset_B].set(v_KBD)
+        o = paged_attention(q[:, 0], k_pool_KPpD, v_pool_KPpD, positions_B + 1, view,
                             implementation)
-        return self._out(o[:, None]), (k_pool, v_pool)
+        return self._out(o[:, None]), (k_pool_KPpD, v_pool_KPpD)
 
 
 class SwiGLU(nnx.Module):

@@ -29,7 +29,8 @@ from dora_jax.config import PAGED_ATTENTION_IMPLS
 from dora_jax.model.attention import NEG_INF
 from dora_jax.model.sharding import active_rules, logical_to_spec
 
-POOL_AXES = ("layers", "kv_heads", "pages", "page", "head_dim")
+# One layer's pool (a decode state holds one per layer: transformer.LayerCaches).
+POOL_AXES = ("kv_heads", "pages", "page", "head_dim")
 
 
 class PageView(Protocol):
@@ -125,7 +126,7 @@ def paged_attention(q_BHD: jax.Array, k_KPpD: jax.Array, v_KPpD: jax.Array, leng
         return kernel(q_BHD, k_KPpD, v_KPpD, lengths_B, view.table)
     mesh, rules = ctx  # a Pallas kernel is not partitioned by XLA: run it per shard
     q_spec = logical_to_spec(("batch", "heads", "head_dim"), rules, mesh)
-    kv_spec = logical_to_spec(POOL_AXES[1:], rules, mesh)
+    kv_spec = logical_to_spec(POOL_AXES, rules, mesh)
     len_spec = logical_to_spec(("batch",), rules, mesh)
     table_spec = logical_to_spec(("batch", None), rules, mesh)
     return jax.shard_map(kernel, mesh=mesh,

@@ -34,7 +34,8 @@ AUX_KEYS = ("load_balance_loss", "router_z_loss", "dropped_fraction")
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every layer, each [layers, B, S, num_kv_heads, head_dim]."""
+    """Keys and values of every layer, each [layers, B, S, num_kv_heads, head_dim]: a
+    prompt's prefix, as a forward pass returns it."""
 
     k: jax.Array
     v: jax.Array
@@ -44,22 +45,39 @@ class KVCache(NamedTuple):
         return self.k.shape[2]
 
 
+class LayerCaches(NamedTuple):
+    """The decode state's keys and values: one buffer per layer, so that a step writes
+    one token into each in place and attention reads a layer's buffer as it lies (a
+    stacked [layers, ...] array would be sliced per layer, a copy per step).
+    Dense: [B, num_kv_heads, S, head_dim] each; paged: a pool of pages each
+    (paged_attention.py)."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+
 def init_cache(cfg: ModelConfig, batch: int, length: int,
-               dtype: jax.typing.DTypeLike | None = None) -> KVCache:
-    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
-    dtype = jnp.dtype(dtype or cfg.dtype)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+               dtype: jax.typing.DTypeLike | None = None) -> LayerCaches:
+    """A dense cache: [B, kv_heads, length, head_dim] per layer (head-major, as
+    decode attention reads it: attention.attend_cache)."""
+    return _layer_buffers(cfg, (batch, cfg.num_kv_heads, length, cfg.head_dim), dtype)
 
 
-CACHE_AXES = ("layers", "batch", "cache_length", "kv_heads", "head_dim")
+CACHE_AXES = ("layers", "batch", "cache_length", "kv_heads", "head_dim")  # a prefix's
+LAYER_CACHE_AXES = ("batch", "kv_heads", "cache_length", "head_dim")  # a layer's buffer
 
 
 def init_pool(cfg: ModelConfig, num_pages: int, page_size: int,
-              dtype: jax.typing.DTypeLike | None = None) -> KVCache:
-    """A paged KV pool: [layers, kv_heads, num_pages, page_size, head_dim] each."""
-    shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+              dtype: jax.typing.DTypeLike | None = None) -> LayerCaches:
+    """A paged KV pool: [kv_heads, num_pages, page_size, head_dim] per layer."""
+    return _layer_buffers(cfg, (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim), dtype)
+
+
+def _layer_buffers(cfg: ModelConfig, shape: tuple[int, ...],
+                   dtype: jax.typing.DTypeLike | None) -> LayerCaches:
     dtype = jnp.dtype(dtype or cfg.dtype)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+    return LayerCaches(zeros, tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
 
 # What a layer keeps for the backward pass (`model.remat`); "none": everything.
 _CHECKPOINT_POLICIES = {
@@ -105,17 +123,19 @@ class Block(nnx.Module):
         h, aux = self._mlp(self.mlp_norm(x_BTD), dropless, valid_BT, routing_BTK, replay)
         return x_BTD + h, kv, aux
 
-    def decode(self, x_B1D: jax.Array, positions_B: jax.Array, cache: KVCache,
-               layer: int | jax.Array, pages: PageView | None = None,
-               paged_impl: str = "auto") -> tuple[jax.Array, KVCache, jax.Array | None]:
+    def decode(self, x_B1D: jax.Array, positions_B: jax.Array, k: jax.Array, v: jax.Array,
+               pages: PageView | None = None, paged_impl: str = "auto"
+               ) -> tuple[jax.Array, tuple[jax.Array, jax.Array], jax.Array | None]:
+        """One token per slot against this layer's cache buffers `k`, `v` (a pool of
+        pages with `pages`); returns them written."""
         if pages is None:
-            h, kv = self.attn.decode(self.attn_norm(x_B1D), positions_B, *cache, layer)
+            h, kv = self.attn.decode(self.attn_norm(x_B1D), positions_B, k, v)
         else:
-            h, kv = self.attn.decode_paged(self.attn_norm(x_B1D), positions_B, *cache,
-                                           layer, pages, paged_impl)
+            h, kv = self.attn.decode_paged(self.attn_norm(x_B1D), positions_B, k, v, pages,
+                                           paged_impl)
         x_B1D = x_B1D + h
         h, aux = self._mlp(self.mlp_norm(x_B1D), True)  # decoding is always exact
-        return x_B1D + h, KVCache(*kv), None if aux is None else aux["experts"][:, 0]
+        return x_B1D + h, kv, None if aux is None else aux["experts"][:, 0]
 
 
 def stack_layers(blocks: Sequence[Block]) -> Block:
@@ -300,49 +320,40 @@ class Transformer(nnx.Module):
             aux["routing"] = jnp.moveaxis(own, 0, 2)  # [B, T, MoE layers, k]
         return logits, aux, (KVCache(k, v) if return_kv else None)
 
-    def decode(self, tokens_B: jax.Array, positions_B: jax.Array, cache: KVCache,
+    def decode(self, tokens_B: jax.Array, positions_B: jax.Array, cache: LayerCaches,
                pages: PageView | None = None, paged_impl: str = "auto",
                return_routing: bool = False) -> tuple:
         """One decode step for B slots. Returns (logits_BV f32, updated cache), and with
         `return_routing` the experts each MoE layer chose for these tokens
         [B, MoE layers, k] (None for a dense model).
 
-        With `pages` (a `rollout.pages.PageView` of arrays) the cache is a paged pool,
-        [layers, kv_heads, pages, page_size, head_dim] (see paged_attention.py)."""
+        The layers run one after another, unrolled: each reads its own cache buffers
+        and, with per-layer params (`scan_layers=False`, as a decode slice holds them:
+        model/layer_layout.py), its weights where they lie. Stacked params work too,
+        each layer's sliced out of the stack, a copy per step.
+        With `pages` (a `rollout.pages.PageView` of arrays) the cache is a paged pool
+        (see paged_attention.py)."""
         x = self._embed(tokens_B[:, None])
-        p = len(self.blocks)
-        if self.cfg.scan_layers:
-            split = [nnx.split(b) for b in self.blocks]
-
-            def body(carry: tuple[jax.Array, KVCache], xs: tuple[jax.Array, tuple]
-                     ) -> tuple[tuple[jax.Array, KVCache], list[jax.Array]]:
-                x, cache = carry
-                j, states = xs
-                experts = []
-                for r, ((graphdef, _), state) in enumerate(zip(split, states)):
-                    x, cache, e = nnx.merge(graphdef, state).decode(
-                        x, positions_B, cache, j * p + r, pages, paged_impl)
-                    experts += [] if e is None else [e]
-                return (x, cache), experts
-
-            n = self.cfg.num_layers // p
-            (x, cache), experts = jax.lax.scan(body, (x, cache),
-                                               (jnp.arange(n), tuple(s for _, s in split)))
-            # [n, B, k] per MoE layer of the period -> [MoE layers, B, k]
-            experts = (jnp.stack(experts, axis=1).reshape(-1, *experts[0].shape[1:])
-                       if experts else None)
-        else:
-            found = []
-            for layer, block in enumerate(self.blocks):
-                x, cache, e = block.decode(x, positions_B, cache, layer, pages, paged_impl)
-                found += [] if e is None else [e]
-            experts = jnp.stack(found) if found else None
-        axes = CACHE_AXES if pages is None else POOL_AXES
-        cache = KVCache(constrain(cache.k, axes), constrain(cache.v, axes))
+        axes = LAYER_CACHE_AXES if pages is None else POOL_AXES
+        ks, vs, found = [], [], []
+        for layer in range(self.cfg.num_layers):
+            x, (k, v), e = self._layer(layer).decode(x, positions_B, cache.k[layer],
+                                                     cache.v[layer], pages, paged_impl)
+            ks.append(constrain(k, axes))
+            vs.append(constrain(v, axes))
+            found += [] if e is None else [e]
         logits = self._logits(x)[:, 0]
+        cache = LayerCaches(tuple(ks), tuple(vs))
         if not return_routing:
             return logits, cache
-        return logits, cache, None if experts is None else jnp.moveaxis(experts, 0, 1)
+        return logits, cache, jnp.stack(found, axis=1) if found else None
+
+    def _layer(self, layer: int) -> Block:
+        if not self.cfg.scan_layers:
+            return self.blocks[layer]
+        p = len(self.blocks)
+        graphdef, state = nnx.split(self.blocks[layer % p])
+        return nnx.merge(graphdef, jax.tree.map(lambda x: x[layer // p], state))
 
 
 def create(cfg: ModelConfig, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
@@ -393,7 +404,7 @@ def segment_positions(segment_ids_BT: jax.Array) -> jax.Array:
 
 
 def decode(graphdef: nnx.GraphDef, params: nnx.State, tokens_B: jax.Array, positions_B: jax.Array,
-           cache: KVCache, pages: PageView | None = None, paged_impl: str = "auto",
+           cache: LayerCaches, pages: PageView | None = None, paged_impl: str = "auto",
            return_routing: bool = False) -> tuple:
     """Functional decode step: `Transformer.decode` on explicit params."""
     return nnx.merge(graphdef, params).decode(tokens_B, positions_B, cache, pages, paged_impl,

@@ -1,12 +1,13 @@
 """Several LoRA versions resident on one engine: one base, V places of adapters.
 
-A multi-version engine (`Engine(versions=V)`) takes params whose adapter leaves hold
-V adapter sets stacked on a "place" axis (after the layers axis of scanned layers)
-and whose base leaves are the frozen base, once. `AdapterPlaces` builds that tree
-and writes one version's adapters into a place, on device, without touching the
-others: a version loads while slots of the other places keep decoding, and a place
-is reused once its version is evicted. `with_rows` gives the params a generate or
-prefill call takes, each batch row naming its place (model/lora.py's `rows`).
+A multi-version engine (`Engine(versions=V)`) takes params in the decode layout (one
+array per layer: model/layer_layout.py) whose adapter leaves hold V adapter sets
+stacked on a leading "place" axis and whose base leaves are the frozen base, once.
+`AdapterPlaces` builds that tree and writes one version's adapters into a place, on
+device, without touching the others: a version loads while slots of the other places
+keep decoding, and a place is reused once its version is evicted. `with_rows` gives
+the params a generate or prefill call takes, each batch row naming its place
+(model/lora.py's `rows`).
 """
 
 from __future__ import annotations
@@ -46,17 +47,17 @@ class AdapterPlaces:
     """Which leaves are adapters, their stacked shapes and shardings, and the
     programs that fill a place."""
 
-    def __init__(self, placement: ParamPlacement, versions: int, layer_axes: int) -> None:
-        self.versions, self.axis = versions, layer_axes
+    def __init__(self, placement: ParamPlacement, versions: int) -> None:
+        self.versions, self.axis = versions, 0
         paths = jax.tree_util.tree_leaves_with_path(
             jax.tree.unflatten(placement.treedef, list(placement.shardings.leaves)))
         self.is_adapter = tuple(lora._is_adapter(p) for p, _ in paths)
         single = placement.shardings.leaves
         self.shapes = tuple(
-            (_stacked(shape, versions, layer_axes) if ad else shape, dtype)
+            (_stacked(shape, versions, self.axis) if ad else shape, dtype)
             for (shape, dtype), ad in zip(placement.leaf_shapes, self.is_adapter))
         self.shardings = EngineParams(
-            tuple(_stacked_sharding(sh, layer_axes) if ad else sh
+            tuple(_stacked_sharding(sh, self.axis) if ad else sh
                   for sh, ad in zip(single, self.is_adapter)),
             NamedSharding(single[0].mesh, PartitionSpec()))
         self._adapter_idx = tuple(i for i, ad in enumerate(self.is_adapter) if ad)

@@ -32,9 +32,9 @@ from jax.sharding import Mesh
 
 from dora_jax.base.buckets import pick_bucket, prefill_buckets
 from dora_jax.config import DECODE_RULES, ModelConfig, RolloutConfig
-from dora_jax.model import transformer
+from dora_jax.model import layer_layout
 from dora_jax.model.sharding import Rules
-from dora_jax.rollout import hlo_kernels, jetstream_compat, prefill_args, sampling
+from dora_jax.rollout import hlo_cost, jetstream_compat, prefill_args, sampling
 from dora_jax.rollout.adapters import AdapterPlaces, check_versions
 from dora_jax.rollout.pages import PagePool, PageView
 from dora_jax.rollout.placement import ParamPlacement
@@ -90,19 +90,20 @@ class Engine:
         self.sampling_params = SamplingParams(sp.temperature, sp.top_k, sp.top_p,
                                               greedy or sp.greedy)
         self.buckets = prefill_buckets(rollout_cfg)  # padded prefill lengths
-        self.graphdef, abstract = transformer.abstract_params(model_cfg)
-        self._placement = ParamPlacement(abstract, mesh, self.rules)
+        # Slices decode from per-layer params (model/layer_layout.py), laid out when a
+        # version is placed; the model's own layout is what load_params takes.
+        self._placement = ParamPlacement(model_cfg, mesh, self.rules)
+        self.graphdef = self._placement.graphdef
         self.versions = versions
-        self.places = (AdapterPlaces(self._placement, versions, int(model_cfg.scan_layers))
-                       if versions > 1 else None)
+        self.places = (AdapterPlaces(self._placement, versions) if versions > 1 else None)
         # Paged KV: the host-side page tables of this engine's decode state.
         self.pages = (PagePool(rollout_cfg.pool_pages, rollout_cfg.page_size,
                                rollout_cfg.slots_per_slice, rollout_cfg.cache_length)
                       if rollout_cfg.kv_cache == "paged" else None)
         param_sh = (self._placement if self.places is None else self.places).shardings
         fn, self._jit = shared_programs(
-            model_cfg, rollout_cfg, mesh, self.rules, self.sampling_params, self.graphdef,
-            self._placement.treedef, tuple(self.stop_ids),
+            layer_layout.decode_config(model_cfg), rollout_cfg, mesh, self.rules,
+            self.sampling_params, self.graphdef, self._placement.treedef, tuple(self.stop_ids),
             None if self.pages is None else self.pages.num_pages, param_sh)
         self.generate_fn = fn.step
 
@@ -365,23 +366,30 @@ class Engine:
         return self._jit.step(params, decode_state, self._page_view(1))
 
     def step_cost(self, params: EngineParams) -> dict:
-        """The compiled one-token decode step (`generate`) of `params` as XLA's cost
-        analysis counts it, next to its ideal: `bytes_accessed`, and `ideal_bytes` =
-        the weights read once plus the whole KV cache (a bound on the live KV; paged:
-        the pool); and the `kernels` one step launches, i.e. per token
-        (hlo_kernels.py). Compiles the step for the page view as it stands; changes nothing."""
+        """The compiled one-token decode step (`generate`) of `params`, counted from
+        its optimised HLO (hlo_cost.py), next to its ideal: `bytes_accessed`, and
+        `ideal_bytes` = the weights read once plus the whole KV cache (a bound on the
+        live KV; paged: the pool); `xla_bytes_accessed`, XLA's own cost analysis
+        (which charges a loop's body once and an in-place scatter its whole buffer);
+        the `kernels` one step launches, i.e. per token; and `temp_bytes`, the
+        step's scratch memory (a copy of the cache or of a weight would show here).
+        Compiles the step for the page view as it stands; changes nothing. `params`
+        may be abstract (ShapeDtypeStructs with the placement's shardings)."""
         state = jax.eval_shape(self._jit.init)
         view = None if self.pages is None else self.pages.view()
         step = cast("jax.stages.Wrapped", self._jit.step)  # a jax.jit (programs.py)
         compiled = step.lower(params, state, view).compile()
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
-        weights = sum(x.nbytes for x in params.leaves)
+        hlo = compiled.as_text()
+        weights = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in params.leaves)
         kv = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
                  for x in jax.tree.leaves(state.cache))
-        return dict(bytes_accessed=float(cost["bytes accessed"]), flops=float(cost["flops"]),
+        return dict(bytes_accessed=float(hlo_cost.count_bytes(hlo)),
+                    xla_bytes_accessed=float(cost["bytes accessed"]), flops=float(cost["flops"]),
                     weight_bytes=weights, kv_bytes=kv, ideal_bytes=weights + kv,
-                    kernels=hlo_kernels.count_kernels(compiled.as_text()))
+                    kernels=hlo_cost.count_kernels(hlo),
+                    temp_bytes=compiled.memory_analysis().temp_size_in_bytes)
 
     # ----------------------------------------------------------- extensions
 

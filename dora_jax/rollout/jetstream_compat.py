@@ -112,13 +112,14 @@ class SlotFrees:
 def restore_params(directory: str, model_cfg: ModelConfig, placement: ParamPlacement
                    ) -> nnx.State:
     """The params saved last in `directory` (`checkpointing.load_params`), restored
-    straight onto the engine mesh with the decode shardings of `placement`."""
+    straight onto the engine mesh in the model's own layout (the checkpoint's), each
+    leaf sharded as `placement` places it; `placement.place` then lays it out."""
     import jax
 
     from dora_jax.model import checkpointing, transformer
 
     abstract = jax.tree.leaves(transformer.abstract_params(model_cfg)[1])
-    like = jax.tree.unflatten(placement.treedef, [
+    like = jax.tree.unflatten(placement.source_treedef, [
         jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-        for a, s in zip(abstract, placement.shardings.leaves)])
+        for a, s in zip(abstract, placement.source_shardings)])
     return checkpointing.load_params(directory, like)

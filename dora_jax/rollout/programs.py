@@ -189,25 +189,26 @@ class Programs:
         call (a row may repeat another: same slot, same sample); paged: the prefix's
         chunk j of row i goes to page write_pages_Nn[i, j] (0, the null page, for
         shared and unused chunks)."""
-        def put_dense(cache_LSCKD: jax.Array, new_L1TKD: jax.Array) -> jax.Array:
-            new = new_L1TKD.astype(cache_LSCKD.dtype)
+        def put_dense(cache_SKCD: jax.Array, new_1TKD: jax.Array) -> jax.Array:
+            new = new_1TKD.swapaxes(1, 2).astype(cache_SKCD.dtype)
             for i in range(slots_N.shape[0]):
-                cache_LSCKD = jax.lax.dynamic_update_slice(cache_LSCKD, new,
-                                                           (0, slots_N[i], 0, 0, 0))
-            return cache_LSCKD
+                cache_SKCD = jax.lax.dynamic_update_slice(cache_SKCD, new, (slots_N[i], 0, 0, 0))
+            return cache_SKCD
 
-        def put_paged(pool_LKPpD: jax.Array, new_L1TKD: jax.Array) -> jax.Array:
+        def put_paged(pool_KPpD: jax.Array, new_1TKD: jax.Array) -> jax.Array:
             assert write_pages_Nn is not None  # chosen only with pages to write
-            L, _, T, K, D = new_L1TKD.shape
-            (N, n), ps = write_pages_Nn.shape, pool_LKPpD.shape[3]
-            x = jnp.pad(new_L1TKD[:, 0], ((0, 0), (0, n * ps - T), (0, 0), (0, 0)))
-            x_LKnpD = x.reshape(L, n, ps, K, D).transpose(0, 3, 1, 2, 4)
-            x_LKNnpD = jnp.broadcast_to(x_LKnpD[:, :, None], (L, K, N, n, ps, D))
-            return pool_LKPpD.at[:, :, write_pages_Nn.reshape(-1)].set(
-                x_LKNnpD.reshape(L, K, N * n, ps, D).astype(pool_LKPpD.dtype))
+            _, T, K, D = new_1TKD.shape
+            (N, n), ps = write_pages_Nn.shape, pool_KPpD.shape[2]
+            x = jnp.pad(new_1TKD[0], ((0, n * ps - T), (0, 0), (0, 0)))
+            x_KnpD = x.reshape(n, ps, K, D).transpose(2, 0, 1, 3)
+            x_KNnpD = jnp.broadcast_to(x_KnpD[:, None], (K, N, n, ps, D))
+            return pool_KPpD.at[:, write_pages_Nn.reshape(-1)].set(
+                x_KNnpD.reshape(K, N * n, ps, D).astype(pool_KPpD.dtype))
 
         put = put_dense if write_pages_Nn is None else put_paged
-        cache = jax.tree.map(put, state.cache, prefix.cache)
+        cache = transformer.LayerCaches(
+            tuple(put(c, prefix.cache.k[layer]) for layer, c in enumerate(state.cache.k)),
+            tuple(put(c, prefix.cache.v[layer]) for layer, c in enumerate(state.cache.v)))
         return DecodeState(cache, state.tokens.at[slots_N].set(prefix.token[samples_N]),
                            state.positions.at[slots_N].set(prefix.position),
                            state.steps.at[slots_N].set(prefix.step),
@@ -217,15 +218,18 @@ class Programs:
 
     def extract(self, state: DecodeState, slot: jax.Array, pages: jax.Array | None,
                 length: int) -> Prefix:
-        def take_dense(c: jax.Array) -> jax.Array:
-            return jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=1)[:, :, :length]
+        def take_dense(c_SKCD: jax.Array) -> jax.Array:
+            row_1KCD = jax.lax.dynamic_slice_in_dim(c_SKCD, slot, 1, axis=0)
+            return row_1KCD[:, :, :length].swapaxes(1, 2)
 
-        def take_paged(pool_LKPpD: jax.Array) -> jax.Array:
-            x_LKnpD = pool_LKPpD[:, :, pages]
-            L, K, n, ps, D = x_LKnpD.shape
-            return x_LKnpD.transpose(0, 2, 3, 1, 4).reshape(L, 1, n * ps, K, D)[:, :, :length]
+        def take_paged(pool_KPpD: jax.Array) -> jax.Array:
+            x_KnpD = pool_KPpD[:, pages]
+            K, n, ps, D = x_KnpD.shape
+            return x_KnpD.transpose(1, 2, 0, 3).reshape(1, n * ps, K, D)[:, :length]
 
-        cache = jax.tree.map(take_dense if pages is None else take_paged, state.cache)
+        take = take_dense if pages is None else take_paged
+        cache = transformer.KVCache(jnp.stack([take(c) for c in state.cache.k]),
+                                    jnp.stack([take(c) for c in state.cache.v]))
         return Prefix(cache, state.tokens[slot][None], state.positions[slot],
                       state.steps[slot], state.keys[slot][None], state.active[slot][None],
                       state.limits[slot], jnp.zeros(self.model_cfg.vocab_size, jnp.float32))
@@ -307,12 +311,14 @@ def jit_programs(fn: Programs, mesh: Mesh, rules: Rules, param_sh: EngineParams,
     `rules` (the paged pool's axes with `paged`), everything else replicated."""
     rep = NamedSharding(mesh, PartitionSpec())
 
-    def kv_sharding(axes: tuple[str | None, ...]) -> transformer.KVCache:
-        sh = NamedSharding(mesh, logical_to_spec(axes, rules, mesh))
-        return transformer.KVCache(sh, sh)
+    def sharding(axes: tuple[str | None, ...]) -> NamedSharding:
+        return NamedSharding(mesh, logical_to_spec(axes, rules, mesh))
 
-    prefix_kv_sh = kv_sharding(transformer.CACHE_AXES)
-    state_kv_sh = kv_sharding(POOL_AXES) if paged else prefix_kv_sh
+    sh = sharding(transformer.CACHE_AXES)
+    prefix_kv_sh = transformer.KVCache(sh, sh)
+    layer_sh = sharding(POOL_AXES if paged else transformer.LAYER_CACHE_AXES)
+    layers = (layer_sh,) * fn.model_cfg.num_layers
+    state_kv_sh = transformer.LayerCaches(layers, layers)
     state_sh = DecodeState(state_kv_sh, *[rep] * 6)
     prefix_sh = Prefix(prefix_kv_sh, *[rep] * 7)
     out = (prefix_sh, ResultTokens(rep))

@@ -39,9 +39,9 @@ class EngineParams(NamedTuple):
 class DecodeState(NamedTuple):
     """Everything generate needs, for S slots. Donated to (consumed by) each call."""
 
-    # dense: [layers, S, cache_length, kv_heads, head_dim] each; paged: the pool,
-    # [layers, kv_heads, pages + 1, page_size, head_dim] (page 0: the null page).
-    cache: transformer.KVCache
+    # One buffer per layer; dense: [S, kv_heads, cache_length, head_dim] each; paged:
+    # the pool, [kv_heads, pages + 1, page_size, head_dim] (page 0: the null page).
+    cache: transformer.LayerCaches
     tokens: jax.Array  # int32[S] next decode input: the slot's last sampled token
     positions: jax.Array  # int32[S] position of that token in prompt + response
     steps: jax.Array  # int32[S] response index of the next token to sample

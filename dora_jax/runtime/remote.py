@@ -346,7 +346,6 @@ def start(cfg: Any, role: Any, trainer_mesh: Any, current: Callable[[], tuple[in
     import jax
 
     from dora_jax.config import SLICE_MESH_AXES
-    from dora_jax.model import transformer
     from dora_jax.rollout.placement import ParamPlacement
     from dora_jax.runtime.weight_transfer import staging_mesh
 
@@ -355,8 +354,7 @@ def start(cfg: Any, role: Any, trainer_mesh: Any, current: Callable[[], tuple[in
     # published version here (sharding.published_copy).
     mine = [d for d in trainer_mesh.devices.flat if d.process_index == jax.process_index()]
     stage = staging_mesh(mine, shape)
-    placement = ParamPlacement(transformer.abstract_params(cfg.model)[1], stage,
-                               cfg.mesh.decode_rules)
+    placement = ParamPlacement(cfg.model, stage, cfg.mesh.decode_rules)
     host = role.coordinator[0]
     offers = WeightOffers(placement, host)
     return SliceProcesses(role.coordinator, role.slice_ids_by_process(cfg.mesh.num_slices),

@@ -321,7 +321,8 @@ def test_bf16_decode_logprobs_match_the_train_forward(record, model):
         assert batch.length == 32 and layouts["packed"]["segment_ids"].max() == 2
     for layout, arrays in layouts.items():
         packed = layout == "packed"
-        logp = _trainer_logprobs(cfg, sl.engine.graphdef, params, arrays, packed)
+        logp = _trainer_logprobs(cfg, transformer.abstract_params(cfg.model)[0], params, arrays,
+                                 packed)
         mask = np.asarray(arrays["loss_mask"]).reshape(logp.shape) > 0
         assert mask.sum() == 32
         got, want = logp[mask], np.asarray(arrays["behaviour_logp"]).reshape(logp.shape)[mask]

@@ -83,7 +83,9 @@ def test_decoding_with_adapters_equals_the_full_forward():
     full = jax.jit(lambda p: tf.apply(g, p, TOKENS, dropless=True)[0])(p)
     kv = jax.jit(lambda p: tf.apply(g, p, TOKENS[:, :5], dropless=True, return_kv=True)[2])(p)
     cache = tf.init_cache(cfg, 2, 8)
-    cache = tf.KVCache(cache.k.at[:, :, :5].set(kv.k), cache.v.at[:, :, :5].set(kv.v))
+    cache = tf.LayerCaches(
+        tuple(c.at[:, :, :5].set(kv.k[i].swapaxes(1, 2)) for i, c in enumerate(cache.k)),
+        tuple(c.at[:, :, :5].set(kv.v[i].swapaxes(1, 2)) for i, c in enumerate(cache.v)))
     logits, _ = jax.jit(functools.partial(tf.decode, g))(p, TOKENS[:, 5], jnp.full((2,), 5),
                                                          cache)
     assert float(jnp.max(jnp.abs(full[:, 5] - full[:, 5].mean()))) > 0.1
@@ -439,12 +441,14 @@ def test_an_engine_places_a_frozen_base_once():
     graphdef, params = tf.create(cfg, 0)
     base, adapters = lora.split(jax.device_get(params))
     mesh = Mesh(np.asarray(jax.devices()[1:2]).reshape(1, 1), ("tensor", "expert"))
-    placement = ParamPlacement(tf.abstract_params(cfg)[1], mesh, ())
+    placement = ParamPlacement(cfg, mesh, ())
     placement.place(lora.merge(base, adapters))
     assert placement.last_bytes == lora.tree_bytes(params)
     later = randomise_b(lora.merge(base, adapters))
     placed = placement.place(lora.merge(base, lora.split(later)[1]))
     assert placement.last_bytes == lora.tree_bytes(adapters) < lora.tree_bytes(base)
+    # laid out for decoding: every layer apart (the model scans its stacked layers)
+    assert cfg.scan_layers and placement.graphdef != graphdef
     tree = jax.tree.unflatten(placement.treedef, list(placed.leaves))
-    np.testing.assert_allclose(tf.apply(graphdef, tree, TOKENS)[0],
+    np.testing.assert_allclose(tf.apply(placement.graphdef, tree, TOKENS)[0],
                                tf.apply(graphdef, later, TOKENS)[0], atol=1e-6)

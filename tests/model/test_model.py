@@ -28,8 +28,10 @@ def _decode_against_full(cfg, prompt_lens, total_len, cache_len=24):
     for b, n in enumerate(prompt_lens):
         _, _, kv = tf.apply(graphdef, params, tokens_BT[b:b + 1, :n], dropless=True,
                             return_kv=True)
-        cache = tf.KVCache(cache.k.at[:, b, :n].set(kv.k[:, 0]),
-                           cache.v.at[:, b, :n].set(kv.v[:, 0]))
+        # a layer's buffer is [B, kv_heads, S, head_dim]; the prefix's [layers, 1, T, ...]
+        cache = tf.LayerCaches(
+            tuple(c.at[b, :, :n].set(kv.k[i, 0].swapaxes(0, 1)) for i, c in enumerate(cache.k)),
+            tuple(c.at[b, :, :n].set(kv.v[i, 0].swapaxes(0, 1)) for i, c in enumerate(cache.v)))
     decode = jax.jit(lambda p, t, pos, c: tf.decode(graphdef, p, t, pos, c))
     pos_B = np.array(prompt_lens)
     worst = 0.0

@@ -359,8 +359,9 @@ def test_a_group_is_prefilled_once_and_samples_as_if_alone(monkeypatch, kv_cache
 
 def test_a_load_places_params_once(monkeypatch):
     """load_version and interrupt_and_reload place params on the slice's mesh with
-    one load_params call and at most one device_put: none for params already placed
-    for this engine, none of the path check for a tree structure seen before."""
+    one load_params call that moves each of its leaves once (a stacked leaf's layers
+    together, the rest in one device_put): none for params already placed for this
+    engine, none of the path check for a tree structure seen before."""
     from dora_jax.rollout import placement
 
     eng = rc.engine("dense", "greedy", 0, decode_steps=1)  # the request runs on under v2
@@ -369,20 +370,30 @@ def test_a_load_places_params_once(monkeypatch):
     on_trainer = jax.device_put(p0, param_shardings(p0, trainer_mesh, TRAINER_RULES))
     placed = eng.load_params(on_trainer)
     sl = DecodeSlice(9, eng)
-    counts = {"load_params": 0, "device_put": 0, "paths": 0}
+    counts = {"load_params": 0, "device_put": 0, "paths": 0, "moved": 0}
+    put = jax.device_put
 
+    def device_put(x, *args, **kwargs):
+        counts["moved"] += len(jax.tree.leaves(x))
+        return put(x, *args, **kwargs)
+
+    leaves = len(placed.leaves)
+    stacked = len(jax.tree.leaves(p0["blocks"]))  # the model scans its layers
+    calls = stacked + 1
+    assert len(jax.tree.leaves(p0)) < leaves  # the decode layout: every layer apart
     monkeypatch.setattr(eng, "load_params", counting(counts, "load_params", eng.load_params))
-    monkeypatch.setattr(jax, "device_put", counting(counts, "device_put", jax.device_put))
+    monkeypatch.setattr(jax, "device_put", counting(counts, "device_put", device_put))
     monkeypatch.setattr(placement, "_leaf_paths", counting(counts, "paths", placement._leaf_paths))
     sl.load_version(0, on_trainer)
-    assert counts == {"load_params": 1, "device_put": 1, "paths": 0}
+    assert counts == {"load_params": 1, "device_put": calls, "paths": 0, "moved": leaves}
     sl.load_version(1, placed)
-    assert counts == {"load_params": 2, "device_put": 1, "paths": 0} and sl.params is placed
+    assert counts == {"load_params": 2, "device_put": calls, "paths": 0, "moved": leaves}
+    assert sl.params is placed
     sl.submit(Request(group_id=0, prompt_id="p", sample_index=0, prompt_tokens=rc.PROMPTS[0],
                       seed=1, version=1))
     sl.step()
     sl.interrupt_and_reload(2, on_trainer)
-    assert counts == {"load_params": 3, "device_put": 2, "paths": 0}
+    assert counts == {"load_params": 3, "device_put": 2 * calls, "paths": 0, "moved": 2 * leaves}
     assert sl.version == 2 and sl.stats.weight_loads == 3
     (t,) = sl.drain()
     assert [v for v, _ in t.versions] == [1, 2]

@@ -13,7 +13,6 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2 " + " ".join
 import numpy as np  # noqa: E402
 from conftest import load_repo_config  # noqa: E402
 
-from dora_jax.model import transformer  # noqa: E402
 from dora_jax.rollout.placement import ParamPlacement  # noqa: E402
 from dora_jax.runtime import slice_process  # noqa: E402
 from dora_jax.runtime.weight_transfer import WeightPuller, start_server  # noqa: E402
@@ -21,8 +20,7 @@ from dora_jax.runtime.weight_transfer import WeightPuller, start_server  # noqa:
 spec, address, *pulls = sys.argv[1:]
 cfg = load_repo_config(spec, num_devices=8, mesh__slice__tensor=2, mesh__num_slices=2)
 [mesh] = slice_process.slice_meshes(cfg, 1)
-placement = ParamPlacement(transformer.abstract_params(cfg.model)[1], mesh,
-                           cfg.mesh.decode_rules)
+placement = ParamPlacement(cfg.model, mesh, cfg.mesh.decode_rules)
 puller = WeightPuller(placement, start_server("127.0.0.1"), address)
 for pull in pulls:
     number, leaves = json.loads(pull)

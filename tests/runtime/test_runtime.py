@@ -14,7 +14,7 @@ import pytest
 from conftest import audit_workdir
 
 from dora_jax.config import MODES
-from dora_jax.model import hf_checks
+from dora_jax.model import hf_checks, layer_layout
 from dora_jax.rl.trainer import Trainer
 from dora_jax.rollout.slice import DecodeSlice
 from dora_jax.runtime import experiment
@@ -26,22 +26,29 @@ def _host_leaves(params) -> list:
 
 
 class RecordingTrainer(Trainer):
-    """Keeps a host copy of the params of every version it publishes; `delay` seconds
-    per step let decoding run ahead of training."""
+    """Keeps a host copy of the params of every version it publishes (`published`),
+    and as a slice lays them out (`per_layer`: each layer apart); `delay` seconds per
+    step let decoding run ahead of training."""
 
     delay = 0.0
     fail_at_step = None
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.published = {0: _host_leaves(self.params)}
+        self.published, self.per_layer = {}, {}
+        self._record()
+
+    def _record(self):
+        self.published[self.version] = _host_leaves(self.params)
+        self.per_layer[self.version] = _host_leaves(
+            layer_layout.unstack(self.cfg.model, self.params))
 
     def train_step(self, batch):
         if self.version == self.fail_at_step:
             raise FloatingPointError(f"injected failure in step {self.version}")
         time.sleep(self.delay)
         metrics = super().train_step(batch)
-        self.published[self.version] = _host_leaves(self.params)
+        self._record()
         return metrics
 
 
@@ -105,7 +112,8 @@ def test_dora_paths_with_a_sample_held_across_publishes(tmp_path, small_config,
     loaded = {v for _, v, _ in loads}  # a slice may skip a version published meanwhile
     assert 0 in loaded and len(loaded) >= 3, loaded
     for slice_id, version, leaves in loads:
-        want = trainer.published[version]
+        want = trainer.per_layer[version]
+        assert len(leaves) == len(want)
         assert all(np.array_equal(a, b) for a, b in zip(leaves, want)), (slice_id, version)
 
 
@@ -498,7 +506,8 @@ def test_a_slice_failing_during_a_weight_load(tmp_path, small_config, monkeypatc
     slice1 = [v for i, v, _ in loads if i == 1]
     assert slice1[:2] == [0, 1] and len(slice1) >= 3, slice1  # 0 at start, 1, then again
     for slice_id, version, leaves in loads:
-        want = trainer.published[version]
+        want = trainer.per_layer[version]
+        assert len(leaves) == len(want)
         assert all(np.array_equal(a, b) for a, b in zip(leaves, want)), (slice_id, version)
 
 

@@ -11,7 +11,6 @@ import numpy as np
 from conftest import REPO, load_repo_config
 
 from dora_jax.config import devices
-from dora_jax.model import transformer
 from dora_jax.rollout.placement import ParamPlacement
 from dora_jax.runtime import experiment
 from dora_jax.runtime.weight_transfer import WeightOffers, staging_mesh
@@ -24,9 +23,8 @@ def _offers(cfg):
     trainer_mesh, [slice_mesh, _] = devices.make_meshes(cfg.mesh)
     _, params = experiment.initial_params(cfg, trainer_mesh)
     stage = staging_mesh(list(trainer_mesh.devices.flat), slice_mesh.devices.shape)
-    abstract = transformer.abstract_params(cfg.model)[1]
-    offers = WeightOffers(ParamPlacement(abstract, stage, cfg.mesh.decode_rules), "127.0.0.1")
-    return offers, params, ParamPlacement(abstract, slice_mesh, cfg.mesh.decode_rules)
+    offers = WeightOffers(ParamPlacement(cfg.model, stage, cfg.mesh.decode_rules), "127.0.0.1")
+    return offers, params, ParamPlacement(cfg.model, slice_mesh, cfg.mesh.decode_rules)
 
 
 def test_a_slice_process_pulls_the_trainer_s_params_in_its_shardings():

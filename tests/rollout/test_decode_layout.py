@@ -1,0 +1,112 @@
+"""Slices decode from per-layer params and per-layer KV buffers (model/layer_layout.py):
+a version is laid out once, when placed; the compiled decode step then copies no
+weight and no cache, and accesses about the weights once plus the KV."""
+
+import dataclasses
+
+import _rollout_common as rc
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dora_jax.model import layer_layout
+from dora_jax.model import transformer as tf
+from dora_jax.rollout import hlo_cost
+from dora_jax.rollout.engine import Engine
+from dora_jax.rollout.state import EngineParams
+
+
+def _weight_shapes(leaves) -> set:
+    """Shapes of the weights (a norm's scale is too small to matter)."""
+    return {tuple(x.shape) for x in leaves if np.prod(x.shape) >= 256}
+
+
+def _written(compiled, shapes: set) -> dict:
+    return {name: s for name, s in hlo_cost.arrays_written(compiled.as_text()).items()
+            if set(s) & shapes}
+
+
+def test_a_placed_version_is_its_layers_apart():
+    """The model scans stacked layers; the slice holds each layer's arrays apart,
+    the same numbers, laid out once."""
+    cfg = rc.config("dense").model
+    assert cfg.scan_layers and cfg.num_layers == 2
+    _, params = tf.create(cfg, 3)
+    eng = Engine(cfg, rc.rollout(1, "dense"), rc.meshes()[1][0])
+    placed = eng.load_params(params)
+    stacked = params["blocks"][0]["attn"]["wq"][...]
+    tree = jax.tree.unflatten(eng.placement.treedef, list(placed.leaves))
+    for layer in range(cfg.num_layers):
+        np.testing.assert_array_equal(tree["blocks"][layer]["attn"]["wq"][...], stacked[layer])
+    assert len(placed.leaves) > len(jax.tree.leaves(params))
+    np.testing.assert_array_equal(
+        np.concatenate([np.ravel(x) for x in placed.leaves]),
+        np.concatenate([np.ravel(x) for x in jax.tree.leaves(
+            layer_layout.unstack(cfg, params))]))
+
+
+def test_the_decode_step_copies_no_weight():
+    """No instruction of the optimised step writes an array shaped as a weight; the
+    same check finds the copies that decoding from the stacked params makes (each
+    layer's weights sliced out of the stack), so it can fail."""
+    cfg = rc.config("dense").model
+    rollout = dataclasses.replace(rc.rollout(1, "dense"), slots_per_slice=3)
+    _, params = tf.create(cfg, 0)
+    for kv in ("dense", "paged"):
+        eng = Engine(cfg, dataclasses.replace(rollout, kv_cache=kv), rc.meshes()[1][0])
+        placed = eng.load_params(params)
+        shapes = _weight_shapes(placed.leaves)
+        state = jax.eval_shape(eng.init_decode_state)
+        view = None if eng.pages is None else eng.pages.view()
+        assert not _written(eng._jit.step.lower(placed, state, view).compile(), shapes), kv
+
+    graphdef, _ = tf.abstract_params(cfg)  # the model's own, stacked layout
+    stacked_step = jax.jit(lambda p, t, pos, c: tf.decode(graphdef, p, t, pos, c),
+                           donate_argnums=3)
+    tokens = jnp.zeros(3, jnp.int32)
+    copies = _written(stacked_step.lower(params, tokens, tokens, tf.init_cache(cfg, 3, 16))
+                      .compile(), shapes)
+    assert len(copies) >= cfg.num_layers, copies
+
+
+def test_the_kv_cache_is_written_in_place():
+    """The donated cache: each layer's buffer takes one token per slot where it lies
+    (no instruction writes a buffer-sized array, the step needs no scratch of a
+    buffer's size). Not donated, XLA must copy every buffer first: the check sees it."""
+    cfg = rc.config("dense").model
+    rollout = dataclasses.replace(rc.rollout(1, "dense"), slots_per_slice=3, max_decode_len=500)
+    for kv in ("dense", "paged"):
+        eng = Engine(cfg, dataclasses.replace(rollout, kv_cache=kv), rc.meshes()[1][0])
+        placed = eng.load_params(tf.create(cfg, 0)[1])
+        state = jax.eval_shape(eng.init_decode_state)
+        view = None if eng.pages is None else eng.pages.view()
+        buffer = state.cache.k[0]
+        assert len(state.cache.k) == cfg.num_layers
+        step = eng._jit.step.lower(placed, state, view).compile()
+        assert not _written(step, {buffer.shape}), kv
+        assert step.memory_analysis().temp_size_in_bytes < buffer.size * buffer.dtype.itemsize
+        copying = jax.jit(eng.generate_fn).lower(placed, state, view).compile()
+        assert len(_written(copying, {buffer.shape})) >= 2 * cfg.num_layers, kv
+
+
+def test_a_decode_step_accesses_its_weights_once_and_its_kv():
+    """At a shape where weights and KV outweigh activations (d_model 1024, 4 layers,
+    64 slots of 508 positions, f32; abstract params, nothing allocated), the dense
+    cache's step accesses (hlo_cost: loops by their trip counts, updates in place by
+    their updates) within 1.3x of the weights once plus the KV cache, and at least
+    them. (The paged cache's plain-XLA attention gathers the mapped pages first: a
+    copy of the live KV, docs/benchmarks.md.)"""
+    base = rc.config("dense").model
+    cfg = dataclasses.replace(base, vocab_size=4096, d_model=1024, num_layers=4, num_heads=8,
+                              num_kv_heads=4, head_dim=128, mlp_hidden=2816)
+    rollout = dataclasses.replace(rc.rollout(1, "dense"), slots_per_slice=64,
+                                  max_decode_len=500)
+    eng = Engine(cfg, rollout, rc.meshes()[1][0])
+    abstract = EngineParams(tuple(
+        jax.ShapeDtypeStruct(shape, dtype, sharding=sh) for (shape, dtype), sh in zip(
+            eng.placement.leaf_shapes, eng.placement.shardings.leaves)))
+    cost = eng.step_cost(abstract)
+    assert cost["weight_bytes"] == 4 * tf.count_params(tf.abstract_params(cfg)[1])
+    assert cost["kv_bytes"] == 2 * 4 * 64 * 4 * eng.cache_length * 128 * 4
+    ratio = cost["bytes_accessed"] / cost["ideal_bytes"]
+    assert 1.0 <= ratio <= 1.3, cost
