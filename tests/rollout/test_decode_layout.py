@@ -39,10 +39,27 @@ def test_a_placed_version_is_its_layers_apart():
     for layer in range(cfg.num_layers):
         np.testing.assert_array_equal(tree["blocks"][layer]["attn"]["wq"][...], stacked[layer])
     assert len(placed.leaves) > len(jax.tree.leaves(params))
-    np.testing.assert_array_equal(
-        np.concatenate([np.ravel(x) for x in placed.leaves]),
-        np.concatenate([np.ravel(x) for x in jax.tree.leaves(
-            layer_layout.unstack(cfg, params))]))
+    want = [np.asarray(x) for x in jax.tree.leaves(layer_layout.unstack(cfg, params))]
+    assert all(np.array_equal(a, b) for a, b in zip(placed.leaves, want, strict=True))
+
+
+def test_params_on_an_accelerator_are_cut_into_layers_on_the_mesh(monkeypatch):
+    """Device arrays (an accelerator's; here CPU arrays taken down that path) move in
+    their stacked layout, in chunks, and one program per set of leaves cuts them:
+    the same arrays as the host path's, with the decode shardings."""
+    from dora_jax.rollout import placement as placement_lib
+
+    cfg = rc.config("dense").model
+    _, params = tf.create(cfg, 5)
+    eng = Engine(cfg, rc.rollout(1, "dense"), rc.meshes()[1][0])
+    on_host = eng.load_params(jax.device_get(params))
+    sources = [jax.tree.leaves(params)[s.leaf] for s in layer_layout.sources(cfg)]
+    monkeypatch.setattr(placement_lib, "CHUNK_BYTES", 4096)  # several chunks
+    cut = eng.placement._cut_on_mesh(sources, list(range(len(sources))))
+    assert len(eng.placement._cutters) > 1
+    for i, x in enumerate(on_host.leaves):
+        assert cut[i].sharding == x.sharding
+        np.testing.assert_array_equal(cut[i], x)
 
 
 def test_the_decode_step_copies_no_weight():
