@@ -76,8 +76,11 @@ def init_pool(cfg: ModelConfig, num_pages: int, page_size: int,
 def _layer_buffers(cfg: ModelConfig, shape: tuple[int, ...],
                    dtype: jax.typing.DTypeLike | None) -> LayerCaches:
     dtype = jnp.dtype(dtype or cfg.dtype)
-    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
-    return LayerCaches(zeros, tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
+
+    def buffers() -> tuple[jax.Array, ...]:
+        return tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+
+    return LayerCaches(buffers(), buffers())
 
 # What a layer keeps for the backward pass (`model.remat`); "none": everything.
 _CHECKPOINT_POLICIES = {

@@ -29,7 +29,6 @@ from typing import NamedTuple
 FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
                   "after-all", "partition-id", "replica-id", "opt-barrier"})
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s+->\s+.*\{\s*$")
-_OPCODE = re.compile(r"=\s.*?\s([a-z][a-z0-9\-]*)\(")
 _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\(([^)]*)\)")
 _ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|f8\w*|c64|c128)\[([\d,]*)\]")
@@ -105,7 +104,6 @@ class _Program:
 
     def __init__(self, hlo_text: str) -> None:
         comps, self.entry = computations(hlo_text)
-        self.lines = comps
         self.instructions = {name: [i for i in map(_parse, lines) if i is not None]
                              for name, lines in comps.items()}
         self.shapes = {i.name: i.shape for instrs in self.instructions.values() for i in instrs}
@@ -140,11 +138,15 @@ class _Program:
                 return in_place[1]
         return instruction.shape
 
+    def _fused(self, fusion: _Instruction) -> tuple[list[_Instruction], dict[str, int]]:
+        """A fusion's instructions, and its parameters' operand indices by name."""
+        fused = self.instructions[_called(fusion.line, "calls")]
+        return fused, {i.name: int(i.operands[0]) for i in fused if i.op == "parameter"}
+
     def _fused_update(self, fusion: _Instruction) -> tuple[int, str] | None:
         """(the operand updated in place, the update's type) of a fusion whose root
         updates one of its operands in place; None for any other."""
-        fused = self.instructions[_called(fusion.line, "calls")]
-        params = {i.name: int(i.operands[0]) for i in fused if i.op == "parameter"}
+        fused, params = self._fused(fusion)
         root = next(i for i in fused if i.line.lstrip().startswith("ROOT"))
         if root.op not in _IN_PLACE or root.operands[_IN_PLACE[root.op][0]] not in params:
             return None
@@ -152,11 +154,10 @@ class _Program:
         return params[root.operands[buffer]], self.shapes[root.operands[update]]
 
     def _fusion_bytes(self, fusion: _Instruction) -> int:
-        fused = self.instructions[_called(fusion.line, "calls")]
-        params = {i.name: int(i.operands[0]) for i in fused if i.op == "parameter"}
+        fused, params = self._fused(fusion)
         in_place = self._fused_update(fusion)
-        updated = None if in_place is None else in_place[0]
-        total = _nbytes(self.written(fusion))
+        updated, total = ((None, _nbytes(fusion.shape)) if in_place is None
+                          else (in_place[0], _nbytes(in_place[1])))
         by_index = {k: name for name, k in params.items()}
         for k, operand in enumerate(fusion.operands):
             if k == updated:

@@ -1,6 +1,6 @@
 """Placing a model's params on one engine's mesh: the check that a tree is the
-model's, its layers laid out apart for decoding (model/layer_layout.py), and one
-`jax.device_put` of the leaves to the decode shardings."""
+model's, and its leaves moved to the decode shardings with every layer's arrays
+apart (model/layer_layout.py)."""
 
 from __future__ import annotations
 
