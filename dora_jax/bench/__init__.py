@@ -65,11 +65,12 @@ def decode_bound(figures: dict, device_kind: str) -> dict | None:
 
     peaks = device_fit.PEAKS.get(device_kind)
     S = str(figures["slots"])
-    seconds = {"dense": figures["step_seconds"][S], "paged": figures["paged_step_seconds"][S]}
+    seconds = {"dense": figures["step_seconds"][S], "paged": figures["paged_step_seconds"][S],
+               **figures.get("paged_impl_step_seconds", {})}
     if peaks is None:
         print(f"   bound: no public memory bandwidth for {device_kind!r}; decode step at "
-              f"{S} busy slots: dense {seconds['dense'] * 1e3:.3f} ms, "
-              f"paged {seconds['paged'] * 1e3:.3f} ms")
+              f"{S} busy slots: " + ", ".join(f"{kv} {t * 1e3:.3f} ms"
+                                              for kv, t in seconds.items()))
         return None
     out = {}
     for kv, step in seconds.items():

@@ -137,7 +137,9 @@ def part_command(name: str, size: Size, out: str, platform: str, tests_k: str = 
                        "-o", "addopts=", f"--junitxml={os.path.join(out, 'tests.xml')}",
                        *(["-k", tests_k] if tests_k else []), os.path.normpath(repo_tests)]
     if name == "engine":
-        return wrap + ["dora_jax.bench.engine", *size.engine,
+        # On a GPU the Pallas paged kernel is timed beside `auto`'s ragged attention.
+        kernel = ["--paged_attention=pallas_gpu"] if platform == "gpu" else []
+        return wrap + ["dora_jax.bench.engine", *size.engine, *kernel,
                        f"--json_out={os.path.join(out, 'engine.json')}"]
     if name == "trainer":
         return wrap + ["dora_jax.bench.trainer", *size.trainer,
@@ -250,7 +252,7 @@ def summary_lines(report: dict) -> list:
                          f", {kv} step {b['over_bound']:.2f}x its bound"
                          for kv, b in (run.get("bound") or {}).items()) + "".join(
                          f", {kv} {c['kernels']} kernels per token"
-                         for kv, c in (run.get("step_bytes") or {}).items() if "kernels" in c))
+                         for kv, c in (run.get("step_bytes") or {}).items() if c.get("kernels")))
     if fig("trainer"):
         rates = fig("trainer")["tokens_per_s"]
         lines.append("trainer: " + ", ".join(f"{k} {v:,.0f} tokens/s" for k, v in rates.items()))

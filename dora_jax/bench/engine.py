@@ -15,6 +15,8 @@ and, for the dense and the paged KV cache, the bytes a compiled decode step acce
 (XLA's cost analysis) next to the ideal: the weights read once plus the KV cache; and
 each layout's step time with every slot busy against its bound, the ideal bytes at the
 device's memory bandwidth (on a device with public figures: not a CPU).
+`--paged_attention=pallas_gpu` (say) also measures the paged layout with that
+implementation beside the config's.
 First, a sweep of `rollout.decode_steps` (tokens per generate call) with all slots
 busy shows what the configs' default is chosen from.
 Both samplers use the engine's prefill/insert and its decode step (`generate_fn`),
@@ -60,7 +62,7 @@ from dora_jax.bench import (
     model_shape,
     write_figures,
 )
-from dora_jax.model import hf_checks, transformer
+from dora_jax.model import hf_checks, paged_attention, transformer
 from dora_jax.rollout import DecodeSlice, Engine, Request
 
 _MODEL_CONFIGS = {
@@ -84,6 +86,9 @@ _PROFILE = flags.DEFINE_bool("profile", False, "profile the decode step instead 
 _SHAPE = flags.DEFINE_enum("shape", "config", ["config", "device"],
                            "models: the configs', or bench.accelerator's device shapes")
 _JSON_OUT = flags.DEFINE_string("json_out", "", "also write the figures to this JSON file")
+_PAGED_IMPLS = flags.DEFINE_list(
+    "paged_attention", [], "paged attention implementations to time beside the config's "
+    "(`paged/<impl>` in the figures), e.g. ragged,pallas_gpu on a GPU")
 
 
 def model_config(name: str):
@@ -237,9 +242,9 @@ def bench_model(name: str, slots: int, decode_len: int, per_slot: int, repeats: 
         sl = DecodeSlice(0, engine)
         sl.load_version(0, params)
         if eos < 0:  # what each KV layout's compiled step reads, against the ideal
-            paged = Engine(cfg.model, dataclasses.replace(rollout, kv_cache="paged"), mesh)
-            figures["step_bytes"] = {kv: step_bytes(e, e.load_params(params))
-                                     for kv, e in (("dense", engine), ("paged", paged))}
+            layouts = paged_engines(cfg.model, rollout, mesh)
+            figures["step_bytes"] = {kv: step_bytes(e, e.load_params(params), kv)
+                                     for kv, e in (("dense", engine), *layouts.items())}
         fixed = make_fixed_batch(engine)
         reqs = make_requests(per_slot * S, max_prompt, cfg.model.vocab_size)
         run_slice(sl, reqs[:S])  # compile
@@ -267,16 +272,29 @@ def bench_model(name: str, slots: int, decode_len: int, per_slot: int, repeats: 
                 dt = min(step_time(sl, reqs[:k]) for _ in range(repeats))
                 figures["step_seconds"][str(k)] = dt
                 print(f"   {k:10d} {dt * 1e3:20.3f} {k / dt:10.0f}")
-            paged_slice = DecodeSlice(0, paged)
-            paged_slice.load_version(0, params)
-            step_time(paged_slice, reqs[:S])  # compiles
-            figures["paged_step_seconds"] = {str(S): min(
-                step_time(paged_slice, reqs[:S]) for _ in range(repeats))}
+            for kv, paged in layouts.items():
+                paged_slice = DecodeSlice(0, paged)
+                paged_slice.load_version(0, params)
+                step_time(paged_slice, reqs[:S])  # compiles
+                seconds = min(step_time(paged_slice, reqs[:S]) for _ in range(repeats))
+                if kv == "paged":
+                    figures["paged_step_seconds"] = {str(S): seconds}
+                else:
+                    figures.setdefault("paged_impl_step_seconds", {})[kv] = seconds
             figures["bound"] = decode_bound(figures, jax.devices()[0].device_kind)
     return figures
 
 
-def step_bytes(engine: Engine, params) -> dict:
+def paged_engines(model_cfg, rollout, mesh) -> dict:
+    """The paged layouts measured: the config's paged attention ("paged"), then each
+    other `--paged_attention` implementation ("paged/<impl>")."""
+    own = paged_attention.resolve(rollout.paged_attention)
+    impls = [rollout.paged_attention] + [i for i in _PAGED_IMPLS.value if i != own]
+    return {("paged" if k == 0 else f"paged/{impl}"): Engine(model_cfg, dataclasses.replace(
+        rollout, kv_cache="paged", paged_attention=impl), mesh) for k, impl in enumerate(impls)}
+
+
+def step_bytes(engine: Engine, params, label: str = "") -> dict:
     """Bytes a compiled decode step accesses against the ideal, the weights read once
     plus the KV cache (`Engine.step_cost`), with every slot's pages mapped (paged)."""
     if engine.pages is not None:  # every slot at its whole length: the pool all read
@@ -286,13 +304,15 @@ def step_bytes(engine: Engine, params) -> dict:
     cost = engine.step_cost(params)
     if engine.pages is not None:
         engine.pages.reset()
-    cost["over_ideal"] = cost["bytes_accessed"] / cost["ideal_bytes"]
-    print(f"   decode step ({engine.rollout_cfg.kv_cache} KV): "
-          f"{cost['bytes_accessed'] / 1e6:.3f} MB accessed, ideal "
-          f"{cost['ideal_bytes'] / 1e6:.3f} MB (weights {cost['weight_bytes'] / 1e6:.3f} "
-          f"+ KV {cost['kv_bytes'] / 1e6:.3f}): {cost['over_ideal']:.2f}x the ideal "
-          f"(XLA's cost analysis: {cost['xla_bytes_accessed'] / cost['ideal_bytes']:.2f}x); "
-          f"{cost['kernels']} kernels (XLA thunks) per token")
+    counted = cost["bytes_accessed"]
+    cost["over_ideal"] = None if counted is None else counted / cost["ideal_bytes"]
+    print(f"   decode step ({label or engine.rollout_cfg.kv_cache} KV): " + (
+          "bytes not counted (a loop of unknown trip count)" if counted is None else
+          f"{counted / 1e6:.3f} MB accessed, {cost['over_ideal']:.2f}x the ideal") +
+          f"; ideal {cost['ideal_bytes'] / 1e6:.3f} MB (weights "
+          f"{cost['weight_bytes'] / 1e6:.3f} + KV {cost['kv_bytes'] / 1e6:.3f}; XLA's cost "
+          f"analysis: {cost['xla_bytes_accessed'] / cost['ideal_bytes']:.2f}x); "
+          f"{cost['kernels'] or 'uncounted'} kernels (XLA thunks) per token")
     return cost
 
 

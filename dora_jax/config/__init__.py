@@ -65,6 +65,7 @@ from .sections import (
     RolloutConfig,
     TrainerConfig,
     check_rollout_batch,
+    gpu_paged_blocks,
 )
 
 __all__ = [
@@ -80,5 +81,6 @@ __all__ = [
     "TrainerConfig", "declare_task", "forget_task",
     "base", "check", "check_declared", "check_devices", "check_group_fits",
     "check_multi_version", "check_not_retired", "check_rollout_batch", "check_versions",
-    "colocate", "decode_rules_from", "fail", "field", "load", "modes_with", "validate",
+    "colocate", "decode_rules_from", "fail", "field", "gpu_paged_blocks", "load",
+    "modes_with", "validate",
 ]

@@ -14,7 +14,14 @@ from .modes import CAPABILITIES, modes_with
 from .report import EvalConfig, LoggingConfig
 from .rules import check_group_fits, check_multi_version, check_versions
 from .schema import Section, fail
-from .sections import FAIL_ANY_SLICE, FAIL_NO_SLICE, CoordinatorConfig, RolloutConfig, TrainerConfig
+from .sections import (
+    FAIL_ANY_SLICE,
+    FAIL_NO_SLICE,
+    CoordinatorConfig,
+    RolloutConfig,
+    TrainerConfig,
+    gpu_paged_blocks,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,6 +220,12 @@ def token_tasks_have_no_tokenizer(cfg: Config) -> None:
               "source, e.g. --config.data.source=gsm8k --config.data.path=FILE")
 
 
+def gpu_kernel_tiles_the_pages(cfg: Config) -> None:
+    r = cfg.rollout
+    if r.kv_cache == "paged" and r.paged_attention == "pallas_gpu":
+        gpu_paged_blocks(r.pages_per_slot, r.page_size, cfg.model.head_dim)
+
+
 def residue_prompts_fit(cfg: Config) -> None:
     d = cfg.data
     if d.source == "residue" and d.prompt_len > cfg.rollout.max_prefill_length:
@@ -239,6 +252,6 @@ RULES = (mesh_axes_divide_their_dims, top_k_within_vocab, special_ids_within_voc
          whole_responses_are_scored, eval_is_single_turn, eval_slice_exists,
          fail_slice_exists, batch_splits_evenly, packed_microbatches_fill_the_shards,
          padded_microbatches_fill_the_shards, replay_needs_experts,
-         oversubscription_needs_episodes,
+         oversubscription_needs_episodes, gpu_kernel_tiles_the_pages,
          token_tasks_have_no_tokenizer,
          residue_prompts_fit, residue_modulus_within_vocab, countdown_fits)

@@ -26,7 +26,32 @@ KL_KINDS = ("k1", "k2", "k3")
 MOE_ROUTING = ("recompute", "replay")  # rl/trainer.py, rollout/routing.py
 SCHEDULES = ("constant", "cosine")
 KV_CACHES = ("paged", "dense")  # rollout/engine.py
-PAGED_ATTENTION_IMPLS = ("auto", "ragged", "pallas")  # model/paged_attention.py
+PAGED_ATTENTION_IMPLS = ("auto", "ragged", "pallas", "pallas_gpu")  # model/paged_attention.py
+
+
+def gpu_paged_blocks(pages_per_slot: int, page_size: int, head_dim: int) -> tuple[int, int]:
+    """(k_splits, pages_per_compute_block) of the GPU paged-attention kernel: a slot's
+    pages split in parts worked on in parallel, each read up to 8 pages at a time.
+    Fails, naming the field, on shapes Triton cannot tile (powers of two; a block's
+    keys and a head's dims are matmul dimensions of at least 16)."""
+    def pow2(n: int) -> bool:
+        return n > 0 and n & (n - 1) == 0
+    if not pow2(page_size):
+        fail("rollout.page_size", f"must be a power of two with rollout.paged_attention="
+                                  f"'pallas_gpu', got {page_size} (or use 'ragged')")
+    if not (pow2(head_dim) and head_dim >= 16):
+        fail("rollout.paged_attention", f"'pallas_gpu' needs a power-of-two model.head_dim "
+                                        f">= 16, got {head_dim}: use 'ragged'")
+    # Parts of a power of two of pages (a Triton block), at least 16 of them if the
+    # slot has as many pages.
+    per_split = max(p for p in (1, 2, 4, 8, 16, 32, 64) if pages_per_slot % p == 0
+                    and pages_per_slot // p >= min(16, pages_per_slot))
+    k_splits, block = pages_per_slot // per_split, min(per_split, 8)
+    if block * page_size < 16:
+        fail("rollout.page_size", f"with rollout.paged_attention='pallas_gpu' a slot's "
+                                  f"pages ({pages_per_slot}) are read {block} at a time: "
+                                  f"{block} x {page_size} positions is under 16; raise it")
+    return k_splits, block
 
 
 @dataclasses.dataclass(frozen=True)

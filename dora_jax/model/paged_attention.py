@@ -9,10 +9,16 @@ layout); a slot's positions live in the pages its row of the page table names
   its own slot's query and a softmax per slot is assembled from per-page maxima and
   sums (segment max / segment sum). Work and memory traffic follow the sum of the
   slots' real contexts, not slots x cache_length.
-- `pallas`: the TPU Pallas paged-attention kernel (`jax.experimental.pallas.ops.tpu`),
-  run per shard under `shard_map` when activation rules shard the KV heads.
+- `pallas`: the TPU Pallas paged-attention kernel (`jax.experimental.pallas.ops.tpu`);
+- `pallas_gpu`: JAX's Pallas (Triton) paged-attention kernel for GPUs
+  (`jax.experimental.pallas.ops.gpu`). Each slot's query block reads its own pages
+  where they lie, split over the slot's pages and merged as flash-decoding does, where
+  `ragged` gathers every mapped page into a copy first.
 
-`auto` picks pallas on TPU, ragged elsewhere.
+The kernels run per shard under `shard_map` when activation rules shard the KV heads,
+and in Pallas' interpreter off their own backend (tests on a CPU). `auto` picks
+pallas on TPU and ragged elsewhere: pallas_gpu is chosen by name until it has been
+timed against ragged on a GPU (`bench.engine --paged_attention=ragged,pallas_gpu`).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
-from dora_jax.config import PAGED_ATTENTION_IMPLS
+from dora_jax.config import PAGED_ATTENTION_IMPLS, gpu_paged_blocks
 from dora_jax.model.attention import NEG_INF
 from dora_jax.model.sharding import active_rules, logical_to_spec
 
@@ -109,18 +115,41 @@ def pallas_paged_attention(q_BHD: jax.Array, k_KPpD: jax.Array, v_KPpD: jax.Arra
     return out.astype(q_BHD.dtype)
 
 
+def pallas_gpu_paged_attention(q_BHD: jax.Array, k_KPpD: jax.Array, v_KPpD: jax.Array,
+                               lengths_B: jax.Array, table_BP: jax.Array,
+                               interpret: bool = False) -> jax.Array:
+    """JAX's GPU kernel (it expects pre-scaled queries; a slot of length 0 gets
+    zeros); `interpret` runs it in Pallas' interpreter on any backend."""
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+    D = q_BHD.shape[-1]
+    k_splits, block = gpu_paged_blocks(table_BP.shape[1], k_KPpD.shape[2], D)
+    out = paged_attention((q_BHD * D ** -0.5).astype(k_KPpD.dtype), k_KPpD, v_KPpD,
+                          table_BP, lengths_B.astype(jnp.int32), k_splits=k_splits,
+                          pages_per_compute_block=block, interpret=interpret)
+    return out.astype(q_BHD.dtype)
+
+
+KERNELS = {"pallas": (pallas_paged_attention, "tpu"),
+           "pallas_gpu": (pallas_gpu_paged_attention, "gpu")}
+
+
 def paged_attention(q_BHD: jax.Array, k_KPpD: jax.Array, v_KPpD: jax.Array, lengths_B: jax.Array,
                     view: PageView, implementation: str = "auto",
-                    interpret: bool = False) -> jax.Array:
-    """Decode attention by `implementation`; `view` is a `pages.PageView` of arrays."""
+                    interpret: bool | None = None) -> jax.Array:
+    """Decode attention by `implementation`; `view` is a `pages.PageView` of arrays.
+    interpret: run a Pallas kernel in the interpreter (None: off its own backend)."""
     impl = resolve(implementation)
     if impl == "ragged":
         return ragged_paged_attention(q_BHD, k_KPpD, v_KPpD, lengths_B, view.flat_pages,
                                       view.flat_slots, view.flat_starts)
-    if impl != "pallas":
+    if impl not in KERNELS:
         raise ValueError(f"unknown paged attention implementation {implementation!r}; "
                          f"known: {PAGED_ATTENTION_IMPLS}")
-    kernel = functools.partial(pallas_paged_attention, interpret=interpret)
+    fn, platform = KERNELS[impl]
+    if interpret is None:
+        interpret = jax.default_backend() != platform
+    kernel = functools.partial(fn, interpret=interpret)
     ctx = active_rules()
     if ctx is None:
         return kernel(q_BHD, k_KPpD, v_KPpD, lengths_B, view.table)

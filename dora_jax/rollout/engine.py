@@ -22,7 +22,7 @@ gives every slot cache_length positions; "paged" keeps a host-side pool of pages
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import jax
@@ -371,8 +371,10 @@ class Engine:
         `ideal_bytes` = the weights read once plus the whole KV cache (a bound on the
         live KV; paged: the pool); `xla_bytes_accessed`, XLA's own cost analysis
         (which charges a loop's body once and an in-place scatter its whole buffer);
-        the `kernels` one step launches, i.e. per token; and `temp_bytes`, the
-        step's scratch memory (a copy of the cache or of a weight would show here).
+        the `kernels` one step launches, i.e. per token (both counts None where a
+        loop's trip count is not static: a Pallas kernel interpreted); and
+        `temp_bytes`, the step's scratch memory (a copy of the cache or of a weight
+        would show here).
         Compiles the step for the page view as it stands; changes nothing. `params`
         may be abstract (ShapeDtypeStructs with the placement's shardings)."""
         state = jax.eval_shape(self._jit.init)
@@ -385,10 +387,15 @@ class Engine:
         weights = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in params.leaves)
         kv = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
                  for x in jax.tree.leaves(state.cache))
-        return dict(bytes_accessed=float(hlo_cost.count_bytes(hlo)),
+        def counted(count: Callable[[str], int]) -> int | None:
+            try:
+                return count(hlo)
+            except hlo_cost.UnboundedLoop:  # e.g. a Pallas kernel run in its interpreter
+                return None
+        return dict(bytes_accessed=counted(hlo_cost.count_bytes),
                     xla_bytes_accessed=float(cost["bytes accessed"]), flops=float(cost["flops"]),
                     weight_bytes=weights, kv_bytes=kv, ideal_bytes=weights + kv,
-                    kernels=hlo_cost.count_kernels(hlo),
+                    kernels=counted(hlo_cost.count_kernels),
                     temp_bytes=compiled.memory_analysis().temp_size_in_bytes)
 
     # ----------------------------------------------------------- extensions

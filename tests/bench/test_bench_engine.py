@@ -61,3 +61,9 @@ def test_a_decode_step_is_set_against_the_ideal_bytes_at_the_device_bandwidth():
     assert decode_bound(figures, "NVIDIA H100 80GB HBM3")["dense"]["over_bound"] == \
         pytest.approx(2e-3 / (4.8e9 / 3.35e12))
     assert decode_bound(figures, "cpu") is None
+    # Another paged implementation timed beside the config's (--paged_attention)
+    figures["paged_impl_step_seconds"] = {"paged/pallas_gpu": 2.4e-3}
+    figures["step_bytes"]["paged/pallas_gpu"] = {"ideal_bytes": 9.6e9}
+    got = decode_bound(figures, "NVIDIA H200")
+    assert got["paged/pallas_gpu"]["over_bound"] == pytest.approx(1.2)
+    assert got["paged"]["over_bound"] == pytest.approx(1.5)

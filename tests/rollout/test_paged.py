@@ -1,5 +1,5 @@
 """Paged KV cache: the page pool's bookkeeping, paged decode attention against a
-per-slot numpy reference and the TPU kernel (interpreted), and paged slices against
+per-slot numpy reference and the TPU and GPU kernels (interpreted), and paged slices against
 dense ones (same tokens and log-probs), with shared prompts, preemption, migration
 between layouts and per-request length limits."""
 
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from dora_jax import config as config_lib
 from dora_jax.model import paged_attention as pa
-from dora_jax.rollout import DecodeSlice, Request
+from dora_jax.rollout import DecodeSlice, Engine, Request
 from dora_jax.rollout.pages import PagePool, PagesExhausted
 
 # ------------------------------------------------------------------ page pool
@@ -145,6 +145,61 @@ def test_pallas_paged_kernel_in_interpret_mode_matches_reference():
     want = rc.paged_attention_reference(q, k, v, lengths, tables)
     np.testing.assert_allclose(np.asarray(got), want, atol=3e-2)  # the kernel's bf16 steps
     assert pa.resolve("auto", "tpu") == "pallas" and pa.resolve("auto", "cpu") == "ragged"
+
+
+def test_gpu_paged_kernel_in_interpret_mode_matches_reference():
+    """JAX's GPU kernel, interpreted: pages of 16, shared prompt pages, a slot without
+    pages, and a slot's pages split over several parallel parts of 1 and 2 pages."""
+    rng = np.random.default_rng(2)
+    for max_tokens, lengths in ((64, [30, 64, 0, 5]), (512, [300, 17, 0, 512])):
+        B, H, K, ps, D = 4, 4, 2, 16, 16
+        pool = PagePool(num_pages=4 * max_tokens // ps, page_size=ps, slots=B,
+                        max_tokens=max_tokens)
+        pool.assign(0, lengths[0])
+        pool.assign(1, lengths[1], pool.share(0, min(lengths[0], lengths[1]) // ps * ps))
+        pool.assign(3, lengths[3])
+        q = rng.normal(size=(B, H, D)).astype(np.float32)
+        k, v = (rng.normal(size=(K, pool.num_pages + 1, ps, D)).astype(np.float32)
+                for _ in range(2))
+        tables = [list(pool.slot_pages(b)) for b in range(B)]
+        view = jax.tree.map(jnp.asarray, pool.view())
+        got = pa.paged_attention(q, k, v, np.array(lengths, np.int32), view, "pallas_gpu")
+        want = rc.paged_attention_reference(q, k, v, lengths, tables)
+        np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+        assert not np.asarray(got)[2].any()
+    assert config_lib.gpu_paged_blocks(4, 16, 16) == (4, 1)
+    assert config_lib.gpu_paged_blocks(32, 16, 16) == (16, 2)
+
+
+def test_a_paged_slice_decodes_alike_with_the_gpu_kernel():
+    """The engine's decode step with pallas_gpu (interpreted here) gives the ragged
+    path's tokens and log-probs, pages of 16 (cache_length 20: two pages a slot)."""
+    out = {}
+    for impl in ("ragged", "pallas_gpu"):
+        ro = dataclasses.replace(rc.rollout(), page_size=16, paged_attention=impl)
+        engine = Engine(rc.config("dense").model, ro, rc.meshes()[1][0],
+                        sampling_params=rc.SAMPLING["sampled"])
+        sl = DecodeSlice(0, engine)
+        sl.load_version(0, rc.params("dense", 0))
+        out[impl] = _run(sl, _requests(rc.PROMPTS[:2], group_size=2))
+    assert out["ragged"].keys() == out["pallas_gpu"].keys()
+    for rid, t in out["ragged"].items():
+        assert out["pallas_gpu"][rid].response_tokens == t.response_tokens, rid
+        np.testing.assert_allclose(out["pallas_gpu"][rid].behaviour_logprobs,
+                                   t.behaviour_logprobs, atol=1e-5)
+
+
+def test_the_gpu_kernel_refuses_pages_it_cannot_tile():
+    c = rc.config("dense")
+    ok = dataclasses.replace(c, rollout=dataclasses.replace(
+        c.rollout, kv_cache="paged", paged_attention="pallas_gpu", page_size=16))
+    assert ok.rollout.paged_attention == "pallas_gpu"
+    with pytest.raises(config_lib.ConfigError, match="rollout.page_size"):
+        dataclasses.replace(ok, rollout=dataclasses.replace(ok.rollout, page_size=12))
+    with pytest.raises(config_lib.ConfigError, match="rollout.page_size.*under 16"):
+        dataclasses.replace(ok, rollout=dataclasses.replace(ok.rollout, page_size=4))
+    with pytest.raises(config_lib.ConfigError, match="model.head_dim"):
+        dataclasses.replace(ok, model=dataclasses.replace(ok.model, head_dim=8))
 
 
 # ------------------------------------------------------------------ slices
