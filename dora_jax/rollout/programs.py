@@ -174,7 +174,8 @@ class Programs:
         N = keys_N2.shape[0]
         step_N = jnp.full(N, num_generated, jnp.int32)
         logits_NV = jnp.broadcast_to(logits_1V, (N, logits_1V.shape[-1]))
-        token_N, logprob_N = sampling.sample(logits_NV, sampling.step_keys(keys_N2, step_N),
+        token_N, logprob_N = sampling.sample(logits_NV,
+                                             sampling.step_uniforms(keys_N2, step_N),
                                              self.sampling_params)
         finished_N = self.finished(token_N, step_N, limit)
         prefix = Prefix(kv, token_N, true_length, num_generated + 1, keys_N2, ~finished_N,
@@ -244,7 +245,7 @@ class Programs:
                 state.cache, view, self.rollout_cfg.paged_attention,
                 return_routing=self.routing is not None)
         tokens_S, logprobs_S = sampling.sample(
-            logits_SV, sampling.step_keys(state.keys, state.steps), self.sampling_params)
+            logits_SV, sampling.step_uniforms(state.keys, state.steps), self.sampling_params)
         active_S = state.active if view is None else state.active & view.owned
         finished_S = active_S & self.finished(tokens_S, state.steps, state.limits)
         inc_S = active_S.astype(jnp.int32)

@@ -330,8 +330,10 @@ def test_a_group_is_prefilled_once_and_samples_as_if_alone(monkeypatch, kv_cache
     jitted = sl.engine._jit
     monkeypatch.setattr(sl.engine, "_jit", jitted._replace(
         **{name: counting(calls, name, getattr(jitted, name)) for name in calls}))
+    # Seeds whose samples end at different lengths (4, 11, 12, 12, ...): slots free
+    # one at a time while the group is still held (checked below).
     group = [Request(group_id=5, prompt_id="p", sample_index=k, prompt_tokens=rc.PROMPTS[2],
-                     seed=200 + k, version=0) for k in range(samples)]
+                     seed=300 + k, version=0) for k in range(samples)]
     for r in group[:rc.SLOTS]:
         sl.submit(r)
     together = {t.request_id: t for t in sl.step()}
@@ -344,6 +346,7 @@ def test_a_group_is_prefilled_once_and_samples_as_if_alone(monkeypatch, kv_cache
     assert (sl.stats.prefills, sl.stats.prefills_shared) == (1, samples - 1)
     assert (sl.stats.prefill_tokens, sl.stats.reprefill_tokens) == (len(rc.PROMPTS[2]), 0)
     assert len({tuple(t.response_tokens) for t in together.values()}) > 1  # distinct samples
+    assert len({len(together[r.request_id].response_tokens) for r in group[:rc.SLOTS]}) > 1
     monkeypatch.undo()
     for r in group:
         alone = rc.make_slice(1, "dense", "sampled", 1, kv_cache=kv_cache)
