@@ -83,6 +83,7 @@ _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 _PARITY = 0x1BD11BDA
 
 
+@jax.jit  # traced once per shape, not again in every program that samples
 def threefry2x32(k0: jax.Array, k1: jax.Array, x0: jax.Array, x1: jax.Array
                  ) -> tuple[jax.Array, jax.Array]:
     """The Threefry-2x32-20 block of counters (x0, x1) under key (k0, k1), uint32
