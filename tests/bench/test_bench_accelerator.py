@@ -100,6 +100,19 @@ def _configs_from_flags(args: list, names: dict) -> dict:
     return {name: hf_checks.validated(values[name].value) for name in names}
 
 
+def test_on_a_gpu_the_engine_part_times_the_pallas_paged_kernel_beside_ragged(tmp_path):
+    size = accelerator.SIZES["device"]
+    gpu = accelerator.part_command("engine", size, str(tmp_path), "gpu")
+    assert "--paged_attention=pallas_gpu" in gpu
+    for platform in ("tpu", "cpu"):
+        assert not any(a.startswith("--paged_attention") for a in
+                       accelerator.part_command("engine", size, str(tmp_path), platform))
+    # The device shape's pages tile for the kernel (validated as the run would be).
+    engine = _configs_from_flags(size.engine + ["--config.rollout.paged_attention=pallas_gpu"],
+                                 {"config": "configs/tiny.py"})["config"]
+    assert engine.rollout.paged_attention == "pallas_gpu"
+
+
 def test_the_device_form_flags_build_valid_configs_of_the_stated_size():
     from dora_jax.bench import model_shape
     from dora_jax.model import transformer
