@@ -7,8 +7,6 @@ train step with `num_minibatches = M` advances it by M.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import optax
@@ -54,12 +52,14 @@ def guarded_update(tx: optax.GradientTransformation, grads: nnx.State, opt_state
     (here never), and it wraps the optimizer state in its own, which would make the
     train state of existing checkpoints no longer restore.
     """
-    updates, new_opt_state = tx.update(grads, opt_state, params)
+    def apply(params: nnx.State, opt_state: optax.OptState) -> tuple[nnx.State, optax.OptState]:
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
 
-    def keep(new: Any, old: Any) -> Any:
-        return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-
-    return keep(optax.apply_updates(params, updates), params), keep(new_opt_state, opt_state)
+    # A branch, not a select of new and old: with the state donated, each branch
+    # writes it in place, where a select keeps the old state alive beside the new
+    # and XLA copies params and moments every step to make room.
+    return jax.lax.cond(finite, apply, lambda p, s: (p, s), params, opt_state)
 
 
 def _decay_mask(params: nnx.State) -> nnx.State:
