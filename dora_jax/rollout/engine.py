@@ -22,7 +22,7 @@ gives every slot cache_length positions; "paged" keeps a host-side pool of pages
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import jax
@@ -387,15 +387,11 @@ class Engine:
         weights = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in params.leaves)
         kv = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
                  for x in jax.tree.leaves(state.cache))
-        def counted(count: Callable[[str], int]) -> int | None:
-            try:
-                return count(hlo)
-            except hlo_cost.UnboundedLoop:  # e.g. a Pallas kernel run in its interpreter
-                return None
-        return dict(bytes_accessed=counted(hlo_cost.count_bytes),
+        counted, kernels = hlo_cost.bounded_counts(hlo)
+        return dict(bytes_accessed=counted,
                     xla_bytes_accessed=float(cost["bytes accessed"]), flops=float(cost["flops"]),
                     weight_bytes=weights, kv_bytes=kv, ideal_bytes=weights + kv,
-                    kernels=counted(hlo_cost.count_kernels),
+                    kernels=kernels,
                     temp_bytes=compiled.memory_analysis().temp_size_in_bytes)
 
     # ----------------------------------------------------------- extensions

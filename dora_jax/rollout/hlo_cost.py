@@ -99,6 +99,15 @@ def count_bytes(hlo_text: str) -> int:
     return _walk(hlo_text, lambda instruction, program: program.bytes_of(instruction))
 
 
+def bounded_counts(hlo_text: str) -> tuple[int, int] | tuple[None, None]:
+    """(count_bytes, count_kernels), or (None, None) for a program with a loop of
+    unknown trip count (a Pallas kernel run in its interpreter)."""
+    try:
+        return count_bytes(hlo_text), count_kernels(hlo_text)
+    except UnboundedLoop:
+        return None, None
+
+
 class _Program:
     """A module's instructions by computation, and their result types by name."""
 

@@ -121,6 +121,9 @@ def test_a_loop_of_unknown_length_and_a_branch():
     unbounded = MODULE.replace(TRIP, "")
     with pytest.raises(hlo_cost.UnboundedLoop, match="main: a while loop"):
         hlo_cost.count_kernels(unbounded)
+    assert hlo_cost.bounded_counts(unbounded) == (None, None)
+    assert hlo_cost.bounded_counts(MODULE) == (hlo_cost.count_bytes(MODULE),
+                                               hlo_cost.count_kernels(MODULE))
     # A conditional launches itself and its largest branch: the body (2) over the
     # condition (1).
     branched = MODULE.replace(
