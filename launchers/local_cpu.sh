@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs dora_jax on this machine's CPU with eight fake devices (the tiny configs' mesh).
+# Runs dora_jax on this machine's CPU with eight fake devices (enough for every CPU config).
 #   launchers/local_cpu.sh configs/tiny.py /tmp/dora_tiny [--config.coordinator.mode=sync ...]
 set -euo pipefail
 config="${1:-configs/tiny.py}"

@@ -58,7 +58,7 @@ def leaves(tree):
 
 
 def countdown_config(load_config, **rollout):
-    c = load_config("configs/tiny.py", validate=False)
+    c = load_config("configs/tiny.py:spread", validate=False)
     c.model.num_layers = 1
     c.rollout.update(dict(slots_per_slice=4, max_prefill_length=8, max_decode_len=16,
                           prefill_buckets=(8,)), **rollout)

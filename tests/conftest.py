@@ -66,7 +66,7 @@ else:  # as a run's own processes do (compile_times.use_persistent_cache)
     compile_times.share_entries_across_devices()
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-TINY = {"dense": "configs/tiny.py", "moe": "configs/moe.py:tiny"}
+TINY = {"dense": "configs/tiny.py:spread", "moe": "configs/moe.py:tiny"}
 
 # Every program JAX keeps loaded holds a few memory maps of its machine code. A worker
 # that runs hundreds of tests keeps thousands of programs in JAX's caches, and at the
@@ -173,7 +173,7 @@ def load_repo_config(spec: str, *, validate: bool = True, num_devices: int | Non
 
 @pytest.fixture(scope="session")
 def load_config():
-    """The config loader: `load_config("configs/tiny.py", model__num_layers=1)`."""
+    """The config loader: `load_config("configs/tiny.py:spread", model__num_layers=1)`."""
     return load_repo_config
 
 
@@ -190,7 +190,7 @@ def small_config(load_config):
     `validate=False` gives the ConfigDict; `colocated=True` spreads the trainer and
     the slices over the same 8 devices (config.model.colocate)."""
     def make(mode: str, *, rollout=None, validate=True, colocated=False, **coordinator):
-        c = load_config("configs/tiny.py", validate=False)
+        c = load_config("configs/tiny.py:spread", validate=False)
         if colocated:
             c.mesh.update(config_lib.colocate(c.mesh.to_dict()))
         c.model.num_layers = 1

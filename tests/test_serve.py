@@ -43,7 +43,7 @@ def test_the_longest_prompt_rises_to_one_of_jetstream_s_buckets(load_config):
     r = serve.serving_rollout(cfg, slots=4, max_tokens=8)
     assert r.max_prefill_length == 64 and r.slots_per_slice == 4
     assert {48, 64} <= set(r.prefill_buckets)
-    tiny = load_config("configs/tiny.py")
+    tiny = load_config("configs/tiny.py:spread")
     assert serve.serving_rollout(tiny, slots=8, max_tokens=8).max_prefill_length == 16
 
 

@@ -9,9 +9,10 @@ policy (2 layers, d_model 64), 16 samples a step (4 groups of 4) of at most 16 t
 32 samples a step (8 groups of 4) of at most 128 tokens. Prompts are the task's 6
 tokens, prefilled in one bucket of 8, so that KV caches and train rows (8 + the
 response limit) are as long as a peer's that bounds prompts at 6 tokens. No periodic
-saves, no evaluation. `--layout=spread`: configs/tiny.py's mesh on 8 devices (faked on
-a CPU); `pair`: the trainer on one device, and on another one decode slice with a slot
-for each sample of a step.
+saves, no evaluation. `--layout=tiny`: configs/tiny.py's mesh (the trainer on one
+device, two decode slices of 8 slots); `spread`: configs/tiny.py:spread's on 8 devices
+(faked on a CPU); `pair`: the trainer on one device, and on another one decode slice
+with a slot for each sample of a step.
 `--nostop`: no stop token, every response runs to the limit, so that the lengths
 match a peer's run held the same way.
 
@@ -47,24 +48,26 @@ WORKLOADS = {
                     mlp_hidden=768, unroll_forward=True), 8, 4, 128),
 }
 
-# Where the work runs: configs/tiny.py's mesh (the trainer on data=2 x fsdp=2, four
-# decode slices of 8 slots), or one device for the trainer and one for a slice with a
+# Where the work runs: configs/tiny.py's mesh (the trainer on one device, two decode
+# slices of 8 slots), tiny.py:spread's (the trainer on data=2 x fsdp=2, four decode
+# slices of 8 slots), or one device for the trainer and one for a slice with a
 # slot per sample of a step (a peer that runs on one device is matched by it on a host
 # whose devices are faked on its cores). One slice holds one version at a time, so
 # slots beyond a step's samples would decode empty rows.
-LAYOUTS = ("spread", "pair")
+LAYOUTS = ("tiny", "spread", "pair")
 PROMPT_BUCKET = 8  # the residue task's prompts: BOS, a cue and 4 symbols
 
 
-def workload_config(name: str, mode: str, steps: int, layout: str = "spread",
+def workload_config(name: str, mode: str, steps: int, layout: str = "tiny",
                     stop: bool = True):
-    """configs/tiny.py set to the named workload and layout, in `mode`, without
-    periodic saves; `stop=False`: no stop token, every response runs to the limit."""
+    """configs/tiny.py (`spread`: tiny.py:spread) set to the named workload and layout,
+    in `mode`, without periodic saves; `stop=False`: no stop token, every response
+    runs to the limit."""
     from dora_jax import config as config_lib
     from dora_jax.bench import runs
 
     model, groups, group_size, max_len = WORKLOADS[name]
-    c = config_lib.load(str(CONFIGS / "tiny.py"))
+    c = config_lib.load(str(CONFIGS / "tiny.py") + (":spread" if layout == "spread" else ""))
     c.model.update(model)
     c.rollout.update(dict(max_prefill_length=PROMPT_BUCKET, prefill_buckets=(PROMPT_BUCKET,),
                           max_decode_len=max_len))
@@ -151,7 +154,7 @@ if __name__ == "__main__":
     # Flags here: tests import this module beside other benchmarks that define
     # flags of the same names.
     _WORKLOAD = flags.DEFINE_enum("workload", "tiny", list(WORKLOADS), "the named workload")
-    _LAYOUT = flags.DEFINE_enum("layout", "spread", list(LAYOUTS), "where the work runs")
+    _LAYOUT = flags.DEFINE_enum("layout", "tiny", list(LAYOUTS), "where the work runs")
     _MODES = flags.DEFINE_list("modes", ["dora"], "modes to run (sync, one_step_off, dora...)")
     _STEPS = flags.DEFINE_integer("steps", 60, "train steps per round")
     _WARMUP = flags.DEFINE_integer("warmup", 10, "steps before the steady state")

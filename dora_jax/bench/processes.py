@@ -53,7 +53,7 @@ def _config(shape: str, lora: bool):
     from dora_jax import config as config_lib
     from dora_jax.model import hf_checks
 
-    c = config_lib.load("tiny")
+    c = config_lib.load("tiny:spread")  # the trainer on 4 devices, sharded
     if shape == "larger":
         c.model.update(LARGER)
     if lora:

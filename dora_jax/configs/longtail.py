@@ -13,7 +13,7 @@ lengths are long-tailed from RL step 0.
 
 Model: configs/tiny.py's (2 layers, d_model 64, 4 query / 2 KV heads of dim 16, SwiGLU
 192) with a 260-token vocabulary for the numbers: 131,968 parameters. Mesh as
-configs/tiny.py (8 fake CPU devices). Workload: groups of 4, 4 groups per step, up to
+configs/tiny.py:spread (8 fake CPU devices). Workload: groups of 4, 4 groups per step, up to
 16 groups in flight (dora, partial_rollout), max_staleness 2, 100 steps; RL learning
 rate 3e-3 (from a 20-step SFT, sync raises the reward from about 0.66 to 0.76 in 150
 steps, mean of 3 seeds over the first and last 15). Measured here: SFT 300 steps, loss
@@ -53,7 +53,7 @@ LORA_LEARNING_RATE = 1e-2
 def get_config(arg=None):
     if arg not in VARIANTS:
         raise ValueError(f"configs/longtail.py: unknown variant {arg!r}; known: {VARIANTS}")
-    c = config_lib.load(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny.py"))
+    c = config_lib.load(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny.py:spread"))
     c.model.vocab_size = 260
     c.rollout.update(dict(max_prefill_length=8, max_decode_len=256, prefill_buckets=(8,)))
     # Packed rows as long as the batch's bucket, up to 4 x 264 tokens per micro-batch

@@ -39,8 +39,8 @@ naming config.data.path). Export the trained policy with `python -m dora_jax.exp
 
 `--config=configs/moe.py:tiny`: the same architecture family at CPU size — 2 layers,
 d_model 64, 4 query / 2 KV heads of dim 16, 8 experts top-2 of hidden 32, one shared
-expert, vocab 128: 152,960 parameters. Mesh and workload as configs/tiny.py (the
-residue task) but with expert=2 on the trainer (8 fake CPU devices).
+expert, vocab 128: 152,960 parameters. Mesh and workload as configs/tiny.py:spread
+(the residue task) but with expert=2 on the trainer (8 fake CPU devices).
 
 `:lora` and `:tiny_lora`: the same with LoRA (model/lora.py) on attention q/k/v/o,
 rank 32 (alpha 64; tiny: rank 4) over the frozen base, learning rate 10x the full
@@ -73,8 +73,9 @@ def get_config(arg=None):
         c.trainer.learning_rate *= 10
         return c
     if arg == "tiny":
-        # configs/tiny.py (model, mesh, rollout, workload) with every MLP made MoE.
-        c = config_lib.load(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny.py"))
+        # configs/tiny.py:spread (model, mesh, rollout, workload) with every MLP made MoE.
+        here = os.path.dirname(os.path.abspath(__file__))
+        c = config_lib.load(os.path.join(here, "tiny.py:spread"))
         c.model.moe.update(dict(num_experts=8, top_k=2, expert_hidden=32,
                                 num_shared_experts=1, shared_expert_hidden=32,
                                 aux_loss_coef=1e-3, z_loss_coef=1e-4))

@@ -53,7 +53,7 @@ Variants (each warm-started as above, with its own --config):
 
 Tokenizer and model as configs/quickstart.py (the 512-token BPE of
 dora_jax/assets/tokenizer; a Qwen3-family policy of 459,520 parameters); mesh as
-configs/tiny.py (8 fake CPU devices: trainer data=2 x fsdp=2, 4 decode slices of 8
+configs/tiny.py:spread (8 fake CPU devices: trainer data=2 x fsdp=2, 4 decode slices of 8
 slots); groups of 8, 8 groups per step, 16 admitted ahead, max_staleness 2.
 """
 

@@ -23,7 +23,7 @@ summary): greedy pass@1 0.375 before RL, 0.58 and 0.64 after 150 steps in two ru
 the commands above; pass@4 of 4 samples 0.72 -> 0.83 and 0.84. Each run about 2 minutes
 on this 2-core CPU with compilation, an evaluation 1-4 s on slice 0 (the runs differ
 only in the threads' timing: which groups reach which version).
-Mesh as configs/tiny.py (8 fake CPU devices): trainer data=2 x fsdp=2, 4 decode
+Mesh as configs/tiny.py:spread (8 fake CPU devices): trainer data=2 x fsdp=2, 4 decode
 slices of 8 slots; groups of 8, 8 groups per step, 16 admitted ahead, max_staleness 2,
 150 steps.
 

@@ -24,7 +24,7 @@ chip each, 64 slots per slice, bf16 compute, paged KV cache. Workload: groups of
 Qwen3-family model (2 layers, d_model 64, 4 query / 2 KV heads of dim 16, SwiGLU 192,
 tied embeddings: 131,456 parameters) with the small tokenizer of dora_jax/assets and
 the synthetic GSM8K-format problems shipped there (dora_jax/data/word_problems.py);
-8 fake CPU devices as configs/tiny.py, 20 steps. A random model scores about 0: the
+8 fake CPU devices as configs/tiny.py:spread, 20 steps. A random model scores about 0: the
 run checks the plumbing (prompts, verifier, ledger), not learning.
 """
 

@@ -65,7 +65,7 @@ def test_curves_entry_point(tmp_path):
 
     from conftest import REPO
 
-    cmd = [sys.executable, "-m", "dora_jax.bench.modes", "--config=configs/tiny.py",
+    cmd = [sys.executable, "-m", "dora_jax.bench.modes", "--config=configs/tiny.py:spread",
            f"--workdir={tmp_path}", "--curves", "--curve_modes=dora_k1", "--curve_seeds=1",
            "--curve_steps=3", "--curve_sft_steps=0", "--config.model.num_layers=1"]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -81,7 +81,7 @@ def test_measured_runs_save_no_periodic_checkpoints(load_config):
     asynchronous modes: measured runs leave it out (and leave the base config alone)."""
     from dora_jax.bench.runs import run_config
 
-    base = load_config("configs/tiny.py", validate=False)
+    base = load_config("configs/tiny.py:spread", validate=False)
     c = run_config(base, "dora_k1", steps=7)
     assert (c.coordinator.mode, c.coordinator.max_staleness, c.coordinator.num_steps,
             c.coordinator.checkpoint_every) == ("dora", 1, 7, 0)
@@ -221,6 +221,6 @@ def test_trainer_bench_compares_routing_replay_with_recompute():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "routing 4 bytes per token (2 layers x 2 ids)" in out.stdout
     assert float(re.search(r"replay/recompute step time: ([\d.]+)", out.stdout)[1]) > 0
-    dense = subprocess.run(cmd[:3] + ["--config=configs/tiny.py", "--moe_routing"], cwd=REPO,
+    dense = subprocess.run(cmd[:3] + ["--config=configs/tiny.py:spread", "--moe_routing"], cwd=REPO,
                            capture_output=True, text=True, timeout=600)
     assert dense.returncode != 0 and "--moe_routing needs an MoE config" in dense.stderr

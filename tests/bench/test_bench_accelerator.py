@@ -109,7 +109,7 @@ def test_on_a_gpu_the_engine_part_times_the_pallas_paged_kernel_beside_ragged(tm
                        accelerator.part_command("engine", size, str(tmp_path), platform))
     # The device shape's pages tile for the kernel (validated as the run would be).
     engine = _configs_from_flags(size.engine + ["--config.rollout.paged_attention=pallas_gpu"],
-                                 {"config": "configs/tiny.py"})["config"]
+                                 {"config": "configs/tiny.py:spread"})["config"]
     assert engine.rollout.paged_attention == "pallas_gpu"
 
 
@@ -118,9 +118,9 @@ def test_the_device_form_flags_build_valid_configs_of_the_stated_size():
     from dora_jax.model import transformer
 
     device = accelerator.SIZES["device"]
-    engine = _configs_from_flags(device.engine, {"config": "configs/tiny.py",
+    engine = _configs_from_flags(device.engine, {"config": "configs/tiny.py:spread",
                                                  "moe_config": "configs/moe.py:tiny"})
-    trainer = _configs_from_flags(device.trainer, {"config": "configs/tiny.py"})["config"]
+    trainer = _configs_from_flags(device.trainer, {"config": "configs/tiny.py:spread"})["config"]
     sizes = {name: model_shape(cfg.model, transformer.abstract_params(cfg.model)[1])
              for name, cfg in dict(engine, trainer=trainer).items()}
     assert 0.8e9 < sizes["config"]["params"] < 1.0e9

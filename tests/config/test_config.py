@@ -44,6 +44,8 @@ def test_every_config_declares_variants_and_a_cpu_variant(load_config):
     # The flagship has a CPU-sized variant that fits 8 fake devices.
     load_config("configs/moe.py:tiny", num_devices=8)
     load_config("configs/tiny.py", num_devices=8)
+    load_config("configs/tiny.py", num_devices=3)
+    load_config(_spread, num_devices=8)
 
 
 def _docstring_count(path, marker):
@@ -74,6 +76,7 @@ def test_tiny_param_counts_match_docstrings(spec, index, load_config):
 
 
 _tiny, _moe_tiny = "configs/tiny.py", "configs/moe.py:tiny"
+_spread = "configs/tiny.py:spread"  # the trainer on data=2 x fsdp=2, 4 slices
 _multiturn_tiny = "configs/multiturn.py:tiny"
 
 
@@ -150,7 +153,7 @@ def test_invalid_value_names_field(base, field, value, named, load_config):
 
 
 def test_mesh_larger_than_devices(load_config):
-    c = load_config(_tiny, validate=False)
+    c = load_config(_spread, validate=False)
     c.mesh.num_slices = 5  # 4 trainer + 5 slices = 9 > 8
     with pytest.raises(config_lib.ConfigError, match=r"config\.mesh: .*9.*only 8 devices"):
         hf_checks.validated(c, num_devices=8)
@@ -270,7 +273,7 @@ def test_colocate_spreads_trainer_and_slices_over_the_same_devices(load_config):
     """colocate() of a disaggregated layout: the same 8 devices, the trainer's data
     axis grown to span them all, slices of the same shape covering them too; sync
     runs on it, the modes that overlap rollout and training refuse it."""
-    c = load_config("configs/tiny.py", validate=False)
+    c = load_config(_spread, validate=False)
     c.coordinator.mode = "sync"
     c.mesh.update(config_lib.colocate(c.mesh.to_dict()))
     cfg = hf_checks.validated(c, num_devices=8)
@@ -296,7 +299,7 @@ def test_colocated_sync_is_no_longer_a_mode(load_config):
     (dict(colocated=True, num_slices=3), r"mesh\.num_slices: colocated: 3 slices x 1 devices"),
 ])
 def test_colocated_layout_errors_name_the_field(change, named, load_config):
-    c = load_config("configs/tiny.py", validate=False)
+    c = load_config(_spread, validate=False)
     c.coordinator.mode = "sync"
     c.mesh.update(change)
     with pytest.raises(config_lib.ConfigError, match=named):
@@ -305,7 +308,7 @@ def test_colocated_layout_errors_name_the_field(change, named, load_config):
 
 
 def test_batch_must_divide_over_the_trainer_batch_shards(load_config):
-    c = load_config("configs/tiny.py", validate=False)
+    c = load_config(_spread, validate=False)
     c.coordinator.train_batch_size = 3  # 12 samples over data 2 x fsdp 2 = 4: fine
     hf_checks.validated(c)
     c.coordinator.group_size = 3  # 9 samples: not

@@ -79,10 +79,10 @@ def test_long_prompts_are_an_error_or_skipped_with_a_filter_line(tmp_path, load_
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt_id": "short", "tokens": [2, 5, 6]}\n'
                     '{"prompt_id": "long", "tokens": ' + str([5] * 20) + '}\n')
-    strict = load_config("configs/tiny.py", data__source="jsonl", data__path=str(path))
+    strict = load_config("configs/tiny.py:spread", data__source="jsonl", data__path=str(path))
     with pytest.raises(prompts.DataError, match=r"1 prompt\(s\) longer .* \['long'\]"):
         sources.prompt_records(strict)
-    lenient = load_config("configs/tiny.py", data__source="jsonl", data__path=str(path),
+    lenient = load_config("configs/tiny.py:spread", data__source="jsonl", data__path=str(path),
                           data__skip_long_prompts=True)
     records, skipped = sources.prompt_records(lenient)
     assert [r["prompt_id"] for r in records] == ["short"]

@@ -251,7 +251,7 @@ def test_bad_config_json_through_the_config_is_one_config_error(tmp_path):
 
     d = _config_dir(tmp_path, num_attention_heads=0)
     with pytest.raises(config_lib.ConfigError) as e:
-        load_repo_config("configs/tiny.py", model__checkpoint=str(d))
+        load_repo_config("configs/tiny.py:spread", model__checkpoint=str(d))
     one_line(e.value, "model.checkpoint", str(d / "config.json"), "num_attention_heads 0")
 
 

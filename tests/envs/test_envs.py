@@ -135,6 +135,6 @@ def test_env_configs_fail_before_compute_naming_the_field():
     with pytest.raises(ConfigError, match="data.env"):
         load_repo_config("configs/multiturn.py", num_devices=8, data__env="")
     with pytest.raises(ConfigError, match="data.env"):
-        load_repo_config("configs/tiny.py", num_devices=8, data__env="guess")
+        load_repo_config("configs/tiny.py:spread", num_devices=8, data__env="guess")
     with pytest.raises(ConfigError, match="eval.every"):
         load_repo_config("configs/multiturn.py", num_devices=8, eval__every=5)

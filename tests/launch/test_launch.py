@@ -175,9 +175,9 @@ def test_parse_command_applies_the_overrides():
 
 
 def test_job_spec_refuses_a_bad_name_bucket_or_workdir():
-    cfg = load_repo_config("configs/tiny.py")
+    cfg = load_repo_config("configs/tiny.py:spread")
     kw = dict(image="i", bucket="b-1", workdir="/gcs/b-1/w", name="dora-tiny")
-    jobset.job_spec("configs/tiny.py", [], cfg, "v5e-8", **kw)
+    jobset.job_spec("configs/tiny.py:spread", [], cfg, "v5e-8", **kw)
     for bad, match in ((dict(name="Dora_Tiny"), "DNS label"),
                        (dict(gcs_scratch="/tmp"), "gs://"),
                        (dict(bucket="B"), "bucket name"),
@@ -185,11 +185,11 @@ def test_job_spec_refuses_a_bad_name_bucket_or_workdir():
                        (dict(workdir="/tmp/w"), "not under the bucket's mount"),
                        (dict(queue="a queue"), "label value")):
         with pytest.raises(ValueError, match=match):
-            jobset.job_spec("configs/tiny.py", [], cfg, "v5e-8", **dict(kw, **bad))
+            jobset.job_spec("configs/tiny.py:spread", [], cfg, "v5e-8", **dict(kw, **bad))
     with pytest.raises(ValueError, match="needs 8 devices.*v5e-16 has 16 chips"):
-        jobset.job_spec("configs/tiny.py", [], cfg, "v5e-16", **kw)
+        jobset.job_spec("configs/tiny.py:spread", [], cfg, "v5e-16", **kw)
     # A checkpoint directory the user names is kept.
-    job = jobset.job_spec("configs/tiny.py", ["--config.coordinator.checkpoint_dir=gs://x/c"],
+    job = jobset.job_spec("configs/tiny.py:spread", ["--config.coordinator.checkpoint_dir=gs://x/c"],
                           cfg, "v5e-8", **kw)
     assert [a for a in job["command"] if "checkpoint_dir" in a] == [
         "--config.coordinator.checkpoint_dir=gs://x/c"]
@@ -306,7 +306,7 @@ def test_gke_errors_are_one_line(args):
 
 
 def test_image_is_required_and_the_dockerfile_pins_versions():
-    r = _run("-m", "dora_jax.launch.gke", "--config=configs/tiny.py", "--tpu=v5e-8",
+    r = _run("-m", "dora_jax.launch.gke", "--config=configs/tiny.py:spread", "--tpu=v5e-8",
              "--bucket=b-1")
     assert r.returncode != 0 and "--image" in r.stderr
     text = (REPO / "Dockerfile").read_text()
@@ -342,7 +342,7 @@ def test_xm_submits_what_it_dry_runs_single_controller():
     assert out == yaml.safe_load(yaml.safe_dump(xm_launch.dry_run_spec(same), sort_keys=False))
     assert "XLA_FLAGS" not in out["jobs"]["main"]["env"]
     if importlib.util.find_spec("xmanager") is None:
-        r = _run(*XM, "--config=configs/tiny.py", "--tpu=v5e-8")
+        r = _run(*XM, "--config=configs/tiny.py:spread", "--tpu=v5e-8")
         assert r.returncode == 1 and r.stderr.startswith("error: xmanager is not installed")
         assert r.stderr.count("\n") == 1
 
@@ -366,7 +366,7 @@ INJECTION = ("/x\n---\napiVersion: v1\nkind: Pod\nmetadata: {name: evil}\nspec: 
                                    "# not a comment"])
 def test_override_values_cannot_inject_yaml(value):
     override = f"--config.data.path={value}"
-    r = _run(*GKE, "--config=configs/tiny.py", "--tpu=v5e-8", override)
+    r = _run(*GKE, "--config=configs/tiny.py:spread", "--tpu=v5e-8", override)
     assert r.returncode == 0, r.stderr
     [js] = list(yaml.safe_load_all(r.stdout))  # exactly one document: the JobSet
     assert js["kind"] == "JobSet" and js["apiVersion"].startswith("jobset.x-k8s.io/")
@@ -375,7 +375,7 @@ def test_override_values_cannot_inject_yaml(value):
     made = js["metadata"]["annotations"]["dora-jax/command"]
     assert shlex.split(made)[-1] == override
     assert "8 chips" in js["metadata"]["annotations"]["dora-jax/devices"]
-    r = _run(*XM, "--config=configs/tiny.py", "--tpu=v5e-8", "--dry_run", override)
+    r = _run(*XM, "--config=configs/tiny.py:spread", "--tpu=v5e-8", "--dry_run", override)
     assert r.returncode == 0, r.stderr
     [out] = list(yaml.safe_load_all(r.stdout))
     assert out["jobs"]["main"]["command"][-2] == override
@@ -425,7 +425,8 @@ def test_gke_renders_a_run_of_several_processes_one_pod_each():
     are processes 1 and 2 of three, all pointed at the lead's stable name."""
     from dora_jax.runtime import roles
 
-    r = _run(*GKE, "--config=configs/tiny.py", "--tpu=v5e-8", "--processes=3", "--name=dora-3p")
+    r = _run(*GKE, "--config=configs/tiny.py:spread", "--tpu=v5e-8", "--processes=3",
+             "--name=dora-3p")
     assert r.returncode == 0, r.stderr
     js = yaml.safe_load(r.stdout)
     jobs = {j["name"]: j for j in js["spec"]["replicatedJobs"]}
@@ -473,7 +474,7 @@ def test_gke_renders_a_trainer_over_several_pods(accelerator):
     """--processes=4 --trainer_processes=2: the lead and one more trainer pod (half the
     trainer's chips each, the workdir mounted: they read its checkpoints), then two
     slice pods; each pod's role, read as main reads it, is its own."""
-    r = _run(*GKE, "--config=configs/tiny.py", *accelerator, "--processes=4",
+    r = _run(*GKE, "--config=configs/tiny.py:spread", *accelerator, "--processes=4",
              "--trainer_processes=2", "--name=dora-4p")
     assert r.returncode == 0, r.stderr
     js = yaml.safe_load(r.stdout)
@@ -507,12 +508,12 @@ def test_gke_renders_a_trainer_over_several_pods(accelerator):
       "--config.coordinator.mode=sync"], "mesh.colocated: a run of several processes"),
 ])
 def test_gke_several_processes_that_do_not_fit_are_one_line(args, says):
-    r = _run(*GKE, "--config=configs/tiny.py", *args)
+    r = _run(*GKE, "--config=configs/tiny.py:spread", *args)
     assert r.returncode == 1 and r.stdout == "" and says in r.stderr, r.stderr
 
 
 def test_gke_renders_several_processes_on_gpu_nodes():
-    r = _run(*GKE, "--config=configs/tiny.py", "--gpu=nvidia-h100-80gb", "--gpus_per_host=4",
+    r = _run(*GKE, "--config=configs/tiny.py:spread", "--gpu=nvidia-h100-80gb", "--gpus_per_host=4",
              "--processes=3")
     assert r.returncode == 0, r.stderr
     js = yaml.safe_load(r.stdout)
@@ -524,7 +525,7 @@ def test_gke_renders_several_processes_on_gpu_nodes():
         assert pods[name]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": gpus}
     assert "as 3 processes" in js["metadata"]["annotations"]["dora-jax/devices"]
     # Pathways runs on TPU only: GPUs need --processes.
-    r = _run(*GKE, "--config=configs/tiny.py", "--gpu=nvidia-h100-80gb")
+    r = _run(*GKE, "--config=configs/tiny.py:spread", "--gpu=nvidia-h100-80gb")
     assert r.returncode == 1 and "give --processes=N too" in r.stderr
 
 
@@ -549,7 +550,7 @@ def test_the_slurm_script_gives_each_task_its_role(tmp_path):
         (bin_dir / name).chmod(0o755)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "node-[a-b]",
            "SLURM_NTASKS": "4", "DORA_TRAINER_PROCESSES": "2", "DORA_AUTHKEY": "k3y"}
-    r = subprocess.run(["bash", str(REPO / "launchers/slurm.sh"), "--config=configs/tiny.py",
+    r = subprocess.run(["bash", str(REPO / "launchers/slurm.sh"), "--config=configs/tiny.py:spread",
                         "--workdir=/shared/run"], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     got = []
@@ -561,4 +562,4 @@ def test_the_slurm_script_gives_each_task_its_role(tmp_path):
     assert got == [roles.Role(p, 4, ("node-a", 8476), 2) for p in range(4)]
     assert [r.trains for r in got] == [True, True, False, False]
     assert (tmp_path / "argv").read_text().splitlines() == [
-        "-m dora_jax.main --config=configs/tiny.py --workdir=/shared/run"] * 4
+        "-m dora_jax.main --config=configs/tiny.py:spread --workdir=/shared/run"] * 4

@@ -200,7 +200,7 @@ def test_adapters_shard_like_their_weights_and_sharded_equals_unsharded(load_con
 
 @pytest.fixture(scope="module")
 def lora_trainer(load_config):
-    cfg = load_config("configs/tiny.py", num_devices=len(jax.devices()), model__num_layers=1,
+    cfg = load_config("configs/tiny.py:spread", num_devices=len(jax.devices()), model__num_layers=1,
                       model__lora__rank=4, trainer__kl_coef=0.1)
     return Trainer(cfg, trainer_mesh())
 
@@ -283,7 +283,7 @@ def test_lora_sharded_step_matches_unsharded(load_config):
 
 def test_lora_packed_unscanned_remat_step(load_config):
     """Packed micro-batches by tokens, layers unrolled and rematerialised."""
-    cfg = load_config("configs/tiny.py", num_devices=len(jax.devices()), model__num_layers=1,
+    cfg = load_config("configs/tiny.py:spread", num_devices=len(jax.devices()), model__num_layers=1,
                       model__scan_layers=False, model__remat="full", model__lora__rank=2,
                       model__lora__targets=("v", "down"), trainer__tokens_per_microbatch=128)
     tr = Trainer(cfg, trainer_mesh(data=2, fsdp=2))
@@ -318,7 +318,7 @@ def test_config_errors_name_the_field(change, named, load_config):
 
 
 def test_expert_adapters_need_an_moe_model(load_config):
-    c = load_config("configs/tiny.py", validate=False)
+    c = load_config("configs/tiny.py:spread", validate=False)
     c.model.lora.update(dict(rank=4, experts=True))
     with pytest.raises(config_lib.ConfigError, match=r"config\.model\.lora\.experts: .*dense"):
         config_lib.validate(c)

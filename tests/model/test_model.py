@@ -12,7 +12,7 @@ from dora_jax.model import transformer as tf
 
 @pytest.fixture(scope="module")
 def dense(load_config):
-    return load_config("configs/tiny.py").model
+    return load_config("configs/tiny.py:spread").model
 
 
 def _decode_against_full(cfg, prompt_lens, total_len, cache_len=24):

@@ -38,7 +38,7 @@ def test_checkpoint_sets_the_architecture(load_config):
 
 
 def test_a_field_set_against_the_checkpoint_is_named(load_config):
-    c = load_config("configs/tiny.py", validate=False)
+    c = load_config("configs/tiny.py:spread", validate=False)
     c.model.checkpoint = QWEN3_FIXTURE  # configs/tiny.py sets vocab 128, d_model 64 ...
     with pytest.raises(config_lib.ConfigError,
                        match=r"config.model.vocab_size: 128, but checkpoint .* has 61"):

@@ -91,7 +91,7 @@ def test_decode_rules_on_two_device_slice(tiny_cfg):
 
 
 def test_make_meshes_disjoint_devices(load_config):
-    cfg = load_config("configs/tiny.py", num_devices=8)
+    cfg = load_config("configs/tiny.py:spread", num_devices=8)
     trainer, slices = devices.make_meshes(cfg.mesh)
     ids = [set(d.id for d in m.devices.flat) for m in [trainer, *slices]]
     assert sum(len(s) for s in ids) == len(set().union(*ids)) == 8
@@ -99,7 +99,7 @@ def test_make_meshes_disjoint_devices(load_config):
 
 
 def test_make_meshes_colocated_slices_cover_the_trainer_devices(load_config):
-    c = load_config("configs/tiny.py", validate=False)
+    c = load_config("configs/tiny.py:spread", validate=False)
     c.coordinator.mode = "sync"
     c.mesh.update(config_lib.colocate(c.mesh.to_dict()))
     cfg = config_lib.validate(c, num_devices=8)
@@ -164,7 +164,7 @@ def test_trainer_gradients_compile_without_full_rematerialization(load_config, c
     """The trainer's forward and backward on its FSDP mesh compile with no sharding
     XLA can only reach by replicating a tensor (its "Involuntary full
     rematerialization" warning, on stderr): the embedding lookup's gradient once was."""
-    cfg = load_config("configs/tiny.py", num_devices=8, model__num_layers=1)
+    cfg = load_config("configs/tiny.py:spread", num_devices=8, model__num_layers=1)
     mesh, _ = devices.make_meshes(cfg.mesh)
     rules = cfg.mesh.trainer_rules
     graphdef, params = tf.create(cfg.model, seed=0)

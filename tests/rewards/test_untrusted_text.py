@@ -131,7 +131,7 @@ def test_refused_tasks_never_see_the_text(task, tmp_path):
                                          ("simple_integration", "parse_expr"),
                                          ("a_task_from_a_later_release", "not one vetted")])
 def test_config_refuses_unsafe_tasks_by_name(task, named, load_config):
-    c = load_config("configs/tiny.py", validate=False)
+    c = load_config("configs/tiny.py:spread", validate=False)
     c.data.source, c.data.task = "reasoning_gym", task
     with pytest.raises(config_lib.ConfigError, match=re.escape("config.data.task")) as e:
         hf_checks.validated(c)

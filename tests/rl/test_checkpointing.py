@@ -23,7 +23,8 @@ def trainer_mesh(data, fsdp, tensor):
 
 @pytest.fixture(scope="module")
 def cfg(load_config):
-    return load_config("configs/tiny.py", num_devices=len(jax.devices()), model__num_layers=1)
+    return load_config("configs/tiny.py:spread", num_devices=len(jax.devices()),
+                       model__num_layers=1)
 
 
 @pytest.fixture(scope="module")

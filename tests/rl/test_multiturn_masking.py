@@ -62,7 +62,7 @@ def hand_masked(batch: TrainBatch, hand) -> TrainBatch:
 def cfg_of(load_config):
     def make(**trainer):
         trainer.setdefault("length_buckets", (32, ROW))
-        return load_config("configs/tiny.py", num_devices=len(jax.devices()),
+        return load_config("configs/tiny.py:spread", num_devices=len(jax.devices()),
                            model__num_layers=1, rollout__max_decode_len=ROW - 16,
                            **{f"trainer__{k}": v for k, v in trainer.items()})
     return make

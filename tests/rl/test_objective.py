@@ -26,7 +26,7 @@ CAP = 1.3
 @pytest.fixture(scope="module")
 def one_layer(load_config):
     def make(**trainer):
-        return load_config("configs/tiny.py", num_devices=len(jax.devices()),
+        return load_config("configs/tiny.py:spread", num_devices=len(jax.devices()),
                            model__num_layers=1, **{f"trainer__{k}": v for k, v in trainer.items()})
     return make
 

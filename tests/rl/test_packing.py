@@ -46,7 +46,7 @@ def batch_of(trajs, group_size):
 
 @pytest.fixture(scope="module")
 def cfg_of(load_config):
-    def make(spec="configs/tiny.py", model=None, mesh=None, **trainer):
+    def make(spec="configs/tiny.py:spread", model=None, mesh=None, **trainer):
         trainer.setdefault("length_buckets", (32, ROW))
         return load_config(spec, num_devices=len(jax.devices()), model__num_layers=1,
                            rollout__max_decode_len=ROW - 16,
@@ -144,7 +144,7 @@ def test_packed_objective_equals_padded_in_every_aggregation_mode(mode, cfg_of):
     _assert_close(loss, grads, *_padded_reference(tr, cfg, batch, 4))
 
 
-@pytest.mark.parametrize("spec", ["configs/tiny.py", "configs/moe.py:tiny"])
+@pytest.mark.parametrize("spec", ["configs/tiny.py:spread", "configs/moe.py:tiny"])
 def test_packed_objective_with_kl_equals_padded_dense_and_moe(spec, cfg_of):
     """KL to a reference, MoE aux losses (dropless: routing per token, counted over
     real tokens only), seq-mean aggregation."""

@@ -100,7 +100,7 @@ def test_random_records_mostly_disagree_and_replay_is_refused_for_dense(load_con
     assert 0.0 <= m["routing_agreement"] < 0.5
     from dora_jax.config import ConfigError
     with pytest.raises(ConfigError, match="trainer.moe_routing: 'replay' .* needs an MoE"):
-        load_config("configs/tiny.py", trainer__moe_routing="replay")
+        load_config("configs/tiny.py:spread", trainer__moe_routing="replay")
 
 
 def test_in_bfloat16_replay_removes_the_mismatch_routing_flips_cause():

@@ -108,6 +108,6 @@ def test_progress_every_sets_the_lines_and_0_silences_them(tmp_path, load_config
 
 def test_task_without_demonstrations_is_refused(tmp_path, load_config):
 
-    cfg = hf_checks.validated(load_config("configs/tiny.py", validate=False), num_devices=8)
+    cfg = hf_checks.validated(load_config("configs/tiny.py:spread", validate=False), num_devices=8)
     with pytest.raises(ValueError, match="'residue' has no demonstrations"):
         sft.train(cfg, str(tmp_path), steps=1, batch_size=1, learning_rate=1e-3)

@@ -18,7 +18,7 @@ from dora_jax.rl.trainer import Trainer
 
 @pytest.fixture(scope="module")
 def tiny_config(load_config):
-    def make(spec="configs/tiny.py", model=None, **trainer):
+    def make(spec="configs/tiny.py:spread", model=None, **trainer):
         # Compile time dominates on CPU; one layer tests the same code.
         return load_config(spec, num_devices=len(jax.devices()), model__num_layers=1,
                            **{f"model__{k}": v for k, v in (model or {}).items()},

@@ -17,7 +17,7 @@ SMALL = ("--config.mesh.num_slices=2",)
 def test_five_kills_lose_and_duplicate_nothing(tmp_path):
     """Also the entry-point smoke test of `python -m dora_jax.bench.crash`: exit 0 and
     its documented final line (kills, lost, duplicated, steps), here exactly."""
-    cmd = [sys.executable, "-m", "dora_jax.bench.crash", "--config=configs/tiny.py",
+    cmd = [sys.executable, "-m", "dora_jax.bench.crash", "--config=configs/tiny.py:spread",
            "--kills=5", "--max_delay=1", "--startup_kills=0.2", "--seed=1",
            f"--workdir={tmp_path / 'run'}", "--config.model.num_layers=1", *SMALL,
            "--config.coordinator.num_steps=60", "--config.coordinator.checkpoint_every=2"]
@@ -48,7 +48,7 @@ def test_kills_at_chosen_points_resume_whole(tmp_path):
     workdir, steps = tmp_path / "run", 12
     overrides = ["--config.model.num_layers=1", *SMALL, f"--config.coordinator.num_steps={steps}",
                  "--config.coordinator.checkpoint_every=2"]
-    cmd = [sys.executable, "-m", "dora_jax.main", "--config=configs/tiny.py",
+    cmd = [sys.executable, "-m", "dora_jax.main", "--config=configs/tiny.py:spread",
            f"--workdir={workdir}", *overrides]
     for point, after in KILLS:
         killed = subprocess.run(cmd + [f"--config.coordinator.kill_point={point}",
@@ -58,7 +58,7 @@ def test_kills_at_chosen_points_resume_whole(tmp_path):
         assert f"killing the run at {point}" in killed.stderr
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    cfg = load_repo_config("configs/tiny.py", model__num_layers=1, mesh__num_slices=2,
+    cfg = load_repo_config("configs/tiny.py:spread", model__num_layers=1, mesh__num_slices=2,
                            coordinator__num_steps=steps, coordinator__checkpoint_every=2)
     standing = assert_resumed_whole(cfg, workdir, resumes=len(KILLS))
     consumed = [e for e in standing if e["event"] == "consume"]

@@ -73,7 +73,7 @@ def test_pass_at_1_of_a_fake_verifier_by_hand():
 
 
 def test_held_out_split(load_config):
-    c = load_config("configs/tiny.py", validate=False)
+    c = load_config("configs/tiny.py:spread", validate=False)
     c.eval.every, c.eval.num_prompts = 5, 6
     cfg = hf_checks.validated(c, num_devices=8)
     records, _ = sources.prompt_records(cfg)
@@ -97,9 +97,9 @@ def test_eval_fields_are_validated(load_config):
     from dora_jax.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"config.eval.k: must be <= eval.samples \(2\)"):
-        load_config("configs/tiny.py", num_devices=8, eval__samples=2, eval__k=3)
+        load_config("configs/tiny.py:spread", num_devices=8, eval__samples=2, eval__k=3)
     with pytest.raises(ConfigError, match="config.eval.slice: must name a slice"):
-        load_config("configs/tiny.py", num_devices=8, eval__every=1, eval__slice=99)
+        load_config("configs/tiny.py:spread", num_devices=8, eval__every=1, eval__slice=99)
 
 
 def test_a_run_evaluates_every_n_steps_and_never_admits_held_out_prompts(tmp_path,

@@ -18,7 +18,7 @@ from conftest import REPO, audit_workdir, env_without_device_count, load_repo_co
 
 from dora_jax.scheduler import ledger
 
-FLAGS = ["--config=configs/tiny.py", "--config.model.num_layers=1"]
+FLAGS = ["--config=configs/tiny.py:spread", "--config.model.num_layers=1"]
 
 
 def _launch(workdir, *extra, processes=3, trainer_processes=1):
@@ -37,7 +37,7 @@ def _finish(proc, timeout=600):
 
 
 def _audited(workdir, **overrides):
-    cfg = load_repo_config("configs/tiny.py", model__num_layers=1, **overrides)
+    cfg = load_repo_config("configs/tiny.py:spread", model__num_layers=1, **overrides)
     events, report = audit_workdir(cfg, str(workdir))
     assert report.ok, report.summary()
     return cfg, events

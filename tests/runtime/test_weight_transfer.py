@@ -15,7 +15,7 @@ from dora_jax.rollout.placement import ParamPlacement
 from dora_jax.runtime import experiment
 from dora_jax.runtime.weight_transfer import WeightOffers, staging_mesh
 
-SPEC = "configs/tiny.py"
+SPEC = "configs/tiny.py:spread"
 OVERRIDES = dict(mesh__slice__tensor=2, mesh__num_slices=2)
 
 

@@ -113,7 +113,7 @@ def test_roles_come_from_the_launcher_s_variables():
 
 
 def test_each_trainer_process_takes_an_equal_share_of_the_trainer_mesh():
-    mesh = load_repo_config("configs/tiny.py").mesh  # trainer 4 devices, 4 slices of 1
+    mesh = load_repo_config("configs/tiny.py:spread").mesh  # trainer 4 devices, 4 slices of 1
     assert [roles.Role(p, 5, ("h", 1), 2).devices_needed(mesh) for p in range(5)] == [
         2, 2, 1, 2, 1]  # slice processes 2, 3, 4 hold slices [0], [1, 2], [3]
     with pytest.raises(ValueError, match="DORA_TRAINER_PROCESSES=3 does not divide the "

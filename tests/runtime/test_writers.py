@@ -103,7 +103,7 @@ def test_wandb_configured_but_not_installed_names_the_field(tmp_path, monkeypatc
 
 def test_logging_fields_are_validated(load_config):
     with pytest.raises(ConfigError, match="config.logging.wandb_mode: must be one of"):
-        load_config("configs/tiny.py", num_devices=8, logging__wandb_mode="cloud")
+        load_config("configs/tiny.py:spread", num_devices=8, logging__wandb_mode="cloud")
 
 
 def test_a_failing_writer_still_lets_the_others_close(tmp_path):

@@ -126,9 +126,9 @@ def test_versions_per_slice_is_validated_with_its_field_named():
 
 def test_a_run_config_refuses_several_versions_per_slice(load_config):
     with pytest.raises(ConfigError, match="rollout.versions_per_slice.*only in the simulator"):
-        load_config("configs/tiny.py", rollout__versions_per_slice=2,
+        load_config("configs/tiny.py:spread", rollout__versions_per_slice=2,
                     coordinator__max_staleness=2)
-    assert load_config("configs/tiny.py").rollout.versions_per_slice == 1
+    assert load_config("configs/tiny.py:spread").rollout.versions_per_slice == 1
 
 
 @st.composite

@@ -51,7 +51,7 @@ def test_episodes_that_give_up_their_slot_raise_a_slice_s_capacity():
 
 
 def test_the_view_of_a_run_config_is_checked_as_a_config_built_directly(load_config):
-    cfg = load_config("configs/tiny.py")
+    cfg = load_config("configs/tiny.py:spread")
     view = SchedulerConfig.from_config(cfg, max_groups=3)
     assert view == SchedulerConfig(**dataclasses.asdict(view))
     with pytest.raises(ValueError, match="max_groups must be >= 0 or None, got -1"):

@@ -73,7 +73,7 @@ def echo_task():
 
 
 def test_a_registered_task_is_what_the_run_builds(echo_task, load_config):
-    cfg = load_config("configs/tiny.py", data__num_prompts=5, data__source="echo")
+    cfg = load_config("configs/tiny.py:spread", data__num_prompts=5, data__source="echo")
     assert cfg.data.reward_name == "residue"  # the task's declared reward
     records, skipped = sources.prompt_records(cfg)
     assert [r["prompt_id"] for r in records] == [f"echo-{i}" for i in range(5)]
@@ -88,7 +88,7 @@ def test_a_registered_task_is_what_the_run_builds(echo_task, load_config):
 def test_a_task_unregistered_is_no_longer_a_valid_source(echo_task, load_config):
     tasks.unregister("echo")
     with pytest.raises(config.ConfigError, match=r"data\.source: must be one of .*'echo'"):
-        load_config("configs/tiny.py", data__source="echo")
+        load_config("configs/tiny.py:spread", data__source="echo")
 
 
 def test_every_module_of_the_package_registers_its_tasks():
@@ -105,7 +105,7 @@ def test_a_reward_the_pool_cannot_be_handed_fails_before_compute(echo_task, load
                                                                monkeypatch):
     monkeypatch.setattr(echo_task, "reward_fn", lambda self, cfg, tokenizer=None:
                         lambda record, response: 1.0)
-    cfg = load_config("configs/tiny.py", data__num_prompts=5, data__source="echo")
+    cfg = load_config("configs/tiny.py:spread", data__num_prompts=5, data__source="echo")
     with pytest.raises(config.ConfigError, match=r"config\.data\.source: task 'echo': its "
                        r"reward function .* must pickle"):
         sources.reward_for(cfg)
