@@ -53,7 +53,8 @@ LORA_LEARNING_RATE = 1e-2
 def get_config(arg=None):
     if arg not in VARIANTS:
         raise ValueError(f"configs/longtail.py: unknown variant {arg!r}; known: {VARIANTS}")
-    c = config_lib.load(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny.py:spread"))
+    here = os.path.dirname(os.path.abspath(__file__))
+    c = config_lib.load(os.path.join(here, "tiny.py:spread"))
     c.model.vocab_size = 260
     c.rollout.update(dict(max_prefill_length=8, max_decode_len=256, prefill_buckets=(8,)))
     # Packed rows as long as the batch's bucket, up to 4 x 264 tokens per micro-batch

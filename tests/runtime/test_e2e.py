@@ -89,7 +89,7 @@ def test_main_entry_point(tmp_path):
 
 def test_main_rejects_bad_override_before_compute(tmp_path):
     env = dict(os.environ, XLA_FLAGS=SUITE_XLA_FLAGS)
-    cmd = [sys.executable, "-m", "dora_jax.main", "--config=configs/tiny.py:spread",
+    cmd = [sys.executable, "-m", "dora_jax.main", "--config=configs/tiny.py",
            f"--workdir={tmp_path}", "--config.coordinator.rollout_batch_size=2"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode != 0
@@ -193,14 +193,14 @@ def events_ok(workdir, spec="configs/tiny.py:spread") -> bool:
      "error: config.data.path: no such file: /nowhere/prompts.jsonl"),
     (["--config=configs/moe.py", "--config.data.tokenizer=dora_jax/assets/tokenizer"],
      "config.data.source: 'countdown' is a token task"),
-    (["--config=configs/tiny.py:spread", "--config.coordinator.num_steps=abc"], "invalid literal"),
-    (["--config=configs/tiny.py:spread", "--config.coordinator.nope=3"],
+    (["--config=configs/tiny.py", "--config.coordinator.num_steps=abc"], "invalid literal"),
+    (["--config=configs/tiny.py", "--config.coordinator.nope=3"],
      "--config.coordinator.nope: no such config field"),
-    (["--config=configs/tiny.py:spread", "--config.coordinator.max_staleness=-1"],
+    (["--config=configs/tiny.py", "--config.coordinator.max_staleness=-1"],
      "config.coordinator.max_staleness: must be >= 0"),
-    (["--config=configs/tiny.py:spread", "--config.model.checkpoint=/nowhere"],
+    (["--config=configs/tiny.py", "--config.model.checkpoint=/nowhere"],
      "config.model.checkpoint: /nowhere: no such checkpoint directory"),
-    (["--config=configs/tiny.py:spread", "--config.data.source=gsm8k",
+    (["--config=configs/tiny.py", "--config.data.source=gsm8k",
       "--config.data.path=/nowhere.jsonl", "--config.data.tokenizer=/nowhere"],
      "config.data.tokenizer"),
 ])
@@ -216,9 +216,9 @@ def test_bad_input_stops_with_one_line_and_no_traceback(args, says, tmp_path):
     ("dora_jax.sft", []), ("dora_jax.export", ["--out=/tmp/never_written"])])
 @pytest.mark.parametrize("args, says", [
     (["--config=configs/nope.py"], "--config=configs/nope.py: no such file"),
-    (["--config=configs/tiny.py:spread", "--config.coordinator.mode=dorra"],
+    (["--config=configs/tiny.py", "--config.coordinator.mode=dorra"],
      "config.coordinator.mode: must be one of"),
-    (["--config=configs/tiny.py:spread", "--config.coordinator.modee=dora"],
+    (["--config=configs/tiny.py", "--config.coordinator.modee=dora"],
      '--config.coordinator.modee: no such config field (did you mean "mode"?)'),
 ])
 def test_every_entry_point_reports_bad_input_in_one_line(entry, extra, args, says, tmp_path):
