@@ -247,6 +247,15 @@ def test_bench_peer(tmp_path):
     assert float(cpu[-1]) > 0
 
 
+def test_bench_peer_tunix_without_tunix_says_what_to_install():
+    """The peer's side runs where tunix is installed (not in CI): without it, one line
+    naming the package to install, before any compute."""
+    out = run_module("dora_jax.bench.peer_tunix", "--steps=3")
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        "error: tunix: not installed (pip install google-tunix==0.1.7)"), out.stderr
+
+
 # --workdir checked before any compute (cli.workdir_to_write / workdir_to_read).
 WRITERS = [("dora_jax.main", []), ("dora_jax.sft", [])]
 READERS = [("dora_jax.export", ["--out=/tmp/never_written"])]
