@@ -33,7 +33,8 @@ def test_kernel_table_sums_device_kernels_only():
 
 def test_profile_runs_on_cpu(tmp_path):
     cmd = [sys.executable, "-m", "dora_jax.bench.engine", "--profile", "--models=tiny",
-           "--slots=4", "--decode_len=16", "--config.model.num_layers=1"]
+           "--slots=4", "--decode_len=16", "--config.model.num_layers=1",
+           "--config.rollout.kv_cache=paged"]  # the runtime's default, not tiny's
     env = dict(os.environ, JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path))
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
