@@ -28,7 +28,7 @@ import numpy as np
 from absl import app, flags
 
 from dora_jax import config as config_lib
-from dora_jax.bench.peer import WORKLOADS
+from dora_jax.bench.peer import PROMPT_BUCKET, WORKLOADS
 from dora_jax.rewards.tokens import BOS, EOS, PAD, residue_reward
 from dora_jax.tasks.residue import residue_prompts
 
@@ -109,7 +109,7 @@ def main(argv) -> None:
     tokenizer = IdTokenizer(eos)
     rollout_config = base_rollout.RolloutConfig(
         max_tokens_to_generate=max_len, temperature=1.0, top_p=1.0, top_k=None,
-        max_prompt_length=d.prompt_len, kv_cache_size=8 + max_len, eos_tokens=[eos],
+        max_prompt_length=d.prompt_len, kv_cache_size=PROMPT_BUCKET + max_len, eos_tokens=[eos],
         seed=cfg.seed)
     cluster = rl.RLCluster(actor=policy, reference=None, tokenizer=tokenizer,
                            cluster_config=rl.ClusterConfig(

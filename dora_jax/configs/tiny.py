@@ -20,9 +20,8 @@ of compilation, then 2 to 3 s for the 100 steps; the mean reward rises from abou
 
 Spread: the same policy and task on 8 devices, the trainer on data=2 x fsdp=2 and 4
 decode slices (prompts bucketed at 8 and 16, the paged KV cache, a checkpoint every
-5): a sharded trainer
-and more slices to place versions on; the multi-process examples of docs/processes.md
-split it over processes.
+5): a sharded trainer and more slices to place versions on; the multi-process examples
+of docs/processes.md split it over processes.
 Run: python -m dora_jax.main --config=configs/tiny.py:spread --workdir=/tmp/dora_spread
 """
 
