@@ -103,10 +103,13 @@ class SchedulerState:
         """(group, sample index) of the pending samples of `version`, oldest group
         first (a FIFO kept in admission order: no scan of the other samples)."""
         q = self._pending_q.get(version)
-        if not q:
+        if q is None:
             return
         while q and self._stale(q[0]):  # assigned since queued
             q.popleft()
+        if not q:
+            del self._pending_q[version]
+            return
         for i in range(len(q)):  # by index: the caller may assign while iterating
             if i >= len(q):
                 return
@@ -156,7 +159,7 @@ class SchedulerState:
         smp.status, smp.slice_id, smp.num_tokens = FINISHED, None, num_tokens
         g.n_running -= 1
         g.n_finished += 1
-        self._unfinished_v[g.version] -= 1
+        _take(self._unfinished_v, g.version)
         if g.trainable:
             self._trainable.add(group_id)
 
@@ -172,7 +175,7 @@ class SchedulerState:
             self._trainable.add(group_id)
         else:
             del self.groups[group_id]
-            self._unconsumed_v[g.version] -= 1
+            _take(self._unconsumed_v, g.version)
             self.filtered += 1
 
     def kv_reported(self, slice_id: int, free_tokens: int):
@@ -247,7 +250,7 @@ class SchedulerState:
         self._reserve_kv(sl)
         g.n_pending -= 1
         g.n_running += 1
-        self._pending_v[g.version] -= 1
+        _take(self._pending_v, g.version)
         return Assign(group_id, sample, slice_id, v)
 
     def do_migrate(self, group_id: int, sample: int, dst: int) -> Migrate:
@@ -302,7 +305,7 @@ class SchedulerState:
         for gid in group_ids:
             g = self.groups.pop(gid)
             assert g.trainable, "C2: only complete (and scored) groups are trained"
-            self._unconsumed_v[g.version] -= 1
+            _take(self._unconsumed_v, g.version)
             self._trainable.discard(gid)
         step = self.next_step
         self.trainer_step = step
@@ -337,9 +340,19 @@ class SchedulerState:
         for gid in sorted(self.groups):
             g = self.groups[gid]
             self._unconsumed_v[g.version] += 1
-            self._unfinished_v[g.version] += g.n_pending + g.n_running
-            self._pending_v[g.version] += g.n_pending
+            if g.n_pending + g.n_running:
+                self._unfinished_v[g.version] += g.n_pending + g.n_running
+            if g.n_pending:
+                self._pending_v[g.version] += g.n_pending
             if g.trainable:
                 self._trainable.add(gid)
             q = self._pending_q.setdefault(g.version, deque())
             q.extend((gid, k) for k, smp in enumerate(g.samples) if smp.status == PENDING)
+
+
+def _take(per_version: Counter, version: int) -> None:
+    """One fewer of `version`; a version down to none leaves the counter, so that the
+    queries walking it cost the versions in flight, not every version of the run."""
+    per_version[version] -= 1
+    if not per_version[version]:
+        del per_version[version]

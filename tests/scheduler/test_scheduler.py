@@ -352,6 +352,21 @@ def test_a_resumed_scheduler_builds_its_own_state_and_counters():
     assert [a.group_ids for a in acts if isinstance(a, TrainStep)] == [(5, 7)]
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_the_per_version_counts_hold_only_the_versions_in_flight(mode):
+    """A version with nothing left leaves the counts, so that the queries walking them
+    (asked at every decision) cost the few versions in flight, not the run's length."""
+    run = FakeRun(config(mode), long_tail, load_ticks=2, train_ticks=9)
+    run.run(40)
+    sched = run.sched
+    in_flight = {g.version for g in sched.groups.values()}
+    for counts in (sched.unconsumed_by_version(), sched.unfinished_by_version(),
+                   sched.pending_by_version()):
+        assert set(counts) <= in_flight and all(n > 0 for n in counts.values()), counts
+    assert len(in_flight) <= config(mode).max_staleness + 2
+    sched.check_invariants()
+
+
 def test_only_the_core_touches_the_scheduler_s_private_fields():
     """The per-version counters, pending queues and helpers that keep the invariants
     are read and written in the Scheduler's own modules alone: scheduler/state.py
