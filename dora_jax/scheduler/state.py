@@ -93,11 +93,11 @@ class SchedulerState:
 
     def has_pending(self) -> bool:
         """True if some sample waits for a slot."""
-        return any(n > 0 for n in self._pending_v.values())
+        return bool(self._pending_v)  # a version leaves it at none pending (`_take`)
 
     def pending_versions(self) -> list:
         """Versions with pending samples, oldest first."""
-        return sorted(v for v, n in self._pending_v.items() if n > 0)
+        return sorted(self._pending_v)
 
     def pending_of_version(self, version: int) -> Iterator[tuple[GroupState, int]]:
         """(group, sample index) of the pending samples of `version`, oldest group
