@@ -211,6 +211,12 @@ class CoordinatorConfig(Section):
     # coordinator between two steps while it starts (tiny CPU config: ~2 s for the
     # first save in a process, ~0.13 s after); benchmarks turn periodic saves off.
     checkpoint_every: int = field(5, min=0)
+    # A periodic save is skipped while fewer than this many seconds have passed since
+    # the last one began (0: never skipped), so that with fast steps the saves' own
+    # cost stays a small share of the run (on a CPU host each costs about 0.1 s of
+    # the run's time: docs/checkpoints.md). A crash then loses at most this long
+    # beyond `checkpoint_every` steps. The save at the end is always taken.
+    checkpoint_min_seconds: float = field(0.0, ge=0)
     # Where checkpoints go ("": <workdir>/checkpoints). A gs:// location lets Orbax
     # write straight to Cloud Storage (under Pathways, from the TPU hosts) while the
     # workdir's other files stay on a mounted bucket (dora_jax.launch.gke sets it).

@@ -14,8 +14,9 @@ a page table per call (on a 2-core host the paged cache runs 6-15% fewer tokens/
 
 Workload: the synthetic residue task (dora_jax/tasks/residue.py; 6-token prompts,
 prefilled in one bucket of 8), groups of 4 samples, 4 groups per step, 8 groups
-admitted ahead, max_staleness 2, 100 steps, a checkpoint every 25. Expect about 11 s
-of compilation, then 2 to 3 s for the 100 steps; the mean reward rises from about
+admitted ahead, max_staleness 2, 100 steps, a checkpoint every 25 steps but at most
+one per 5 s (in 100 steps, the one at the end). Expect about 11 s of compilation,
+then about 2 s for the 100 steps; the mean reward rises from about
 0.25 (chance) towards 0.6-0.8 by the last steps. Try --config.coordinator.mode=sync.
 
 Spread: the same policy and task on 8 devices, the trainer on data=2 x fsdp=2 and 4
@@ -54,9 +55,12 @@ def get_config(arg=None):
         c.rollout.update(dict(max_prefill_length=16, prefill_buckets=(8, 16)))
         c.trainer.length_buckets = (32,)
         return c
-    # A save costs ~60 ms of CPU on a CPU host (Orbax), three steps of this config's
-    # training: every 25 steps a kill redoes at most half a second of work (nothing is
-    # lost either way). The spread layout saves every 5, as the base config does.
-    c.coordinator.checkpoint_every = 25
+    # A save costs Orbax ~50 ms of CPU on a CPU host and the run ~0.1 s, five of this
+    # config's steps (the cores are shared): saves every 25 steps took 13-18% of its
+    # tokens/s (docs/checkpoints.md). At most one per 5 s keeps them near 2%: a
+    # 100-step run saves at its end alone, and a kill redoes at most ~5 s of work
+    # (nothing is lost either way). The spread layout saves every 5, as the base
+    # config does.
+    c.coordinator.update(dict(checkpoint_every=25, checkpoint_min_seconds=5.0))
     c.rollout.kv_cache = "dense"
     return c

@@ -39,7 +39,7 @@ from dora_jax.runtime.events import (
 from dora_jax.runtime.faults import NO_FAULTS, Faults
 from dora_jax.runtime.groups import GroupBook
 from dora_jax.runtime.report import StepReporter, WaitClock, episode_record
-from dora_jax.runtime.saves import BackgroundSaves
+from dora_jax.runtime.saves import BackgroundSaves, SaveCadence
 from dora_jax.runtime.trainer_worker import SentBatch, TrainerWorker
 from dora_jax.runtime.weights import WeightBook
 from dora_jax.runtime.worker import SliceWorker
@@ -70,8 +70,9 @@ class Runtime(Driver):
     """Runs `num_steps` train steps of one mode end to end.
 
     `slices` are `DecodeSlice`s on disjoint sub-meshes holding the trainer's version;
-    `checkpointer` (optional) saves every `coordinator.checkpoint_every` steps, off this
-    thread (saves.py); `resumed` (`recovery.load`) is the run this one continues;
+    `checkpointer` (optional) saves every `coordinator.checkpoint_every` steps, at most
+    once per `coordinator.checkpoint_min_seconds`, off this thread (saves.py);
+    `resumed` (`recovery.load`) is the run this one continues;
     `eval_decoder` evaluates `eval_prompts` every `eval.every` steps (evaluation.py);
     `faults` is where drills fail the run on purpose (faults.py; none by default);
     `make_worker(slice, events, timeline, clock, faults)` runs a slice (a
@@ -111,6 +112,8 @@ class Runtime(Driver):
                         for sl in slices]
         self._saves = None if checkpointer is None else BackgroundSaves(
             checkpointer, after_copy=lambda: faults.run_reached("save"))
+        c = cfg.coordinator
+        self._cadence = SaveCadence(c.checkpoint_every, c.checkpoint_min_seconds, self.clock())
         self.slice_failures: list = []  # (slice id, step) of each failure survived
         self._reported = 0  # of them, in metrics.jsonl so far
         self.trainer_worker = TrainerWorker(trainer, cfg, self._events, timeline, self.clock,
@@ -138,8 +141,8 @@ class Runtime(Driver):
         self.waits.mark(ev.end, self._wait_kind())
         sent = self._inflight_batches.pop(step)
         self.book.consume(sent.group_ids, step, ev.end)
-        pause, every = 0.0, self.cfg.coordinator.checkpoint_every
-        if self._saves is not None and every and (step + 1) % every == 0:
+        pause = 0.0
+        if self._saves is not None and self._cadence.due(step + 1, self.clock()):
             start = self.clock()
             self.save_checkpoint()
             pause = self.clock() - start
@@ -179,6 +182,7 @@ class Runtime(Driver):
         if self._saves is None or self.trainer.version == self._saved_version:
             return
         self._saved_version = self.trainer.version
+        self._cadence.saved(self.clock())
         trainable = [gid for gid in self.book.groups if self.sched.groups[gid].trainable]
         self.ledger.sync()  # the ledger lines this checkpoint relies on reach disk first
         self._saves.submit(self.trainer.version, self.trainer.state, {

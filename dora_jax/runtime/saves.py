@@ -41,6 +41,25 @@ def _copied_to_host(state: Any) -> Any:
     return state
 
 
+class SaveCadence:
+    """When the periodic saves fall: after every `every` steps (0: none), each
+    skipped while fewer than `min_seconds` have passed since the last save began
+    (the run's start counts as one)."""
+
+    def __init__(self, every: int, min_seconds: float, now: float) -> None:
+        self.every, self.min_seconds = every, min_seconds
+        self._last = now
+
+    def due(self, steps_done: int, now: float) -> bool:
+        """Whether a save is due once `steps_done` steps are trained, at time `now`."""
+        return (bool(self.every) and steps_done % self.every == 0
+                and now - self._last >= self.min_seconds)
+
+    def saved(self, now: float) -> None:
+        """A save began at `now`."""
+        self._last = now
+
+
 class BackgroundSaves:
     """Runs `checkpointer.save` calls on a thread of their own.
 

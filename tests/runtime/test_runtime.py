@@ -602,6 +602,19 @@ def test_a_slice_failing_with_a_migration_in_flight(point, tmp_path, small_confi
     assert summary["steps"] == 6 and summary["slice_failures"] == 1
 
 
+def test_a_minimum_interval_leaves_the_save_at_the_end_alone(tmp_path, small_config):
+    """A save every step, but at most one an hour: the steps train without a save
+    and the run's end still saves its last version."""
+    from dora_jax.model.checkpointing import Checkpointer
+
+    cfg = small_config("dora", num_steps=3, checkpoint_every=1, checkpoint_min_seconds=3600)
+    summary, _ = _run(cfg, tmp_path)
+    assert summary["steps"] == 3
+    with Checkpointer(tmp_path / "checkpoints", max_to_keep=None) as ckpt:
+        assert ckpt.all_steps() == [3]
+    assert all(m["checkpoint_pause_s"] == 0 for m in _metrics(tmp_path))
+
+
 def test_checkpoints_are_saved_off_the_coordinator_and_hold_each_versions_params(
         tmp_path, small_config, monkeypatch):
     """A save every step, each on the saver thread (the coordinator only hands it
