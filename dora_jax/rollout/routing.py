@@ -37,21 +37,6 @@ def unrecorded(shape: tuple[int, ...], dtype: IdType) -> np.ndarray:
     return np.full(shape, np.iinfo(dtype).max, dtype)
 
 
-def put(buf: np.ndarray | None, indices: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """`buf` with `rows` [M, layers, k] at response indices `indices` [M] (grown, new
-    entries unrecorded); entries already recorded are kept."""
-    need = int(indices.max()) + 1
-    if buf is None or buf.shape[0] < need:
-        size = max(need, 2 * (0 if buf is None else buf.shape[0]), 16)
-        grown = unrecorded((size, *rows.shape[1:]), rows.dtype)
-        if buf is not None:
-            grown[:buf.shape[0]] = buf
-        buf = grown
-    fresh = buf[indices, 0, 0] == np.iinfo(buf.dtype).max
-    buf[indices[fresh]] = rows[fresh]
-    return buf
-
-
 def cut(buf: np.ndarray | None, length: int) -> np.ndarray | None:
     """The first `length` tokens' records (unrecorded beyond what `buf` holds)."""
     if buf is None:
