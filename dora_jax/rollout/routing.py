@@ -37,6 +37,25 @@ def unrecorded(shape: tuple[int, ...], dtype: IdType) -> np.ndarray:
     return np.full(shape, np.iinfo(dtype).max, dtype)
 
 
+def put(buf: np.ndarray | None, start: int, rows: np.ndarray) -> np.ndarray:
+    """`buf` with `rows` [M, layers, k] at response indices start..start+M-1 (grown,
+    new entries unrecorded); entries already recorded are kept."""
+    end = start + len(rows)
+    if buf is None or buf.shape[0] < end:
+        size = max(end, 2 * (0 if buf is None else buf.shape[0]), 16)
+        grown = unrecorded((size, *rows.shape[1:]), rows.dtype)
+        if buf is not None:
+            grown[:buf.shape[0]] = buf
+        buf = grown
+    span = buf[start:end]
+    fresh = span[:, 0, 0] == np.iinfo(buf.dtype).max
+    if fresh.all():
+        span[...] = rows
+    else:
+        span[fresh] = rows[fresh]
+    return buf
+
+
 def cut(buf: np.ndarray | None, length: int) -> np.ndarray | None:
     """The first `length` tokens' records (unrecorded beyond what `buf` holds)."""
     if buf is None:

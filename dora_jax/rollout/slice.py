@@ -367,10 +367,8 @@ class DecodeSlice:
         self.slots.free(seq.slot)
 
     def _flush(self, seq: InFlight) -> None:
-        """Copies the slot's new tokens (and experts) into the seq, tagged with its
-        version."""
+        """Copies the slot's new tokens into the seq, tagged with its version."""
         assert seq.slot is not None
-        seq.routing = self.slots.routing_of(seq.slot)
         tokens, logprobs = self.slots.new_tokens(seq.slot, len(seq.response_tokens))
         seq.response_tokens.extend(tokens)
         seq.behaviour_logprobs.extend(logprobs)

@@ -1,7 +1,7 @@
 """The host side of a decode slice's S slots: which request holds each slot, and
-the tokens, log-probs and (MoE) experts read back for it, by response index, until
-they are flushed into the request (so a generate call's results are written with one
-vectorised numpy assignment, not per token or per slot)."""
+the tokens and log-probs read back for it, by response index, until they are
+flushed into the request (so a generate call's results are written with one
+vectorised numpy assignment, not per token)."""
 
 from __future__ import annotations
 
@@ -22,10 +22,7 @@ class SlotTable:
     Per slot: `seqs` (the holder, or None; the holder's `.slot` is kept in step),
     `owned`, `tokens_SD` / `logprobs_SD` and `count_S` (response tokens known),
     `placed_S` (positions written when placed), `prompt_len_S`, and `order_S`
-    (when its request started here: the latest is the first preempted); for an MoE
-    policy `routing_SDLk`, the experts of each response token (rollout/routing.py),
-    allocated at the first call that reports them: S x D x MoE layers x k ids, what
-    the holders' own records reach at full length.
+    (when its request started here: the latest is the first preempted).
     """
 
     def __init__(self, num_slots: int, max_decode_len: int) -> None:
@@ -38,7 +35,6 @@ class SlotTable:
         self.placed_S = np.zeros(S, np.int64)
         self.prompt_len_S = np.zeros(S, np.int64)
         self.order_S = np.zeros(S, np.int64)
-        self.routing_SDLk: np.ndarray | None = None
         self._starts = 0
 
     def __len__(self) -> int:
@@ -78,16 +74,6 @@ class SlotTable:
         self._starts += 1
         self.order_S[slot] = self._starts
         self.seqs[slot], self.owned[slot], seq.slot = seq, True, slot
-        if self.routing_SDLk is not None:
-            self._load_routing(slot, seq.routing)
-
-    def _load_routing(self, slot: int, records: np.ndarray | None) -> None:
-        assert self.routing_SDLk is not None
-        row = self.routing_SDLk[slot]
-        row[:] = np.iinfo(row.dtype).max
-        if records is not None:
-            m = min(len(records), len(row))
-            row[:m] = records[:m]
 
     def free(self, slot: int) -> None:
         seq = self.seqs[slot]
@@ -120,33 +106,25 @@ class SlotTable:
         steps = host.steps[n_idx, slots]
         self.record(slots, steps, host.tokens[n_idx, slots], host.logprobs[n_idx, slots])
         if host.routing is not None and len(slots):
-            self._record_routing(host.routing[n_idx, slots], slots, steps - 1)
+            # A row's experts are its input token's: the one before the token it sampled.
+            self._record_routing(host.routing, n_idx, slots, steps - 1)
         return steps_run, len(slots), np.flatnonzero((host.finished & valid_NS).any(axis=0))
 
-    def _record_routing(self, rows: np.ndarray, slots: np.ndarray, indices: np.ndarray) -> None:
-        """rows[i]: the experts of response token indices[i] of slots[i] (a row's
-        experts are its input token's: the one before the token it sampled); a token
-        recorded before keeps its record."""
-        if self.routing_SDLk is None:
-            self.routing_SDLk = np.empty((len(self), self.tokens_SD.shape[1], *rows.shape[1:]),
-                                         rows.dtype)
-            for slot in range(len(self)):
-                seq = self.seqs[slot]
-                self._load_routing(slot, None if seq is None else seq.routing)
-        table = self.routing_SDLk
-        fresh = table[slots, indices, 0, 0] == np.iinfo(table.dtype).max
-        table[slots[fresh], indices[fresh]] = rows[fresh]
-
-    def routing_of(self, slot: int) -> np.ndarray | None:
-        """The experts recorded for the holder of `slot` ([response tokens known,
-        layers, k]), its own and those read here; None if there are none."""
-        seq = self.seqs[slot]
-        if self.routing_SDLk is None:
-            return seq.routing
-        records = self.routing_SDLk[slot, :int(self.count_S[slot])]
-        if seq.routing is None and not routing.recorded(records).any():
-            return None
-        return records.copy()
+    def _record_routing(self, routing_NS: np.ndarray, n_idx: np.ndarray, slots: np.ndarray,
+                        indices: np.ndarray) -> None:
+        """Into each holder's record: the experts of step n_idx[i] of slots[i], response
+        token indices[i]. A slot's steps in a call are consecutive tokens: one put of
+        the run per slot."""
+        order = np.argsort(slots, kind="stable")  # slot by slot, steps in order
+        slots, indices = slots[order], indices[order]
+        rows = routing_NS[n_idx[order], slots]
+        new_slot = np.diff(slots, prepend=-1) != 0
+        assert (new_slot[1:] | (np.diff(indices) == 1)).all(), "a slot's steps skip a token"
+        starts = np.flatnonzero(new_slot)
+        for a, b, slot, start in zip(starts.tolist(), [*starts[1:].tolist(), len(slots)],
+                                     slots[starts].tolist(), indices[starts].tolist()):
+            seq = self.seqs[slot]
+            seq.routing = routing.put(seq.routing, start, rows[a:b])
 
     def new_tokens(self, slot: int, known: int) -> tuple:
         """(tokens, log-probs) of `slot` from response index `known` on."""

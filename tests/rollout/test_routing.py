@@ -126,37 +126,48 @@ def test_a_dense_model_records_nothing():
     assert t.routing is None and t.to_dict()["routing"] is None
 
 
-def test_the_slot_table_keeps_the_first_record_and_what_a_holder_brought():
-    """Worked by hand: slot 1's holder arrives with tokens 0-1 recorded (migrated),
-    before any call reports experts; two calls record tokens 1-3 of slot 1 and 0 of
-    slot 0. Token 1 keeps the record it came with; a slot with none reads None."""
+def test_a_call_adds_each_slots_run_to_its_holders_record():
+    """Worked by hand: slot 1's holder arrives with tokens 0-1 recorded (migrated);
+    two calls of two steps report tokens 1-3 of slot 1 and token 0 of slot 0 (which
+    finished after one step). Token 1 keeps the record it came with; slot 2, empty,
+    gets nothing."""
     from dora_jax.rollout.slots import SlotTable
     from dora_jax.rollout.state import ResultTokens
 
     class Seq:
         slot, response_tokens, behaviour_logprobs = None, [9, 9], [0.0, 0.0]
-        routing = np.array([[[1, 1]], [[2, 2]], [[255, 255]]], np.uint8)
+        routing = np.array([[[1, 1]], [[2, 2]]], np.uint8)
 
     table, migrated, fresh = SlotTable(3, 8), Seq(), Seq()
     fresh.routing, fresh.response_tokens, fresh.behaviour_logprobs = None, [9], [0.0]
     table.place(migrated, 1, prompt_len=4, written=6)
     table.place(fresh, 0, prompt_len=4, written=5)
 
-    def call(slot_steps: dict, experts: int) -> None:  # one step: {slot: its step}
-        data = np.zeros((1, 3, 6), np.int32)
-        routing = np.full((1, 3, 1, 2), experts, np.uint8)
-        for slot, step in slot_steps.items():
-            data[0, slot, 3], data[0, slot, 4] = step + 1, 1  # length, valid
+    def call(steps_by_slot: dict, experts: list) -> None:  # {slot: [its steps]}
+        data = np.zeros((2, 3, 6), np.int32)
+        routing = np.zeros((2, 3, 1, 2), np.uint8)
+        for slot, steps in steps_by_slot.items():
+            for n, step in enumerate(steps):
+                data[n, slot, 3], data[n, slot, 4] = step + 1, 1  # length, valid
+                routing[n, slot] = experts[n]
         table.record_call(ResultTokens(data, routing=routing))
 
-    call({1: 2, 0: 1}, experts=7)   # slot 1 token 1 (kept: 2), slot 0 token 0
-    call({1: 3}, experts=8)         # slot 1 token 2
-    call({1: 4}, experts=6)         # slot 1 token 3
-    assert table.routing_of(1)[:, 0, 0].tolist() == [1, 2, 8, 6, 255]
-    assert table.routing_of(0)[:, 0, 0].tolist() == [7, 255]
-    table.free(0)
-    table.place(fresh, 0, prompt_len=4, written=5)
-    assert table.routing_of(0) is None  # its record was not flushed into it
+    call({1: [2, 3], 0: [1]}, experts=[7, 8])  # slot 1 tokens 1 (kept: 2) and 2; slot 0: 0
+    call({1: [4]}, experts=[6])                # slot 1 token 3
+    assert routing_lib.cut(migrated.routing, 5)[:, 0, 0].tolist() == [1, 2, 8, 6, 255]
+    assert routing_lib.cut(fresh.routing, 2)[:, 0, 0].tolist() == [7, 255]
+
+
+def test_put_keeps_the_first_record_and_grows_unrecorded():
+    rows = np.array([[[1, 2]], [[3, 4]]], np.uint8)
+    buf = routing_lib.put(None, 2, rows)
+    assert buf.shape[0] >= 4 and routing_lib.recorded(buf)[:4].tolist() == [
+        False, False, True, True]
+    buf = routing_lib.put(buf, 3, np.array([[[7, 7]], [[5, 6]]], np.uint8))
+    assert buf[2].tolist() == [[1, 2]] and buf[3].tolist() == [[3, 4]]
+    assert buf[4].tolist() == [[5, 6]]
+    buf = routing_lib.put(buf, 19, rows)
+    assert buf.shape[0] >= 21 and buf[20].tolist() == [[3, 4]]
 
 
 def test_a_record_is_cut_to_its_response_and_refuses_a_malformed_form():
