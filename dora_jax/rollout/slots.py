@@ -102,7 +102,7 @@ class SlotTable:
         # Rows of slots that finished earlier (or were never filled) are not valid; a
         # slot refilled since the call was dispatched was inactive in it.
         valid_NS = host.valid & self.owned
-        n_idx, slots = np.nonzero(valid_NS)
+        slots, n_idx = np.nonzero(valid_NS.T)  # slot by slot, each slot's steps in order
         steps = host.steps[n_idx, slots]
         self.record(slots, steps, host.tokens[n_idx, slots], host.logprobs[n_idx, slots])
         if host.routing is not None and len(slots):
@@ -113,11 +113,9 @@ class SlotTable:
     def _record_routing(self, routing_NS: np.ndarray, n_idx: np.ndarray, slots: np.ndarray,
                         indices: np.ndarray) -> None:
         """Into each holder's record: the experts of step n_idx[i] of slots[i], response
-        token indices[i]. A slot's steps in a call are consecutive tokens: one put of
-        the run per slot."""
-        order = np.argsort(slots, kind="stable")  # slot by slot, steps in order
-        slots, indices = slots[order], indices[order]
-        rows = routing_NS[n_idx[order], slots]
+        token indices[i] (slot by slot, steps in order). A slot's steps in a call are
+        consecutive tokens: one put of the run per slot."""
+        rows = routing_NS[n_idx, slots]
         new_slot = np.diff(slots, prepend=-1) != 0
         assert (new_slot[1:] | (np.diff(indices) == 1)).all(), "a slot's steps skip a token"
         starts = np.flatnonzero(new_slot)

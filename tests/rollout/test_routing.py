@@ -129,8 +129,7 @@ def test_a_dense_model_records_nothing():
 def test_a_call_adds_each_slots_run_to_its_holders_record():
     """Worked by hand: slot 1's holder arrives with tokens 0-1 recorded (migrated);
     two calls of two steps report tokens 1-3 of slot 1 and token 0 of slot 0 (which
-    finished after one step). Token 1 keeps the record it came with; slot 2, empty,
-    gets nothing."""
+    finished after one step). Token 1 keeps the record it came with."""
     from dora_jax.rollout.slots import SlotTable
     from dora_jax.rollout.state import ResultTokens
 
