@@ -120,16 +120,20 @@ def draw(ax, spans: list[Span], title: str = "") -> None:
     cmap = plt.get_cmap("tab10")
     colour = {v: cmap(v % 10) for v in versions}
     few = len(versions) <= 10
+    # One collection per row, stripe, colour and kind: a bar per span took ~4 ms each.
+    bars: dict[tuple, list[tuple[float, float]]] = {}
     for s in spans:
         y = rows.index(s.row)
         for v, bottom, height in _stripes(s):
-            ax.barh(y - 0.4 + bottom, s.end - s.start, left=s.start, height=height,
-                    align="edge", color=colour[v],
-                    edgecolor="black" if s.kind != "decode" else "none", linewidth=0.4,
-                    hatch=_HATCH.get(s.kind))
+            key = (y - 0.4 + bottom, height, colour[v], s.kind)
+            bars.setdefault(key, []).append((s.start, s.end - s.start))
         if s.kind == "train" and few:
             ax.text((s.start + s.end) / 2, y, f"step {s.version}", ha="center",
                     va="center", fontsize=7)
+    for (bottom, height, face, kind), xranges in bars.items():
+        ax.broken_barh(xranges, (bottom, height), facecolors=face, linewidth=0.4,
+                       edgecolor="black" if kind != "decode" else "none",
+                       hatch=_HATCH.get(kind))
     ax.set_yticks(range(len(rows)), rows)
     ax.invert_yaxis()
     ax.set_xlabel("seconds")

@@ -4,6 +4,11 @@ another checkout (an older commit's worktree), measured side by side.
     git worktree add /tmp/base <commit>
     python -m dora_jax.bench.host --baseline=/tmp/base --reps=3 [--profile]
 
+Each run is a first run (a new workdir); it prints its steady tokens/s, its wall time
+from the command to its exit and its compile time (compile_seconds.json). With
+--resume_steps=N each is then resumed for N steps more (the same command, a larger
+num_steps), and that run's wall and compile time printed too.
+
 Each repetition runs both trees once, alternating which goes first (this machine is
 noisy; interleaving shares the noise), as separate processes:
 `python -m dora_jax.main --config=configs/tiny.py` with `--config.coordinator.num_steps`
@@ -27,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 from absl import app, flags
 
@@ -35,9 +41,13 @@ from dora_jax.scheduler.ledger import audit, read
 _WAITS = ("Condition.wait", "Queue.get (queue.py)")
 
 
-def run_tree(tree: str, workdir: str, steps: int, profile: str | None = None) -> dict:
-    """Runs the tiny default from checkout `tree`; returns its summary and audit."""
-    shutil.rmtree(workdir, ignore_errors=True)
+def run_tree(tree: str, workdir: str, steps: int, profile: str | None = None,
+             resume: bool = False) -> dict:
+    """Runs the tiny default from checkout `tree` in a new workdir (or, with `resume`,
+    on in the one a run before left); returns its summary, audit, the seconds from
+    the command to its exit and those its programs took to compile."""
+    if not resume:
+        shutil.rmtree(workdir, ignore_errors=True)
     cmd = [sys.executable, "-m", "dora_jax.main", "--config=configs/tiny.py",
            f"--workdir={workdir}", f"--config.coordinator.num_steps={steps}",
            "--config.coordinator.checkpoint_every=0"]
@@ -45,18 +55,23 @@ def run_tree(tree: str, workdir: str, steps: int, profile: str | None = None) ->
         cmd = ["py-spy", "record", "-r", "100", "-f", "raw", "--threads", "-o", profile,
                "--", *cmd]
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+    start = time.perf_counter()
     out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
     if out.returncode:
         raise RuntimeError(f"{tree}: exit {out.returncode}\n{out.stderr[-3000:]}")
     with open(os.path.join(workdir, "summary.json")) as f:
         summary = json.load(f)
+    with open(os.path.join(workdir, "compile_seconds.json")) as f:
+        compile_seconds = sum(json.load(f).values())
     with open(os.path.join(workdir, "config.json")) as f:
         c = json.load(f)["coordinator"]
     report = audit(read(os.path.join(workdir, "ledger.jsonl")),
                    train_batch_size=c["train_batch_size"], group_size=c["group_size"],
                    max_staleness=c["max_staleness"])
     return {"tokens_per_second": summary["tokens_per_second"], "steps": summary["steps"],
-            "audit_ok": report.ok, "audit": report.summary()}
+            "audit_ok": report.ok, "audit": report.summary(), "wall_seconds": wall,
+            "compile_seconds": compile_seconds}
 
 
 def coordinator_profile(path: str, steps: int, top: int = 8) -> dict:
@@ -95,7 +110,14 @@ def main(argv):
                 r["profile"] = coordinator_profile(prof, f.steps)
             results[name].append(r)
             print(f"rep {rep} {name:8s} tokens/s {r['tokens_per_second']:8.1f}  "
+                  f"wall {r['wall_seconds']:5.1f} s (compile {r['compile_seconds']:4.1f})  "
                   f"audit {'ok' if r['audit_ok'] else 'FAILED: ' + r['audit']}", flush=True)
+            if f.resume_steps:
+                r = run_tree(trees[name], os.path.join(scratch, name), f.steps + f.resume_steps,
+                             resume=True)
+                print(f"      {name:8s} resumed: wall {r['wall_seconds']:5.1f} s "
+                      f"(compile {r['compile_seconds']:4.1f})  "
+                      f"audit {'ok' if r['audit_ok'] else 'FAILED: ' + r['audit']}", flush=True)
     ratios = [t["tokens_per_second"] / b["tokens_per_second"]
               for t, b in zip(results["this"], results["baseline"])
               if t["audit_ok"] and b["audit_ok"]]
@@ -118,4 +140,6 @@ if __name__ == "__main__":
     flags.DEFINE_integer("reps", 3, "repetitions (each runs both trees)")
     flags.DEFINE_integer("steps", 30, "train steps per run")
     flags.DEFINE_bool("profile", False, "sample every run with py-spy (on PATH)")
+    flags.DEFINE_integer("resume_steps", 0, "if > 0, each run is then resumed for this "
+                         "many steps more (the same command, a larger num_steps)")
     app.run(main)

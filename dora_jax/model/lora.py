@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dora_jax.model import threefry
+
 if TYPE_CHECKING:
     from dora_jax.config import LoRAConfig, ModelConfig
 
@@ -75,7 +77,7 @@ class LoRA(nnx.Module):
                  lead_axes: tuple[str | None, ...] = ()) -> None:
         dt, r = jnp.dtype(lora_cfg.dtype), lora_cfg.rank
         bound = math.prod(in_shape) ** -0.5
-        a = jax.random.uniform(rngs.params(), (*lead, *in_shape, r), jnp.float32, -bound, bound)
+        a = threefry.uniform(rngs.params(), (*lead, *in_shape, r), -bound, bound)
         self.lora_a = nnx.Param(a.astype(dt),
                                 logical_axes=(*lead_axes, *in_axes, "lora_rank"))
         self.lora_b = nnx.Param(jnp.zeros((*lead, r, *out_shape), dt),

@@ -145,13 +145,23 @@ def stack_layers(blocks: Sequence[Block]) -> Block:
     """One Block whose every param gains a leading "layers" axis: `blocks` stacked."""
     graphdef = nnx.graphdef(blocks[0])
     states = [nnx.split(b)[1] for b in blocks]
+    firsts, treedef = jax.tree.flatten(states[0], is_leaf=is_variable)
+    per_block = [[v[...] for v in jax.tree.leaves(s, is_leaf=is_variable)] for s in states]
+    stacked = _stack_columns([list(column) for column in zip(*per_block)])
 
-    def stack(*variables: nnx.Variable) -> nnx.Variable:
-        meta = dict(variables[0].get_metadata())
+    def with_layers(first: nnx.Variable, value: jax.Array) -> nnx.Variable:
+        meta = dict(first.get_metadata())
         meta["logical_axes"] = ("layers",) + tuple(meta.get("logical_axes") or ())
-        return type(variables[0])(jnp.stack([v[...] for v in variables]), **meta)
+        return type(first)(value, **meta)
 
-    return nnx.merge(graphdef, jax.tree.map(stack, *states, is_leaf=is_variable))
+    return nnx.merge(graphdef, jax.tree.unflatten(
+        treedef, [with_layers(f, x) for f, x in zip(firsts, stacked)]))
+
+
+@jax.jit
+def _stack_columns(columns: list[list[jax.Array]]) -> list[jax.Array]:
+    # One program for every param (stacked op by op, each shape compiled its own).
+    return [jnp.stack(column) for column in columns]
 
 
 class Transformer(nnx.Module):

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dora_jax.config import RolloutConfig
+from dora_jax.model.threefry import threefry2x32, unit_floats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,32 +77,6 @@ def request_seed(run_seed: int, group_id: int, sample: int) -> np.ndarray:
     return np.random.SeedSequence([run_seed, group_id, sample]).generate_state(2)
 
 
-# Threefry-2x32 with 20 rounds (Salmon et al., "Parallel random numbers: as easy as
-# 1, 2, 3", SC 2011), the generator of JAX's threefry keys: a request's key data are
-# threefry key data whatever JAX's default PRNG. Its rotations and key parity:
-_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
-_PARITY = 0x1BD11BDA
-
-
-@jax.jit  # traced once per shape, not again in every program that samples
-def threefry2x32(k0: jax.Array, k1: jax.Array, x0: jax.Array, x1: jax.Array
-                 ) -> tuple[jax.Array, jax.Array]:
-    """The Threefry-2x32-20 block of counters (x0, x1) under key (k0, k1), uint32
-    arrays of one shape, written out round by round so that XLA fuses it into one
-    elementwise kernel (JAX's own CPU lowering loops over its rounds: several
-    kernels each)."""
-    ks = (k0, k1, k0 ^ k1 ^ jnp.uint32(_PARITY))
-    x0, x1 = x0 + ks[0], x1 + ks[1]
-    for i in range(5):
-        for r in _ROTATIONS[i % 2]:
-            x0 = x0 + x1
-            x1 = (x1 << jnp.uint32(r)) | (x1 >> jnp.uint32(32 - r))
-            x1 = x0 ^ x1
-        x0 = x0 + ks[(i + 1) % 3]
-        x1 = x1 + ks[(i + 2) % 3] + jnp.uint32(i + 1)
-    return x0, x1
-
-
 def step_uniforms(key_data_B2: jax.Array, steps_B: jax.Array) -> jax.Array:
     """A uniform f32 in [0, 1) for each row's response index n: the one draw of
     `jax.random.uniform(jax.random.fold_in(request_key, n))` (threefry keys,
@@ -109,10 +84,8 @@ def step_uniforms(key_data_B2: jax.Array, steps_B: jax.Array) -> jax.Array:
     zero_B = jnp.zeros_like(steps_B, jnp.uint32)
     k0_B, k1_B = threefry2x32(key_data_B2[:, 0], key_data_B2[:, 1], zero_B,
                               steps_B.astype(jnp.uint32))  # fold_in(key, n)
-    bits_B = functools.reduce(jnp.bitwise_xor, threefry2x32(k0_B, k1_B, zero_B, zero_B))
-    # 23 random mantissa bits under exponent 0: a float in [1, 2), less 1.
-    one_bits = jnp.uint32(np.float32(1.0).view(np.uint32))
-    return jax.lax.bitcast_convert_type((bits_B >> 9) | one_bits, jnp.float32) - 1.0
+    return unit_floats(functools.reduce(jnp.bitwise_xor,
+                                        threefry2x32(k0_B, k1_B, zero_B, zero_B)))
 
 
 def kept_logits(logits_BV: jax.Array, sp: SamplingParams) -> jax.Array:
