@@ -15,7 +15,7 @@ a page table per call (on a 2-core host the paged cache runs 6-15% fewer tokens/
 Workload: the synthetic residue task (dora_jax/tasks/residue.py; 6-token prompts,
 prefilled in one bucket of 8), groups of 4 samples, 4 groups per step, 8 groups
 admitted ahead, max_staleness 2, 100 steps, a checkpoint every 25 steps but at most
-one per 5 s (in 100 steps, the one at the end). Expect 9 to 13 s of compilation,
+one per 5 s (in 100 steps, the one at the end). Expect 7 to 12 s of compilation,
 then 2 to 4 s for the 100 steps; the mean reward rises from about
 0.25 (chance) towards 0.6-0.8 by the last steps. Try --config.coordinator.mode=sync.
 

@@ -38,7 +38,7 @@ from dora_jax.rollout import hlo_cost, jetstream_compat, prefill_args, sampling
 from dora_jax.rollout.adapters import AdapterPlaces, check_versions
 from dora_jax.rollout.pages import PagePool, PageView
 from dora_jax.rollout.placement import ParamPlacement
-from dora_jax.rollout.programs import shared_programs
+from dora_jax.rollout.programs import first_samples, shared_programs
 from dora_jax.rollout.sampling import SamplingParams, Seed
 from dora_jax.rollout.state import DecodeState, EngineParams, Prefix, ResultTokens
 
@@ -64,6 +64,9 @@ class Engine:
         one, the programs take `places` stacks and each row's place (`with_rows`).
       checkpoint: a directory of saved params (`checkpointing.load_params`), what
         `load_params()` without arguments loads (JetStream's server calls it so).
+      prefill_samples: a prompt's prefill draws first tokens for at least this many
+        samples (fewer asked: the rest are dropped), so that starting 1, 2, 4, ... of
+        a group compiles one prompt program per bucket, not one for each count.
 
     Served by JetStream's orchestrator as it is: see rollout/jetstream_compat.py.
     """
@@ -72,8 +75,11 @@ class Engine:
                  rules: Rules = DECODE_RULES, sampling_params: SamplingParams | None = None,
                  greedy: bool = False, tokenizer_path: str | None = None,
                  stop_ids: Sequence[int] | None = None, versions: int = 1,
-                 checkpoint: str | None = None) -> None:
+                 checkpoint: str | None = None, prefill_samples: int = 1) -> None:
         check_versions(model_cfg, versions)
+        if prefill_samples < 1:
+            raise ValueError(f"prefill_samples must be at least 1, got {prefill_samples}")
+        self.prefill_samples = min(prefill_samples, rollout_cfg.slots_per_slice)
         jetstream_compat.register_types((ResultTokens, "ResultTokens"), (Engine, "Engine"))
         self.checkpoint = checkpoint
         self._frees = jetstream_compat.SlotFrees(rollout_cfg.slots_per_slice)
@@ -254,8 +260,12 @@ class Engine:
                                                 max_new_tokens, existing_prefix is not None)
         done = np.int32(num_generated)
         if existing_prefix is None:
-            out = self._jit.prefill(params, tokens_T, np.int32(true_length), keys_N2, done,
-                                    limit)
+            width = max(num_samples, self.prefill_samples)
+            rows = list(range(num_samples)) + [0] * (width - num_samples)
+            out = self._jit.prefill(params, tokens_T, np.int32(true_length), keys_N2[rows],
+                                    done, limit)
+            if width > num_samples:
+                out = first_samples(self._jit, out, num_samples)
         elif true_length == 0:
             out = self._jit.resample(existing_prefix.cache, existing_prefix.logits,
                                      existing_prefix.position, keys_N2, done, limit)

@@ -303,6 +303,7 @@ class Jitted(NamedTuple):
     steps: Callable
     init: Callable
     extract: Callable
+    first_samples: Callable
     prefix_sharding: Prefix
 
 
@@ -343,7 +344,21 @@ def jit_programs(fn: Programs, mesh: Mesh, rules: Rules, param_sh: EngineParams,
         init=jax.jit(fn.init, out_shardings=state_sh),
         extract=jax.jit(fn.extract, static_argnums=(3,), out_shardings=prefix_sh,
                         in_shardings=(state_sh, rep, rep)),
+        first_samples=jax.jit(_first_rows, static_argnums=(1,), out_shardings=rep),
         prefix_sharding=prefix_sh)
+
+
+def _first_rows(rows: tuple[jax.Array, ...], n: int) -> tuple[jax.Array, ...]:
+    return tuple(x[:n] for x in rows)
+
+
+def first_samples(jitted: Jitted, prefilled: Prefilled, n: int) -> Prefilled:
+    """The first `n` samples of a prefill that drew more: its per-sample rows, the
+    prompt's cache as it is (not copied)."""
+    prefix, result = prefilled
+    token, key, active, data = jitted.first_samples(
+        (prefix.token, prefix.key, prefix.active, result.data), n)
+    return prefix._replace(token=token, key=key, active=active), result.replace(data=data)
 
 
 def _rows_constrained(extend_many: Callable[..., tuple[tuple[Any, ...], tuple[Any, ...]]],

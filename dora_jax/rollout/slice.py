@@ -78,7 +78,7 @@ class DecodeSlice:
                rollout_cfg: RolloutConfig, *, lookahead: bool = True,
                episodes: EpisodeRunner | None = None, **engine_kwargs: Any) -> DecodeSlice:
         """A slice with its own Engine (engine kwargs: rules, sampling_params, greedy,
-        tokenizer_path, stop_ids, versions)."""
+        tokenizer_path, stop_ids, versions, prefill_samples)."""
         return cls(slice_id, Engine(model_cfg, rollout_cfg, mesh, **engine_kwargs),
                    lookahead=lookahead, episodes=episodes)
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from dora_jax.rollout import Engine, ResultTokens, SlotData
+from dora_jax.rollout.sampling import SamplingParams
 from dora_jax.text.tokenizer import TokenizerParameters
 
 _ = inspect.Parameter.empty
@@ -156,6 +157,35 @@ def test_multisampling_prefix_and_bulk_insert_equal_one_by_one():
     assert len({tuple(t for t, _ in together[s]) for s in slots}) > 1  # distinct samples
     with pytest.raises(ValueError, match="bulk_insert"):
         eng.insert(multi, eng.init_decode_state(), 0)
+
+
+def test_a_prompt_program_drawing_for_more_samples_gives_each_count_what_it_asks():
+    """With prefill_samples=4 one prompt program serves 1, 2 and 4 samples, and each
+    count gets the prefix, first tokens and log-probs of an engine drawing only them."""
+    mesh = rc.meshes()[1][2]
+    own = SamplingParams(temperature=0.85)  # programs of this test's own
+    wide, exact = (Engine(rc.config("dense").model, rc.rollout(kv_cache="dense"), mesh,
+                          sampling_params=own, prefill_samples=k) for k in (4, 1))
+    params = wide.load_params(rc.params("dense", 0))
+    padded, n = wide.pad_tokens(rc.PROMPTS[3])
+    counts = (4, 2, 1)
+    got = [wide.prefill_multisampling(params=params, padded_tokens=padded, true_length=n,
+                                      rng=[71 + i for i in range(c)], num_samples=c)
+           for c in counts]
+    assert wide._jit.prefill._cache_size() == 1  # before `exact` adds to the shared programs
+    for count, out in zip(counts, got):
+        want = exact.prefill_multisampling(params=params, padded_tokens=padded, true_length=n,
+                                           rng=[71 + i for i in range(count)],
+                                           num_samples=count)
+        (prefix, result), (ref_prefix, ref_result) = jax.device_get((out, want))
+        assert prefix.num_samples == count and result.data.shape == (count, 6)
+        np.testing.assert_array_equal(result.data, ref_result.data)
+        for name in ("token", "key", "active", "position", "step", "logits"):
+            np.testing.assert_array_equal(getattr(prefix, name), getattr(ref_prefix, name))
+        np.testing.assert_array_equal(prefix.cache.k, ref_prefix.cache.k)
+    assert exact._jit.prefill._cache_size() == 3  # and 2 and 1 samples, drawn alone
+    with pytest.raises(ValueError, match="prefill_samples"):
+        Engine(rc.config("dense").model, rc.rollout(kv_cache="dense"), mesh, prefill_samples=0)
 
 
 def test_a_sequence_stops_on_any_stop_id():
