@@ -95,6 +95,11 @@ def coordinator_profile(path: str, steps: int, top: int = 8) -> dict:
             "top": [(name, ms(n)) for name, n in by.most_common(top)]}
 
 
+def _times(r: dict) -> str:
+    return (f"wall {r['wall_seconds']:5.1f} s (compile {r['compile_seconds']:4.1f})  "
+            f"audit {'ok' if r['audit_ok'] else 'FAILED: ' + r['audit']}")
+
+
 def main(argv):
     del argv
     f = flags.FLAGS
@@ -109,15 +114,12 @@ def main(argv):
             if prof:
                 r["profile"] = coordinator_profile(prof, f.steps)
             results[name].append(r)
-            print(f"rep {rep} {name:8s} tokens/s {r['tokens_per_second']:8.1f}  "
-                  f"wall {r['wall_seconds']:5.1f} s (compile {r['compile_seconds']:4.1f})  "
-                  f"audit {'ok' if r['audit_ok'] else 'FAILED: ' + r['audit']}", flush=True)
+            print(f"rep {rep} {name:8s} tokens/s {r['tokens_per_second']:8.1f}  {_times(r)}",
+                  flush=True)
             if f.resume_steps:
                 r = run_tree(trees[name], os.path.join(scratch, name), f.steps + f.resume_steps,
                              resume=True)
-                print(f"      {name:8s} resumed: wall {r['wall_seconds']:5.1f} s "
-                      f"(compile {r['compile_seconds']:4.1f})  "
-                      f"audit {'ok' if r['audit_ok'] else 'FAILED: ' + r['audit']}", flush=True)
+                print(f"      {name:8s} resumed: {_times(r)}", flush=True)
     ratios = [t["tokens_per_second"] / b["tokens_per_second"]
               for t, b in zip(results["this"], results["baseline"])
               if t["audit_ok"] and b["audit_ok"]]

@@ -65,8 +65,9 @@ class Engine:
       checkpoint: a directory of saved params (`checkpointing.load_params`), what
         `load_params()` without arguments loads (JetStream's server calls it so).
       prefill_samples: a prompt's prefill draws first tokens for at least this many
-        samples (fewer asked: the rest are dropped), so that starting 1, 2, 4, ... of
-        a group compiles one prompt program per bucket, not one for each count.
+        samples, at most the slots (fewer asked: the rest are dropped), so that
+        starting 1, 2, 4, ... of a group compiles one prompt program per bucket, not
+        one for each count. A run's slices take the group size.
 
     Served by JetStream's orchestrator as it is: see rollout/jetstream_compat.py.
     """

@@ -130,14 +130,11 @@ def new_slice(slice_id: int, mesh: Mesh, cfg: Config, stop_ids: tuple[int, ...] 
     """A decode slice of the run on `mesh`. Without lookahead a slice reports a
     finished sample in the step that ends it, so the scheduler never migrates or
     reloads around a request that has in fact already finished on the device."""
-    # A group starts in slices of a power of two of its samples (`Prefills.take_group`):
-    # a prompt's program draws for the largest, whichever starts.
-    widest = min(cfg.coordinator.group_size, cfg.rollout.slots_per_slice)
     return DecodeSlice.create(slice_id, mesh, cfg.model, cfg.rollout,
                               rules=cfg.mesh.decode_rules, lookahead=False,
                               tokenizer_path=cfg.data.tokenizer or None, stop_ids=stop_ids,
                               episodes=episodes, versions=cfg.rollout.versions_per_slice,
-                              prefill_samples=1 << (widest.bit_length() - 1))
+                              prefill_samples=cfg.coordinator.group_size)
 
 
 def episode_runner(cfg: Config, tokenizer: Tokenizer) -> EpisodeRunner | None:
