@@ -106,13 +106,14 @@ DECODE_STEPS = 5
 PAGE_SIZE = 4
 
 
-def rollout(decode_steps=DECODE_STEPS, kv_cache="paged", kv_pages=0):
+def rollout(decode_steps=DECODE_STEPS, kv_cache="paged", kv_pages=0, paged_attention="auto"):
     base = config("dense").rollout
     return dataclasses.replace(base, slots_per_slice=SLOTS, max_prefill_length=MAX_PROMPT,
                                max_decode_len=MAX_DECODE, prefill_buckets=(MAX_PROMPT,),
                                temperature=1.0, top_k=0, top_p=1.0, eos_id=eos_id(),
                                decode_steps=decode_steps, kv_cache=kv_cache,
-                               page_size=PAGE_SIZE, kv_pages=kv_pages)
+                               page_size=PAGE_SIZE, kv_pages=kv_pages,
+                               paged_attention=paged_attention)
 
 
 SAMPLING = {
@@ -124,17 +125,18 @@ SAMPLING = {
 
 @functools.cache
 def engine(model: str, kind: str, mesh_index: int, decode_steps=DECODE_STEPS,
-           kv_cache="paged", kv_pages=0) -> Engine:
+           kv_cache="paged", kv_pages=0, paged_attention="auto") -> Engine:
     """One engine per (model, sampling kind, slice mesh, tokens per call, KV layout),
     shared by the test files. A slice built on it resets its page pool."""
-    return Engine(config(model).model, rollout(decode_steps, kv_cache, kv_pages),
+    return Engine(config(model).model, rollout(decode_steps, kv_cache, kv_pages, paged_attention),
                   meshes()[1][mesh_index], sampling_params=SAMPLING[kind])
 
 
 def make_slice(slice_id, model, kind, mesh_index, version=0, seed=0, lookahead=True,
-               decode_steps=DECODE_STEPS, kv_cache="paged", kv_pages=0) -> DecodeSlice:
+               decode_steps=DECODE_STEPS, kv_cache="paged", kv_pages=0,
+               paged_attention="auto") -> DecodeSlice:
     s = DecodeSlice(slice_id, engine(model, kind, mesh_index, decode_steps, kv_cache,
-                                     kv_pages), lookahead=lookahead)
+                                     kv_pages, paged_attention), lookahead=lookahead)
     s.load_version(version, params(model, seed))
     return s
 

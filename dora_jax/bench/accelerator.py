@@ -137,8 +137,9 @@ def part_command(name: str, size: Size, out: str, platform: str, tests_k: str = 
                        "-o", "addopts=", f"--junitxml={os.path.join(out, 'tests.xml')}",
                        *(["-k", tests_k] if tests_k else []), os.path.normpath(repo_tests)]
     if name == "engine":
-        # On a GPU the Pallas paged kernel is timed beside `auto`'s ragged attention.
-        kernel = ["--paged_attention=pallas_gpu"] if platform == "gpu" else []
+        # On a GPU the Pallas paged kernel and the gathered pages (ragged) are timed
+        # beside `auto`'s, which reads a full pool in place.
+        kernel = ["--paged_attention=ragged,pallas_gpu"] if platform == "gpu" else []
         return wrap + ["dora_jax.bench.engine", *size.engine, *kernel,
                        f"--json_out={os.path.join(out, 'engine.json')}"]
     if name == "trainer":

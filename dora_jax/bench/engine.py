@@ -288,9 +288,12 @@ def bench_model(name: str, slots: int, decode_len: int, per_slot: int, repeats: 
 def paged_engines(model_cfg, rollout, mesh) -> dict:
     """The paged layouts measured: the config's paged attention ("paged"), then each
     other `--paged_attention` implementation ("paged/<impl>")."""
+    def picked(impl: str) -> str:  # `auto` is pallas on TPU, elsewhere its own mix
+        return "pallas" if paged_attention.resolve(impl) == "pallas" else impl
+
     impls = [rollout.paged_attention]
     for impl in _PAGED_IMPLS.value:  # each implementation once, `auto` as what it picks
-        if paged_attention.resolve(impl) not in map(paged_attention.resolve, impls):
+        if picked(impl) not in map(picked, impls):
             impls.append(impl)
     return {("paged" if k == 0 else f"paged/{impl}"): Engine(model_cfg, dataclasses.replace(
         rollout, kv_cache="paged", paged_attention=impl), mesh) for k, impl in enumerate(impls)}

@@ -26,7 +26,8 @@ KL_KINDS = ("k1", "k2", "k3")
 MOE_ROUTING = ("recompute", "replay")  # rl/trainer.py, rollout/routing.py
 SCHEDULES = ("constant", "cosine")
 KV_CACHES = ("paged", "dense")  # rollout/engine.py
-PAGED_ATTENTION_IMPLS = ("auto", "ragged", "pallas", "pallas_gpu")  # model/paged_attention.py
+# model/paged_attention.py
+PAGED_ATTENTION_IMPLS = ("auto", "pool", "ragged", "pallas", "pallas_gpu")
 
 
 def gpu_paged_blocks(pages_per_slot: int, page_size: int, head_dim: int) -> tuple[int, int]:
@@ -77,6 +78,8 @@ class RolloutConfig(Section):
     # Pages in a slice's pool; 0: as many as the dense cache would hold
     # (slots_per_slice x pages_per_slot). Fewer bound memory, more slots use it.
     kv_pages: int = field(0, min=0)
+    # auto: the Pallas kernel on TPU; elsewhere the mapped pages gathered, or a full
+    # default pool (kv_pages=0) read in place (model/paged_attention.py).
     paged_attention: str = field("auto", choices=PAGED_ATTENTION_IMPLS)
     # V: policy versions a slice holds at once, each slot decoding its own request's
     # version (with LoRA: adapter sets on one base). 1: a slice holds one version and

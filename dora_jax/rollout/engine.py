@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 
 from dora_jax.base.buckets import pick_bucket, prefill_buckets
 from dora_jax.config import DECODE_RULES, ModelConfig, RolloutConfig
-from dora_jax.model import layer_layout
+from dora_jax.model import layer_layout, paged_attention
 from dora_jax.model.sharding import Rules
 from dora_jax.rollout import hlo_cost, jetstream_compat, prefill_args, sampling
 from dora_jax.rollout.adapters import AdapterPlaces, check_versions
@@ -104,8 +104,10 @@ class Engine:
         self.versions = versions
         self.places = (AdapterPlaces(self._placement, versions) if versions > 1 else None)
         # Paged KV: the host-side page tables of this engine's decode state.
+        in_place = paged_attention.in_place_views(rollout_cfg.paged_attention,
+                                                  pool_is_dense=rollout_cfg.kv_pages == 0)
         self.pages = (PagePool(rollout_cfg.pool_pages, rollout_cfg.page_size,
-                               rollout_cfg.slots_per_slice, rollout_cfg.cache_length)
+                               rollout_cfg.slots_per_slice, rollout_cfg.cache_length, in_place)
                       if rollout_cfg.kv_cache == "paged" else None)
         param_sh = (self._placement if self.places is None else self.places).shardings
         fn, self._jit = shared_programs(

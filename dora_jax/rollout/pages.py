@@ -4,16 +4,19 @@ The cache is a pool of fixed-size pages (`rollout.page_size` positions each) sha
 by all slots; a slot's page table maps its positions to pages, so a slot holds
 memory for the positions it has, not for `cache_length`. Page 0 is the null page:
 it is never handed out; unmapped table entries and the writes of idle slots point
-at it, and nothing reads it.
+at it, and attention counts nothing of it.
 
 Pages are reference-counted so that the samples of a group can map the same
-prompt pages (`share` / `release_pages`): only pages wholly inside the prompt are
-shared, because decoding writes the page holding the first response position —
-that page is each sample's own copy (copy-on-write, done at insert).
+prompt pages (`share` / `release_pages`; a pool read in place shares none): only
+pages wholly inside the prompt are shared, because decoding writes the page holding
+the first response position — that page is each sample's own copy (copy-on-write,
+done at insert).
 
 `view()` gives the device what one decode call needs: the page table and a flat
 list of every mapped (page, slot, first position) padded to a bucket, so that
-attention reads each slot's own pages and its cost follows the real contexts.
+attention reads each slot's own pages and its cost follows the real contexts; or,
+for attention that reads the pool in place (`in_place`), the slot and first position
+of every page, which then belongs to one slot at most: such a pool shares nothing.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ class PagesExhausted(RuntimeError):
     """More pages asked for than the pool has free."""
 
 
+IN_PLACE = ("never", "full", "always")
+
+
 class PageView(NamedTuple):
     """One decode call's view of the page table (numpy on the host, device arrays
     inside the jitted step)."""
@@ -39,6 +45,9 @@ class PageView(NamedTuple):
     flat_pages: np.ndarray  # int32[N]: every mapped page, slot-major, then null pages
     flat_slots: np.ndarray  # int32[N]: its slot (S for padding entries)
     flat_starts: np.ndarray  # int32[N]: position of its first entry in its slot
+    # In place (else empty): each page's slot (S: none) and its first entry's position.
+    page_slots: np.ndarray  # int32[num_pages + 1]
+    page_starts: np.ndarray  # int32[num_pages + 1]
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -58,15 +67,23 @@ class PagePool:
       page_size: positions per page.
       slots: number of slots S.
       max_tokens: positions a slot may hold (cache_length).
+      in_place: when a view names each page's slot instead of listing the mapped
+        pages, for attention that reads every page where it lies
+        (`paged_attention.pool_paged_attention`): "never", "always", or "full", when
+        the mapped pages need the largest bucket of the flat list (more than the one
+        below it). Unless "never", `share` gives nothing: a page has one slot.
     """
 
-    def __init__(self, num_pages: int, page_size: int, slots: int, max_tokens: int) -> None:
+    def __init__(self, num_pages: int, page_size: int, slots: int, max_tokens: int,
+                 in_place: str = "never") -> None:
+        if in_place not in IN_PLACE:
+            raise ValueError(f"in_place must be one of {IN_PLACE}, got {in_place!r}")
         self.pages_per_slot = pages_for(max_tokens, page_size)
         if num_pages < self.pages_per_slot:
             raise ValueError(f"a pool of {num_pages} pages cannot hold one full-length "
                              f"request ({self.pages_per_slot} pages)")
         self.num_pages, self.page_size = num_pages, page_size
-        self.slots, self.max_tokens = slots, max_tokens
+        self.slots, self.max_tokens, self.in_place = slots, max_tokens, in_place
         self.reset()
 
     epoch = 0  # bumped by each reset: who holds a decode state can tell it is stale
@@ -125,6 +142,8 @@ class PagePool:
         write list, int32[pages for tokens]: the page id where the slot's content
         must be written, 0 where it is shared."""
         shared = [int(p) for p in shared]
+        if shared and self.in_place != "never":
+            raise ValueError("a pool read in place shares no pages (PagePool(in_place=True))")
         n = min(self.pages_for(tokens), self.pages_per_slot)
         if len(shared) > n:
             raise ValueError(f"{len(shared)} shared pages for {tokens} positions")
@@ -204,7 +223,9 @@ class PagePool:
     def share(self, slot: int, tokens: int) -> tuple:
         """The slot's pages wholly inside its first `tokens` positions, with one more
         reference each, for another slot to map (`assign(shared=...)`); give them
-        back with `release_pages`."""
+        back with `release_pages`. In place: none."""
+        if self.in_place != "never":
+            return ()
         pages = self.table[slot, :min(int(tokens) // self.page_size, int(self.mapped[slot]))]
         self._refs[pages] += 1
         return tuple(int(p) for p in pages)
@@ -215,7 +236,10 @@ class PagePool:
     # ----------------------------------------------------------------- device view
 
     def flat_buckets(self) -> tuple[int, ...]:
-        """Padded lengths of the flat page list (doubling, up to every slot full)."""
+        """Padded lengths of the flat page list (doubling, up to every slot full; the
+        list is empty where the view is always in place)."""
+        if self.in_place == "always":
+            return (0,)
         if self._flat_buckets is None:
             top, b, out = self.slots * self.pages_per_slot, 8, []
             while b < top:
@@ -225,18 +249,29 @@ class PagePool:
         return self._flat_buckets
 
     def view(self) -> PageView:
-        """The page table and the flat list of mapped pages (see the module doc)."""
+        """The page table and the flat list of mapped pages, or in place each page's
+        slot and first position (see the module doc)."""
         slots = np.repeat(np.arange(self.slots, dtype=np.int32), self.mapped)
         starts = np.concatenate([np.arange(m, dtype=np.int32) for m in self.mapped]
                                 ) * self.page_size if len(slots) else np.zeros(0, np.int32)
         pages = self.table[slots, starts // self.page_size]
-        n = pick_bucket(max(len(slots), 1), self.flat_buckets(), "flat page buckets")
+        buckets = self.flat_buckets()
+        n = buckets[0] if self.in_place == "always" else pick_bucket(
+            max(len(slots), 1), buckets, "flat page buckets")
+        if self.in_place == "always" or (self.in_place == "full" and n == buckets[-1]):
+            page_slots = np.full(self.num_pages + 1, self.slots, np.int32)
+            page_starts = np.zeros(self.num_pages + 1, np.int32)
+            page_slots[pages], page_starts[pages] = slots, starts
+            empty = np.zeros(0, np.int32)
+            return PageView(self.table.copy(), self.mapped > 0, empty, empty, empty,
+                            page_slots, page_starts)
         pad = n - len(slots)
         return PageView(
             self.table.copy(), self.mapped > 0,
             np.concatenate([pages, np.zeros(pad, np.int32)]).astype(np.int32),
             np.concatenate([slots, np.full(pad, self.slots, np.int32)]).astype(np.int32),
-            np.concatenate([starts, np.zeros(pad, np.int32)]).astype(np.int32))
+            np.concatenate([starts, np.zeros(pad, np.int32)]).astype(np.int32),
+            np.zeros(0, np.int32), np.zeros(0, np.int32))
 
     def check(self) -> None:
         """Asserts the pool's invariants (tests): reference counts equal the table's
@@ -245,6 +280,7 @@ class PagePool:
                                           + [np.zeros(0, np.int64)]).astype(np.int64),
                            minlength=self.num_pages + 1)
         assert uses[0] == 0, "the null page is mapped"
+        assert self.in_place == "never" or uses.max() <= 1, "a page read in place has two slots"
         assert np.all(self._refs >= uses), "a mapped page has fewer references than uses"
         free = set(self._free)
         assert len(free) == len(self._free), "a page is free twice"

@@ -103,7 +103,7 @@ def _configs_from_flags(args: list, names: dict) -> dict:
 def test_on_a_gpu_the_engine_part_times_the_pallas_paged_kernel_beside_ragged(tmp_path):
     size = accelerator.SIZES["device"]
     gpu = accelerator.part_command("engine", size, str(tmp_path), "gpu")
-    assert "--paged_attention=pallas_gpu" in gpu
+    assert "--paged_attention=ragged,pallas_gpu" in gpu
     for platform in ("tpu", "cpu"):
         assert not any(a.startswith("--paged_attention") for a in
                        accelerator.part_command("engine", size, str(tmp_path), platform))

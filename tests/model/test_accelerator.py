@@ -40,8 +40,8 @@ BACKEND = jax.default_backend()
 INTERPRET = BACKEND != "tpu"  # the Pallas TPU kernels run interpreted elsewhere
 ATTENTION = {"cpu": ("dense", "blockwise", "splash"), "gpu": ("dense", "blockwise", "cudnn"),
              "tpu": ("dense", "blockwise", "splash")}.get(BACKEND, ("dense", "blockwise"))
-PAGED = {"cpu": ("ragged", "pallas", "pallas_gpu"), "tpu": ("ragged", "pallas"),
-         "gpu": ("ragged", "pallas_gpu")}.get(BACKEND, ("ragged",))
+PAGED = {"cpu": ("pool", "ragged", "pallas", "pallas_gpu"), "tpu": ("pool", "ragged", "pallas"),
+         "gpu": ("pool", "ragged", "pallas_gpu")}.get(BACKEND, ("pool", "ragged"))
 # Largest error allowed, as a fraction of the reference's scale (max(1, max |ref|)):
 # f32 at "highest" matmul precision (by default GPUs take TF32 and TPUs bf16 passes);
 # bf16 a few of its 2^-8 roundings (CPU's worst seen: 0.0063).
@@ -166,11 +166,12 @@ def test_packed_rows_match_numpy(record, impl, dtype, caplog):
 
 # ------------------------------------------------------------------ paged decode
 
-def _paged_problem(dtype):
+def _paged_problem(dtype, in_place=False):
     """Slots of 23, 64, 1 and 40 positions in pages of 16: slot 1 maps slot 0's first
-    page, slot 3 slot 1's first two (one of them slot 0's)."""
+    page, slot 3 slot 1's first two (one of them slot 0's); in place, none shared."""
     B, H, K, D, ps = 4, 4, 2, 128, 16
-    pool = PagePool(num_pages=14, page_size=ps, slots=B, max_tokens=64)
+    pool = PagePool(num_pages=14, page_size=ps, slots=B, max_tokens=64,
+                    in_place="always" if in_place else "never")
     lengths = np.array([23, 64, 1, 40], np.int32)
     pool.assign(0, 23)
     pool.assign(1, 64, pool.share(0, 23))
@@ -180,21 +181,22 @@ def _paged_problem(dtype):
     q, k, v = (_exact(rng.normal(size=s), dtype) for s in
                ((B, H, D), (K, 15, ps, D), (K, 15, ps, D)))
     tables = [list(pool.slot_pages(b)) for b in range(B)]
-    assert tables[3][:2] == tables[1][:2] and tables[1][0] == tables[0][0]
+    assert (tables[3][:2] == tables[1][:2] and tables[1][0] == tables[0][0]) != in_place
     return q, k, v, lengths, jax.tree.map(jnp.asarray, pool.view()), tables
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("impl", PAGED)
 def test_paged_decode_attention_matches_per_slot_softmax(record, impl, dtype):
-    (q, q64), (k, k64), (v, v64), lengths, view, tables = _paged_problem(dtype)
+    (q, q64), (k, k64), (v, v64), lengths, view, tables = _paged_problem(
+        dtype, in_place=impl == "pool")
     fn = jax.jit(pa.paged_attention, static_argnames=("implementation", "interpret"))
     with _precision(dtype):
         got = fn(q, k, v, lengths, view, implementation=impl, interpret=None)
     assert got.dtype == jnp.dtype(dtype)
     want = rc.paged_attention_reference(q64, k64, v64, lengths, tables)
     # The TPU kernel reads pages as bf16; Triton's f32 dots take TF32 (10-bit mantissa).
-    tol = TOL["bfloat16" if impl != "ragged" else dtype]
+    tol = TOL["bfloat16" if impl not in ("ragged", "pool") else dtype]
     _compare(record, "paged", got, want, tol, impl=impl, dtype=dtype,
              lengths=lengths.tolist())
 
@@ -334,6 +336,7 @@ def test_bf16_decode_logprobs_match_the_train_forward(record, model):
                tol=tol, over_tol=int((diff > tol).sum()), over_tol_allowed=share,
                hard_max=hard, model=model, layout=layout, dtype="bfloat16",
                attention=impls[packed], paged=pa.resolve(cfg.rollout.paged_attention),
+               paged_in_place=sl.engine.pages.in_place,
                tokens=int(mask.sum()))
         assert np.mean(diff > tol) <= share and diff.max() <= hard, (layout, np.sort(diff))
         assert np.std(want) > 0.1  # sampled tokens of differing probability, not ~uniform

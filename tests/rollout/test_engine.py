@@ -209,7 +209,8 @@ def test_warm_up_covers_every_chunked_prefill_shape(config_name):
 
 def test_warm_up_compiles_every_paged_decode_bucket():
     """Warm-up runs a decode call at every bucket of mapped pages the pool can
-    reach, so that no bucket compiles mid-run."""
+    reach (the largest as the pool read in place), so that no bucket compiles
+    mid-run."""
     import dataclasses
 
     from dora_jax.rollout import Engine
@@ -233,7 +234,7 @@ def test_warm_up_compiles_every_paged_decode_bucket():
         warm_engine(eng, eng.load_params(rc.params("dense", 0)), reprefills=False)
     finally:
         del eng.pages.view
-    assert set(seen) == {8, 16, 32, 40}
+    assert set(seen) == {8, 16, 32, 0}  # the largest reads the pool in place: none listed
 
 
 def test_warm_up_compiles_what_groups_starting_together_run():

@@ -1,7 +1,7 @@
-"""Paged KV cache: the page pool's bookkeeping, paged decode attention against a
-per-slot numpy reference and the TPU and GPU kernels (interpreted), and paged slices against
-dense ones (same tokens and log-probs), with shared prompts, preemption, migration
-between layouts and per-request length limits."""
+"""Paged KV cache: the page pool's bookkeeping, paged decode attention (the pool read in
+place, gathered pages, the TPU and GPU kernels interpreted) against a per-slot numpy
+reference, and paged slices against dense ones (same tokens and log-probs), with
+shared prompts, preemption, migration between layouts and per-request length limits."""
 
 import dataclasses
 
@@ -41,6 +41,48 @@ def test_pool_by_hand():
     pool.check()
     view = pool.view()
     assert view.flat_pages.shape == (8,) and (view.flat_slots == 3).all()
+
+
+def test_a_pool_read_in_place_shares_nothing_and_names_each_pages_slot():
+    pool = PagePool(num_pages=6, page_size=4, slots=3, max_tokens=12, in_place="always")
+    pool.assign(0, 6)
+    assert pool.share(0, 6) == ()
+    with pytest.raises(ValueError, match="shares no pages"):
+        pool.assign(1, 6, (1,))
+    write = pool.assign_rows([1, 2], 5, 8, share_first=True)
+    assert write.tolist() == [[3, 4], [5, 6]]  # each row writes its own copy
+    view = pool.view()
+    assert view.flat_pages.shape == view.flat_slots.shape == (0,)
+    assert view.page_slots.tolist() == [3, 0, 0, 1, 1, 2, 2]  # page 0: the null page
+    assert view.page_starts.tolist() == [0, 0, 4, 0, 4, 0, 4]
+    assert pool.flat_buckets() == (0,)
+    pool.release(1)
+    assert pool.view().page_slots.tolist() == [3, 0, 0, 3, 3, 2, 2]
+    pool.check()
+    with pytest.raises(ValueError, match="in_place"):
+        PagePool(num_pages=6, page_size=4, slots=3, max_tokens=12, in_place="yes")
+
+
+def test_a_pool_reads_in_place_once_its_mapped_pages_need_the_largest_bucket():
+    """in_place="full": 4 slots of 5 pages, flat buckets 8, 16 and 20; 16 mapped pages
+    are listed, 17 read in place."""
+    pool = PagePool(num_pages=20, page_size=4, slots=4, max_tokens=20, in_place="full")
+    assert pool.flat_buckets() == (8, 16, 20)
+    for slot in range(3):
+        pool.assign(slot, 20)
+    pool.assign(3, 4)
+    view = pool.view()
+    assert view.flat_pages.shape == (16,) and view.page_slots.shape == (0,)
+    assert pool.share(0, 8) == ()
+    pool.assign(3, 8)
+    view = pool.view()
+    assert view.flat_pages.shape == (0,) and view.page_slots.shape == (21,)
+    assert sorted(view.page_slots[1:].tolist()) == [0] * 5 + [1] * 5 + [2] * 5 + [3] * 2 + [4] * 3
+    assert pa.in_place_views("auto", pool_is_dense=True, backend="gpu") == "full"
+    assert pa.in_place_views("auto", pool_is_dense=False, backend="gpu") == "never"
+    assert pa.in_place_views("auto", pool_is_dense=True, backend="tpu") == "never"
+    assert pa.in_place_views("pool", pool_is_dense=False) == "always"
+    assert pa.in_place_views("ragged", pool_is_dense=True) == "never"
 
 
 def test_rows_map_all_or_none_and_share_the_first_slots_whole_pages():
@@ -111,10 +153,11 @@ def test_pool_invariants_under_any_operations(ops):
 
 # ------------------------------------------------------------------ attention
 
-def _paged_problem(D, seed=0):
+def _paged_problem(D, seed=0, in_place=False):
     rng = np.random.default_rng(seed)
     B, H, K, ps = 4, 4, 2, 4
-    pool = PagePool(num_pages=14, page_size=ps, slots=B, max_tokens=16)
+    pool = PagePool(num_pages=14, page_size=ps, slots=B, max_tokens=16,
+                    in_place="always" if in_place else "never")
     lengths = [7, 16, 0, 3]
     pool.assign(0, 7)
     pool.assign(1, 16, pool.share(0, 7))  # slot 1 maps slot 0's first page
@@ -126,13 +169,21 @@ def _paged_problem(D, seed=0):
     return q, k, v, np.array(lengths, np.int32), pool, tables
 
 
-def test_ragged_paged_attention_equals_per_slot_softmax():
-    q, k, v, lengths, pool, tables = _paged_problem(D=16)
+@pytest.mark.parametrize("impl", ["ragged", "pool"])
+def test_paged_attention_equals_per_slot_softmax(impl):
+    """Slot 1 maps slot 0's first page (ragged) or a copy of it (pool, read in place);
+    slot 2 has no page."""
+    q, k, v, lengths, pool, tables = _paged_problem(D=16, in_place=impl == "pool")
+    assert (len(set(tables[0]) & set(tables[1])) == 1) == (impl == "ragged")
     view = jax.tree.map(jnp.asarray, pool.view())
-    got = jax.jit(pa.paged_attention, static_argnums=(5,))(q, k, v, lengths, view, "ragged")
+    got = jax.jit(pa.paged_attention, static_argnums=(5,))(q, k, v, lengths, view, impl)
     want = rc.paged_attention_reference(q, k, v, lengths, tables)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
     assert not np.asarray(got)[2].any()  # a slot without pages attends to nothing
+    other = "ragged" if impl == "pool" else "pool"
+    with pytest.raises(ValueError, match="PagePool"):  # a view made for the other
+        pa.paged_attention(q, k, v, lengths, view, other)
+    assert pa.paged_attention(q, k, v, lengths, view, "auto").shape == q.shape  # resolves
 
 
 def test_pallas_paged_kernel_in_interpret_mode_matches_reference():
@@ -145,6 +196,8 @@ def test_pallas_paged_kernel_in_interpret_mode_matches_reference():
     want = rc.paged_attention_reference(q, k, v, lengths, tables)
     np.testing.assert_allclose(np.asarray(got), want, atol=3e-2)  # the kernel's bf16 steps
     assert pa.resolve("auto", "tpu") == "pallas" and pa.resolve("auto", "cpu") == "ragged"
+    assert pa.resolve("auto", "gpu", in_place=True) == "pool"
+    assert pa.resolve("auto", "tpu", in_place=True) == "pallas"
 
 
 def test_gpu_paged_kernel_in_interpret_mode_matches_reference():
@@ -216,17 +269,24 @@ def _run(sl, reqs):
     return {t.request_id: t for t in sl.drain()}
 
 
-@pytest.mark.parametrize("kv_pages", [0, 8])
-def test_paged_slice_equals_dense_slice(kv_pages):
-    """Groups of 3 samples (shared prompt pages), more requests than slots; with a
-    pool of 8 pages (a full-length request needs 5) requests wait for pages and are
-    preempted. Tokens, log-probs and versions equal the dense cache's."""
+@pytest.mark.parametrize("kv_pages,impl,in_place", [
+    (0, "auto", "full"), (0, "pool", "always"), (0, "ragged", "never"), (8, "auto", "never")])
+def test_paged_slice_equals_dense_slice(kv_pages, impl, in_place, monkeypatch):
+    """Groups of 3 samples, more requests than slots; the pool read in place (pool),
+    its mapped pages gathered (ragged: the groups share their prompt pages), or
+    either by how many are mapped (`auto` with the default pool); with a pool of 8
+    pages (a full-length request needs 5) requests wait for pages and are preempted.
+    Tokens, log-probs and versions equal the dense cache's."""
     reqs = _requests(rc.PROMPTS[:4], group_size=3)
     dense = rc.make_slice(0, "dense", "sampled", 0, kv_cache="dense")
     want = {}
     for i in range(0, len(reqs), rc.SLOTS):
         want.update(_run(dense, reqs[i:i + rc.SLOTS]))
-    paged = rc.make_slice(0, "dense", "sampled", 1, kv_pages=kv_pages)
+    paged = rc.make_slice(0, "dense", "sampled", 1, kv_pages=kv_pages, paged_attention=impl)
+    pool = paged.engine.pages
+    assert pool.in_place == in_place
+    views, view = [], pool.view
+    monkeypatch.setattr(pool, "view", lambda: views.append(view()) or views[-1])
     got = {}
     queue = list(reqs)
     while queue or paged.num_requests:
@@ -239,7 +299,8 @@ def test_paged_slice_equals_dense_slice(kv_pages):
         np.testing.assert_allclose(got[rid].behaviour_logprobs, t.behaviour_logprobs,
                                    atol=1e-5)
         assert got[rid].versions == t.versions
-    pool = paged.engine.pages
+    kinds = {len(v.page_slots) > 0 for v in views}
+    assert kinds == {"never": {False}, "always": {True}, "full": {False, True}}[in_place]
     pool.check()
     assert pool.num_used == 0  # every page came back
     assert paged.stats.prefills < len(reqs)  # groups shared their prompt
@@ -248,16 +309,24 @@ def test_paged_slice_equals_dense_slice(kv_pages):
 
 
 def test_group_maps_its_prompt_pages_once():
-    """Four samples of an 8-token prompt, pages of 4: the prompt's 2 pages are mapped
-    by all four; after the first call (5 steps: positions 8..12) each has 2 pages
-    of its own: 2 + 4 x 2 = 10 pages, where four separate copies would use 16."""
-    sl = rc.make_slice(0, "dense", "sampled", 2)
+    """Four samples of an 8-token prompt, pages of 4 (gathered pages): the prompt's 2
+    pages are mapped by all four; after the first call (5 steps: positions 8..12) each
+    has 2 pages of its own: 2 + 4 x 2 = 10 pages, where four separate copies use 16
+    (the pool read in place)."""
+    sl = rc.make_slice(0, "dense", "sampled", 2, paged_attention="ragged")
     for r in _requests([rc.PROMPTS[2]], group_size=4):
         sl.submit(r)
     sl.step()
     assert sl.engine.pages.num_used == 10
     sl.drain()
     assert sl.engine.pages.num_used == 0
+    read_in_place = rc.make_slice(0, "dense", "sampled", 2)  # nothing shared: 4 x 4 pages
+    for r in _requests([rc.PROMPTS[2]], group_size=4):
+        read_in_place.submit(r)
+    read_in_place.step()
+    assert read_in_place.engine.pages.num_used == 16
+    read_in_place.drain()
+    assert read_in_place.engine.pages.num_used == 0
 
 
 @pytest.mark.parametrize("src_layout,dst_layout", [("paged", "dense"), ("dense", "paged")])

@@ -354,8 +354,10 @@ def test_a_group_is_prefilled_once_and_samples_as_if_alone(monkeypatch, kv_cache
         (t,) = alone.drain()
         assert alone.stats.prefills == 1
         assert together[r.request_id].response_tokens == t.response_tokens
+        # Four busy slots read the pool in place, one alone its gathered pages: the
+        # same sums in another order.
         np.testing.assert_allclose(together[r.request_id].behaviour_logprobs,
-                                   t.behaviour_logprobs, rtol=0, atol=1e-6)
+                                   t.behaviour_logprobs, rtol=0, atol=1e-5)
     # The prefix is forgotten once the group has left the slice.
     assert not sl.memory.prefixes
 
