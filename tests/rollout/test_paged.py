@@ -312,21 +312,15 @@ def test_group_maps_its_prompt_pages_once():
     """Four samples of an 8-token prompt, pages of 4 (gathered pages): the prompt's 2
     pages are mapped by all four; after the first call (5 steps: positions 8..12) each
     has 2 pages of its own: 2 + 4 x 2 = 10 pages, where four separate copies use 16
-    (the pool read in place)."""
-    sl = rc.make_slice(0, "dense", "sampled", 2, paged_attention="ragged")
-    for r in _requests([rc.PROMPTS[2]], group_size=4):
-        sl.submit(r)
-    sl.step()
-    assert sl.engine.pages.num_used == 10
-    sl.drain()
-    assert sl.engine.pages.num_used == 0
-    read_in_place = rc.make_slice(0, "dense", "sampled", 2)  # nothing shared: 4 x 4 pages
-    for r in _requests([rc.PROMPTS[2]], group_size=4):
-        read_in_place.submit(r)
-    read_in_place.step()
-    assert read_in_place.engine.pages.num_used == 16
-    read_in_place.drain()
-    assert read_in_place.engine.pages.num_used == 0
+    (a default pool under `auto`, which may read it in place)."""
+    for impl, used in (("ragged", 10), ("auto", 16)):
+        sl = rc.make_slice(0, "dense", "sampled", 2, paged_attention=impl)
+        for r in _requests([rc.PROMPTS[2]], group_size=4):
+            sl.submit(r)
+        sl.step()
+        assert sl.engine.pages.num_used == used, impl
+        sl.drain()
+        assert sl.engine.pages.num_used == 0
 
 
 @pytest.mark.parametrize("src_layout,dst_layout", [("paged", "dense"), ("dense", "paged")])
