@@ -13,9 +13,9 @@ layout); a slot's positions live in the pages its row of the page table names
 - `ragged`: plain XLA, every backend. Every mapped page of every slot is gathered
   into one flat list (slot-major, padded to a bucket), scored against its slot's
   query, and a softmax per slot is assembled from per-page maxima and sums (segment
-  max / segment sum). Work follows the slots' real contexts, not the pool's size, but the
-  gather writes a copy of the mapped pages that the products read again (about
-  three times their bytes), and each bucket compiles its own step.
+  max / segment sum). Work follows the slots' real contexts, not the pool's size,
+  but the gather writes a copy of the mapped pages that the products read again
+  (about three times their bytes), and each bucket compiles its own step.
 - `pallas`: the TPU Pallas paged-attention kernel (`jax.experimental.pallas.ops.tpu`);
 - `pallas_gpu`: JAX's Pallas (Triton) paged-attention kernel for GPUs
   (`jax.experimental.pallas.ops.gpu`). Each slot's query block reads its own pages
@@ -158,7 +158,6 @@ def ragged_paged_attention(q_BHD: jax.Array, k_KPpD: jax.Array, v_KPpD: jax.Arra
     return out.reshape(B, H, D).astype(q_BHD.dtype)
 
 
-
 def pallas_paged_attention(q_BHD: jax.Array, k_KPpD: jax.Array, v_KPpD: jax.Array,
                            lengths_B: jax.Array, table_BP: jax.Array,
                            interpret: bool = False) -> jax.Array:
@@ -204,8 +203,8 @@ def paged_attention(q_BHD: jax.Array, k_KPpD: jax.Array, v_KPpD: jax.Array, leng
     impl = resolve(implementation, in_place=in_place)
     if (impl == "pool" and not in_place) or (impl == "ragged" and in_place):
         raise ValueError(f"paged attention {impl!r} on a page view "
-                         f"{'in' if in_place else 'not in'} place: 'pool' reads the "
-                         f"views of a PagePool(in_place='always'), 'ragged' the others")
+                         f"{'in' if in_place else 'not in'} place: 'pool' reads the views "
+                         f"in place (PagePool's in_place), 'ragged' the others")
     if impl == "pool":
         return pool_paged_attention(q_BHD, k_KPpD, v_KPpD, lengths_B, view.table,
                                     view.page_slots, view.page_starts)

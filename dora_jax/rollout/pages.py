@@ -143,7 +143,7 @@ class PagePool:
         must be written, 0 where it is shared."""
         shared = [int(p) for p in shared]
         if shared and self.in_place != "never":
-            raise ValueError("a pool read in place shares no pages (PagePool(in_place=True))")
+            raise ValueError(f"a pool read in place (in_place={self.in_place!r}) shares no pages")
         n = min(self.pages_for(tokens), self.pages_per_slot)
         if len(shared) > n:
             raise ValueError(f"{len(shared)} shared pages for {tokens} positions")
