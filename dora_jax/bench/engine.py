@@ -64,6 +64,7 @@ from dora_jax.bench import (
 )
 from dora_jax.model import hf_checks, paged_attention, transformer
 from dora_jax.rollout import DecodeSlice, Engine, Request
+from dora_jax.rollout.step_cost import step_cost
 
 _MODEL_CONFIGS = {
     "tiny": config_flags.DEFINE_config_file("config", str(CONFIGS / "tiny.py"),
@@ -301,12 +302,12 @@ def paged_engines(model_cfg, rollout, mesh) -> dict:
 
 def step_bytes(engine: Engine, params, label: str = "") -> dict:
     """Bytes a compiled decode step accesses against the ideal, the weights read once
-    plus the KV cache (`Engine.step_cost`), with every slot's pages mapped (paged)."""
+    plus the KV cache (`rollout.step_cost`), with every slot's pages mapped (paged)."""
     if engine.pages is not None:  # every slot at its whole length: the pool all read
         n = engine.cache_length
         for slot in range(engine.max_concurrent_decodes):
             engine.pages.assign_rows([slot], n, n)
-    cost = engine.step_cost(params)
+    cost = step_cost(engine, params)
     if engine.pages is not None:
         engine.pages.reset()
     counted = cost["bytes_accessed"]

@@ -21,7 +21,6 @@ gives every slot cache_length positions; "paged" keeps a host-side pool of pages
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -34,7 +33,7 @@ from dora_jax.base.buckets import pick_bucket, prefill_buckets
 from dora_jax.config import DECODE_RULES, ModelConfig, RolloutConfig
 from dora_jax.model import layer_layout, paged_attention
 from dora_jax.model.sharding import Rules
-from dora_jax.rollout import hlo_cost, jetstream_compat, prefill_args, sampling
+from dora_jax.rollout import jetstream_compat, prefill_args, sampling
 from dora_jax.rollout.adapters import AdapterPlaces, check_versions
 from dora_jax.rollout.pages import PagePool, PageView
 from dora_jax.rollout.placement import ParamPlacement
@@ -104,10 +103,10 @@ class Engine:
         self.versions = versions
         self.places = (AdapterPlaces(self._placement, versions) if versions > 1 else None)
         # Paged KV: the host-side page tables of this engine's decode state.
-        in_place = paged_attention.in_place_views(rollout_cfg.paged_attention,
-                                                  pool_is_dense=rollout_cfg.kv_pages == 0)
         self.pages = (PagePool(rollout_cfg.pool_pages, rollout_cfg.page_size,
-                               rollout_cfg.slots_per_slice, rollout_cfg.cache_length, in_place)
+                               rollout_cfg.slots_per_slice, rollout_cfg.cache_length,
+                               paged_attention.in_place_views(
+                                   rollout_cfg.paged_attention, rollout_cfg.kv_pages == 0))
                       if rollout_cfg.kv_cache == "paged" else None)
         param_sh = (self._placement if self.places is None else self.places).shardings
         fn, self._jit = shared_programs(
@@ -378,34 +377,13 @@ class Engine:
         sampling.refuse_sampler(sampler)
         return self._jit.step(params, decode_state, self._page_view(1))
 
-    def step_cost(self, params: EngineParams) -> dict:
-        """The compiled one-token decode step (`generate`) of `params`, counted from
-        its optimised HLO (hlo_cost.py), next to its ideal: `bytes_accessed`, and
-        `ideal_bytes` = the weights read once plus the whole KV cache (a bound on the
-        live KV; paged: the pool); `xla_bytes_accessed`, XLA's own cost analysis
-        (which charges a loop's body once and an in-place scatter its whole buffer);
-        the `kernels` one step launches, i.e. per token (both counts None where a
-        loop's trip count is not static: a Pallas kernel interpreted); and
-        `temp_bytes`, the step's scratch memory (a copy of the cache or of a weight
-        would show here).
-        Compiles the step for the page view as it stands; changes nothing. `params`
+    def compiled_step(self, params: EngineParams) -> jax.stages.Compiled:
+        """The one-token decode step (`generate`) of `params`, compiled for the page
+        view as it stands (nothing changes; `rollout/step_cost.py` counts it). `params`
         may be abstract (ShapeDtypeStructs with the placement's shardings)."""
-        state = jax.eval_shape(self._jit.init)
-        view = None if self.pages is None else self.pages.view()
         step = cast("jax.stages.Wrapped", self._jit.step)  # a jax.jit (programs.py)
-        compiled = step.lower(params, state, view).compile()
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, list) else cost
-        hlo = compiled.as_text()
-        weights = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in params.leaves)
-        kv = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
-                 for x in jax.tree.leaves(state.cache))
-        counted, kernels = hlo_cost.bounded_counts(hlo)
-        return dict(bytes_accessed=counted,
-                    xla_bytes_accessed=float(cost["bytes accessed"]), flops=float(cost["flops"]),
-                    weight_bytes=weights, kv_bytes=kv, ideal_bytes=weights + kv,
-                    kernels=kernels,
-                    temp_bytes=compiled.memory_analysis().temp_size_in_bytes)
+        view = None if self.pages is None else self.pages.view()
+        return step.lower(params, jax.eval_shape(self._jit.init), view).compile()
 
     # ----------------------------------------------------------- extensions
 

@@ -14,6 +14,7 @@ from dora_jax.model import transformer as tf
 from dora_jax.rollout import hlo_cost
 from dora_jax.rollout.engine import Engine
 from dora_jax.rollout.state import EngineParams
+from dora_jax.rollout.step_cost import step_cost
 
 
 def _weight_shapes(leaves) -> set:
@@ -85,9 +86,8 @@ def test_the_decode_step_copies_no_weight():
         eng = Engine(cfg, dataclasses.replace(rollout, kv_cache=kv), rc.meshes()[1][0])
         placed = eng.load_params(params)
         shapes = _weight_shapes(placed.leaves)
-        state = jax.eval_shape(eng.init_decode_state)
-        view = _view(eng, full)
-        assert not _written(eng._jit.step.lower(placed, state, view).compile(), shapes), kv
+        _view(eng, full)
+        assert not _written(eng.compiled_step(placed), shapes), kv
 
     graphdef, _ = tf.abstract_params(cfg)  # the model's own, stacked layout
     stacked_step = jax.jit(lambda p, t, pos, c: tf.decode(graphdef, p, t, pos, c),
@@ -112,7 +112,7 @@ def test_the_kv_cache_is_written_in_place():
         view = _view(eng, full)
         buffer = state.cache.k[0]
         assert len(state.cache.k) == cfg.num_layers
-        step = eng._jit.step.lower(placed, state, view).compile()
+        step = eng.compiled_step(placed)
         assert not _written(step, {buffer.shape}), kv
         assert step.memory_analysis().temp_size_in_bytes < buffer.size * buffer.dtype.itemsize
         copying = jax.jit(eng.generate_fn).lower(placed, state, view).compile()
@@ -141,7 +141,7 @@ def test_a_decode_step_accesses_its_weights_once_and_its_kv():
         if eng.pages is not None:
             for slot in range(64):
                 eng.pages.assign(slot, eng.cache_length)
-        cost = eng.step_cost(abstract)
+        cost = step_cost(eng, abstract)
         assert cost["weight_bytes"] == 4 * tf.count_params(tf.abstract_params(cfg)[1])
         pool_positions = 64 * eng.cache_length if kv == "dense" else (
             (eng.pages.num_pages + 1) * 64)

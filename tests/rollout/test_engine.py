@@ -9,6 +9,7 @@ import pytest
 from dora_jax.rollout import SamplingParams, key_data_from_seed, prefill_buckets
 from dora_jax.rollout.jetstream_compat import DEFAULT_STREAM
 from dora_jax.rollout.sampling import truncated_logprobs
+from dora_jax.rollout.step_cost import step_cost
 
 
 def run_engine(eng, p, prompts, slots, seeds=None):
@@ -302,13 +303,13 @@ def test_continuations_prefilled_together_equal_each_alone(model):
 
 @pytest.mark.parametrize("kv_cache", ["dense", "paged"])
 def test_a_decode_step_s_cost_counts_every_weight_and_the_cache(kv_cache):
-    """Engine.step_cost: the weights are the model's (counted from its shapes here),
+    """step_cost: the weights are the model's (counted from its shapes here),
     the KV bytes the cache's, and the compiled step reads at least every weight."""
     from dora_jax.model import transformer
 
     eng = rc.engine("dense", "greedy", 1, kv_cache=kv_cache)
     p = eng.load_params(rc.params("dense", 0))
-    cost = eng.step_cost(p)
+    cost = step_cost(eng, p)
     abstract = transformer.abstract_params(rc.config("dense").model)[1]
     assert cost["weight_bytes"] == sum(x.size * x.dtype.itemsize
                                        for x in jax.tree.leaves(abstract))

@@ -9,6 +9,7 @@ import _rollout_common as rc
 import pytest
 
 from dora_jax.rollout import hlo_cost
+from dora_jax.rollout.step_cost import step_cost
 
 # By hand: the entry's copy (1); the loop runs its body 3 times (an add and a fusion:
 # 2 each, the fusion's own instructions launch nothing more) and its condition 4 times
@@ -135,7 +136,7 @@ def test_a_loop_of_unknown_length_and_a_branch():
 
 
 def test_a_decode_step_launches_more_kernels_with_more_layers():
-    """The engine's count (Engine.step_cost) on the compiled step: each layer adds its
+    """The engine's count (rollout.step_cost) on the compiled step: each layer adds its
     attention and MLP kernels, by the same number, whether scanned or unrolled."""
     import jax
 
@@ -149,7 +150,7 @@ def test_a_decode_step_launches_more_kernels_with_more_layers():
             model = dataclasses.replace(cfg.model, num_layers=layers, scan_layers=scan)
             eng = Engine(model, rc.rollout(1, "dense", 0), rc.meshes()[1][0])
             params = eng.load_params(transformer.create(model, 0)[1])
-            counts[scan, layers] = eng.step_cost(params)["kernels"]
+            counts[scan, layers] = step_cost(eng, params)["kernels"]
             jax.clear_caches()
         per_layer = counts[scan, 3] - counts[scan, 2]
         assert per_layer > 0 and counts[scan, 4] - counts[scan, 3] == per_layer, counts
