@@ -31,7 +31,7 @@ from dora_jax.rollout.slice_episodes import EpisodeTurns
 from dora_jax.rollout.slice_memory import SliceMemory
 from dora_jax.rollout.slice_prefill import Prefills
 from dora_jax.rollout.slice_versions import ResidentVersions
-from dora_jax.rollout.slots import SlotTable
+from dora_jax.rollout.slots import ROUTING_WINDOW, SlotTable
 from dora_jax.rollout.trajectory import (
     InFlight,
     Request,
@@ -60,7 +60,8 @@ class DecodeSlice:
         self.slice_id, self.engine, self.clock = slice_id, engine, clock
         self.stats = SliceStats()
         self.turns = EpisodeTurns(episodes, engine, self.stats)
-        self.slots = SlotTable(engine.max_concurrent_decodes, engine.max_decode_len)
+        self.slots = SlotTable(engine.max_concurrent_decodes, engine.max_decode_len,
+                               routing_window=max(ROUTING_WINDOW, engine.decode_steps))
         self.calls = DecodeCalls(slice_id, engine, self.slots, self.stats, self._finish,
                                  lookahead=lookahead)
         self.memory = SliceMemory(engine)

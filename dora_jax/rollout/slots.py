@@ -1,7 +1,10 @@
 """The host side of a decode slice's S slots: which request holds each slot, and
 the tokens and log-probs read back for it, by response index, until they are
 flushed into the request (so a generate call's results are written with one
-vectorised numpy assignment, not per token)."""
+vectorised numpy assignment, not per token). An MoE policy's experts wait the same
+way, in a window of the last `ROUTING_WINDOW` tokens per slot, and reach the
+request's record when its slot is freed or re-placed, or the window is full: one
+copy per slot every few calls, not one per slot per call."""
 
 from __future__ import annotations
 
@@ -15,6 +18,10 @@ if TYPE_CHECKING:
     from dora_jax.rollout.state import ResultTokens
     from dora_jax.rollout.trajectory import InFlight
 
+# Response tokens of routing a slot holds before its holder's record is written.
+# [S, W, MoE layers, k] ids: 12.6 MB at 256 slots, 48 layers and top-8.
+ROUTING_WINDOW = 128
+
 
 class SlotTable:
     """S slots of at most D response tokens each.
@@ -22,10 +29,13 @@ class SlotTable:
     Per slot: `seqs` (the holder, or None; the holder's `.slot` is kept in step),
     `owned`, `tokens_SD` / `logprobs_SD` and `count_S` (response tokens known),
     `placed_S` (positions written when placed), `prompt_len_S`, and `order_S`
-    (when its request started here: the latest is the first preempted).
+    (when its request started here: the latest is the first preempted); for MoE
+    policies the routing window (`_routing_SW`, from response index `_routing_base_S`,
+    `_routing_len_S` rows written) of at least one call's steps.
     """
 
-    def __init__(self, num_slots: int, max_decode_len: int) -> None:
+    def __init__(self, num_slots: int, max_decode_len: int,
+                 routing_window: int = ROUTING_WINDOW) -> None:
         S, D = num_slots, max_decode_len
         self.seqs: list = [None] * S
         self.owned = np.zeros(S, bool)
@@ -36,6 +46,10 @@ class SlotTable:
         self.prompt_len_S = np.zeros(S, np.int64)
         self.order_S = np.zeros(S, np.int64)
         self._starts = 0
+        self._routing_window = routing_window
+        self._routing_SW: np.ndarray | None = None  # allocated at the first record
+        self._routing_base_S = np.zeros(S, np.int64)
+        self._routing_len_S = np.zeros(S, np.int64)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -66,6 +80,7 @@ class SlotTable:
     def place(self, seq: InFlight, slot: int, prompt_len: int, written: int) -> None:
         """`seq` (with its tokens and log-probs so far) now holds `slot`, which has
         `written` positions of KV."""
+        self._flush_routing(slot)  # a holder re-placed (re-prefilled) keeps what it had
         m = len(seq.response_tokens)
         self.tokens_SD[slot, :m] = seq.response_tokens
         self.logprobs_SD[slot, :m] = seq.behaviour_logprobs
@@ -76,6 +91,7 @@ class SlotTable:
         self.seqs[slot], self.owned[slot], seq.slot = seq, True, slot
 
     def free(self, slot: int) -> None:
+        self._flush_routing(slot)
         seq = self.seqs[slot]
         self.seqs[slot], self.owned[slot] = None, False
         if seq is not None:
@@ -112,17 +128,38 @@ class SlotTable:
 
     def _record_routing(self, routing_NS: np.ndarray, n_idx: np.ndarray, slots: np.ndarray,
                         indices: np.ndarray) -> None:
-        """Into each holder's record: the experts of step n_idx[i] of slots[i], response
-        token indices[i] (slot by slot, steps in order). A slot's steps in a call are
-        consecutive tokens: one put of the run per slot."""
+        """Into the slots' windows: the experts of step n_idx[i] of slots[i], response
+        token indices[i] (slot by slot, steps in order). A window that cannot take a
+        slot's run is flushed into its holder's record first."""
         rows = routing_NS[n_idx, slots]
+        if self._routing_SW is None:
+            self._routing_SW = routing.unrecorded(
+                (len(self.seqs), self._routing_window, *rows.shape[1:]), rows.dtype)
         new_slot = np.diff(slots, prepend=-1) != 0
         assert (new_slot[1:] | (np.diff(indices) == 1)).all(), "a slot's steps skip a token"
         starts = np.flatnonzero(new_slot)
-        for a, b, slot, start in zip(starts.tolist(), [*starts[1:].tolist(), len(slots)],
-                                     slots[starts].tolist(), indices[starts].tolist()):
-            seq = self.seqs[slot]
-            seq.routing = routing.put(seq.routing, start, rows[a:b])
+        run_slots, firsts = slots[starts], indices[starts]
+        lasts = indices[np.r_[starts[1:], len(slots)] - 1]
+        base, used = self._routing_base_S[run_slots], self._routing_len_S[run_slots]
+        moved = (used > 0) & ((firsts < base) | (lasts >= base + self._routing_window))
+        for slot in run_slots[moved].tolist():
+            self._flush_routing(slot)
+        fresh = self._routing_len_S[run_slots] == 0
+        self._routing_base_S[run_slots[fresh]] = firsts[fresh]
+        self._routing_SW[slots, indices - self._routing_base_S[slots]] = rows
+        self._routing_len_S[run_slots] = np.maximum(self._routing_len_S[run_slots],
+                                                    lasts - self._routing_base_S[run_slots] + 1)
+
+    def _flush_routing(self, slot: int) -> None:
+        """The slot's routing window into its holder's record, then emptied."""
+        n = int(self._routing_len_S[slot])
+        if not n:
+            return
+        assert self._routing_SW is not None  # rows were written
+        seq, window = self.seqs[slot], self._routing_SW[slot]
+        seq.routing = routing.put(seq.routing, int(self._routing_base_S[slot]), window[:n])
+        window[:n] = np.iinfo(window.dtype).max
+        self._routing_len_S[slot] = 0
 
     def new_tokens(self, slot: int, known: int) -> tuple:
         """(tokens, log-probs) of `slot` from response index `known` on."""

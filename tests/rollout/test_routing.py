@@ -126,35 +126,68 @@ def test_a_dense_model_records_nothing():
     assert t.routing is None and t.to_dict()["routing"] is None
 
 
+def _routing_call(table, steps_by_slot: dict, experts: list) -> None:
+    """A generate call's host results: {slot: [its steps]}, step n's experts experts[n]."""
+    from dora_jax.rollout.state import ResultTokens
+    n = max(len(s) for s in steps_by_slot.values())
+    data = np.zeros((n, len(table), 6), np.int32)
+    routing = np.zeros((n, len(table), 1, 2), np.uint8)
+    for slot, steps in steps_by_slot.items():
+        for i, step in enumerate(steps):
+            data[i, slot, 3], data[i, slot, 4] = step + 1, 1  # length, valid
+            routing[i, slot] = experts[i]
+    table.record_call(ResultTokens(data, routing=routing))
+
+
+class _Seq:
+    slot, response_tokens, behaviour_logprobs = None, [9, 9], [0.0, 0.0]
+
+    def __init__(self, routing=None):
+        self.routing = routing
+
+
 def test_a_call_adds_each_slots_run_to_its_holders_record():
     """Worked by hand: slot 1's holder arrives with tokens 0-1 recorded (migrated);
     two calls of two steps report tokens 1-3 of slot 1 and token 0 of slot 0 (which
-    finished after one step). Token 1 keeps the record it came with."""
+    finished after one step). Token 1 keeps the record it came with. The records
+    reach the holders when their slots are freed, not before."""
     from dora_jax.rollout.slots import SlotTable
-    from dora_jax.rollout.state import ResultTokens
 
-    class Seq:
-        slot, response_tokens, behaviour_logprobs = None, [9, 9], [0.0, 0.0]
-        routing = np.array([[[1, 1]], [[2, 2]]], np.uint8)
-
-    table, migrated, fresh = SlotTable(3, 8), Seq(), Seq()
-    fresh.routing, fresh.response_tokens, fresh.behaviour_logprobs = None, [9], [0.0]
+    table = SlotTable(3, 8)
+    migrated, fresh = _Seq(np.array([[[1, 1]], [[2, 2]]], np.uint8)), _Seq()
+    fresh.response_tokens, fresh.behaviour_logprobs = [9], [0.0]
     table.place(migrated, 1, prompt_len=4, written=6)
     table.place(fresh, 0, prompt_len=4, written=5)
-
-    def call(steps_by_slot: dict, experts: list) -> None:  # {slot: [its steps]}
-        data = np.zeros((2, 3, 6), np.int32)
-        routing = np.zeros((2, 3, 1, 2), np.uint8)
-        for slot, steps in steps_by_slot.items():
-            for n, step in enumerate(steps):
-                data[n, slot, 3], data[n, slot, 4] = step + 1, 1  # length, valid
-                routing[n, slot] = experts[n]
-        table.record_call(ResultTokens(data, routing=routing))
-
-    call({1: [2, 3], 0: [1]}, experts=[7, 8])  # slot 1 tokens 1 (kept: 2) and 2; slot 0: 0
-    call({1: [4]}, experts=[6])                # slot 1 token 3
+    _routing_call(table, {1: [2, 3], 0: [1]}, experts=[7, 8])  # slot 1 tokens 1, 2; 0: 0
+    _routing_call(table, {1: [4]}, experts=[6])                # slot 1 token 3
+    assert fresh.routing is None and migrated.routing.shape[0] == 2
+    table.free(1)
+    table.free(0)
     assert routing_lib.cut(migrated.routing, 5)[:, 0, 0].tolist() == [1, 2, 8, 6, 255]
     assert routing_lib.cut(fresh.routing, 2)[:, 0, 0].tolist() == [7, 255]
+
+
+def test_a_full_window_or_a_re_placed_holder_writes_the_record_first():
+    """A window of 4 tokens: calls of 3 steps fill it; the run that does not fit
+    writes the first four to the record. A holder placed again in its slot (re-
+    prefilled under new params) keeps them, and the next holder starts empty."""
+    from dora_jax.rollout.slots import SlotTable
+
+    table, seq, nxt = SlotTable(2, 16, routing_window=4), _Seq(), _Seq()
+    seq.response_tokens, seq.behaviour_logprobs = [9], [0.0]
+    table.place(seq, 1, prompt_len=4, written=5)
+    _routing_call(table, {1: [1, 2, 3]}, experts=[1, 2, 3])  # tokens 0-2
+    assert seq.routing is None
+    _routing_call(table, {1: [4, 5, 6]}, experts=[4, 5, 6])  # tokens 3-5: token 3 fits no more
+    assert routing_lib.cut(seq.routing, 6)[:, 0, 0].tolist() == [1, 2, 3, 255, 255, 255]
+    table.place(seq, 1, prompt_len=4, written=11)
+    assert routing_lib.cut(seq.routing, 7)[:, 0, 0].tolist() == [1, 2, 3, 4, 5, 6, 255]
+    _routing_call(table, {1: [7]}, experts=[7])
+    table.free(1)
+    table.place(nxt, 1, prompt_len=4, written=6)
+    table.free(1)
+    assert routing_lib.cut(seq.routing, 8)[:, 0, 0].tolist() == [1, 2, 3, 4, 5, 6, 7, 255]
+    assert nxt.routing is None
 
 
 def test_put_keeps_the_first_record_and_grows_unrecorded():
