@@ -30,8 +30,8 @@ class SlotTable:
     `owned`, `tokens_SD` / `logprobs_SD` and `count_S` (response tokens known),
     `placed_S` (positions written when placed), `prompt_len_S`, and `order_S`
     (when its request started here: the latest is the first preempted); for MoE
-    policies the routing window (`_routing_SW`, from response index `_routing_base_S`,
-    `_routing_len_S` rows written) of at least one call's steps.
+    policies a window of `routing_window` tokens' experts (at least one call's steps;
+    `_routing_SW`, from response index `_routing_base_S`, `_routing_len_S` rows).
     """
 
     def __init__(self, num_slots: int, max_decode_len: int,
@@ -46,7 +46,7 @@ class SlotTable:
         self.prompt_len_S = np.zeros(S, np.int64)
         self.order_S = np.zeros(S, np.int64)
         self._starts = 0
-        self._routing_window = routing_window
+        self.routing_window = routing_window
         self._routing_SW: np.ndarray | None = None  # allocated at the first record
         self._routing_base_S = np.zeros(S, np.int64)
         self._routing_len_S = np.zeros(S, np.int64)
@@ -134,14 +134,14 @@ class SlotTable:
         rows = routing_NS[n_idx, slots]
         if self._routing_SW is None:
             self._routing_SW = routing.unrecorded(
-                (len(self.seqs), self._routing_window, *rows.shape[1:]), rows.dtype)
+                (len(self.seqs), self.routing_window, *rows.shape[1:]), rows.dtype)
         new_slot = np.diff(slots, prepend=-1) != 0
         assert (new_slot[1:] | (np.diff(indices) == 1)).all(), "a slot's steps skip a token"
         starts = np.flatnonzero(new_slot)
         run_slots, firsts = slots[starts], indices[starts]
         lasts = indices[np.r_[starts[1:], len(slots)] - 1]
         base, used = self._routing_base_S[run_slots], self._routing_len_S[run_slots]
-        moved = (used > 0) & ((firsts < base) | (lasts >= base + self._routing_window))
+        moved = (used > 0) & ((firsts < base) | (lasts >= base + self.routing_window))
         for slot in run_slots[moved].tolist():
             self._flush_routing(slot)
         fresh = self._routing_len_S[run_slots] == 0

@@ -51,11 +51,17 @@ def _check(t: Trajectory, seed: int = 0, tokens: slice = slice(None)) -> int:
     return int((~has[:-1] & in_range[:-1]).sum())
 
 
-@pytest.mark.parametrize("kv_pages", [0, 8])
-def test_each_token_records_the_experts_its_full_forward_uses(kv_pages):
+@pytest.mark.parametrize("kv_pages,window", [(0, None), (8, None), (0, 1)])
+def test_each_token_records_the_experts_its_full_forward_uses(kv_pages, window, monkeypatch):
     """Groups of 2, more requests than slots, lookahead; with 8 pages requests are
-    preempted and resumed by a re-prefill (whose last token before it has no record)."""
+    preempted and resumed by a re-prefill (whose last token before it has no record);
+    a slot's routing window of one call's steps is written out at every call."""
+    if window is not None:
+        monkeypatch.setattr("dora_jax.rollout.slice.ROUTING_WINDOW", window)
     sl = rc.make_slice(0, "moe", "sampled", 0, kv_pages=kv_pages)
+    if window is not None:
+        assert sl.slots.routing_window == sl.engine.decode_steps < rc.config(
+            "moe").rollout.max_decode_len
     reqs, got = _requests(), {}
     while reqs or sl.num_requests:
         while reqs and sl.num_free_slots:
