@@ -114,11 +114,11 @@ class SlotTable:
         """One generate call's results (ResultTokens as numpy, [n, S]) for the slots
         held when it ran: (decode steps run, slot-steps that produced a token, the
         slots that finished)."""
-        valid_NS = host.valid
-        steps_run = int(valid_NS.any(axis=1).sum())  # the call may end early
+        ran_NS = host.valid
+        steps_run = int(ran_NS.any(axis=1).sum())  # the call may end early
         # Rows of slots that finished earlier (or were never filled) are not valid; a
         # slot refilled since the call was dispatched was inactive in it.
-        valid_NS = valid_NS & self.owned
+        valid_NS = ran_NS & self.owned
         slots, n_idx = np.nonzero(valid_NS.T)  # slot by slot, each slot's steps in order
         steps = host.steps[n_idx, slots]
         self.record(slots, steps, host.tokens[n_idx, slots], host.logprobs[n_idx, slots])

@@ -36,7 +36,8 @@ def step_cost(engine: Engine, params: EngineParams) -> dict:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     weights = _nbytes(params.leaves)
-    kv = _nbytes(jax.tree.leaves(jax.eval_shape(engine.init_decode_state).cache))
+    state = compiled.args_info[0][1]  # the step's decode state, as it was compiled
+    kv = _nbytes(jax.tree.leaves(state.cache))
     counted, kernels = hlo_cost.bounded_counts(compiled.as_text())
     return dict(bytes_accessed=counted,
                 xla_bytes_accessed=float(cost["bytes accessed"]), flops=float(cost["flops"]),
