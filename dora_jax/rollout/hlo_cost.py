@@ -31,6 +31,8 @@ FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcas
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s+->\s+.*\{\s*$")
 _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\(([^)]*)\)")
+# XLA numbers long operand lists with comments: `f(%a, ..., /*index=5*/%f, ...)`.
+_COMMENT = re.compile(r"/\*.*?\*/")
 _ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|f8\w*|c64|c128)\[([\d,]*)\]")
 _BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128}
 # Instructions that read only part of their first operand: what they take.
@@ -77,8 +79,8 @@ def _parse(line: str) -> _Instruction | None:
     if found is None:
         return None
     name, shape, op, operands = found.groups()
-    return _Instruction(name, shape, op, tuple(o.strip().lstrip("%") for o in operands.split(",")),
-                        line)
+    return _Instruction(name, shape, op, tuple(_COMMENT.sub("", o).strip().lstrip("%")
+                                               for o in operands.split(",")), line)
 
 
 def _nbytes(shape: str) -> int:

@@ -92,6 +92,19 @@ def test_bytes_equal_xla_s_cost_analysis_without_loops_and_follow_loops_it_count
     assert 2.9 * w_LDD.nbytes < hlo_cost.count_bytes(scanned.as_text()) < 3.2 * w_LDD.nbytes
 
 
+def test_every_operand_of_a_long_operand_list_is_counted():
+    """XLA's text numbers every fifth operand of a long list (`/*index=5*/%x`): a sum
+    of 12 distinct arrays, one fusion, reads all 12."""
+    import jax.numpy as jnp
+
+    xs = [jnp.full((256, 256), float(k)) for k in range(12)]
+    compiled = _compiled(lambda *xs: sum(xs[1:], xs[0]), *xs)
+    text = compiled.as_text()
+    assert "/*index=5*/" in text  # the form this test is about
+    assert hlo_cost.count_kernels(text) == 1
+    assert hlo_cost.count_bytes(text) == 13 * xs[0].nbytes
+
+
 def test_an_update_in_place_accesses_its_update():
     """Eight rows written into a donated 4 MB buffer, by dynamic-update-slices (XLA
     counts them so) or by one scatter (XLA's default analysis charges it the whole
