@@ -23,6 +23,9 @@ DEVICE_DENSE = dict(vocab_size=32768, d_model=2048, num_layers=16, num_heads=16,
                     param_dtype="bfloat16")
 DEVICE_MOE = dict(vocab_size=32768, d_model=2048, num_layers=8, num_heads=16, num_kv_heads=4,
                   head_dim=128, mlp_hidden=5632, dtype="bfloat16", param_dtype="bfloat16")
+# Their rollout: short prompts in one bucket, and the pages of 64 positions that the
+# device configs (configs/moe.py, configs/qwen3_gsm8k.py) decode with.
+DEVICE_ROLLOUT = dict(max_prefill_length=64, prefill_buckets=(64,), page_size=64)
 
 
 def write_figures(path: str, figures: dict) -> None:

@@ -39,7 +39,7 @@ import time
 
 from absl import app, flags
 
-from dora_jax.bench import CONFIGS, DEVICE_DENSE, DEVICE_MOE
+from dora_jax.bench import CONFIGS, DEVICE_DENSE, DEVICE_MOE, DEVICE_ROLLOUT
 
 _OUT = flags.DEFINE_string("out", "accelerator_report", "directory of the report")
 _BUDGET = flags.DEFINE_integer("budget_s", 0, "seconds for all parts (0: the size's default)")
@@ -79,9 +79,8 @@ SIZES = {
         # 256 slots last: past the part's budget, the 64-slot figures are kept.
         engine=["--models=tiny,moe", "--slots=64,256", "--sweep=", "--decode_len=256",
                 "--requests_per_slot=2", "--repeats=2"]
-        + [f"--{c}.{k}" for c in ("config", "moe_config")
-           for k in ("rollout.max_prefill_length=64", "rollout.prefill_buckets=(64,)",
-                     "trainer.length_buckets=(512,)")]
+        + [o for c in ("config", "moe_config") for o in overrides(f"{c}.rollout", DEVICE_ROLLOUT)
+           + [f"--{c}.trainer.length_buckets=(512,)"]]
         + overrides("config.model", DEVICE_DENSE)
         + overrides("moe_config.model", DEVICE_MOE)
         + overrides("moe_config.model.moe", dict(num_experts=16, top_k=2, expert_hidden=1408)),

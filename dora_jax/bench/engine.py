@@ -27,7 +27,8 @@ tables).
 where a decode step's time goes: seconds per step, then a profiler trace of the same
 steps with the device's kernels summed by name (none on a CPU). `--shape=device`
 gives both models bench.accelerator's device shapes (a 0.9B dense, a 16-expert MoE,
-bfloat16).
+bfloat16, pages of 64; `--dtype=float32` on a CPU). `--bytes_only` prints each KV
+layout's decode-step bytes against the ideal and times nothing.
 
 Ends with `slice/fixed-batch tokens/s ratio: X.XX` for the all-busy case: the lower
 of the two models at the largest slot count (`--slots`, default 8 — the configs' —
@@ -57,6 +58,7 @@ from dora_jax.bench import (
     CONFIGS,
     DEVICE_DENSE,
     DEVICE_MOE,
+    DEVICE_ROLLOUT,
     decode_bound,
     kernels,
     model_shape,
@@ -86,6 +88,13 @@ _SWEEP = flags.DEFINE_list("sweep", ["1", "2", "4", "8", "16"],
 _PROFILE = flags.DEFINE_bool("profile", False, "profile the decode step instead (see above)")
 _SHAPE = flags.DEFINE_enum("shape", "config", ["config", "device"],
                            "models: the configs', or bench.accelerator's device shapes")
+_DTYPE = flags.DEFINE_string("dtype", "", "with --shape=device: this dtype for activations and "
+                             "params instead (float32 on a CPU, whose backend converts each "
+                             "bfloat16 weight to float32 before its matmul)")
+_PAGE_SIZE = flags.DEFINE_integer("page_size", 0, "positions per KV page (0: the config's, or "
+                                  "with --shape=device the device configs' 64)")
+_BYTES_ONLY = flags.DEFINE_bool("bytes_only", False, "print each layout's decode-step bytes "
+                                "against the ideal at each --slots, and time nothing")
 _JSON_OUT = flags.DEFINE_string("json_out", "", "also write the figures to this JSON file")
 _PAGED_IMPLS = flags.DEFINE_list(
     "paged_attention", [], "paged attention implementations to time beside the config's "
@@ -98,10 +107,14 @@ def model_config(name: str):
     c = _MODEL_CONFIGS[name].value
     if _SHAPE.value == "device":
         c.model.update(DEVICE_DENSE if name == "tiny" else DEVICE_MOE)
+        if _DTYPE.value:
+            c.model.update(dict(dtype=_DTYPE.value, param_dtype=_DTYPE.value))
         if name == "moe":
             c.model.moe.update(dict(num_experts=16, top_k=2, expert_hidden=1408))
-        c.rollout.update(dict(max_prefill_length=64, prefill_buckets=(64,)))
+        c.rollout.update(DEVICE_ROLLOUT)
         c.trainer.length_buckets = (512,)
+    if _PAGE_SIZE.value:
+        c.rollout.page_size = _PAGE_SIZE.value
     return hf_checks.validated(c)
 
 
@@ -322,6 +335,22 @@ def step_bytes(engine: Engine, params, label: str = "") -> dict:
     return cost
 
 
+def print_step_bytes(models: list, slots: list, decode_len: int) -> None:
+    """`--bytes_only`: what each KV layout's compiled decode step reads and writes."""
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), config_lib.SLICE_MESH_AXES)
+    for name in models:
+        cfg = model_config(name)
+        _, params = transformer.create(cfg.model, cfg.seed)
+        for S in slots:
+            print(f"\n== {name}, S={S} slots, max_decode_len={decode_len}, "
+                  f"pages of {cfg.rollout.page_size}")
+            rollout = dataclasses.replace(cfg.rollout, slots_per_slice=S,
+                                          max_decode_len=decode_len, kv_cache="dense")
+            engine = Engine(cfg.model, rollout, mesh)
+            for kv, e in (("dense", engine), *paged_engines(cfg.model, rollout, mesh).items()):
+                step_bytes(e, e.load_params(params), kv)
+
+
 def profile_decode(name: str, S: int, decode_len: int, repeats: int) -> None:
     """Seconds per decode step with S busy slots (the config's KV cache and layer
     layout), then the kernels of one traced run of the same steps."""
@@ -357,6 +386,8 @@ def main(argv):
     print(f"device {jax.devices()[0].device_kind} ({jax.devices()[0].platform}), "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     slots = [int(x) for x in _SLOTS.value]
+    if _BYTES_ONLY.value:
+        return print_step_bytes(_MODELS.value, slots, _DECODE_LEN.value)
     if _SWEEP.value:
         sweep_decode_steps(_MODELS.value[0], max(slots), _DECODE_LEN.value, _PER_SLOT.value,
                            _REPEATS.value)
