@@ -117,9 +117,10 @@ BLOCK = 128  # vocabulary entries per block of the two-level inversion
 
 def _cumsum(x_BN: jax.Array) -> jax.Array:
     """Inclusive cumulative sum along the last axis as one matmul with a triangular
-    matrix, at full f32 precision (accelerators' default matmul rounds to bf16/TF32)."""
+    matrix, at full f32 precision (accelerators' default matmul rounds to bf16/TF32).
+    The matrix is a constant of the program, not built by each step."""
     n = x_BN.shape[-1]
-    upper_NN = jnp.triu(jnp.ones((n, n), jnp.float32))
+    upper_NN = np.triu(np.ones((n, n), np.float32))
     return jnp.dot(x_BN, upper_NN, precision=jax.lax.Precision.HIGHEST)
 
 
