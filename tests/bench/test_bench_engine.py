@@ -1,5 +1,5 @@
 """bench.engine --profile: the kernel table read from a trace (bench/kernels.py), and the
-`--profile` run end to end on CPU (where the profiler sees no device)."""
+`--profile` run end to end on CPU (where the profiler sees no device); `--bytes_only`."""
 
 import os
 import subprocess
@@ -42,6 +42,22 @@ def test_profile_runs_on_cpu(tmp_path):
     assert "S=4, kv_cache=paged, scan_layers=True" in lines[0]
     assert lines[-2] == "the profiler saw no device kernels (a CPU host)"
     assert float(lines[-1].removeprefix("seconds per decode step: ")) > 0
+
+
+def test_bytes_only_sets_each_layouts_step_against_its_ideal(tmp_path):
+    import re
+
+    cmd = [sys.executable, "-m", "dora_jax.bench.engine", "--bytes_only", "--models=tiny",
+           "--slots=4", "--decode_len=8", "--page_size=8", "--paged_attention=ragged"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path))
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "== tiny, S=4 slots, max_decode_len=8, pages of 8" in out.stdout
+    ratios = {kv: float(x) for kv, x in re.findall(
+        r"decode step \((\S+) KV\): [\d.]+ MB accessed, ([\d.]+)x the ideal", out.stdout)}
+    assert set(ratios) == {"dense", "paged", "paged/ragged"}, out.stdout
+    # Each reads at least its weights and cache; gathering the pages copies them first.
+    assert min(ratios.values()) >= 1.0 and ratios["paged/ragged"] > ratios["paged"], ratios
 
 
 def test_a_decode_step_is_set_against_the_ideal_bytes_at_the_device_bandwidth():
