@@ -28,6 +28,17 @@ DEVICE_MOE = dict(vocab_size=32768, d_model=2048, num_layers=8, num_heads=16, nu
 DEVICE_ROLLOUT = dict(max_prefill_length=64, prefill_buckets=(64,), page_size=64)
 
 
+def one_device_mesh():
+    """A decode slice's mesh on the first device alone."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from dora_jax import config as config_lib
+
+    return Mesh(np.array(jax.devices()[:1]).reshape(1, 1), config_lib.SLICE_MESH_AXES)
+
+
 def write_figures(path: str, figures: dict) -> None:
     """A benchmark's figures as JSON (`--json_out`), for programs that read them
     (`bench.accelerator`); written whole, then renamed, so a reader never sees half."""

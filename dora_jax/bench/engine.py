@@ -50,10 +50,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
-from jax.sharding import Mesh
 from ml_collections import config_flags
 
-from dora_jax import config as config_lib
 from dora_jax.bench import (
     CONFIGS,
     DEVICE_DENSE,
@@ -62,6 +60,7 @@ from dora_jax.bench import (
     decode_bound,
     kernels,
     model_shape,
+    one_device_mesh,
     write_figures,
 )
 from dora_jax.model import hf_checks, paged_attention, transformer
@@ -88,8 +87,8 @@ _SWEEP = flags.DEFINE_list("sweep", ["1", "2", "4", "8", "16"],
 _PROFILE = flags.DEFINE_bool("profile", False, "profile the decode step instead (see above)")
 _SHAPE = flags.DEFINE_enum("shape", "config", ["config", "device"],
                            "models: the configs', or bench.accelerator's device shapes")
-_DTYPE = flags.DEFINE_string("dtype", "", "with --shape=device: this dtype for activations and "
-                             "params instead (float32 on a CPU, whose backend converts each "
+_DTYPE = flags.DEFINE_string("dtype", "", "activations and params in this dtype (e.g. float32 "
+                             "for the device shapes on a CPU, whose backend converts each "
                              "bfloat16 weight to float32 before its matmul)")
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 0, "positions per KV page (0: the config's, or "
                                   "with --shape=device the device configs' 64)")
@@ -107,12 +106,12 @@ def model_config(name: str):
     c = _MODEL_CONFIGS[name].value
     if _SHAPE.value == "device":
         c.model.update(DEVICE_DENSE if name == "tiny" else DEVICE_MOE)
-        if _DTYPE.value:
-            c.model.update(dict(dtype=_DTYPE.value, param_dtype=_DTYPE.value))
         if name == "moe":
             c.model.moe.update(dict(num_experts=16, top_k=2, expert_hidden=1408))
         c.rollout.update(DEVICE_ROLLOUT)
         c.trainer.length_buckets = (512,)
+    if _DTYPE.value:
+        c.model.update(dict(dtype=_DTYPE.value, param_dtype=_DTYPE.value))
     if _PAGE_SIZE.value:
         c.rollout.page_size = _PAGE_SIZE.value
     return hf_checks.validated(c)
@@ -216,7 +215,7 @@ def frequent_token(graphdef, params, vocab: int) -> int:
 def sweep_decode_steps(name: str, slots: int, decode_len: int, per_slot: int, repeats: int):
     """All slots busy: slice/fixed-batch ratio for each tokens-per-call setting."""
     cfg = model_config(name)
-    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), config_lib.SLICE_MESH_AXES)
+    mesh = one_device_mesh()
     _, params = transformer.create(cfg.model, cfg.seed)
     reqs = make_requests(per_slot * slots, cfg.rollout.max_prefill_length, cfg.model.vocab_size)
     print(f"\n== {name} S={slots}: tokens per generate call (rollout.decode_steps), "
@@ -240,7 +239,7 @@ def bench_model(name: str, slots: int, decode_len: int, per_slot: int, repeats: 
     """The model's figures: tokens/s of both samplers in both regimes, and seconds
     per decode step by busy slots (all slots busy, EOS disabled)."""
     cfg = model_config(name)
-    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), config_lib.SLICE_MESH_AXES)
+    mesh = one_device_mesh()
     graphdef, params = transformer.create(cfg.model, cfg.seed)
     S, max_prompt = slots, cfg.rollout.max_prefill_length
     print(f"\n== {name}: {transformer.count_params(params):,} params, S={S} slots, "
@@ -337,7 +336,7 @@ def step_bytes(engine: Engine, params, label: str = "") -> dict:
 
 def print_step_bytes(models: list, slots: list, decode_len: int) -> None:
     """`--bytes_only`: what each KV layout's compiled decode step reads and writes."""
-    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), config_lib.SLICE_MESH_AXES)
+    mesh = one_device_mesh()
     for name in models:
         cfg = model_config(name)
         _, params = transformer.create(cfg.model, cfg.seed)
@@ -357,7 +356,7 @@ def profile_decode(name: str, S: int, decode_len: int, repeats: int) -> None:
     cfg = model_config(name)
     rollout = dataclasses.replace(cfg.rollout, slots_per_slice=S, max_decode_len=decode_len,
                                   eos_id=-1)
-    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), config_lib.SLICE_MESH_AXES)
+    mesh = one_device_mesh()
     _, params = transformer.create(cfg.model, cfg.seed)
     sl = DecodeSlice(0, Engine(cfg.model, rollout, mesh))
     sl.load_version(0, params)

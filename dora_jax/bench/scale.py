@@ -35,6 +35,8 @@ import time
 
 from absl import app, flags
 
+from dora_jax.bench import one_device_mesh
+
 _REPS = flags.DEFINE_integer("reps", 3, "repeats per measurement (median)")
 _SLOTS = flags.DEFINE_integer("decode_slots", 16, "slots in the decode-throughput run")
 _DENSE_SLOTS = flags.DEFINE_integer("dense_slots", 4, "slots of the dense slice")
@@ -111,16 +113,6 @@ def _rollout(slots, kv_cache, max_prefill, max_decode, kv_pages=0, decode_steps=
                          kv_cache=kv_cache, kv_pages=kv_pages)
 
 
-def _one_device_mesh():
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh
-
-    from dora_jax import config as config_lib
-
-    return Mesh(np.array(jax.devices()[:1]).reshape(1, 1), config_lib.SLICE_MESH_AXES)
-
-
 def decode_tokens_per_second(reps: int, slots: int, calls: int = 4) -> dict:
     """{layout: median tokens/s} of generate calls with every slot at a long-tail
     context (see the module docstring); both layouts decode the same slots."""
@@ -140,7 +132,7 @@ def decode_tokens_per_second(reps: int, slots: int, calls: int = 4) -> dict:
     runs = {}
     for layout in ("paged", "dense"):
         eng = Engine(cfg, _rollout(slots, layout, CACHE - max_decode, max_decode),
-                     _one_device_mesh())
+                     one_device_mesh())
         p = eng.load_params(params)
         state = eng.init_decode_state()
         for slot, c in enumerate(contexts):
@@ -177,7 +169,7 @@ def concurrent_samples(layout: str, slots: int, pool_tokens: int, steps: int) ->
     prompt = 16
     rollout = _rollout(slots, layout, prompt, CACHE - prompt,
                        kv_pages=pool_tokens // 16 if layout == "paged" else 0)
-    sl = DecodeSlice.create(0, _one_device_mesh(), cfg, rollout)
+    sl = DecodeSlice.create(0, one_device_mesh(), cfg, rollout)
     sl.load_version(0, transformer.create(cfg, 0)[1])
     rng = np.random.default_rng(1)
     lengths = iter(longtail_lengths(100_000, rng, CACHE - prompt))
@@ -199,9 +191,6 @@ def concurrent_samples(layout: str, slots: int, pool_tokens: int, steps: int) ->
 
 
 def prefills_per_group(groups: int = 2, group_size: int = 4) -> float:
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh
 
     from dora_jax import config as config_lib
     from dora_jax.bench import CONFIGS
@@ -209,8 +198,8 @@ def prefills_per_group(groups: int = 2, group_size: int = 4) -> float:
     from dora_jax.rollout import DecodeSlice, Request
 
     cfg = config_lib.validate(config_lib.load(str(CONFIGS / "tiny.py")))
-    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), config_lib.SLICE_MESH_AXES)
-    sl = DecodeSlice.create(0, mesh, cfg.model, cfg.rollout, rules=cfg.mesh.decode_rules)
+    sl = DecodeSlice.create(0, one_device_mesh(), cfg.model, cfg.rollout,
+                            rules=cfg.mesh.decode_rules)
     sl.load_version(0, transformer.create(cfg.model, 0)[1])
     for g in range(groups):
         for k in range(group_size):
