@@ -176,8 +176,8 @@ class ModelConfig(Section):
     # Full forwards of the trainer unroll the layer scan over the stacked params:
     # no per-layer residual is stacked (XLA's CPU backend zero-fills such stacks, then
     # writes them layer by layer), at a compile time that grows with depth. On a CPU,
-    # unrolled, a train step of 8 layers at d_model 256 took ~9% less time and
-    # configs/tiny.py's more.
+    # unrolled, a train step of 8 layers at d_model 256 took ~9% less time, and
+    # configs/tiny.py's default ran a median 8% more tokens/s (docs/benchmarks.md).
     unroll_forward: bool = False
     moe: MoEConfig = MoEConfig()
     lora: LoRAConfig = LoRAConfig()
