@@ -45,7 +45,7 @@ WORKLOADS = {
     # default unrolls; in this workload's pair layout unrolled ran slower).
     "tiny": (dict(unroll_forward=False), 4, 4, 16),
     # Unrolled full forwards: on a CPU a train step at this size takes ~9% less (the
-    # scan's stacked residuals are zero-filled, then written); at tiny's, more.
+    # scan's stacked residuals are zero-filled, then written).
     "larger": (dict(num_layers=8, d_model=256, num_heads=4, num_kv_heads=2, head_dim=64,
                     mlp_hidden=768, unroll_forward=True), 8, 4, 128),
 }
