@@ -35,7 +35,7 @@ import time
 
 from absl import app, flags
 
-from dora_jax.bench import one_device_mesh
+from dora_jax.bench import CONFIGS, one_device_mesh
 
 _REPS = flags.DEFINE_integer("reps", 3, "repeats per measurement (median)")
 _SLOTS = flags.DEFINE_integer("decode_slots", 16, "slots in the decode-throughput run")
@@ -191,9 +191,7 @@ def concurrent_samples(layout: str, slots: int, pool_tokens: int, steps: int) ->
 
 
 def prefills_per_group(groups: int = 2, group_size: int = 4) -> float:
-
     from dora_jax import config as config_lib
-    from dora_jax.bench import CONFIGS
     from dora_jax.model import transformer
     from dora_jax.rollout import DecodeSlice, Request
 

@@ -2,6 +2,7 @@
 `--profile` run end to end on CPU (where the profiler sees no device); `--bytes_only`."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -45,8 +46,6 @@ def test_profile_runs_on_cpu(tmp_path):
 
 
 def test_bytes_only_sets_each_layouts_step_against_its_ideal(tmp_path):
-    import re
-
     cmd = [sys.executable, "-m", "dora_jax.bench.engine", "--bytes_only", "--models=tiny",
            "--slots=4", "--decode_len=8", "--page_size=8", "--paged_attention=ragged"]
     env = dict(os.environ, JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path))
